@@ -24,17 +24,25 @@ def linear_attention(
     normalize: bool = True,
     eps: float = 1e-6,
     chunk_size: int = 64,
-) -> torch.Tensor:
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+):
     """Linear attention ``o_t = q_t^T sum_s k_s v_s^T / (q_t . sum_s k_s + eps)`` (s <= t when causal).
 
     Args:
         q: ``[B, Tq, H, D]``; k: ``[B, T, H, D]`` (feature-mapped, nonnegative when normalizing);
             v: ``[B, T, H, Dv]``. Non-causal allows ``Tq != T`` (e.g. class tokens reading a grid).
         chunk_size: chunk length of the causal chunkwise form (a speed knob; the result does not depend on it).
+        initial_state: causal only; ``(S, z)`` with ``S: [B, H, D, Dv]`` and ``z: [B, H, D]``, the sums over
+            the tokens before this call (chunked prefill / decoding).
+        output_final_state: causal only; also return ``(S, z)`` after these tokens.
     Returns:
-        ``[B, Tq, H, Dv]`` in the dtype of ``v``. Summaries accumulate in fp32 for half inputs.
+        ``[B, Tq, H, Dv]`` in the dtype of ``v`` (and the state when ``output_final_state``). Summaries
+        accumulate in fp32 for half inputs.
     """
     check_qkv(q, k, v, same_length=causal)
+    if not causal and (initial_state is not None or output_final_state):
+        raise ValueError("initial_state / output_final_state are for causal=True only")
     mode = normalizer_mode(normalize)
     if mode == "official":
         raise ValueError("normalize='official' applies to MHLA only")
@@ -60,17 +68,31 @@ def linear_attention(
         return x.reshape(B, n, C, H, x.shape[-1]).transpose(2, 3)  # [B, n, H, C, d]
 
     qb, kb, vb = blocks(qa), blocks(ka), blocks(va)
+    if initial_state is None:
+        s0 = torch.zeros(B, H, D, Dv, dtype=acc, device=q.device)
+        z0 = torch.zeros(B, H, D, dtype=acc, device=q.device)
+    else:
+        s0, z0 = (t.to(acc) for t in initial_state)
+        if s0.shape != (B, H, D, Dv) or z0.shape != (B, H, D):
+            raise ValueError(
+                f"linear attention state must be (S [B, H, D, Dv], z [B, H, D]) = "
+                f"({(B, H, D, Dv)}, {(B, H, D)}), got ({tuple(s0.shape)}, {tuple(z0.shape)})"
+            )
     summaries = torch.einsum("bnhcd,bnhce->bnhde", kb, vb)
-    prefix = summaries.cumsum(1) - summaries  # exclusive prefix over chunks
+    prefix = summaries.cumsum(1) - summaries + s0.unsqueeze(1)  # exclusive prefix over chunks
     mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     scores = torch.einsum("bnhcd,bnhsd->bnhcs", qb, kb).masked_fill(~mask, 0.0)
     out = torch.einsum("bnhcd,bnhde->bnhce", qb, prefix) + torch.einsum("bnhcs,bnhse->bnhce", scores, vb)
     if mode == "paper":
-        key_sums = kb.sum(3)
-        prefix_z = key_sums.cumsum(1) - key_sums
+    key_sums = kb.sum(3)
+    if mode == "paper":
+        prefix_z = key_sums.cumsum(1) - key_sums + z0.unsqueeze(1)
         den = torch.einsum("bnhcd,bnhd->bnhc", qb, prefix_z) + scores.sum(-1)
         out = out / (den.unsqueeze(-1) + eps)
-    return out.transpose(2, 3).reshape(B, n * C, H, Dv)[:, :T].to(v.dtype)
+    out = out.transpose(2, 3).reshape(B, n * C, H, Dv)[:, :T].to(v.dtype)
+    if output_final_state:
+        return out, (s0 + summaries.sum(1), z0 + key_sums.sum(1))
+    return out
 
 
 def softmax_attention(

@@ -1,0 +1,413 @@
+"""Attention layers (``nn.Module``): MHLA, plain linear attention and softmax attention.
+
+All three share one constructor and one forward signature, so a model builds any of them from one
+``attn`` config (see :mod:`mhla.registry`) and timm can use them as ``attn_layer``:
+
+    layer = MultiHeadLinearAttention(dim, num_heads, grid=(16, 16), block=(4, 4), qk_norm=True, cpe=True)
+    y = layer(x)                      # x: [B, N, dim] in raster order -> y: [B, N, dim]
+
+Token order: layers take and return tokens in the model's natural (raster) order, prefix tokens first.
+MHLA permutes the grid tokens to block-major order internally (:class:`mhla.layouts.BlockLayout`).
+
+Prefix tokens (class / register tokens, ``num_prefix_tokens > 0``): grid tokens use MHLA over the grid
+tokens only; prefix tokens, as queries, read all tokens (prefix and grid) with plain linear attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .feature_maps import get_feature_map
+from .layouts import BlockLayout, layout_1d
+from .mixing import MixingMatrix
+from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
+
+
+@dataclass
+class AttentionCache:
+    """Decoding state of one causal attention layer.
+
+    ``attn``: the op's state (:class:`mhla.ops.MHLAState` for MHLA, ``(S, z)`` for linear attention,
+    ``(k, v)`` for softmax); ``conv``: the last ``kernel - 1`` values ``[B, kernel - 1, inner]`` for a
+    causal CPE.
+    """
+
+    attn: object = None
+    conv: torch.Tensor | None = None
+
+
+def _as_tuple(x, n: int):
+    if x is None:
+        return None
+    if isinstance(x, int):
+        return (x,) * n
+    return tuple(int(v) for v in x)
+
+
+class _AttentionBase(nn.Module):
+    """Projections and options shared by the three layers.
+
+    Args:
+        dim: model width ``C``. Input and output ``[B, N, C]``.
+        num_heads: feature heads ``H``; ``head_dim = dim // num_heads`` unless given.
+        head_dim: per-head query/key dim ``D``. value_dim: per-head value dim ``Dv`` (default ``head_dim``).
+        qkv_bias, proj_bias: biases of the input and output projections.
+        qk_norm: RMSNorm over each head's query and key (before the feature map).
+        causal: causal attention (language models); decode with ``cache``.
+        feature_map: name in :data:`mhla.feature_maps.FEATURE_MAPS` (linear attention and MHLA).
+        normalize: ``True`` / ``False`` / ``"official"`` (see :func:`mhla.mhla_attention`).
+        cpe: add a depthwise convolution of V on the token grid (kernel ``cpe_kernel``) to the output.
+        gate: output gate ``RMSNorm(o) * swish(W_g x)`` (GLA-style). out_norm: RMSNorm on ``o`` without a
+            gate (the paper's LM / video setting with ``normalize=False``).
+        attn_drop, proj_drop: dropout on the attention output / after the output projection.
+        grid, block, num_blocks, block_size, num_prefix_tokens: token layout (used by MHLA; CPE uses
+            ``grid``). Without ``grid`` the tokens form a 1-D sequence.
+        backend: op backend (``"auto"``, ``"torch"``, ``"triton"``, ``"reference"``).
+        scale_norm, norm_layer, device, dtype: accepted for timm compatibility (``scale_norm`` must be False).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        head_dim: int | None = None,
+        value_dim: int | None = None,
+        qkv_bias: bool = False,
+        proj_bias: bool = True,
+        qk_norm: bool = False,
+        causal: bool = False,
+        feature_map: str = "relu",
+        normalize=True,
+        eps: float = 1e-6,
+        cpe: bool = False,
+        cpe_kernel: int = 3,
+        gate: bool = False,
+        out_norm: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        grid=None,
+        block=None,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        num_prefix_tokens: int = 0,
+        backend: str = "auto",
+        scale_norm: bool = False,
+        norm_layer=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if scale_norm:
+            raise ValueError(f"{type(self).__name__} does not support timm's scale_norm=True")
+        if dim % num_heads and head_dim is None:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim")
+        if cpe and cpe_kernel % 2 == 0:
+            raise ValueError(f"cpe_kernel must be odd so the conv keeps the grid size, got {cpe_kernel}")
+        dd = dict(device=device, dtype=dtype)
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim or dim // num_heads
+        self.value_dim = value_dim or self.head_dim
+        self.causal = causal
+        self.normalize = normalize
+        self.eps = eps
+        self.backend = backend
+        self.num_prefix_tokens = num_prefix_tokens
+        self.grid = tuple(grid) if grid is not None else None
+        self.feature_map_name = feature_map
+        self.feature_map = get_feature_map(feature_map)
+        qk_inner, v_inner = num_heads * self.head_dim, num_heads * self.value_dim
+        self.qkv = nn.Linear(dim, 2 * qk_inner + v_inner, bias=qkv_bias, **dd)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm else nn.Identity()
+        self.cpe = self._make_cpe(v_inner, cpe_kernel, dd) if cpe else None
+        self.cpe_kernel = cpe_kernel
+        self.gate = nn.Linear(dim, v_inner, bias=False, **dd) if gate else None
+        self.out_norm = nn.RMSNorm(self.value_dim, eps=1e-6, **dd) if (gate or out_norm) else None
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(v_inner, dim, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    # ------------------------------------------------------------------------------------------ CPE
+    def _make_cpe(self, channels: int, kernel: int, dd) -> nn.Module:
+        ndim = len(self.grid) if self.grid is not None else 1
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[ndim]
+        pad = 0 if (self.causal and ndim == 1) else kernel // 2  # causal 1-D: left padding in forward
+        return conv(channels, channels, kernel, padding=pad, groups=channels, **dd)
+
+    def _apply_cpe(self, v: torch.Tensor, grid, cache: AttentionCache | None) -> torch.Tensor:
+        """Depthwise conv of ``v: [B, N, inner]`` (raster grid tokens) -> ``[B, N, inner]``."""
+        B, N, Cv = v.shape
+        if isinstance(self.cpe, nn.Conv1d):
+            x = v.transpose(1, 2)
+            if self.causal:
+                k = self.cpe_kernel - 1
+                past = cache.conv if (cache is not None and cache.conv is not None) else v.new_zeros(B, k, Cv)
+                full = torch.cat([past, v], dim=1)
+                if cache is not None:
+                    cache.conv = full[:, -k:].detach() if k else full[:, :0]
+                x = full.transpose(1, 2)
+            return self.cpe(x).transpose(1, 2)
+        x = v.transpose(1, 2).reshape(B, Cv, *grid)
+        return self.cpe(x).reshape(B, Cv, N).transpose(1, 2)
+
+    # ---------------------------------------------------------------------------------- projections
+    def _project(self, x: torch.Tensor):
+        """``x: [B, N, C]`` -> q, k ``[B, N, H, D]`` (normed, not feature-mapped), v ``[B, N, H, Dv]``."""
+        B, N, _ = x.shape
+        H, D, Dv = self.num_heads, self.head_dim, self.value_dim
+        q, k, v = self.qkv(x).split([H * D, H * D, H * Dv], dim=-1)
+        q = self.q_norm(q.view(B, N, H, D))
+        k = self.k_norm(k.view(B, N, H, D))
+        return q, k, v.view(B, N, H, Dv)
+
+    def _grid_for(self, n_grid: int, grid_size) -> tuple[int, ...]:
+        if grid_size is not None:
+            grid = tuple(grid_size)
+        elif self.grid is not None:
+            grid = self.grid
+        else:
+            grid = (n_grid,)
+        n = 1
+        for g in grid:
+            n *= g
+        if n != n_grid:
+            raise ValueError(
+                f"{type(self).__name__}: the input has {n_grid} grid tokens but the grid {grid} holds {n}; "
+                f"pass grid_size=... to forward or build the layer with the right grid "
+                f"(num_prefix_tokens={self.num_prefix_tokens})"
+            )
+        return grid
+
+    def _finish(self, o: torch.Tensor, x: torch.Tensor, cpe_out: torch.Tensor | None) -> torch.Tensor:
+        """``o: [B, N, H, Dv]`` -> CPE, output norm / gate, projection -> ``[B, N, C]``."""
+        B, N = o.shape[:2]
+        o = self.attn_drop(o)
+        if self.out_norm is not None:
+            o = self.out_norm(o)
+        o = o.reshape(B, N, -1)
+        if cpe_out is not None:
+            o = o + cpe_out
+        if self.gate is not None:
+            o = o * F.silu(self.gate(x))
+        return self.proj_drop(self.proj(o))
+
+    def _core(self, q, k, v, grid, cache):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        *,
+        grid_size=None,
+        cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
+        """``x: [B, N, C]`` (prefix tokens first, then grid tokens in raster order) -> ``[B, N, C]``.
+
+        Args:
+            attn_mask: not supported by the linear layers (ValueError); passed to SDPA by softmax.
+            is_causal: timm's flag; must agree with the layer's ``causal``.
+            grid_size: the token grid of this input when it differs from the one the layer was built for.
+            cache: causal decoding / chunked prefill; updated in place (create with ``AttentionCache()``).
+        """
+        if is_causal and not self.causal:
+            raise ValueError(f"{type(self).__name__} was built with causal=False but called with is_causal=True")
+        if cache is not None and not self.causal:
+            raise ValueError("cache is for causal layers")
+        q, k, v = self._project(x)
+        P = self.num_prefix_tokens
+        grid = self._grid_for(x.shape[1] - P, grid_size)
+        cpe_out = None
+        if self.cpe is not None:
+            vg = v[:, P:].reshape(x.shape[0], -1, self.num_heads * self.value_dim)
+            cpe_out = self._apply_cpe(vg, grid, cache)
+            if P:
+                cpe_out = torch.cat([cpe_out.new_zeros(x.shape[0], P, cpe_out.shape[-1]), cpe_out], dim=1)
+        o = self._core(q, k, v, grid, cache, attn_mask)
+        return self._finish(o, x, cpe_out)
+
+
+class MultiHeadLinearAttention(_AttentionBase):
+    """Multi-Head Linear Attention: linear attention with token-level heads mixed by a learnable matrix.
+
+    Extra args (see :class:`_AttentionBase` for the shared ones):
+        grid / block: token grid ``(T,)``, ``(H, W)`` or ``(F, H, W)`` and block shape (same rank);
+            or ``num_blocks`` (M) to split the grid evenly; or ``block_size`` for a 1-D sequence.
+            Causal layers use ``block_size`` (chunk length, default 64).
+        mixing_init: ``"locality"`` (paper default), ``"uniform"``, ``"identity"``, ``"cos"``, ``"exp"``,
+            ``"gaussian"``, ``"local"``, ``"locality_official"`` (the release's column-normalized form).
+        mixing_learnable: learn the mixing matrix (else a frozen buffer). mixing_per_head: one matrix per head.
+        mixing_param: nonnegativity parameterization, ``"clamp"`` (paper) or ``"softplus"``.
+        max_learned_blocks: causal only; blocks with their own learned coefficients (beyond: the
+            relative-distance rule of :class:`mhla.mixing.MixingMatrix`; sequences are not capped).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        mixing_init: str = "locality",
+        mixing_learnable: bool = True,
+        mixing_per_head: bool = False,
+        mixing_param: str = "clamp",
+        max_learned_blocks: int = 32,
+        **kwargs,
+    ):
+        super().__init__(dim, num_heads, **kwargs)
+        grid, block = kwargs.get("grid"), kwargs.get("block")
+        num_blocks, block_size = kwargs.get("num_blocks"), kwargs.get("block_size")
+        device = kwargs.get("device")
+        per_head = num_heads if mixing_per_head else None
+        if self.causal:
+            if grid is not None and len(grid) != 1:
+                raise ValueError("causal MHLA works on 1-D sequences; drop grid or use causal=False")
+            self.block_size = block_size or 64
+            self.layout = None
+            m, distances = max_learned_blocks, None
+        else:
+            self.layout = self._build_layout(grid, block, num_blocks, block_size)
+            self.block_size = self.layout.block_size if self.layout is not None else block_size
+            self._num_blocks = num_blocks
+            if self.layout is not None:
+                m, distances = self.layout.num_blocks, self.layout.block_distances()
+            elif num_blocks is not None:
+                m, distances = num_blocks, None
+            else:
+                raise ValueError(
+                    "non-causal MHLA needs a layout: grid=(H, W) with block=(bh, bw) or num_blocks=M, "
+                    "or num_blocks=M / block_size=C for a 1-D sequence"
+                )
+        self.mixing = MixingMatrix(
+            m,
+            distances=distances,
+            init=mixing_init,
+            causal=self.causal,
+            learnable=mixing_learnable,
+            num_heads=per_head,
+            parameterization=mixing_param,
+        )
+        if device is not None:
+            self.mixing.to(device)
+
+    def _build_layout(self, grid, block, num_blocks, block_size) -> BlockLayout | None:
+        from .layouts import layout_from_num_blocks  # noqa: PLC0415
+
+        if grid is None:
+            return None  # 1-D, decided from the sequence length at the first call
+        grid = tuple(grid)
+        if block is not None:
+            return BlockLayout(grid, _as_tuple(block, len(grid)), self.num_prefix_tokens)
+        if num_blocks is not None:
+            lay = layout_from_num_blocks(grid, num_blocks)
+            return BlockLayout(lay.grid, lay.block, self.num_prefix_tokens)
+        if block_size is not None and len(grid) == 1:
+            return BlockLayout(grid, (block_size,), self.num_prefix_tokens)
+        raise ValueError(f"MHLA with grid={grid} needs block=... or num_blocks=...")
+
+    def _layout_for(self, grid: tuple[int, ...]) -> BlockLayout:
+        if self.layout is not None and self.layout.grid == grid:
+            return self.layout
+        if self.layout is not None:
+            # Same block shape on a new grid (e.g. another resolution): only valid if M is unchanged.
+            lay = BlockLayout(grid, self.layout.block, self.num_prefix_tokens)
+        elif len(grid) == 1 and self.block_size is not None:
+            lay = layout_1d(grid[0], self.block_size)
+        else:
+            if grid[0] % self._num_blocks:
+                raise ValueError(
+                    f"MHLA: {grid[0]} tokens do not split into num_blocks={self._num_blocks} equal blocks"
+                )
+            lay = layout_1d(grid[0], grid[0] // self._num_blocks)
+        if lay.num_blocks != self.mixing.num_blocks:
+            raise ValueError(
+                f"MHLA was built for {self.mixing.num_blocks} blocks but grid {grid} with block "
+                f"{lay.block} has {lay.num_blocks}; rebuild the layer (or keep the block count fixed)"
+            )
+        return lay
+
+    def _core(self, q, k, v, grid, cache, attn_mask):
+        if attn_mask is not None:
+            raise ValueError("MultiHeadLinearAttention does not take attn_mask")
+        phi = self.feature_map
+        q, k = phi(q), phi(k)
+        if self.causal:
+            return self._causal(q, k, v, cache)
+        P = self.num_prefix_tokens
+        layout = self._layout_for(grid)
+        mixing = self.mixing()
+        qp, qg = q[:, :P], q[:, P:]
+        perm, inv = layout.permutation().to(q.device), layout.inverse_permutation().to(q.device)
+        qb, kb, vb = qg[:, perm], k[:, P:][:, perm], v[:, P:][:, perm]
+        og = mhla_attention(qb, kb, vb, mixing.to(qb.dtype), layout.block_size, normalize=self.normalize,
+                            eps=self.eps, backend=self.backend)[:, inv]
+        if not P:
+            return og
+        op = linear_attention(qp, k, v, normalize=self.normalize is not False, eps=self.eps)
+        return torch.cat([op, og], dim=1)
+
+    def _causal(self, q, k, v, cache: AttentionCache | None):
+        C = self.block_size
+        seen = cache.attn.num_tokens if (cache is not None and cache.attn is not None) else 0
+        n_blocks = -(-(seen + q.shape[1]) // C)
+        mixing = self.mixing(n_blocks).to(q.dtype)
+        if cache is None:
+            return mhla_attention(q, k, v, mixing, C, causal=True, normalize=self.normalize, eps=self.eps,
+                                  backend=self.backend)
+        state: MHLAState | None = cache.attn
+        if q.shape[1] == 1 and state is not None:
+            o, cache.attn = mhla_decode_step(q, k, v, mixing, state, normalize=self.normalize, eps=self.eps)
+            return o
+        o, cache.attn = mhla_attention(q, k, v, mixing, C, causal=True, normalize=self.normalize,
+                                       eps=self.eps, backend="torch", initial_state=state,
+                                       output_final_state=True)
+        return o
+
+
+class LinearAttention(_AttentionBase):
+    """Plain (normalized) linear attention with the shared constructor: one global summary per head."""
+
+    def _core(self, q, k, v, grid, cache, attn_mask):
+        if attn_mask is not None:
+            raise ValueError("LinearAttention does not take attn_mask")
+        q, k = self.feature_map(q), self.feature_map(k)
+        norm = self.normalize is not False
+        if not self.causal:
+            return linear_attention(q, k, v, normalize=norm, eps=self.eps)
+        if cache is None:
+            return linear_attention(q, k, v, causal=True, normalize=norm, eps=self.eps)
+        o, cache.attn = linear_attention(q, k, v, causal=True, normalize=norm, eps=self.eps,
+                                         initial_state=cache.attn, output_final_state=True)
+        return o
+
+
+class SoftmaxAttention(_AttentionBase):
+    """Softmax attention (PyTorch SDPA: FlashAttention / memory-efficient kernels on CUDA).
+
+    ``feature_map`` and ``normalize`` are ignored; the scale is ``head_dim ** -0.5``.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, **kwargs):
+        kwargs.pop("feature_map", None)
+        super().__init__(dim, num_heads, feature_map="identity", **kwargs)
+
+    def _core(self, q, k, v, grid, cache, attn_mask):
+        if cache is None:
+            return softmax_attention(q, k, v, causal=self.causal, attn_mask=attn_mask)
+        if cache.attn is not None:
+            k = torch.cat([cache.attn[0], k], dim=1)
+            v = torch.cat([cache.attn[1], v], dim=1)
+        cache.attn = (k, v)
+        Tq, Tk = q.shape[1], k.shape[1]
+        if Tq == 1:
+            return softmax_attention(q, k, v, attn_mask=attn_mask)
+        # Chunk after a prefix: query i sits at position Tk - Tq + i.
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+        return softmax_attention(q, k, v, attn_mask=mask)
