@@ -83,7 +83,6 @@ def linear_attention(
     mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     scores = torch.einsum("bnhcd,bnhsd->bnhcs", qb, kb).masked_fill(~mask, 0.0)
     out = torch.einsum("bnhcd,bnhde->bnhce", qb, prefix) + torch.einsum("bnhcs,bnhse->bnhce", scores, vb)
-    if mode == "paper":
     key_sums = kb.sum(3)
     if mode == "paper":
         prefix_z = key_sums.cumsum(1) - key_sums + z0.unsqueeze(1)
