@@ -1,9 +1,18 @@
 """MHLA: Multi-Head Linear Attention (token-level heads), arXiv 2601.07832.
 
-Functional ops use the layout ``[batch, seq, heads, dim]``. Importing this package needs only torch
-(and einops); Hydra and W&B are used by the training harness, not here.
+Functional ops use the layout ``[batch, seq, heads, dim]``. Importing this package needs only torch;
+Hydra and W&B are used by the training harness, not here.
+
+    import mhla
+    o = mhla.mhla_attention(q, k, v, mixing, block_size)                 # non-causal
+    o, state = mhla.mhla_attention(q, k, v, mixing, 64, causal=True, output_final_state=True)
+    layer = mhla.build_attention("mhla", dim=192, num_heads=3, grid=(16, 16), num_blocks=16)
 """
 
+from .feature_maps import FEATURE_MAPS, get_feature_map
+from .layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
+from .layouts import BlockLayout, layout_1d, layout_2d, layout_3d, layout_from_num_blocks
+from .mixing import MixingMatrix, distances_1d, mixing_init
 from .ops import (
     MHLAState,
     init_state,
@@ -14,5 +23,14 @@ from .ops import (
     mhla_reference,
     softmax_attention,
 )
+from .registry import build_attention, list_attentions, register_attention
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AttentionCache", "BlockLayout", "FEATURE_MAPS", "LinearAttention", "MHLAState", "MixingMatrix",
+    "MultiHeadLinearAttention", "SoftmaxAttention", "build_attention", "distances_1d", "get_feature_map",
+    "init_state", "layout_1d", "layout_2d", "layout_3d", "layout_from_num_blocks", "linear_attention",
+    "list_attentions", "mhla_attention", "mhla_attention_matrix", "mhla_decode_step", "mhla_reference",
+    "mixing_init", "register_attention", "softmax_attention",
+]

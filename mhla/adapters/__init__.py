@@ -1,0 +1,1 @@
+"""Adapters that put MHLA (or any registered attention) into third-party models without forking them."""
