@@ -140,8 +140,10 @@ class _AttentionBase(nn.Module):
         pad = 0 if (self.causal and ndim == 1) else kernel // 2  # causal 1-D: left padding in forward
         return conv(channels, channels, kernel, padding=pad, groups=channels, **dd)
 
-    def _apply_cpe(self, v: torch.Tensor, grid, cache: AttentionCache | None) -> torch.Tensor:
-        """Depthwise conv of ``v: [B, N, inner]`` (raster grid tokens) -> ``[B, N, inner]``."""
+    def _apply_cpe(self, v: torch.Tensor, grid, cache: AttentionCache | None, layout=None) -> torch.Tensor:
+        """Depthwise conv of ``v: [B, N, inner]`` (grid tokens; block-major if ``layout``) -> same order."""
+        if layout is not None:
+            return layout.raster_to_block_major(self._apply_cpe(layout.block_major_to_raster(v), grid, cache))
         B, N, Cv = v.shape
         if isinstance(self.cpe, nn.Conv1d):
             x = v.transpose(1, 2)
@@ -221,17 +223,27 @@ class _AttentionBase(nn.Module):
             raise ValueError(f"{type(self).__name__} was built with causal=False but called with is_causal=True")
         if cache is not None and not self.causal:
             raise ValueError("cache is for causal layers")
-        q, k, v = self._project(x)
         P = self.num_prefix_tokens
         grid = self._grid_for(x.shape[1] - P, grid_size)
+        layout = self._block_layout(grid)
+        if layout is not None:  # work in block-major order: every op but the attention is per token
+            x = torch.cat([x[:, :P], layout.raster_to_block_major(x[:, P:])], dim=1)
+        q, k, v = self._project(x)
         cpe_out = None
         if self.cpe is not None:
             vg = v[:, P:].reshape(x.shape[0], -1, self.num_heads * self.value_dim)
-            cpe_out = self._apply_cpe(vg, grid, cache)
+            cpe_out = self._apply_cpe(vg, grid, cache, layout)
             if P:
                 cpe_out = torch.cat([cpe_out.new_zeros(x.shape[0], P, cpe_out.shape[-1]), cpe_out], dim=1)
         o = self._core(q, k, v, grid, cache, attn_mask)
-        return self._finish(o, x, cpe_out)
+        y = self._finish(o, x, cpe_out)
+        if layout is not None:
+            y = torch.cat([y[:, :P], layout.block_major_to_raster(y[:, P:])], dim=1)
+        return y
+
+    def _block_layout(self, grid):
+        """The layout whose block-major order the layer works in (None: keep the input order)."""
+        return None
 
 
 class MultiHeadLinearAttention(_AttentionBase):
@@ -312,6 +324,9 @@ class MultiHeadLinearAttention(_AttentionBase):
             return BlockLayout(grid, (block_size,), self.num_prefix_tokens)
         raise ValueError(f"MHLA with grid={grid} needs block=... or num_blocks=...")
 
+    def _block_layout(self, grid):
+        return None if self.causal else self._layout_for(grid)
+
     def _layout_for(self, grid: tuple[int, ...]) -> BlockLayout:
         if self.layout is not None and self.layout.grid == grid:
             return self.layout
@@ -343,11 +358,9 @@ class MultiHeadLinearAttention(_AttentionBase):
         P = self.num_prefix_tokens
         layout = self._layout_for(grid)
         mixing = self.mixing()
-        qp, qg = q[:, :P], q[:, P:]
-        perm, inv = layout.permutation().to(q.device), layout.inverse_permutation().to(q.device)
-        qb, kb, vb = qg[:, perm], k[:, P:][:, perm], v[:, P:][:, perm]
-        og = mhla_attention(qb, kb, vb, mixing.to(qb.dtype), layout.block_size, normalize=self.normalize,
-                            eps=self.eps, backend=self.backend)[:, inv]
+        qp = q[:, :P]
+        og = mhla_attention(q[:, P:], k[:, P:], v[:, P:], mixing.to(q.dtype), layout.block_size,
+                            normalize=self.normalize, eps=self.eps, backend=self.backend)
         if not P:
             return og
         op = linear_attention(qp, k, v, normalize=self.normalize is not False, eps=self.eps)

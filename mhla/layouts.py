@@ -111,20 +111,36 @@ class BlockLayout:
         """LongTensor ``[num_tokens]``: block-major position of each raster token."""
         return torch.argsort(self.permutation())
 
+    def raster_to_block_major(self, x: torch.Tensor) -> torch.Tensor:
+        """Grid tokens ``[B, N, ...]`` raster -> block-major, with reshape/permute (no gather: cheap backward)."""
+        B, rest = x.shape[0], x.shape[2:]
+        nd = self.ndim
+        split = [v for c, b in zip(self.blocks_per_axis, self.block) for v in (c, b)]
+        x = x.reshape(B, *split, *rest)
+        order = [0] + [1 + 2 * i for i in range(nd)] + [2 + 2 * i for i in range(nd)]
+        order += list(range(1 + 2 * nd, x.dim()))
+        return x.permute(order).reshape(B, self.num_tokens, *rest)
+
+    def block_major_to_raster(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`raster_to_block_major`."""
+        B, rest = x.shape[0], x.shape[2:]
+        nd = self.ndim
+        x = x.reshape(B, *self.blocks_per_axis, *self.block, *rest)
+        order = [0] + [v for i in range(nd) for v in (1 + i, 1 + nd + i)] + list(range(1 + 2 * nd, x.dim()))
+        return x.permute(order).reshape(B, self.num_tokens, *rest)
+
     def to_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x: [B, P + N, ...]`` (raster, prefix first) -> ``(prefix [B, P, ...], grid [B, N, ...])`` with
         the grid tokens in block-major order."""
         self._check_len(x)
         P = self.num_prefix_tokens
-        perm = self.permutation().to(x.device)
-        return x[:, :P], x[:, P:].index_select(1, perm)
+        return x[:, :P], self.raster_to_block_major(x[:, P:])
 
     def from_blocks(self, prefix: torch.Tensor, x_blocked: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`to_blocks`: ``[B, P + N, ...]`` in raster order."""
         if x_blocked.shape[1] != self.num_tokens:
             raise ValueError(f"expected {self.num_tokens} block-major tokens, got {x_blocked.shape[1]}")
-        inv = self.inverse_permutation().to(x_blocked.device)
-        return torch.cat([prefix, x_blocked.index_select(1, inv)], dim=1)
+        return torch.cat([prefix, self.block_major_to_raster(x_blocked)], dim=1)
 
     def _check_len(self, x: torch.Tensor) -> None:
         want = self.num_prefix_tokens + self.num_tokens

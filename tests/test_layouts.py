@@ -94,3 +94,10 @@ def test_mhla_on_grid_equals_token_level_definition(lay):
     got = lay.from_blocks(q[:, :0], mhla_attention(qb, kb, vb, mix, lay.block_size))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert mhla.mhla_attention is mhla_attention
+
+
+@pytest.mark.parametrize("lay", [layout_1d(12, 4), layout_2d(6, 8, 3, 4), layout_3d(4, 6, 4, 2, 3, 2)])
+def test_reshape_permutation_equals_index_permutation(lay):
+    x = torch.randn(2, lay.num_tokens, 3, 2)
+    assert torch.equal(lay.raster_to_block_major(x), x[:, lay.permutation()])
+    assert torch.equal(lay.block_major_to_raster(lay.raster_to_block_major(x)), x)

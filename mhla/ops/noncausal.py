@@ -16,11 +16,9 @@ import torch
 from .validation import normalizer_mode
 
 
-def _mix(mixing: torch.Tensor, x: torch.Tensor, pattern_tail: str) -> torch.Tensor:
-    """Apply ``mixing`` ([M, M] or [H, M, M]) over the block axis (dim 1) of ``x: [B, M, H, ...]``."""
-    if mixing.dim() == 2:
-        return torch.einsum(f"ij,bjh{pattern_tail}->bih{pattern_tail}", mixing, x)
-    return torch.einsum(f"hij,bjh{pattern_tail}->bih{pattern_tail}", mixing, x)
+def _mix(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Apply ``mixing`` ([M, M] or [H, M, M]) over the block axis of ``x: [B, H, M, F]`` -> ``[B, H, M, F]``."""
+    return torch.matmul(mixing, x)  # [M, M] and [H, M, M] both broadcast over [B, H, M, F]
 
 
 def mhla_noncausal_torch(
@@ -41,28 +39,33 @@ def mhla_noncausal_torch(
         normalize: "paper" / True, "none" / False, or "official" (the release's vision normalizer).
     Returns:
         ``[B, T, H, Dv]`` in the dtype of ``v``.
+
+    With the paper's normalizer, ``v`` is extended by a column of ones so that one matmul chain yields
+    both the numerator ``q S~`` and the denominator ``q z~`` (``z_b`` is the last column of ``S_b``).
     """
     mode = normalizer_mode(normalize)
     B, T, H, D = q.shape
     Dv = v.shape[-1]
-    M = T // block_size
+    M, C = T // block_size, block_size
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    qb = q.reshape(B, M, block_size, H, D).to(acc)
-    kb = k.reshape(B, M, block_size, H, D).to(acc)
-    vb = v.reshape(B, M, block_size, H, Dv).to(acc)
-    mix = mixing.to(acc)
 
-    summaries = torch.einsum("bmchd,bmche->bmhde", kb, vb)  # S_b: [B, M, H, D, Dv]
-    mixed = _mix(mix, summaries, "de")  # S~_i
-    out = torch.einsum("bmchd,bmhde->bmche", qb, mixed)
+    def blocks(x):  # [B, T, H, d] -> [B, H, M, C, d]
+        return x.to(acc).reshape(B, M, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    mix = mixing.to(acc)
+    if mix.dim() == 3:
+        mix = mix.unsqueeze(0)  # [1, H, M, M] broadcasts over the batch
     if mode == "paper":
-        key_sums = kb.sum(2)  # z_b: [B, M, H, D]
-        mixed_sums = _mix(mix, key_sums, "d")
-        den = torch.einsum("bmchd,bmhd->bmch", qb, mixed_sums)
-        out = out / (den.unsqueeze(-1) + eps)
+        vb = torch.cat([vb, torch.ones_like(vb[..., :1])], dim=-1)  # [.., C, Dv + 1]
+    E = vb.shape[-1]
+    summaries = torch.matmul(kb.transpose(-1, -2), vb)  # S_b (and z_b): [B, H, M, D, E]
+    mixed = _mix(mix, summaries.reshape(B, H, M, D * E)).reshape(B, H, M, D, E)  # S~_i
+    out = torch.matmul(qb, mixed)  # [B, H, M, C, E]
+    if mode == "paper":
+        out = out[..., :Dv] / (out[..., Dv:] + eps)
     elif mode == "official":
-        key_sums = kb.sum(2)
-        own = torch.einsum("bmchd,bmhd->bmhc", qb, key_sums)  # q_{b,w} . z_b
-        den = _mix(mix, own, "c").permute(0, 1, 3, 2)  # [B, M, C, H]
-        out = out / (den.unsqueeze(-1) + eps)
-    return out.reshape(B, T, H, Dv).to(v.dtype)
+        key_sums = kb.sum(-2)  # z_b: [B, H, M, D]
+        own = torch.matmul(qb, key_sums.unsqueeze(-1)).squeeze(-1)  # q_{b,w} . z_b: [B, H, M, C]
+        out = out / (_mix(mix, own).unsqueeze(-1) + eps)
+    return out.permute(0, 2, 3, 1, 4).reshape(B, T, H, Dv).to(v.dtype)
