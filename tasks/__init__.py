@@ -1,0 +1,1 @@
+"""Task entrypoints (classification, image generation, video generation, language) and the shared harness."""

@@ -1,0 +1,68 @@
+"""The classification task for the shared trainer: data, model, loss and top-1 / top-5 evaluation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchmetrics
+
+from tasks.common.trainer import Task
+
+
+class ClassificationTask(Task):
+    monitor = "top1"
+    monitor_mode = "max"
+
+    def build_model(self) -> nn.Module:
+        from models.vit import build_vit  # noqa: PLC0415
+
+        return build_vit(self.cfg.model, self.cfg.attn)
+
+    def describe_model(self, model: nn.Module) -> str:
+        return f"{self.cfg.model.name} with {self.cfg.attn.name} attention"
+
+    def build_datasets(self):
+        data = self.cfg.data
+        if data.name == "mnist":
+            from .mnist_data import MNIST  # noqa: PLC0415
+
+            return (MNIST("train", pad_to=data.get("pad_to", 32), limit=data.get("limit")),
+                    MNIST("test", pad_to=data.get("pad_to", 32), limit=data.get("eval_limit")))
+        raise ValueError(f"data.name={data.name!r} is not supported by the classification task yet")
+
+    def example_input(self, device):
+        m = self.cfg.model
+        size = int(m.get("input_size") or m.img_size)
+        return torch.zeros(1, int(m.get("in_chans", 3)), size, size, device=device)
+
+    def training_loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        if y.dim() == 2:  # soft targets (mixup / cutmix)
+            loss = torch.sum(-y * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+        else:
+            loss = F.cross_entropy(logits.float(), y, label_smoothing=float(self.cfg.task.get("label_smoothing", 0.0)))
+        return loss, {}
+
+    @torch.no_grad()
+    def evaluate(self, model, loader, device, dist_info) -> dict:
+        n_cls = int(self.cfg.model.num_classes)
+        top1 = torchmetrics.classification.MulticlassAccuracy(num_classes=n_cls, top_k=1, average="micro").to(device)
+        top5 = torchmetrics.classification.MulticlassAccuracy(
+            num_classes=n_cls, top_k=min(5, n_cls), average="micro").to(device)
+        loss_sum = torch.zeros((), device=device)
+        count = torch.zeros((), device=device)
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            logits = model(x).float()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum")
+            count += y.numel()
+            top1.update(logits, y)
+            top5.update(logits, y)
+        if dist_info.enabled:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            dist.all_reduce(loss_sum)
+            dist.all_reduce(count)
+        return {"top1": top1.compute().item(), "top5": top5.compute().item(), "loss": (loss_sum / count).item()}

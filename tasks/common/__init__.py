@@ -1,0 +1,1 @@
+"""Pieces every task reuses: the training loop, checkpoints, EMA, optimizers, logging, distributed set-up."""

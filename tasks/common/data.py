@@ -1,0 +1,96 @@
+"""Deterministic data order and per-sample seeded augmentation, so a resumed run sees exactly the same data.
+
+* :class:`ResumableSampler` shuffles with a generator seeded by ``(seed, epoch)``, shards across ranks,
+  and can skip the batches already consumed in the current epoch.
+* :class:`SeededDataset` seeds Python, NumPy and torch RNGs from ``(seed, epoch, index)`` around each
+  sample's transform, so random augmentation does not depend on worker count or on where a run resumed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+
+class ResumableSampler(Sampler[int]):
+    """Epoch-seeded shuffling, sharded by rank, with ``drop_last`` on the global batch.
+
+    Args:
+        n: dataset length. batch_size: per-rank batch. rank, world_size: sharding.
+        shuffle: permute each epoch (else identity order). seed: base seed.
+    """
+
+    def __init__(self, n: int, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = True):
+        self.n, self.batch_size = n, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        self.skip_batches = 0
+        global_batch = batch_size * world_size
+        if drop_last:
+            self.batches_per_epoch = n // global_batch
+            if self.batches_per_epoch == 0:
+                raise ValueError(
+                    f"the dataset has {n} samples, fewer than one global batch ({global_batch} = "
+                    f"{batch_size} per device x {world_size}); lower data.batch_size"
+                )
+        else:
+            self.batches_per_epoch = -(-n // global_batch)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch = epoch
+        self.skip_batches = skip_batches
+
+    def _order(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        global_batch = self.batch_size * self.world_size
+        order = order[: self.batches_per_epoch * global_batch] if self.drop_last else order
+        # Rank r takes a contiguous slice of every global batch, so batch b of every rank is global batch b.
+        mine = []
+        for b in range(self.skip_batches, self.batches_per_epoch):
+            chunk = order[b * global_batch : (b + 1) * global_batch]
+            mine.extend(chunk[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+        return mine
+
+    def __iter__(self):
+        return iter(self._order())
+
+    def __len__(self) -> int:
+        return (self.batches_per_epoch - self.skip_batches) * self.batch_size
+
+
+class SeededDataset(Dataset):
+    """Wraps ``dataset`` (returning raw samples) and applies ``transform`` under a per-sample seed."""
+
+    def __init__(self, dataset, transform=None, seed: int = 0):
+        self.dataset, self.transform, self.seed = dataset, transform, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        sample = self.dataset[index]
+        if self.transform is None:
+            return sample
+        s = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + index
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            random.seed(s)
+            np.random.seed(s % (2**32))
+            torch.manual_seed(s)
+            out = self.transform(sample)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        return out

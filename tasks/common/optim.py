@@ -1,0 +1,59 @@
+"""Optimizer and learning-rate schedule shared by the tasks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay on biases, norms, embeddings' position tables and MHLA mixing."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1 or "mixing" in name or "pos_embed" in name or name.endswith(".bias"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """``cfg``: name (adamw), lr, weight_decay, betas, eps."""
+    name = cfg.get("name", "adamw")
+    if name != "adamw":
+        raise ValueError(f"optim.name={name!r} is not supported; use adamw")
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=tuple(cfg.get("betas", (0.9, 0.999))),
+        eps=cfg.get("eps", 1e-8),
+    )
+
+
+def cosine_with_warmup(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the base lr: linear warmup from 0, then cosine down to ``min_ratio``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int, steps_per_epoch: int):
+    """Per-step schedule. ``cfg``: name (cosine | constant), warmup_steps or warmup_epochs, min_lr_ratio."""
+    name = cfg.get("name", "cosine")
+    warmup = cfg.get("warmup_steps") or int(round(cfg.get("warmup_epochs", 0) * steps_per_epoch))
+    warmup = min(warmup, max(0, total_steps - 1))
+    if name == "cosine":
+        fn = lambda s: cosine_with_warmup(s, total_steps, warmup, cfg.get("min_lr_ratio", 0.0))  # noqa: E731
+    elif name == "constant":
+        fn = lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0  # noqa: E731
+    else:
+        raise ValueError(f"sched.name={name!r} is not supported; use cosine or constant")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
