@@ -1,0 +1,55 @@
+"""Benchmark and analysis scripts: they run, and what they measure has the properties it must have."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import analyze_attention  # noqa: E402
+import bench_ops  # noqa: E402
+
+
+def test_analysis_properties():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 64, 2, 16, generator=g), torch.randn(2, 64, 2, 16, generator=g)
+    mats = analyze_attention.attention_matrices(q, k, num_blocks=4)
+    for A in mats.values():
+        torch.testing.assert_close(A.sum(-1), torch.ones_like(A.sum(-1)))
+    r_lin, _ = analyze_attention.rank_and_entropy(mats["linear"])
+    r_mh, _ = analyze_attention.rank_and_entropy(mats["mhla"])
+    assert r_lin <= 16  # linear attention: rank <= d
+    assert r_mh > r_lin  # MHLA restores rank
+    uniform = torch.full((1, 1, 64, 64), 1 / 64)
+    _, ent = analyze_attention.rank_and_entropy(uniform)
+    assert ent == pytest.approx(math.log(64))
+
+
+def test_analysis_script_writes_outputs(tmp_path):
+    assert analyze_attention.main(["--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "attention_rank_entropy.json").read_text())
+    assert data["results"]["linear"]["rank"] <= data["d"]
+    assert (tmp_path / "attention_rank_entropy.png").stat().st_size > 1000
+
+
+def test_release_loop_reimplementation_matches_ours():
+    assert bench_ops.check_release_equivalence(None) < 1e-9
+
+
+def test_bench_quick_run(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_ops.py"), "--quick",
+                           "--seq-lens", "256", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "ops_cpu_quick.json").read_text())
+    ops = {(r["op"], r["causal"]) for r in data["records"] if not r.get("skipped")}
+    assert ops == {("mhla", False), ("linear", False), ("sdpa", False), ("mhla", True), ("linear", True),
+                   ("sdpa", True), ("release_loop", True)}
+    assert data["header"]["cpu_count"] >= 1
+    assert (tmp_path / "ops_cpu_quick.md").read_text().startswith("# Op benchmark")
