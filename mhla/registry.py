@@ -95,6 +95,7 @@ def _register_builtin() -> None:
     register_attention("mhla")(MultiHeadLinearAttention)
     register_attention("linear")(LinearAttention)
     register_attention("softmax")(SoftmaxAttention)
+    from . import baselines  # noqa: F401, PLC0415  (registers focused, inline, mala, rala)
 
 
 _register_builtin()

@@ -1,0 +1,224 @@
+"""The Table 2 baseline attentions, built from ``../shared/BASELINES.md`` (sections 1-4 and 12).
+
+All four share the constructor and forward of :mod:`mhla.layers` and register themselves by name:
+
+    ``focused``  Focused Linear Attention (FLatten, ICCV'23)
+    ``inline``   InLine attention (injective linear attention, NeurIPS'24)
+    ``mala``     Magnitude-Aware Linear Attention (ICCV'25)
+    ``rala``     Rank-Augmented Linear Attention (CVPR'25)
+
+They need the token grid (``grid=(H, W)``) for their convolutions and positional terms. Class tokens are not
+supported here (``num_prefix_tokens`` must be 0): MHLA's DeiT setting uses average pooling. As BASELINES.md
+notes, the published DeiT numbers of FLatten / InLine / MALA come from class-token models at 224 px; we
+build them in the same "avg-pool + pad-to-256" setting as MHLA, so a re-run measures that setting.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .feature_maps import focused_feature
+from .layers import _AttentionBase
+from .registry import register_attention
+
+
+# ----------------------------------------------------------------------------------------- 2-D RoPE
+def rope_2d_angles(grid: tuple[int, int], head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RALA/MALA's 2-D RoPE: ``(sin, cos)`` of shape ``[N, head_dim]`` for a raster ``grid``.
+
+    Frequencies ``1 / 10000^linspace(0, 1, d/4)``, each repeated twice; the first ``d/2`` channels rotate
+    with the row index, the last ``d/2`` with the column index; pairs are (even, odd) channels.
+    """
+    if head_dim % 4:
+        raise ValueError(f"2-D RoPE needs head_dim divisible by 4, got {head_dim}")
+    h, w = grid
+    freqs = 1.0 / (10000 ** torch.linspace(0, 1, head_dim // 4, device=device))
+    freqs = freqs.repeat_interleave(2)  # [d/2]
+    rows = torch.arange(h, device=device, dtype=torch.float32)[:, None].expand(h, w).reshape(-1)
+    cols = torch.arange(w, device=device, dtype=torch.float32)[None, :].expand(h, w).reshape(-1)
+    angles = torch.cat([rows[:, None] * freqs, cols[:, None] * freqs], dim=-1)  # [N, d]
+    return angles.sin(), angles.cos()
+
+
+def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """Rotate (even, odd) channel pairs of ``x: [B, N, H, d]`` by the angles ``[N, d]``."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack([-x2, x1], dim=-1).flatten(-2)
+    return x * cos[None, :, None] + rotated * sin[None, :, None]
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Compute in fp32 for half inputs, keep fp32/fp64 as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class _GridBaseline(_AttentionBase):
+    """Common checks: a 2-D grid, no prefix tokens, no causal mode."""
+
+    def __init__(self, dim: int, num_heads: int = 8, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        name = type(self).__name__
+        if self.causal:
+            raise ValueError(f"{name} is a vision (non-causal) attention")
+        if self.num_prefix_tokens:
+            raise ValueError(f"{name} does not support prefix tokens; use average pooling (class_token=False)")
+        if self.grid is None or len(self.grid) != 2:
+            raise ValueError(f"{name} needs the 2-D token grid: pass grid=(H, W)")
+
+    @staticmethod
+    def _depthwise_on_grid(conv: nn.Module, v: torch.Tensor, grid) -> torch.Tensor:
+        """Apply ``conv`` (depthwise, channels ``c``) to ``v: [B', N, c]`` on ``grid`` -> ``[B', N, c]``."""
+        b, n, c = v.shape
+        y = conv(v.transpose(1, 2).reshape(b, c, *grid))
+        return y.reshape(b, c, n).transpose(1, 2)
+
+
+@register_attention("focused")
+class FocusedLinearAttention(_GridBaseline):
+    """FLatten's focused linear attention (BASELINES.md section 1; their 2024 mean-normalised form).
+
+    phi_p(x) = f_p(relu(x) + 1e-6) / softplus(scale), the power ``p`` and norm restoration over the full
+    ``C``-dim vector before the head split; a learnable positional encoding (zero-init) added to K before
+    the kernel; one depthwise ``kernel x kernel`` conv on V shared by all heads, added to the output.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, *, focusing_factor: float = 3.0, dwc_kernel: int = 5,
+                 **kwargs):
+        kwargs.setdefault("feature_map", "identity")
+        super().__init__(dim, num_heads, **kwargs)
+        n = math.prod(self.grid)
+        inner = num_heads * self.head_dim
+        self.focusing_factor = focusing_factor
+        self.positional_encoding = nn.Parameter(torch.zeros(1, n, inner))
+        self.scale = nn.Parameter(torch.zeros(1, 1, inner))
+        self.dwc = nn.Conv2d(self.value_dim, self.value_dim, dwc_kernel, padding=dwc_kernel // 2,
+                             groups=self.value_dim)
+
+    def _core(self, q, k, v, grid, cache, attn_mask):
+        B, N, H, D = q.shape
+        if N != self.positional_encoding.shape[1]:
+            raise ValueError(f"FocusedLinearAttention was built for {self.positional_encoding.shape[1]} tokens")
+        k = k.reshape(B, N, H * D) + self.positional_encoding
+        q = q.reshape(B, N, H * D)
+        scale = F.softplus(self.scale)
+        q = focused_feature(q, self.focusing_factor) / scale
+        k = focused_feature(k, self.focusing_factor) / scale
+        q, k = _acc(q.view(B, N, H, D)), _acc(k.view(B, N, H, D))
+        kv = torch.einsum("bnhd,bnhe->bhde", k / N**0.5, _acc(v) / N**0.5)
+        z = 1.0 / (torch.einsum("bnhd,bhd->bnh", q, k.mean(1)) + 1e-6)
+        out = torch.einsum("bnhd,bhde->bnhe", q, kv) * z.unsqueeze(-1)
+        local = self._depthwise_on_grid(self.dwc, v.permute(0, 2, 1, 3).reshape(B * H, N, -1), grid)
+        return (out + local.reshape(B, H, N, -1).permute(0, 2, 1, 3)).to(v.dtype)
+
+
+@register_attention("inline")
+class InLineAttention(_GridBaseline):
+    """InLine attention (BASELINES.md section 2): injective (subtractive) normalisation, phi = identity.
+
+    ``x_i = q_i kv + (1 - q_i . kbar * s) vbar`` with ``kv = sum_j k_j^T v_j * s / N``, ``s = d^-1/2``
+    (weights sum to 1 for every query, may be negative), plus a dynamic per-sample 3 x 3 depthwise conv
+    on V whose kernel an MLP predicts from the mean token.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, **kwargs):
+        kwargs.setdefault("feature_map", "identity")
+        super().__init__(dim, num_heads, **kwargs)
+        c = num_heads * self.value_dim
+        self.residual = nn.Sequential(
+            nn.Conv1d(dim, c, 1, groups=num_heads if dim % num_heads == 0 else 1),
+            nn.GELU(),
+            nn.Conv1d(c, 9 * c, 1, groups=num_heads),
+        )
+        self._x_mean = None
+
+    def forward(self, x, attn_mask=None, is_causal=False, *, grid_size=None, cache=None):
+        self._x_mean = x.mean(1)  # [B, C]: input of the residual kernel MLP
+        try:
+            return super().forward(x, attn_mask, is_causal, grid_size=grid_size, cache=cache)
+        finally:
+            self._x_mean = None
+
+    def _core(self, q, k, v, grid, cache, attn_mask):
+        B, N, H, D = q.shape
+        q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
+        s = D**-0.5
+        kv = torch.einsum("bnhd,bnhe->bhde", k, vf) * (s / N)
+        qk_bar = torch.einsum("bnhd,bhd->bnh", q, k.mean(1)) * s
+        out = torch.einsum("bnhd,bhde->bnhe", q, kv) + (1 - qk_bar).unsqueeze(-1) * vf.mean(1, keepdim=True)
+        c = H * v.shape[-1]
+        kernels = self.residual(self._x_mean.unsqueeze(-1)).reshape(B * c, 1, 3, 3)
+        vg = v.reshape(B, N, c).transpose(1, 2).reshape(1, B * c, *grid)
+        local = F.conv2d(vg, kernels.to(vg.dtype), padding=1, groups=B * c)
+        local = local.reshape(B, c, N).transpose(1, 2).reshape(B, N, H, -1)
+        return (out + _acc(local)).to(v.dtype)
+
+
+class _GatedRoPEBaseline(_GridBaseline):
+    """MALA / RALA wrapper: ELU+1 features, 2-D RoPE in the numerator, ``(Y + LePE_5x5(V)) * O`` with a linear
+    output gate ``O = W_o x`` (no activation), then the output projection."""
+
+    def __init__(self, dim: int, num_heads: int = 8, *, rope: bool = True, lepe_kernel: int = 5, **kwargs):
+        kwargs.setdefault("feature_map", "elu")
+        super().__init__(dim, num_heads, **kwargs)
+        c = num_heads * self.value_dim
+        self.rope = rope
+        self.lepe = nn.Conv2d(c, c, lepe_kernel, padding=lepe_kernel // 2, groups=c)
+        self.out_gate = nn.Linear(dim, c)
+        self._x = None
+
+    def forward(self, x, attn_mask=None, is_causal=False, *, grid_size=None, cache=None):
+        self._x = x
+        try:
+            return super().forward(x, attn_mask, is_causal, grid_size=grid_size, cache=cache)
+        finally:
+            self._x = None
+
+    def _rotate(self, q, k, grid):
+        if not self.rope:
+            return q, k
+        sin, cos = rope_2d_angles(grid, q.shape[-1], device=q.device)
+        return apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+
+    def _wrap(self, y, v, grid):
+        B, N, H, Dv = v.shape
+        local = self._depthwise_on_grid(self.lepe, v.reshape(B, N, H * Dv), grid).reshape(B, N, H, Dv)
+        gate = self.out_gate(self._x).reshape(B, N, H, Dv)
+        return ((y + _acc(local)) * _acc(gate)).to(v.dtype)
+
+
+@register_attention("mala")
+class MagnitudeAwareLinearAttention(_GatedRoPEBaseline):
+    """MALA (BASELINES.md section 3): ``Y_i = rho(q_i) kv (1 + 1/(z_i + 1e-6)) - z_i vbar`` with
+    ``z_i = phi(q_i) . mean_j phi(k_j) d^-1/2`` (un-rotated) and ``kv = sum_j rho(phi(k_j))^T v_j d^-1/2 / N``."""
+
+    def _core(self, q, k, v, grid, cache, attn_mask):
+        B, N, H, D = q.shape
+        q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
+        s = D**-0.5
+        z = torch.einsum("bnhd,bhd->bnh", q, k.mean(1)) * s
+        qr, kr = self._rotate(q, k, grid)
+        kv = torch.einsum("bnhd,bnhe->bhde", kr, vf) * (s / N)
+        y = torch.einsum("bnhd,bhde->bnhe", qr, kv) * (1 + 1 / (z + 1e-6)).unsqueeze(-1)
+        y = y - z.unsqueeze(-1) * vf.mean(1, keepdim=True)
+        return self._wrap(y, v, grid)
+
+
+@register_attention("rala")
+class RankAugmentedLinearAttention(_GatedRoPEBaseline):
+    """RALA (BASELINES.md section 4): token weights ``alpha = softmax_j(mean(phi(q)) . phi(k_j) d^-1/2)``,
+    ``k~_j = N alpha_j phi(k_j)``, ``Y_i = rho(phi(q_i)) [sum_j rho(k~_j)^T v_j / N] / (phi(q_i) . mean_j k~_j + 1e-6)``."""
+
+    def _core(self, q, k, v, grid, cache, attn_mask):
+        B, N, H, D = q.shape
+        q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
+        alpha = torch.softmax(torch.einsum("bhd,bnhd->bhn", q.mean(1), k) * D**-0.5, dim=-1)
+        kt = k * (N * alpha).transpose(1, 2).unsqueeze(-1)
+        z = 1.0 / (torch.einsum("bnhd,bhd->bnh", q, kt.mean(1)) + 1e-6)
+        qr, ktr = self._rotate(q, kt, grid)
+        kv = torch.einsum("bnhd,bnhe->bhde", ktr, vf) / N
+        y = torch.einsum("bnhd,bhde->bnhe", qr, kv) * z.unsqueeze(-1)
+        return self._wrap(y, v, grid)
