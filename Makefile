@@ -5,13 +5,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install test test-fast bench analyze clean help
+SCALE ?= full
+EXTRA ?=
+
+.PHONY: install test test-fast bench analyze clean help reproduce-table2 reproduce-table13
 
 help:
 	@echo "make install   - create .venv with the pinned dependencies (requirements.lock) and mhla (editable)"
 	@echo "make test      - run the test suite in .venv"
 	@echo "make bench     - CPU op benchmarks -> results/bench/"
 	@echo "make analyze   - attention rank/entropy analysis (Fig. 3 measure) -> results/analysis/"
+	@echo "make reproduce-table2 [SCALE=mini] [EXTRA='data.root=/data/imagenet'] - Table 2 -> results/table2[_mini].md"
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +41,12 @@ bench: $(VENV)/.installed
 
 analyze: $(VENV)/.installed
 	$(PY) scripts/analyze_attention.py
+
+reproduce-table2: $(VENV)/.installed
+	$(PY) scripts/reproduce_table.py --table 2 --scale $(SCALE) -- $(EXTRA)
+
+reproduce-table13: $(VENV)/.installed
+	$(PY) scripts/reproduce_table.py --table 13 --scale $(SCALE) -- $(EXTRA)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,5 +1,6 @@
 """The shared training harness: config composition, a few training steps, exact resume, bad configs."""
 
+import math
 import os
 import subprocess
 import sys
@@ -78,3 +79,89 @@ def test_cli_unknown_key_message():
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode != 0
     assert "nonsense" in proc.stderr
+
+
+def test_eval_entrypoint_reproduces_final_metrics(tmp_path):
+    metrics = run(make_cfg(TINY + ["trainer.max_steps=4", "trainer.ema.enabled=true"]), tmp_path)
+    from eval import evaluate_checkpoint  # noqa: PLC0415
+
+    again = evaluate_checkpoint(str(tmp_path / "checkpoints" / "last.pt"))
+    assert again["top1"] == pytest.approx(metrics["top1"])
+    assert again["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        evaluate_checkpoint(str(tmp_path / "nope.pt"))
+
+
+def test_two_process_torchrun_gives_single_process_gradients(tmp_path):
+    script = os.path.join(ROOT, "tests", "helpers", "ddp_grad_step.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    single = subprocess.run([sys.executable, script, str(tmp_path / "one.pt"), "16"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                script, str(tmp_path / "two.pt"), "16"]
+    multi = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=300)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    one = torch.load(tmp_path / "one.pt")
+    two = torch.load(tmp_path / "two.pt")
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _experiments():
+    import glob  # noqa: PLC0415
+
+    paths = glob.glob(os.path.join(CONFIGS, "experiment", "*", "*.yaml"))
+    return sorted(os.path.relpath(p, os.path.join(CONFIGS, "experiment"))[:-5] for p in paths)
+
+
+@pytest.mark.parametrize("experiment", _experiments())
+def test_every_experiment_composes_and_validates(experiment, tmp_path):
+    from tasks.common.config import validate_config
+
+    cfg = make_cfg([f"experiment={experiment}", f"data.root={tmp_path}"])
+    OmegaConf.to_container(cfg, resolve=True)
+    assert cfg.paper.top1 > 0
+    validate_config(cfg)
+
+
+def test_imagenet_without_root_says_what_to_download(tmp_path):
+    from tasks.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="image-net.org"):
+        run(make_cfg(["task=imagenet", "logger=none"]), tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        run(make_cfg(["task=imagenet", "logger=none", f"data.root={tmp_path / 'missing'}"]), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def fake_imagefolder(tmp_path_factory):
+    """A tiny ImageNet-style folder (4 classes) of random RGB images."""
+    from PIL import Image  # noqa: PLC0415
+
+    root = tmp_path_factory.mktemp("imagenet")
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 6), ("val", 2)):
+        for c in range(4):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                arr = (torch.rand(40, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
+                Image.fromarray(arr).save(d / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("model", ["deit_t", "deit_s", "deit_b"])
+@pytest.mark.parametrize("attn", ["softmax", "linear", "mhla", "focused", "inline", "mala", "rala"])
+def test_every_model_and_attention_trains_two_steps_on_imagefolder(model, attn, fake_imagefolder, tmp_path):
+    """DeiT configs at tiny size through the ImageNet pipeline (RandAugment, mixup, repeated aug, EMA)."""
+    overrides = [
+        "task=imagenet", f"model={model}", f"attn={attn}", f"data.root={fake_imagefolder}", "logger=none",
+        "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.num_workers=0", "trainer.device=cpu",
+        "data.batch_size=4", "data.eval_batch_size=8", "model.img_size=32", "model.input_size=32",
+        "model.pad_to=32", "model.patch_size=8", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
+        "model.num_classes=4", "model.mhla_num_blocks=4", "attn.cpe=true",
+    ]
+    metrics = run(make_cfg(overrides), tmp_path)
+    assert 0.0 <= metrics["top1"] <= 1.0 and math.isfinite(metrics["loss"])

@@ -15,9 +15,12 @@ class ClassificationTask(Task):
     monitor_mode = "max"
 
     def build_model(self) -> nn.Module:
-        from models.vit import build_vit  # noqa: PLC0415
+        kind = self.cfg.model.get("kind", "vit")
+        if kind == "vit":
+            from models.vit import build_vit  # noqa: PLC0415
 
-        return build_vit(self.cfg.model, self.cfg.attn)
+            return build_vit(self.cfg.model, self.cfg.attn)
+        raise ValueError(f"model.kind={kind!r} is not a classification model (vit)")
 
     def describe_model(self, model: nn.Module) -> str:
         return f"{self.cfg.model.name} with {self.cfg.attn.name} attention"
@@ -29,7 +32,38 @@ class ClassificationTask(Task):
 
             return (MNIST("train", pad_to=data.get("pad_to", 32), limit=data.get("limit")),
                     MNIST("test", pad_to=data.get("pad_to", 32), limit=data.get("eval_limit")))
-        raise ValueError(f"data.name={data.name!r} is not supported by the classification task yet")
+        if data.name in ("imagenet", "imagefolder"):
+            from .imagenet_data import build_imagenet  # noqa: PLC0415
+
+            size = int(self.cfg.model.get("input_size") or self.cfg.model.img_size)
+            train, val = build_imagenet(data, size, seed=int(self.cfg.get("seed", 0)))
+            if train.num_classes != int(self.cfg.model.num_classes):
+                raise ValueError(
+                    f"data.root has {train.num_classes} classes but model.num_classes={self.cfg.model.num_classes}; "
+                    f"set model.num_classes={train.num_classes}")
+            return train, val
+        raise ValueError(f"data.name={data.name!r} is not supported by the classification task")
+
+    def _mixup(self):
+        if not hasattr(self, "_mixup_fn"):
+            mix = self.cfg.task.get("mixup")
+            self._mixup_fn = None
+            if mix and (mix.get("mixup_alpha", 0) > 0 or mix.get("cutmix_alpha", 0) > 0):
+                from timm.data import Mixup  # noqa: PLC0415
+
+                self._mixup_fn = Mixup(
+                    mixup_alpha=mix.mixup_alpha, cutmix_alpha=mix.cutmix_alpha, prob=mix.get("prob", 1.0),
+                    switch_prob=mix.get("switch_prob", 0.5), mode=mix.get("mode", "batch"),
+                    label_smoothing=float(self.cfg.task.get("label_smoothing", 0.0)),
+                    num_classes=int(self.cfg.model.num_classes))
+        return self._mixup_fn
+
+    def on_batch(self, batch, device):
+        x, y = (b.to(device, non_blocking=True) for b in batch)
+        mixup = self._mixup()
+        if mixup is not None and x.shape[0] % 2 == 0:
+            x, y = mixup(x, y)  # soft targets, label smoothing included
+        return x, y
 
     def example_input(self, device):
         m = self.cfg.model

@@ -21,11 +21,18 @@ class ResumableSampler(Sampler[int]):
     Args:
         n: dataset length. batch_size: per-rank batch. rank, world_size: sharding.
         shuffle: permute each epoch (else identity order). seed: base seed.
+        repeats: repeated augmentation (DeiT): each sampled image appears ``repeats`` times in a row, as
+            *virtual indices* ``r * n + i`` (``SeededDataset`` maps them back to ``i`` with a different
+            augmentation seed per repeat); an epoch still has ``n`` samples. Within a global batch, rank
+            ``r`` takes every ``world_size``-th sample, so the repeats of an image land on different ranks.
     """
 
     def __init__(self, n: int, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True):
+                 seed: int = 0, drop_last: bool = True, repeats: int = 1):
+        if repeats < 1:
+            raise ValueError(f"repeated augmentation count must be >= 1, got {repeats}")
         self.n, self.batch_size = n, batch_size
+        self.repeats = repeats
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
@@ -48,16 +55,21 @@ class ResumableSampler(Sampler[int]):
     def _order(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
+            order = torch.randperm(self.n, generator=g)
         else:
-            order = list(range(self.n))
+            order = torch.arange(self.n)
+        if self.repeats > 1:
+            r = torch.arange(self.repeats).repeat(self.n)
+            order = (order.repeat_interleave(self.repeats) + r * self.n)[: self.n]
+        order = order.tolist()
         global_batch = self.batch_size * self.world_size
         order = order[: self.batches_per_epoch * global_batch] if self.drop_last else order
-        # Rank r takes a contiguous slice of every global batch, so batch b of every rank is global batch b.
+        # Rank r takes every world_size-th sample of each global batch: batch b of every rank is part of
+        # global batch b, whatever the number of ranks.
         mine = []
         for b in range(self.skip_batches, self.batches_per_epoch):
             chunk = order[b * global_batch : (b + 1) * global_batch]
-            mine.extend(chunk[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+            mine.extend(chunk[self.rank :: self.world_size])
         return mine
 
     def __iter__(self):
@@ -81,7 +93,8 @@ class SeededDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        sample = self.dataset[index]
+        # virtual indices r * n + i come from repeated augmentation: same image, another seed
+        sample = self.dataset[index % len(self.dataset)]
         if self.transform is None:
             return sample
         s = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + index

@@ -156,7 +156,7 @@ class Trainer:
         train_ds, eval_ds = self.task.build_datasets()
         bs = int(cfg.data.batch_size)
         sampler = ResumableSampler(len(train_ds), bs, rank=self.dist.rank, world_size=self.dist.world_size,
-                                   shuffle=True, seed=seed)
+                                   shuffle=True, seed=seed, repeats=int(cfg.data.get("repeated_aug", 1) or 1))
         steps_per_epoch = sampler.batches_per_epoch
         max_steps = tcfg.get("max_steps")
         max_epochs = tcfg.get("max_epochs")

@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Evaluate a checkpoint written by train.py:  python eval.py ckpt=outputs/.../checkpoints/best.pt
+
+The run's resolved config is stored in the checkpoint; command-line overrides (e.g. ``data.root=...``,
+``data.eval_batch_size=...``, ``trainer.device=cuda``) are applied on top. Uses the EMA weights when the
+checkpoint has them (``use_ema=false`` for the raw weights). Prints ``final: top1=... top5=...``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True) -> dict:
+    import importlib  # noqa: PLC0415
+
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from tasks.common.checkpoint import load_checkpoint  # noqa: PLC0415
+    from tasks.common.distributed import setup_distributed  # noqa: PLC0415
+    from tasks.common.trainer import _precision_context  # noqa: PLC0415
+
+    state = load_checkpoint(ckpt_path)
+    cfg = OmegaConf.create(state["config"])
+    cfg.merge_with_dotlist(overrides or [])
+    task_module = importlib.import_module(cfg.task.module.rsplit(".", 1)[0] + ".task")
+    task_cls = next(getattr(task_module, n) for n in dir(task_module)
+                    if n.endswith("Task") and n != "Task" and isinstance(getattr(task_module, n), type))
+    task = task_cls(cfg)
+    info = setup_distributed(cfg.trainer.get("device", "auto"))
+    model = task.build_model()
+    weights = state["model"]
+    if use_ema and state.get("ema"):
+        weights = {k[len("module."):]: v for k, v in state["ema"].items() if k.startswith("module.")}
+    model.load_state_dict(weights)
+    model.to(info.device).eval()
+    _, eval_ds = task.build_datasets()
+    from torch.utils.data import DataLoader  # noqa: PLC0415
+
+    from tasks.common.data import ResumableSampler  # noqa: PLC0415
+
+    bs = int(cfg.data.get("eval_batch_size", cfg.data.batch_size))
+    sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
+                               drop_last=False)
+    loader = DataLoader(eval_ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
+                        num_workers=int(cfg.trainer.get("num_workers", 0)))
+    precision = cfg.trainer.get("precision", "auto")
+    precision = ("bf16" if info.device.type == "cuda" else "fp32") if precision == "auto" else precision
+    with _precision_context(precision, info.device):
+        return task.evaluate(model, loader, info.device, info)
+
+
+def main(argv: list[str]) -> int:
+    ckpt = next((a.split("=", 1)[1] for a in argv if a.startswith("ckpt=")), None)
+    if ckpt is None:
+        print("usage: python eval.py ckpt=PATH [use_ema=false] [key=value ...]", file=sys.stderr)
+        return 2
+    use_ema = not any(a.lower() in ("use_ema=false", "use_ema=0") for a in argv)
+    overrides = [a for a in argv if not a.startswith(("ckpt=", "use_ema="))]
+    metrics = evaluate_checkpoint(ckpt, overrides, use_ema)
+    print("final: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
