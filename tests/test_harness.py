@@ -165,3 +165,22 @@ def test_every_model_and_attention_trains_two_steps_on_imagefolder(model, attn, 
     ]
     metrics = run(make_cfg(overrides), tmp_path)
     assert 0.0 <= metrics["top1"] <= 1.0 and math.isfinite(metrics["loss"])
+
+
+@pytest.mark.parametrize("model", ["vlt_t", "vlt_s"])
+@pytest.mark.parametrize("attn", ["mhla", "rala", "linear"])
+def test_vlt_trains_two_steps(model, attn, tmp_path):
+    overrides = TINY[:3] + [
+        f"model={model}", f"attn={attn}", "trainer.max_steps=2", "data.limit=16", "data.eval_limit=16",
+        "data.batch_size=8", "model.img_size=32", "model.input_size=32", "model.in_chans=1", "model.num_classes=10",
+        "model.stage_num_blocks=[4,4]",
+    ]
+    metrics = run(make_cfg(overrides), tmp_path)
+    assert 0.0 <= metrics["top1"] <= 1.0
+
+
+def test_vlt_bad_stage_blocks():
+    from tasks.common.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="VLT stage 1"):
+        validate_config(make_cfg(["model=vlt_t", "model.img_size=32"]))

@@ -20,7 +20,17 @@ class ClassificationTask(Task):
             from models.vit import build_vit  # noqa: PLC0415
 
             return build_vit(self.cfg.model, self.cfg.attn)
-        raise ValueError(f"model.kind={kind!r} is not a classification model (vit)")
+        if kind == "vlt":
+            from omegaconf import OmegaConf  # noqa: PLC0415
+
+            from models.vlt import build_vlt  # noqa: PLC0415
+
+            m = self.cfg.model
+            attn = OmegaConf.to_container(self.cfg.attn, resolve=True)
+            return build_vlt(m.variant, linear_attn=attn, img_size=int(m.img_size), num_classes=int(m.num_classes),
+                             in_chans=int(m.get("in_chans", 3)), head_dim=int(m.get("head_dim", 2048)),
+                             stage_num_blocks=tuple(m.stage_num_blocks), drop_path_rate=m.get("drop_path_rate"))
+        raise ValueError(f"model.kind={kind!r} is not a classification model (vit | vlt)")
 
     def describe_model(self, model: nn.Module) -> str:
         return f"{self.cfg.model.name} with {self.cfg.attn.name} attention"

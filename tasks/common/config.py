@@ -34,6 +34,19 @@ def check_attention_fits_model(cfg) -> None:
     if supported is not None and attn.name not in supported:
         raise ConfigError(
             f"model={cfg.model.name} cannot take attn={attn.name}; it supports {list(supported)}")
+    if cfg.model.get("kind") == "vlt" and attn.name == "mhla":
+        from mhla.layouts import layout_from_num_blocks  # noqa: PLC0415
+
+        size = int(cfg.model.img_size)
+        blocks = attn.get("num_blocks")
+        for stage, (grid, m) in enumerate(zip((size // 4, size // 8), cfg.model.stage_num_blocks)):
+            try:
+                layout_from_num_blocks((grid, grid), int(blocks if blocks is not None else m))
+            except ValueError as e:
+                raise ConfigError(
+                    f"VLT stage {stage + 1} has a {grid}x{grid} token grid that M={blocks or m} blocks do not tile "
+                    f"({e}); set model.stage_num_blocks (defaults [49, 16] at 224 px) or model.img_size") from None
+        return
     grid = _token_grid(cfg.model)
     if grid is None or attn.name != "mhla":
         return
