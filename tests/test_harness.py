@@ -184,3 +184,11 @@ def test_vlt_bad_stage_blocks():
 
     with pytest.raises(ConfigError, match="VLT stage 1"):
         validate_config(make_cfg(["model=vlt_t", "model.img_size=32"]))
+
+
+def test_wandb_offline_logging(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    overrides = [o for o in TINY if o != "logger=none"] + ["trainer.max_steps=1", "logger.run_name=test"]
+    run(make_cfg(overrides), tmp_path)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, "no offline W&B run directory was written"
