@@ -126,6 +126,12 @@ class Trainer:
         if strategy == "fsdp":
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
 
+            if self.device.type != "cuda":
+                raise ValueError("trainer.strategy=fsdp needs CUDA GPUs; use trainer.strategy=ddp on CPU")
+            if self.tcfg.get("ema", {}).get("enabled", False):
+                raise ValueError("trainer.strategy=fsdp does not support EMA yet; set trainer.ema.enabled=false "
+                                 "or use trainer.strategy=ddp")
+
             return FSDP(model, device_id=self.device if self.device.type == "cuda" else None,
                         use_orig_params=True)
         raise ValueError(f"trainer.strategy must be ddp or fsdp, got {strategy!r}")
@@ -166,17 +172,8 @@ class Trainer:
                     int(math.ceil(float(max_epochs) * steps_per_epoch)) if max_epochs else math.inf)
         total = int(total)
 
-        ema = None
-        if tcfg.get("ema", {}).get("enabled", False):
-            ema = ModelEMA(model, decay=tcfg.ema.decay, warmup=tcfg.ema.get("warmup", True))
-        wrapped = self._wrap(model)
-        optimizer = build_optimizer(wrapped, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.sched, total, steps_per_epoch)
-        scaler = torch.amp.GradScaler(enabled=self.precision == "fp16" and self.device.type == "cuda")
-
-        ckpt = CheckpointManager(self.run_dir / "checkpoints", monitor=self.task.monitor,
-                                 mode=self.task.monitor_mode)
-        step = 0
+        # Resume: read the checkpoint before wrapping, so full (unsharded) weights load into the plain model.
+        state, step = None, 0
         resume = tcfg.get("resume")
         if resume:
             path = self.run_dir / "checkpoints" / "last.pt" if resume in (True, "auto", "last") else Path(resume)
@@ -185,17 +182,35 @@ class Trainer:
             else:
                 state = load_checkpoint(path, map_location=self.device)
                 model.load_state_dict(state["model"])
-                optimizer.load_state_dict(state["optimizer"])
-                scheduler.load_state_dict(state["scheduler"])
-                if ema is not None and state.get("ema") is not None:
-                    ema.load_state_dict(state["ema"])
-                if state.get("scaler"):
-                    scaler.load_state_dict(state["scaler"])
-                set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)]
-                              if isinstance(state["rng"], list) else state["rng"])
-                ckpt.best = state.get("best_metric")
                 step = int(state["step"])
                 self._print(f"resumed from {path} at step {step}")
+
+        ema = None
+        if tcfg.get("ema", {}).get("enabled", False):
+            ema = ModelEMA(model, decay=tcfg.ema.decay, warmup=tcfg.ema.get("warmup", True))
+        wrapped = self._wrap(model)
+        self._wrapped = wrapped
+        optimizer = build_optimizer(wrapped, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.sched, total, steps_per_epoch)
+        scaler = torch.amp.GradScaler(enabled=self.precision == "fp16" and self.device.type == "cuda")
+        ckpt = CheckpointManager(self.run_dir / "checkpoints", monitor=self.task.monitor,
+                                 mode=self.task.monitor_mode)
+        if state is not None:
+            optim_state = state["optimizer"]
+            if type(wrapped).__name__ == "FullyShardedDataParallel":
+                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
+
+                optim_state = FSDP.optim_state_dict_to_load(wrapped, optimizer, optim_state)
+            optimizer.load_state_dict(optim_state)
+            scheduler.load_state_dict(state["scheduler"])
+            if ema is not None and state.get("ema") is not None:
+                ema.load_state_dict(state["ema"])
+            if state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)]
+                          if isinstance(state["rng"], list) else state["rng"])
+            ckpt.best = state.get("best_metric")
+            del state
 
         from omegaconf import OmegaConf  # noqa: PLC0415
 
@@ -302,11 +317,12 @@ class Trainer:
             gathered = [None] * self.dist.world_size
             dist.all_gather_object(gathered, rngs)
             rngs = gathered
+        model_state, optim_state = self._full_state(model, optimizer)
         if not self.dist.is_main:
             return
         state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
             "ema": ema.state_dict() if ema is not None else None,
@@ -315,6 +331,18 @@ class Trainer:
             "config": self.cfg_container(),
         }
         ckpt.save(state, metrics)
+
+    def _full_state(self, model, optimizer):
+        """Model and optimizer state dicts, gathered to full tensors on rank 0 under FSDP."""
+        wrapped = getattr(self, "_wrapped", None)
+        if wrapped is None or type(wrapped).__name__ != "FullyShardedDataParallel":
+            return model.state_dict(), optimizer.state_dict()
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType  # noqa: PLC0415
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
+
+        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, cfg):
+            return wrapped.state_dict(), FSDP.optim_state_dict(wrapped, optimizer)
 
     def cfg_container(self):
         from omegaconf import OmegaConf  # noqa: PLC0415
