@@ -167,8 +167,10 @@ def test_every_model_and_attention_trains_two_steps_on_imagefolder(model, attn, 
     assert 0.0 <= metrics["top1"] <= 1.0 and math.isfinite(metrics["loss"])
 
 
-@pytest.mark.parametrize("model", ["vlt_t", "vlt_s"])
-@pytest.mark.parametrize("attn", ["mhla", "rala", "linear"])
+@pytest.mark.parametrize(
+    "model,attn",
+    [("vlt_t", a) for a in ["softmax", "linear", "mhla", "focused", "inline", "mala", "rala"]] + [("vlt_s", "mhla")],
+)
 def test_vlt_trains_two_steps(model, attn, tmp_path):
     overrides = TINY[:3] + [
         f"model={model}", f"attn={attn}", "trainer.max_steps=2", "data.limit=16", "data.eval_limit=16",
@@ -192,3 +194,17 @@ def test_wandb_offline_logging(tmp_path, monkeypatch):
     run(make_cfg(overrides), tmp_path)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs, "no offline W&B run directory was written"
+
+
+def test_hf_imagefolder_format(fake_imagefolder, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    overrides = [
+        "task=imagenet", "model=deit_t", "attn=mhla", f"data.root={fake_imagefolder}", "data.format=hf",
+        "logger=none", "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.num_workers=0",
+        "data.batch_size=4", "data.eval_batch_size=8", "model.img_size=32", "model.input_size=32",
+        "model.pad_to=32", "model.patch_size=8", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
+        "model.num_classes=4", "model.mhla_num_blocks=4",
+    ]
+    metrics = run(make_cfg(overrides), tmp_path)
+    assert 0.0 <= metrics["top1"] <= 1.0
