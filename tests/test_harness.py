@@ -208,3 +208,10 @@ def test_hf_imagefolder_format(fake_imagefolder, tmp_path, monkeypatch):
     ]
     metrics = run(make_cfg(overrides), tmp_path)
     assert 0.0 <= metrics["top1"] <= 1.0
+
+
+def test_attention_a_model_cannot_take(tmp_path):
+    from tasks.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot take attn=mhla"):
+        run(make_cfg(TINY + ["model.attentions=[softmax]"]), tmp_path)

@@ -164,6 +164,14 @@ class Trainer:
         sampler = ResumableSampler(len(train_ds), bs, rank=self.dist.rank, world_size=self.dist.world_size,
                                    shuffle=True, seed=seed, repeats=int(cfg.data.get("repeated_aug", 1) or 1))
         steps_per_epoch = sampler.batches_per_epoch
+        global_batch = bs * self.dist.world_size
+        recipe_batch = cfg.task.get("global_batch")
+        self._print(f"data: {len(train_ds)} train samples, global batch {global_batch} "
+                    f"({bs} x {self.dist.world_size} processes), {steps_per_epoch} steps per epoch")
+        if recipe_batch and int(recipe_batch) != global_batch:
+            self._print(f"WARNING: the recipe's global batch is {recipe_batch} but this run uses {global_batch}; "
+                        f"set data.batch_size={int(recipe_batch) // self.dist.world_size} or scale optim.lr "
+                        f"(linear scaling: lr x {global_batch / int(recipe_batch):.3g})")
         max_steps = tcfg.get("max_steps")
         max_epochs = tcfg.get("max_epochs")
         if max_steps is None and max_epochs is None:
