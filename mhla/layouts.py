@@ -4,18 +4,22 @@ The ops take tokens in *block-major* order (block ``b`` holds tokens ``b*C ... (
 produce them in *raster* order (row-major over the grid; frame-major ``(f, h, w)`` for video), optionally
 after some prefix tokens (class / register tokens). :class:`BlockLayout` converts between the two.
 
-Blocks tile the grid exactly: a grid that the block shape does not divide raises a ``ValueError`` naming
-the axis. We chose an error over implicit padding so that no masked tokens ever enter the summaries; a
-model that needs another size pads its *input* (the paper's DeiT pads 224 px images to 256 px).
+Order inside block-major: tokens of one block keep the raster order of the block; blocks are ordered in
+raster order of the block grid. Example, a 4 x 4 grid in 2 x 2 blocks: block 0 holds raster tokens
+0, 1, 4, 5; block 1 holds 2, 3, 6, 7; and so on.
 
-Inside a block, tokens keep the raster order of the block; blocks are ordered in raster order of the
-block grid.
+Blocks tile the grid exactly. A grid that the block shape does not divide raises a ``ValueError`` naming
+the axis: we chose an ERROR over implicit padding, so that no padded tokens ever enter the block summaries.
+A model that needs another size pads its *input* (the paper's DeiT pads 224 px images to 256 px, so
+16 x 16 patches form 4 x 4 blocks). A 1-D *causal* sequence may end in a partial block; the ops handle that
+from ``block_size`` alone (:func:`num_blocks_for`), and this class is not needed there.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -23,36 +27,68 @@ import torch
 _AXES = {1: ("length",), 2: ("height", "width"), 3: ("frames", "height", "width")}
 
 
+# ------------------------------------------------------------------------------------------ helpers
 def num_blocks_for(seq_len: int, block_size: int) -> int:
     """Blocks covering ``seq_len`` tokens when the last block may be partial (causal 1-D sequences)."""
-    return math.ceil(seq_len / block_size)
+    seq_len, block_size = _as_int(seq_len, "seq_len"), _as_int(block_size, "block_size")
+    if seq_len < 0 or block_size < 1:
+        raise ValueError(
+            f"need seq_len >= 0 and block_size >= 1, got seq_len={seq_len}, block_size={block_size}"
+        )
+    return -(-seq_len // block_size)
+
+
+def _as_int(value, what: str) -> int:
+    """``value`` as a python int; floats (even 4.0) and bools are rejected so typos surface early."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
+def _as_int_tuple(values, what: str) -> tuple[int, ...]:
+    if isinstance(values, (int, bool)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{what} must be a tuple of ints such as (16, 16), got {values!r}")
+    return tuple(_as_int(v, f"{what} entry") for v in values)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@functools.lru_cache(maxsize=256)
-def _permutation(grid: tuple[int, ...], block: tuple[int, ...]) -> torch.Tensor:
-    """``perm[j]`` = raster index of the token at block-major position ``j``."""
+@functools.cache
+def _cached_permutation(grid: tuple[int, ...], block: tuple[int, ...]) -> torch.Tensor:
+    """``perm[j]`` = raster index of the token at block-major position ``j`` (do not modify: cached)."""
     nd = len(grid)
     counts = [g // b for g, b in zip(grid, block)]
     raster = torch.arange(math.prod(grid)).reshape(grid)
-    # split every axis into (block index, offset in block) and bring block indices first
-    shape = [x for c, b in zip(counts, block) for x in (c, b)]
-    split = raster.reshape(shape)
+    # split every axis into (block index, offset in block), then bring the block indices first
+    split = raster.reshape([x for c, b in zip(counts, block) for x in (c, b)])
     order = list(range(0, 2 * nd, 2)) + list(range(1, 2 * nd, 2))
     return split.permute(order).reshape(-1).contiguous()
 
 
+@functools.cache
+def _cached_inverse_permutation(grid: tuple[int, ...], block: tuple[int, ...]) -> torch.Tensor:
+    """``inv[r]`` = block-major position of raster token ``r`` (do not modify: cached)."""
+    return torch.argsort(_cached_permutation(grid, block))
+
+
+# ------------------------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
 class BlockLayout:
-    """Tiling of a 1-D, 2-D or 3-D token grid into equal blocks.
+    """Tiling of a 1-D, 2-D or 3-D token grid into equal blocks (immutable, hashable).
 
     Attributes:
-        grid: ``(T,)``, ``(H, W)`` or ``(F, H, W)`` grid tokens (prefix tokens excluded).
-        block: tokens per block along each axis (same rank as ``grid``).
-        num_prefix_tokens: class / register tokens in front of the grid tokens.
+        grid: ``(T,)``, ``(H, W)`` or ``(F, H, W)``: grid tokens per axis (prefix tokens excluded).
+        block: tokens per block along each axis (same rank as ``grid``; must divide it).
+        num_prefix_tokens: class / register tokens in front of the grid tokens (not in any block).
+
+    Raises:
+        ValueError: on a rank other than 1-3, mismatched ranks, non-positive or non-integer sizes, or a
+            grid axis that the block does not divide (the message names the axis and its divisors).
     """
 
     grid: tuple[int, ...]
@@ -60,144 +96,192 @@ class BlockLayout:
     num_prefix_tokens: int = 0
 
     def __post_init__(self):
-        grid, block = tuple(int(g) for g in self.grid), tuple(int(b) for b in self.block)
+        grid, block = _as_int_tuple(self.grid, "grid"), _as_int_tuple(self.block, "block")
         object.__setattr__(self, "grid", grid)
         object.__setattr__(self, "block", block)
-        if len(grid) not in (1, 2, 3):
-            raise ValueError(f"grid must have 1, 2 or 3 dims, got {grid}")
+        object.__setattr__(self, "num_prefix_tokens", _as_int(self.num_prefix_tokens, "num_prefix_tokens"))
+        if len(grid) not in _AXES:
+            raise ValueError(f"grid must have 1, 2 or 3 dims ((T,), (H, W) or (F, H, W)), got {grid}")
         if len(block) != len(grid):
-            raise ValueError(f"block {block} must have the same rank as grid {grid}")
+            raise ValueError(f"block {block} must have the same rank as grid {grid} (one size per axis)")
         if self.num_prefix_tokens < 0:
             raise ValueError(f"num_prefix_tokens must be >= 0, got {self.num_prefix_tokens}")
         for axis, g, b in zip(_AXES[len(grid)], grid, block):
-            if g < 1 or b < 1:
-                raise ValueError(f"grid and block sizes must be positive, got grid {grid}, block {block}")
+            if g < 1:
+                raise ValueError(f"grid {axis} must be positive, got {g} (grid {grid})")
+            if b < 1:
+                raise ValueError(f"block {axis} must be positive, got {b} (block {block})")
             if g % b:
                 raise ValueError(
                     f"grid {axis} {g} is not divisible by block {axis} {b}; choose a block that tiles the "
                     f"grid (divisors of {g}: {', '.join(map(str, _divisors(g)))}) or pad the input"
                 )
 
-    # ------------------------------------------------------------------------------------- sizes
+    # ---------------------------------------------------------------------------------------- sizes
     @property
     def ndim(self) -> int:
+        """Rank of the grid: 1, 2 or 3."""
         return len(self.grid)
 
     @property
     def num_tokens(self) -> int:
-        """Grid tokens (prefix tokens excluded)."""
+        """``N``: grid tokens (prefix tokens excluded)."""
         return math.prod(self.grid)
 
     @property
     def block_size(self) -> int:
-        """Tokens per block ``C``."""
+        """``C``: tokens per block, ``prod(block)``."""
         return math.prod(self.block)
 
     @property
     def blocks_per_axis(self) -> tuple[int, ...]:
+        """Shape of the block grid: ``grid[i] // block[i]`` per axis."""
         return tuple(g // b for g, b in zip(self.grid, self.block))
 
     @property
     def num_blocks(self) -> int:
-        """``M``."""
+        """``M``: number of blocks (token-level heads)."""
         return math.prod(self.blocks_per_axis)
 
-    # -------------------------------------------------------------------------------- permutation
+    # ---------------------------------------------------------------------------------- permutation
     def permutation(self) -> torch.Tensor:
-        """LongTensor ``[num_tokens]``: raster index of the token at each block-major position."""
-        return _permutation(self.grid, self.block)
+        """LongTensor ``[N]``: ``perm[j]`` = raster index of the token at block-major position ``j``.
+
+        ``x_raster[:, perm]`` is block-major.
+        """
+        return _cached_permutation(self.grid, self.block).clone()
 
     def inverse_permutation(self) -> torch.Tensor:
-        """LongTensor ``[num_tokens]``: block-major position of each raster token."""
-        return torch.argsort(self.permutation())
+        """LongTensor ``[N]``: block-major position of each raster token (``x_blocked[:, inv]`` is raster)."""
+        return _cached_inverse_permutation(self.grid, self.block).clone()
 
     def raster_to_block_major(self, x: torch.Tensor) -> torch.Tensor:
-        """Grid tokens ``[B, N, ...]`` raster -> block-major, with reshape/permute (no gather: cheap backward)."""
-        B, rest = x.shape[0], x.shape[2:]
-        nd = self.ndim
-        split = [v for c, b in zip(self.blocks_per_axis, self.block) for v in (c, b)]
-        x = x.reshape(B, *split, *rest)
+        """Grid tokens ``[B, N, ...]`` raster -> block-major ``[B, N, ...]``.
+
+        Uses reshape/permute instead of a gather (same result as ``x[:, perm]``, cheaper backward).
+        """
+        self._check_grid_len(x, "raster")
+        B, rest, nd = x.shape[0], x.shape[2:], self.ndim
+        x = x.reshape(B, *[v for c, b in zip(self.blocks_per_axis, self.block) for v in (c, b)], *rest)
         order = [0] + [1 + 2 * i for i in range(nd)] + [2 + 2 * i for i in range(nd)]
         order += list(range(1 + 2 * nd, x.dim()))
         return x.permute(order).reshape(B, self.num_tokens, *rest)
 
     def block_major_to_raster(self, x: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`raster_to_block_major`."""
-        B, rest = x.shape[0], x.shape[2:]
-        nd = self.ndim
+        """Grid tokens ``[B, N, ...]`` block-major -> raster; inverse of :meth:`raster_to_block_major`."""
+        self._check_grid_len(x, "block-major")
+        B, rest, nd = x.shape[0], x.shape[2:], self.ndim
         x = x.reshape(B, *self.blocks_per_axis, *self.block, *rest)
         order = [0] + [v for i in range(nd) for v in (1 + i, 1 + nd + i)] + list(range(1 + 2 * nd, x.dim()))
         return x.permute(order).reshape(B, self.num_tokens, *rest)
 
     def to_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x: [B, P + N, ...]`` (raster, prefix first) -> ``(prefix [B, P, ...], grid [B, N, ...])`` with
-        the grid tokens in block-major order."""
-        self._check_len(x)
+        """Split off the prefix and reorder the grid tokens to block-major.
+
+        Args:
+            x: ``[B, P + N, ...]`` in raster order, prefix tokens first.
+
+        Returns:
+            ``(prefix [B, P, ...], x_blocked [B, N, ...])``; with ``P = 0`` the prefix is an empty slice.
+        """
+        want = self.num_prefix_tokens + self.num_tokens
+        if x.dim() < 2 or x.shape[1] != want:
+            raise ValueError(
+                f"expected x of shape [B, {want}, ...] ({self.num_prefix_tokens} prefix + {self.num_tokens} "
+                f"grid tokens of grid {self.grid}), got {tuple(x.shape)}; check the grid size and the "
+                f"number of class / register tokens"
+            )
         P = self.num_prefix_tokens
         return x[:, :P], self.raster_to_block_major(x[:, P:])
 
     def from_blocks(self, prefix: torch.Tensor, x_blocked: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`to_blocks`: ``[B, P + N, ...]`` in raster order."""
-        if x_blocked.shape[1] != self.num_tokens:
-            raise ValueError(f"expected {self.num_tokens} block-major tokens, got {x_blocked.shape[1]}")
+        """Inverse of :meth:`to_blocks`.
+
+        ``prefix [B, P, ...]``, ``x_blocked [B, N, ...]`` -> ``[B, P + N, ...]``, raster order, prefix first.
+        """
+        self._check_grid_len(x_blocked, "block-major")
+        if prefix.dim() < 2 or prefix.shape[1] != self.num_prefix_tokens:
+            raise ValueError(
+                f"expected prefix of shape [B, {self.num_prefix_tokens}, ...], got {tuple(prefix.shape)}; "
+                f"pass the prefix returned by to_blocks (x[:, :0] when there is none)"
+            )
+        if prefix.shape[0] != x_blocked.shape[0] or prefix.shape[2:] != x_blocked.shape[2:]:
+            raise ValueError(
+                f"prefix {tuple(prefix.shape)} and x_blocked {tuple(x_blocked.shape)} must agree on every "
+                f"dim except dim 1"
+            )
         return torch.cat([prefix, self.block_major_to_raster(x_blocked)], dim=1)
 
-    def _check_len(self, x: torch.Tensor) -> None:
-        want = self.num_prefix_tokens + self.num_tokens
-        if x.dim() < 2 or x.shape[1] != want:
+    def _check_grid_len(self, x: torch.Tensor, order: str) -> None:
+        if x.dim() < 2 or x.shape[1] != self.num_tokens:
             raise ValueError(
-                f"expected [B, {want}, ...] ({self.num_prefix_tokens} prefix + {self.num_tokens} grid tokens "
-                f"of grid {self.grid}), got shape {tuple(x.shape)}"
+                f"expected {order} grid tokens of shape [B, {self.num_tokens}, ...] (grid {self.grid}, no "
+                f"prefix tokens), got {tuple(x.shape)}"
             )
 
-    # ----------------------------------------------------------------------------- block geometry
+    # ------------------------------------------------------------------------------- block geometry
     def block_centers(self) -> torch.Tensor:
-        """float64 ``[M, ndim]``: block centres in block-grid units (block ``(i, j)`` -> ``(i + .5, j + .5)``)."""
+        """float64 ``[M, ndim]``: block centres in block-grid units, blocks in block-major order.
+
+        Block ``(i, j)`` has centre ``(i + 0.5, j + 0.5)``.
+        """
         axes = [torch.arange(c, dtype=torch.float64) + 0.5 for c in self.blocks_per_axis]
         mesh = torch.meshgrid(*axes, indexing="ij")
         return torch.stack([m.reshape(-1) for m in mesh], dim=-1)
 
     def block_distances(self) -> torch.Tensor:
-        """float64 ``[M, M]`` Euclidean distances between block centres."""
+        """float64 ``[M, M]``: Euclidean distances between block centres (exact: zero diagonal, symmetric)."""
         c = self.block_centers()
-        return torch.cdist(c, c)
+        return torch.cdist(c, c, compute_mode="donot_use_mm_for_euclid_dist")
 
     def block_index(self) -> torch.Tensor:
-        """LongTensor ``[num_tokens]``: block id of each block-major token."""
+        """LongTensor ``[N]``: block id of each block-major token (``arange(N) // block_size``)."""
         return torch.arange(self.num_tokens) // self.block_size
 
     def token_block_ids_raster(self) -> torch.Tensor:
-        """LongTensor ``[num_tokens]``: block id of each raster-order token."""
-        return self.block_index()[self.inverse_permutation()]
+        """LongTensor ``[N]``: block id of each raster-order token."""
+        return self.block_index()[_cached_inverse_permutation(self.grid, self.block)]
 
 
+# ------------------------------------------------------------------------------------- constructors
 def layout_1d(seq_len: int, block_size: int, num_prefix_tokens: int = 0) -> BlockLayout:
+    """``seq_len`` tokens in contiguous blocks of ``block_size`` (must divide; see :func:`num_blocks_for`)."""
     return BlockLayout((seq_len,), (block_size,), num_prefix_tokens)
 
 
 def layout_2d(height: int, width: int, block_h: int, block_w: int | None = None,
               num_prefix_tokens: int = 0) -> BlockLayout:
-    return BlockLayout((height, width), (block_h, block_w or block_h), num_prefix_tokens)
+    """``height x width`` grid in ``block_h x block_w`` tiles (``block_w`` defaults to ``block_h``)."""
+    return BlockLayout((height, width), (block_h, block_h if block_w is None else block_w), num_prefix_tokens)
 
 
 def layout_3d(frames: int, height: int, width: int, block_f: int, block_h: int, block_w: int,
               num_prefix_tokens: int = 0) -> BlockLayout:
+    """Video grid ``(frames, height, width)`` (frame-major) in ``block_f x block_h x block_w`` tiles."""
     return BlockLayout((frames, height, width), (block_f, block_h, block_w), num_prefix_tokens)
 
 
 def layout_from_num_blocks(grid, num_blocks: int, num_prefix_tokens: int = 0) -> BlockLayout:
-    """Split ``grid`` into ``num_blocks`` equal blocks, as evenly over the axes as possible.
+    """Split ``grid`` into ``num_blocks`` blocks with the same number of blocks along every axis.
 
-    1-D: ``num_blocks`` chunks. 2-D / 3-D: ``num_blocks`` must be a perfect square / cube with each root
-    dividing its axis (e.g. a 16 x 16 grid with ``num_blocks=16`` -> 4 x 4 blocks of 4 x 4 tokens).
+    1-D: ``num_blocks`` chunks. 2-D / 3-D: ``num_blocks`` must be a perfect square / cube whose root
+    divides every axis (a 16 x 16 grid with ``num_blocks=16`` -> 4 x 4 blocks of 4 x 4 tokens; 56 x 56 with
+    49 -> 7 x 7 blocks of 8 x 8). Other splits (e.g. the paper's video M = 105): build
+    :class:`BlockLayout` with an explicit ``block``.
     """
-    grid = tuple(int(g) for g in grid)
+    grid = _as_int_tuple(grid, "grid")
+    num_blocks = _as_int(num_blocks, "num_blocks")
     nd = len(grid)
+    if nd not in _AXES:
+        raise ValueError(f"grid must have 1, 2 or 3 dims, got {grid}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     per_axis = round(num_blocks ** (1 / nd))
     if per_axis**nd != num_blocks:
+        shape = {2: "perfect square (4, 16, 49, 64, ...)", 3: "perfect cube (8, 27, 64, ...)"}[nd]
         raise ValueError(
-            f"num_blocks={num_blocks} cannot split the {nd}-D grid {grid} evenly: it must be a "
-            f"{['', 'positive int', 'perfect square', 'perfect cube'][nd]} (or give block=... explicitly)"
+            f"num_blocks={num_blocks} cannot split the {nd}-D grid {grid} into equal blocks with the same "
+            f"count per axis: it must be a {shape}; or build BlockLayout(grid, block) with an explicit block"
         )
     for axis, g in zip(_AXES[nd], grid):
         if g % per_axis:

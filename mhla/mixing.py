@@ -1,45 +1,85 @@
-"""The mixing matrix ``Mc`` (``[M, M]``, row ``i`` = query block ``i``): initialisations and the learnable module.
+"""The mixing matrix ``Mc`` (``[M, M]``, row ``i`` = query block ``i``): initialisations, learnable module.
 
-Nonnegativity. The paper clips the coefficients to (0, 1) during training. :class:`MixingMatrix` follows it
-by default (``parameterization="clamp"``): the forward returns ``raw.clamp(0, max_value)`` with a
-straight-through gradient, and the training loop calls :meth:`MixingMatrix.project_` after every optimizer
-step, which clamps the stored values in place, so an entry pushed below 0 is reset to 0 and can grow again
-(a plain clamp in the forward would leave entries at 0 or 1 stuck: torch's clamp has zero gradient at its
-bounds, and the locality init puts zeros on every row). ``parameterization="softplus"`` is the smooth alternative:
-``softplus(raw)``, always positive, no projection needed.
+Initialisations (:func:`mixing_init`): the paper's locality init (SPEC.md 1.5, row-normalised, per-row max
+distance), the authors' release variant (global max distance, column-normalised) as ``locality_official``,
+and the ablation inits (uniform, identity, cos, exp, gaussian, local).
+
+Nonnegativity (:class:`MixingMatrix`). The paper clips the coefficients to (0, 1) during training, so the
+default ``parameterization="clamp"`` does the same: the forward returns ``raw.clamp(0, max_value)``, and
+the training loop calls :meth:`MixingMatrix.project_` after every optimizer step to clamp the stored values
+in place (projected gradient descent). The clamp in the forward is *straight-through* (value clipped,
+gradient passed unchanged) because torch's clamp has zero gradient at its bounds, and the locality init puts
+exact zeros on every row (the farthest block) and causal inits put exact ones on row 0: with a plain clamp
+those entries could never move. ``parameterization="softplus"`` is the smooth alternative: ``softplus(raw)``
+is always positive and needs no projection, at the cost of not matching the paper's clipping.
 
 Causal use (language models). Coefficients exist for any number of blocks: ``M`` blocks have their own
-learned rows; beyond them the *relative-distance rule* applies (:meth:`MixingMatrix.forward`), so a
+learned rows, later blocks follow the *relative-distance rule* (:meth:`MixingMatrix.forward`), so a
 sequence is never capped by a parameter shape (the authors' release stops at 32 x 64 = 2048 tokens).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 INIT_KINDS = ("locality", "locality_official", "uniform", "identity", "cos", "exp", "gaussian", "local")
+NORMALIZE_MODES = ("row", "col", "none")
+PARAMETERIZATIONS = ("clamp", "softplus")
 
 
+# --------------------------------------------------------------------------------- initialisations
 def distances_1d(num_blocks: int) -> torch.Tensor:
     """float64 ``[M, M]``: ``|i - j|`` between contiguous 1-D blocks."""
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     i = torch.arange(num_blocks, dtype=torch.float64)
     return (i[:, None] - i[None, :]).abs()
 
 
 def _normalize(w: torch.Tensor, how: str) -> torch.Tensor:
+    """Normalise ``w [M, M]`` so rows (``"row"``) or columns (``"col"``) sum to 1; ``"none"`` returns it.
+
+    A row (column) that sums to 0 becomes a 1 on the diagonal.
+    """
     if how == "none":
         return w
-    dim = {"row": 1, "col": 0}.get(how)
-    if dim is None:
-        raise ValueError(f"normalize must be 'row', 'col' or 'none', got {how!r}")
+    dim = 1 if how == "row" else 0
     s = w.sum(dim=dim, keepdim=True)
-    eye = torch.eye(w.shape[0], dtype=w.dtype)
-    w = torch.where(s > 0, w, eye)  # an all-zero row (column) keeps a 1 on its diagonal
+    w = torch.where(s > 0, w, torch.eye(w.shape[0], dtype=w.dtype))
     return w / w.sum(dim=dim, keepdim=True)
+
+
+def _check_distances(distances: torch.Tensor) -> torch.Tensor:
+    if not torch.is_tensor(distances) or distances.dim() != 2 or distances.shape[0] != distances.shape[1]:
+        shape = tuple(distances.shape) if torch.is_tensor(distances) else type(distances).__name__
+        raise ValueError(
+            f"distances must be a square [M, M] tensor (BlockLayout.block_distances() or distances_1d(M)), "
+            f"got {shape}"
+        )
+    d = distances.detach().to("cpu", torch.float64)
+    if d.shape[0] == 0 or not torch.isfinite(d).all() or (d < 0).any():
+        raise ValueError("distances must be non-empty, finite and nonnegative")
+    return d
+
+
+def _locality(d: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """``1 - d(i, j) / max_{k visible} d(i, k)``; a row whose max is 0 gets a 1 on its diagonal."""
+    row_max = d.masked_fill(~visible, 0).amax(dim=1, keepdim=True)
+    eye = torch.eye(d.shape[0], dtype=d.dtype)
+    return torch.where(row_max > 0, 1 - d / row_max.clamp_min(1e-300), eye)
+
+
+def _uniform(M: int, causal: bool) -> torch.Tensor:
+    """``1/M`` everywhere, or ``1/(i+1)`` on ``j <= i`` when causal (the release's LM init)."""
+    if not causal:
+        return torch.full((M, M), 1.0 / M, dtype=torch.float64)
+    counts = torch.arange(1, M + 1, dtype=torch.float64).unsqueeze(1)
+    return torch.ones(M, M, dtype=torch.float64).tril() / counts
 
 
 def mixing_init(
@@ -52,43 +92,62 @@ def mixing_init(
     local_threshold: float = 1.5,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Initial mixing matrix ``[M, M]`` (nonnegative) from block-centre distances ``[M, M]``.
+    """Initial mixing matrix ``[M, M]`` (nonnegative) from block-centre distances ``d [M, M]``.
 
     Kinds (SPEC.md 1.5 and the ablations):
         ``locality`` (paper default): ``1 - d(i, j) / max_k d(i, k)``, max over the row (over the visible
-            blocks ``k <= i`` when causal); a row whose max is 0 gets 1 on the diagonal.
-        ``locality_official``: the release: ``1 - d / d.max()`` (global max), COLUMNS normalised to 1.
+            blocks ``k <= i`` when causal, so causal row 0 is ``[1, 0, ...]``); a row whose max is 0
+            (``M = 1``) gets 1 on the diagonal.
+        ``locality_official``: the authors' release: ``1 - d / d.max()`` with the GLOBAL max, then each
+            COLUMN normalised to sum 1 (``normalize`` is ignored).
         ``uniform``: ``1/M`` (causal: ``1/(i+1)`` on ``j <= i``, the release's LM init).
         ``identity``: ``eye(M)`` (block-local linear attention).
-        ``cos``: ``cos(d / max d * pi/4)``; ``exp``: ``exp(-d / sigma)`` (sigma 3); ``gaussian``:
-            ``exp(-d^2 / (2 sigma^2))`` (sigma ``max d / 3``); ``local``: ``d <= local_threshold``.
-    ``normalize`` ("row", "col", "none") is applied last, after zeroing ``j > i`` when ``causal``.
+        ``cos``: ``cos(d / max d * pi/4)``; ``exp``: ``exp(-d / sigma)`` (sigma default 3);
+        ``gaussian``: ``exp(-d^2 / (2 sigma^2))`` (sigma default ``max d / 3``);
+        ``local``: ``1`` where ``d <= local_threshold``, else 0.
+
+    Args:
+        kind: one of :data:`INIT_KINDS`.
+        distances: ``[M, M]`` from ``BlockLayout.block_distances()`` or ``distances_1d(M)``.
+        causal: zero the entries ``j > i`` BEFORE normalising (1-D language models).
+        normalize: ``"row"``, ``"col"`` or ``"none"``, applied after the kind's formula. A row (column)
+            summing to 0 keeps a 1 on its diagonal.
+        sigma: width for ``exp`` / ``gaussian``.
+        local_threshold: distance cut-off for ``local``.
+        dtype: dtype of the result (computed in float64).
+
+    Returns:
+        ``[M, M]`` nonnegative tensor of ``dtype``.
     """
     if kind not in INIT_KINDS:
         raise ValueError(f"unknown mixing init {kind!r}; choose one of {', '.join(INIT_KINDS)}")
-    d = distances.to(torch.float64)
+    if normalize not in NORMALIZE_MODES:
+        raise ValueError(f"normalize must be one of {', '.join(NORMALIZE_MODES)}, got {normalize!r}")
+    if sigma is not None and not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    d = _check_distances(distances)
     M = d.shape[0]
-    if d.shape != (M, M):
-        raise ValueError(f"distances must be square [M, M], got {tuple(d.shape)}")
-    visible = torch.ones(M, M, dtype=torch.bool).tril() if causal else torch.ones(M, M, dtype=torch.bool)
-    dmax = d.max() if M > 1 else torch.tensor(1.0, dtype=torch.float64)
-    if kind == "locality":
-        row_max = d.masked_fill(~visible, 0).amax(dim=1, keepdim=True)
-        w = torch.where(row_max > 0, 1 - d / row_max.clamp_min(1e-30), torch.eye(M, dtype=torch.float64))
-    elif kind == "locality_official":
-        w = 1 - d / dmax if M > 1 else torch.ones(1, 1, dtype=torch.float64)
-        w = w.masked_fill(~visible, 0)
+    visible = torch.ones(M, M, dtype=torch.bool)
+    if causal:
+        visible = visible.tril()
+    dmax = float(d.max())
+    dmax_safe = dmax if dmax > 0 else 1.0  # all blocks at distance 0 (M = 1): avoid 0 / 0
+
+    if kind == "locality_official":
+        w = (1 - d / dmax_safe).masked_fill(~visible, 0)
         return _normalize(w, "col").to(dtype)
+    if kind == "locality":
+        w = _locality(d, visible)
     elif kind == "uniform":
-        w = torch.ones(M, M, dtype=torch.float64)
+        w = _uniform(M, causal)
     elif kind == "identity":
         w = torch.eye(M, dtype=torch.float64)
     elif kind == "cos":
-        w = torch.cos(d / dmax * math.pi / 4)
+        w = torch.cos(d / dmax_safe * math.pi / 4)
     elif kind == "exp":
-        w = torch.exp(-d / (sigma if sigma is not None else 3.0))
+        w = torch.exp(-d / (3.0 if sigma is None else sigma))
     elif kind == "gaussian":
-        s = sigma if sigma is not None else float(dmax) / 3
+        s = dmax_safe / 3 if sigma is None else sigma
         w = torch.exp(-(d**2) / (2 * s**2))
     else:  # local
         w = (d <= local_threshold).to(torch.float64)
@@ -96,21 +155,37 @@ def mixing_init(
     return _normalize(w, normalize).to(dtype)
 
 
-def _inverse_softplus(x: torch.Tensor) -> torch.Tensor:
-    return x + torch.log(-torch.expm1(-x))
+# -------------------------------------------------------------------------------------- the module
+def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``softplus(x) = y`` for ``y > 0`` (stable form of ``log(exp(y) - 1)``)."""
+    return y + torch.log(-torch.expm1(-y))
+
+
+def _straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """``x.clamp(low, high)`` in value; gradient of the identity."""
+    return x + (x.clamp(low, high) - x).detach()
 
 
 class MixingMatrix(nn.Module):
     """Learnable (or frozen) nonnegative mixing matrix.
 
     Args:
-        num_blocks: ``M``, the learned size (causal: the blocks with their own learned rows).
-        distances: ``[M, M]`` block-centre distances (default: 1-D ``|i - j|``).
-        init: one of :data:`INIT_KINDS` (see :func:`mixing_init`); ``init_kwargs`` go to it.
+        num_blocks: ``M``, the learned size. Causal: the number of blocks with their own learned rows
+            (``max_learned_blocks``); longer sequences use the relative-distance rule of :meth:`forward`.
+        distances: ``[M, M]`` block-centre distances (default: 1-D ``distances_1d(M)``).
+        init: one of :data:`INIT_KINDS` (see :func:`mixing_init`); ``init_kwargs`` (``normalize``,
+            ``sigma``, ``local_threshold``) are passed to it.
         causal: lower-triangular matrix that extends to any number of blocks.
-        learnable: a parameter (else a buffer: frozen, same forward).
-        num_heads: ``None`` for one shared ``[M, M]``, or ``H`` for per-head ``[H, M, M]`` (same init).
-        parameterization: ``"clamp"`` (paper; with :meth:`project_`) or ``"softplus"``.
+        learnable: a parameter; ``False`` stores a buffer (frozen, kept in the state dict, same forward).
+        num_heads: ``None`` for one shared ``[M, M]``; ``H`` for per-head ``[H, M, M]`` (all heads start
+            from the same init).
+        parameterization: how nonnegativity is kept.
+            ``"clamp"`` (default, the paper's clipping): ``raw`` holds the init values; the forward returns
+            ``raw.clamp(0, max_value)`` with a straight-through gradient, and :meth:`project_` (called by
+            the training loop after each optimizer step) clamps ``raw`` in place, so an entry pushed below 0
+            is reset to 0 and can grow again.
+            ``"softplus"``: ``raw = softplus^-1(max(init, 1e-4))``; the forward returns ``softplus(raw)``
+            (always positive; reproduces the init up to the 1e-4 floor; ``max_value`` is not used).
         max_value: upper clip of the clamp parameterization (the paper clips to (0, 1)).
     """
 
@@ -128,14 +203,16 @@ class MixingMatrix(nn.Module):
         init_kwargs: dict | None = None,
     ):
         super().__init__()
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if parameterization not in ("clamp", "softplus"):
-            raise ValueError(f"parameterization must be 'clamp' or 'softplus', got {parameterization!r}")
+        self._check_args(num_blocks, num_heads, parameterization, max_value, init_kwargs)
+        num_blocks = operator.index(num_blocks)
+        num_heads = None if num_heads is None else operator.index(num_heads)
         if distances is None:
             distances = distances_1d(num_blocks)
         if tuple(distances.shape) != (num_blocks, num_blocks):
-            raise ValueError(f"distances {tuple(distances.shape)} do not match num_blocks={num_blocks}")
+            raise ValueError(
+                f"distances have shape {tuple(distances.shape)} but num_blocks={num_blocks}; pass the "
+                f"[M, M] distances of the same layout (BlockLayout.block_distances())"
+            )
         self.num_blocks = num_blocks
         self.init = init
         self.causal = causal
@@ -152,57 +229,97 @@ class MixingMatrix(nn.Module):
         else:
             self.register_buffer("raw", raw)
 
+    @staticmethod
+    def _check_args(num_blocks, num_heads, parameterization, max_value, init_kwargs) -> None:
+        if not _is_int(num_blocks) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if num_heads is not None and (not _is_int(num_heads) or num_heads < 1):
+            raise ValueError(f"num_heads must be None (shared matrix) or a positive int, got {num_heads!r}")
+        if parameterization not in PARAMETERIZATIONS:
+            raise ValueError(
+                f"parameterization must be one of {', '.join(PARAMETERIZATIONS)}, got {parameterization!r}"
+            )
+        if not max_value > 0:
+            raise ValueError(f"max_value must be > 0, got {max_value}")
+        bad = set(init_kwargs or {}) - {"normalize", "sigma", "local_threshold"}
+        if bad:
+            raise ValueError(
+                f"init_kwargs {sorted(bad)} are not options of mixing_init; use normalize, sigma, "
+                f"local_threshold (causal and distances are arguments of MixingMatrix itself)"
+            )
+
     def learned(self) -> torch.Tensor:
-        """The effective learned block ``[M, M]`` / ``[H, M, M]`` (nonnegative; lower-triangular if causal)."""
+        """Effective learned block ``[M, M]`` / ``[H, M, M]`` (nonnegative; lower-triangular if causal)."""
         if self.parameterization == "clamp":
-            # Straight-through clamp: the value is clipped, the gradient passes as if it were not, so
-            # entries sitting at 0 (the locality init's farthest blocks) still learn; project_() keeps the
-            # stored values feasible. (torch's clamp has zero gradient at both bounds.)
-            w = self.raw + (self.raw.clamp(0, self.max_value) - self.raw).detach()
+            w = _straight_through_clamp(self.raw, 0.0, self.max_value)
         else:
             w = F.softplus(self.raw)
-        if self.causal:
-            w = w.tril()
-        return w
+        return w.tril() if self.causal else w
 
     @torch.no_grad()
     def project_(self) -> None:
-        """Clamp the stored values into ``[0, max_value]`` (clamp parameterization; no-op for softplus)."""
+        """Clamp the stored values into ``[0, max_value]`` in place (clamp parameterization; else a no-op).
+
+        Call after every optimizer step.
+        """
         if self.parameterization == "clamp":
             self.raw.clamp_(0, self.max_value)
 
     def forward(self, num_blocks: int | None = None) -> torch.Tensor:
-        """The effective matrix for ``n = num_blocks`` blocks (default ``M``): ``[n, n]`` or ``[H, n, n]``.
+        """The effective nonnegative matrix for ``n = num_blocks`` blocks (default ``M``).
 
-        ``n <= M``: the top-left corner. ``n > M`` (causal only): the relative-distance rule,
+        Returns ``[n, n]`` (shared) or ``[H, n, n]`` (per head); lower-triangular when causal.
+
+        ``n <= M``: the top-left ``n x n`` corner of the learned matrix ``L``. ``n > M`` (causal only;
+        non-causal layers have exactly one row per block) uses the *relative-distance rule*: rows past the
+        learned ones repeat the last learned row by relative distance,
 
             W[i, b] = L[i, b]                      i < M (learned rows)
             W[i, b] = L[M-1, M-1 - (i - b)]        i >= M, 0 <= i - b <= M-1
-            W[i, b] = L[M-1, 0]                    i >= M, i - b > M-1 (the far past shares the farthest
-                                                   learned coefficient)
+            W[i, b] = L[M-1, 0]                    i >= M, i - b > M-1 (blocks farther back than the
+                                                   learned window share the farthest learned coefficient)
             W[i, b] = 0                            b > i
 
-        i.e. rows past the learned ones repeat the last learned row by relative distance. Differentiable
-        with respect to the learned coefficients.
+        so sequences are never capped by the parameter shape. Built with index gathers, differentiable with
+        respect to the learned coefficients.
         """
         w = self.learned()
         M = self.num_blocks
         n = M if num_blocks is None else int(num_blocks)
+        if n < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {n}")
         if n <= M:
             return w[..., :n, :n]
         if not self.causal:
             raise ValueError(
-                f"this mixing matrix was built for M = {M} blocks, asked for {n}; non-causal MHLA needs one "
+                f"this layer was built for M = {M} blocks, asked for {n}; non-causal MHLA needs one learned "
                 f"row per block (rebuild the layer for the new block grid)"
             )
-        i = torch.arange(n, device=w.device).unsqueeze(1)
-        b = torch.arange(n, device=w.device).unsqueeze(0)
-        rows = torch.where(i < M, i, torch.full_like(i, M - 1)).expand(n, n)
-        cols = torch.where(i < M, b.clamp(max=M - 1), (M - 1 - (i - b)).clamp(0, M - 1))
-        valid = b <= i
-        return w[..., rows, cols] * valid.to(w.dtype)
+        rows, cols, visible = _extension_indices(n, M, w.device)
+        return w[..., rows, cols] * visible.to(w.dtype)
 
     def extra_repr(self) -> str:
-        head = f", per_head={self.num_heads}" if self.num_heads is not None else ""
+        heads = "shared" if self.num_heads is None else f"per_head={self.num_heads}"
         return (f"M={self.num_blocks}, init={self.init}, causal={self.causal}, learnable={self.learnable}, "
-                f"param={self.parameterization}{head}")
+                f"{heads}, param={self.parameterization}")
+
+
+def _is_int(x) -> bool:
+    """True for python / numpy / 0-d torch integers (not bools or floats)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index maps of the relative-distance rule: ``W = L[rows, cols] * visible``, each ``[n, n]``."""
+    i = torch.arange(n, device=device).unsqueeze(1)
+    b = torch.arange(n, device=device).unsqueeze(0)
+    learned_row = i < M
+    rows = torch.where(learned_row, i, M - 1).expand(n, n)
+    cols = torch.where(learned_row, b.clamp(max=M - 1), (M - 1 - (i - b)).clamp(0, M - 1))
+    return rows, cols, b <= i

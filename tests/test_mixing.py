@@ -8,27 +8,43 @@ import torch
 from mhla.layouts import layout_2d
 from mhla.mixing import INIT_KINDS, MixingMatrix, distances_1d, mixing_init
 
+D16 = layout_2d(16, 16, 4).block_distances()  # the paper's DeiT case: 4 x 4 blocks, M = 16
 
+
+# --------------------------------------------------------------------------------------- inits
 def test_locality_init_defining_properties():
-    d = layout_2d(16, 16, 4).block_distances()  # the paper's 4 x 4 block grid, M = 16
-    w = mixing_init("locality", d)
-    assert w.shape == (16, 16) and (w >= 0).all()
+    w = mixing_init("locality", D16)
+    assert w.shape == (16, 16) and w.dtype == torch.float32 and (w >= 0).all()
     torch.testing.assert_close(w.sum(1), torch.ones(16))
     assert torch.equal(w.argmax(1), torch.arange(16))
-    far = d.argmax(1)
+    far = D16.argmax(1)
     assert torch.all(w[torch.arange(16), far] == 0)
-    # row 0 (block centre (0.5, 0.5)) by hand: raw = 1 - d / max_d, max_d = sqrt(18)
-    raw = 1 - d[0] / math.sqrt(18)
-    torch.testing.assert_close(w[0], (raw / raw.sum()).float())
+    assert not torch.allclose(w, w.T)  # each row uses its own max distance and its own sum
+
+
+def test_locality_paper_case_by_hand():
+    """4 x 4 block grid. Rows 0 (corner block (0, 0)) and 5 (interior block (1, 1)), by hand:
+    raw[a, b] = 1 - dist / max_dist, max_dist = sqrt(18) (row 0) and sqrt(8) (row 5), then / row sum."""
+    w = mixing_init("locality", D16)
+    row0 = [0.144361, 0.110335, 0.076308, 0.042282, 0.110335, 0.096240, 0.068276, 0.036761,
+            0.076308, 0.068276, 0.048120, 0.021678, 0.042282, 0.036761, 0.021678, 0.0]
+    row5 = [0.071334, 0.092227, 0.071334, 0.029879, 0.092227, 0.142668, 0.092227, 0.041786,
+            0.071334, 0.092227, 0.071334, 0.029879, 0.029879, 0.041786, 0.029879, 0.0]
+    torch.testing.assert_close(w[0], torch.tensor(row0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(w[5], torch.tensor(row5), atol=1e-6, rtol=0)
+    # the same from the formula written out with explicit block coordinates
+    raw = torch.tensor([1 - math.hypot(a, b) / math.sqrt(18) for a in range(4) for b in range(4)])
+    torch.testing.assert_close(w[0], raw / raw.sum())
 
 
 def test_official_init_is_column_normalised_with_global_max():
-    d = layout_2d(16, 16, 4).block_distances()
-    w = mixing_init("locality_official", d)
+    w = mixing_init("locality_official", D16)
     torch.testing.assert_close(w.sum(0), torch.ones(16))
-    raw = 1 - d / d.max()
+    raw = 1 - D16 / D16.max()
     torch.testing.assert_close(w, (raw / raw.sum(0, keepdim=True)).float())
-    assert not torch.allclose(w, mixing_init("locality", d))
+    assert not torch.allclose(w, mixing_init("locality", D16))
+    # normalize is ignored for the official init
+    assert torch.equal(mixing_init("locality_official", D16, normalize="none"), w)
 
 
 def test_causal_inits():
@@ -37,52 +53,158 @@ def test_causal_inits():
     assert torch.equal(w, w.tril())
     assert w[0].tolist() == [1, 0, 0, 0, 0, 0]
     torch.testing.assert_close(w.sum(1), torch.ones(6))
-    assert w[3, 0] == 0 and w[3, 3] == w[3].max()
+    # the max distance is over the VISIBLE blocks: row 1 sees blocks 0, 1 (max 1), row 2 blocks 0..2 (max 2)
+    assert w[1].tolist() == [0, 1, 0, 0, 0, 0]
+    torch.testing.assert_close(w[2], torch.tensor([0, 1 / 3, 2 / 3, 0, 0, 0]))
+    # row 3 sees blocks 0..3 with max distance 3: raw = [0, 1/3, 2/3, 1] / 2
+    torch.testing.assert_close(w[3], torch.tensor([0, 1 / 6, 1 / 3, 1 / 2, 0, 0]))
     u = mixing_init("uniform", d, causal=True)
+    assert torch.equal(u, u.tril())
     for i in range(6):
         torch.testing.assert_close(u[i, : i + 1], torch.full((i + 1,), 1 / (i + 1)))
+    # the causal uniform is the formula itself, not only after normalising
+    torch.testing.assert_close(mixing_init("uniform", d, causal=True, normalize="none"), u)
+    for kind in INIT_KINDS:
+        wk = mixing_init(kind, d, causal=True)
+        assert torch.equal(wk, wk.tril()), kind
 
 
 @pytest.mark.parametrize("kind", INIT_KINDS)
 def test_every_kind_is_nonnegative_and_normalised(kind):
     w = mixing_init(kind, layout_2d(8, 8, 2).block_distances())
-    assert (w >= 0).all()
+    assert w.shape == (16, 16) and (w >= 0).all()
     sums = w.sum(0) if kind == "locality_official" else w.sum(1)
     torch.testing.assert_close(sums, torch.ones(16))
+    wc = mixing_init(kind, layout_2d(8, 8, 2).block_distances(), normalize="col")
+    torch.testing.assert_close(wc.sum(0), torch.ones(16))
 
 
-def test_identity_and_unknown():
-    assert torch.equal(mixing_init("identity", distances_1d(3)), torch.eye(3))
-    with pytest.raises(ValueError, match="unknown mixing init"):
-        mixing_init("bogus", distances_1d(3))
+def test_kind_formulas_unnormalised():
+    d = distances_1d(5)  # max distance 4
+    i, j = 1, 4  # distance 3
+    assert mixing_init("uniform", d, normalize="none")[i, j].item() == pytest.approx(1 / 5)
+    assert mixing_init("identity", d, normalize="none").tolist() == torch.eye(5).tolist()
+    cos = mixing_init("cos", d, normalize="none")
+    assert cos[i, j].item() == pytest.approx(math.cos(3 / 4 * math.pi / 4))
+    assert mixing_init("exp", d, normalize="none")[i, j].item() == pytest.approx(math.exp(-1))
+    assert mixing_init("exp", d, normalize="none", sigma=1.5)[i, j].item() == pytest.approx(math.exp(-2))
+    sig = 4 / 3
+    gauss = mixing_init("gaussian", d, normalize="none")
+    assert gauss[i, j].item() == pytest.approx(math.exp(-9 / (2 * sig**2)))
+    assert mixing_init("local", d, normalize="none")[2].tolist() == [0, 1, 1, 1, 0]
+    assert mixing_init("local", d, normalize="none", local_threshold=2)[2].tolist() == [1, 1, 1, 1, 1]
+    assert mixing_init("locality", d, normalize="none")[0].tolist() == [1, 0.75, 0.5, 0.25, 0]
 
 
-def test_module_per_head_frozen_and_softplus():
-    m = MixingMatrix(4, num_heads=3)
-    assert m().shape == (3, 4, 4) and len(list(m.parameters())) == 1
+def test_zero_rows_keep_diagonal_and_single_block():
+    w = mixing_init("local", distances_1d(4) * 10)  # nothing but the block itself is "local"
+    assert torch.equal(w, torch.eye(4))
+    w = mixing_init("exp", distances_1d(3) * 1e4)  # off-diagonal underflows to 0
+    assert torch.equal(w, torch.eye(3))
+    for kind in INIT_KINDS:
+        assert mixing_init(kind, distances_1d(1)).tolist() == [[1.0]], kind
+        assert mixing_init(kind, distances_1d(1), causal=True).tolist() == [[1.0]], kind
+
+
+def test_dtype_argument():
+    assert mixing_init("locality", D16, dtype=torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: mixing_init("bogus", distances_1d(3)), "unknown mixing init 'bogus'; choose one of locality"),
+    (lambda: mixing_init("locality", distances_1d(3), normalize="rows"), "normalize must be one of"),
+    (lambda: mixing_init("exp", distances_1d(3), sigma=0.0), "sigma must be > 0"),
+    (lambda: mixing_init("locality", torch.zeros(3, 4)), r"square \[M, M\]"),
+    (lambda: mixing_init("locality", torch.zeros(3)), r"square \[M, M\]"),
+    (lambda: mixing_init("locality", -distances_1d(3)), "nonnegative"),
+])
+def test_init_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# -------------------------------------------------------------------------------------- module
+def test_module_shapes_per_head_and_frozen():
+    m = MixingMatrix(16, distances=D16, num_heads=3)
+    assert m().shape == (3, 16, 16) and len(list(m.parameters())) == 1
+    for h in range(3):
+        torch.testing.assert_close(m()[h], mixing_init("locality", D16))
+    shared = MixingMatrix(4)
+    assert shared().shape == (4, 4)
+    torch.testing.assert_close(shared(), mixing_init("locality", distances_1d(4)))
     frozen = MixingMatrix(4, learnable=False)
     assert len(list(frozen.parameters())) == 0 and frozen().shape == (4, 4)
-    sp = MixingMatrix(4, parameterization="softplus")
-    torch.testing.assert_close(sp(), mixing_init("locality", distances_1d(4)), atol=1e-3, rtol=0)
-    with pytest.raises(ValueError, match="parameterization"):
-        MixingMatrix(4, parameterization="exp")
+    assert "raw" in frozen.state_dict()
+    torch.testing.assert_close(frozen(), shared())
+    assert m(2).shape == (3, 2, 2)
 
 
-def test_clamp_stays_nonnegative_and_zero_entries_still_learn():
+def test_extra_repr():
+    r = repr(MixingMatrix(4, num_heads=2, causal=True, learnable=False, init="uniform"))
+    for part in ("M=4", "init=uniform", "causal=True", "learnable=False", "per_head=2"):
+        assert part in r
+
+
+def test_softplus_reproduces_init():
+    sp = MixingMatrix(16, distances=D16, parameterization="softplus")
+    torch.testing.assert_close(sp(), mixing_init("locality", D16), atol=1e-3, rtol=0)
+    assert (sp() > 0).all()
+    sp_c = MixingMatrix(6, init="locality", causal=True, parameterization="softplus")
+    want = mixing_init("locality", distances_1d(6), causal=True)
+    torch.testing.assert_close(sp_c(), want, atol=1e-3, rtol=0)
+    assert torch.equal(sp_c(), sp_c().tril())
+
+
+def test_clamp_stays_nonnegative_and_project_recovers():
     m = MixingMatrix(4)  # locality init has zeros at the farthest blocks
     assert m()[0, 3] == 0
     opt = torch.optim.SGD(m.parameters(), lr=10.0)
-    (m() * torch.tensor([[1.0, 1, 1, -1]] * 4)).sum().backward()  # pushes column 3 up, others down
-    assert m.raw.grad[0, 3] != 0  # the straight-through clamp passes gradient at 0
+    (m() * torch.tensor([[1.0, 1, 1, -1]] * 4)).sum().backward()  # pushes columns 0-2 down, column 3 up
+    assert m.raw.grad[0, 3] != 0  # gradient reaches an entry sitting at the clip bound 0
     opt.step()
-    assert (m() >= 0).all() and (m() <= 1).all()
-    assert (m.raw < 0).any()
+    assert (m.raw < 0).any() and (m.raw > 1).any()  # the step left the feasible set ...
+    assert (m() >= 0).all() and (m() <= 1).all()  # ... the forward does not
     m.project_()
     assert (m.raw >= 0).all() and (m.raw <= 1).all()
+    assert torch.equal(m(), m.raw.detach())
     assert m()[0, 3] > 0  # the zero entry grew
+    # an entry that was pushed negative and projected to 0 can grow again
+    neg = m.raw.detach() == 0
+    assert neg.any()
+    opt.zero_grad()
+    (-m()).sum().backward()
+    opt.step()
+    m.project_()
+    assert (m.raw.detach()[neg] > 0).all()
+
+
+def test_max_value_and_project_noop_for_softplus():
+    m = MixingMatrix(3, init="identity", max_value=0.5, init_kwargs={"normalize": "none"})
+    assert m().max().item() == 0.5
+    sp = MixingMatrix(3, parameterization="softplus")
+    with torch.no_grad():
+        sp.raw.fill_(-5.0)
+    sp.project_()
+    assert torch.all(sp.raw == -5.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"parameterization": "exp"}, "parameterization must be one of clamp, softplus"),
+    ({"num_heads": 0}, "num_heads"),
+    ({"max_value": 0.0}, "max_value"),
+    ({"distances": distances_1d(5)}, r"distances have shape \(5, 5\) but num_blocks=4"),
+    ({"init_kwargs": {"causal": True}}, "init_kwargs"),
+    ({"init": "bogus"}, "unknown mixing init"),
+])
+def test_module_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MixingMatrix(4, **kwargs)
+    with pytest.raises(ValueError, match="num_blocks"):
+        MixingMatrix(0)
 
 
 def brute_force_extension(L, n):
+    """The relative-distance rule, written out with loops."""
     M = L.shape[-1]
     W = torch.zeros(n, n)
     for i in range(n):
@@ -96,19 +218,38 @@ def brute_force_extension(L, n):
     return W
 
 
-def test_causal_extension_rule_and_gradients():
-    m = MixingMatrix(5, init="uniform", causal=True)
+@pytest.mark.parametrize("num_heads", [None, 2])
+def test_causal_extension_rule_and_gradients(num_heads):
+    M = 5
+    m = MixingMatrix(M, init="uniform", causal=True, num_heads=num_heads)
     with torch.no_grad():
-        m.raw.copy_(torch.rand(5, 5))
+        m.raw.copy_(torch.rand(m.raw.shape))  # the upper triangle must be masked out
     L = m.learned().detach()
-    W = m(15)
+    assert torch.equal(L, L.tril())
+    W = m(3 * M)
+    lead = () if num_heads is None else (num_heads,)
+    assert W.shape == (*lead, 3 * M, 3 * M)
     assert torch.equal(W, W.tril())
-    torch.testing.assert_close(W.detach(), brute_force_extension(L, 15))
-    torch.testing.assert_close(m(3), L[:3, :3])
+    Ls, Ws = (L, W) if num_heads else (L[None], W[None])
+    for h in range(Ls.shape[0]):
+        torch.testing.assert_close(Ws[h].detach(), brute_force_extension(Ls[h], 3 * M), rtol=0, atol=0)
+    torch.testing.assert_close(m(3), L[..., :3, :3])
+    torch.testing.assert_close(m(M), L)
+    # gradients: each learned lower-triangular entry gets the number of places it is used
     W.sum().backward()
-    assert m.raw.grad.tril().abs().sum() > 0
+    grad = m.raw.grad if num_heads is None else m.raw.grad[0]
+    uses = torch.zeros(M, M)
+    for i in range(3 * M):
+        for b in range(i + 1):
+            if i < M:
+                uses[i, b] += 1
+            else:
+                uses[M - 1, max(M - 1 - (i - b), 0)] += 1
+    torch.testing.assert_close(grad, uses)
 
 
 def test_noncausal_cannot_extend():
-    with pytest.raises(ValueError, match="built for M = 4"):
+    with pytest.raises(ValueError, match="built for M = 4 blocks"):
         MixingMatrix(4)(6)
+    with pytest.raises(ValueError, match=">= 1"):
+        MixingMatrix(4, causal=True)(0)
