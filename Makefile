@@ -48,5 +48,11 @@ reproduce-table2: $(VENV)/.installed
 reproduce-table13: $(VENV)/.installed
 	$(PY) scripts/reproduce_table.py --table 13 --scale $(SCALE) -- $(EXTRA)
 
+# --- image generation (issue 5)
+
+# --- language (issue 6)
+
+# --- video generation (issue 7)
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
