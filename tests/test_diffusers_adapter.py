@@ -1,0 +1,184 @@
+"""The diffusers adapter: MHLA processor vs a dense token-level oracle in raster order, on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhla.adapters.diffusers import (
+    MHLAAttnProcessor,
+    apply_rotary_interleaved,
+    factorize_blocks,
+    hybrid_layers,
+    layout_for_grid,
+    mhla_parameters,
+    resolve_blocks,
+    self_attention_modules,
+    swap_self_attention,
+)
+from mhla.layouts import BlockLayout
+from mhla.mixing import mixing_init
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers import WanTransformer3DModel  # noqa: E402
+from diffusers.models.attention_processor import Attention  # noqa: E402
+
+
+def tiny_wan(num_layers=3, dtype=torch.float64):
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                  in_channels=4, out_channels=4, text_dim=8, freq_dim=16, ffn_dim=32,
+                                  num_layers=num_layers, rope_max_seq_len=32)
+    return model.to(dtype)
+
+
+def dense_oracle(attn, x, grid, blocks, *, normalize, rope, rotary=None, kind="mhla", eps=1e-6):
+    """Token view in RASTER order: W[t, s] = Mc[b(t), b(s)] * phi(q_t) . phi(k_s), no permutation involved."""
+    B, N, _ = x.shape
+    H = attn.heads
+    q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
+    if attn.norm_q is not None:
+        q, k = attn.norm_q(q), attn.norm_k(k)
+    q, k, v = (t.reshape(B, N, H, -1) for t in (q, k, v))
+    if rotary is not None and rope == "before":
+        q, k = apply_rotary_interleaved(q, *rotary), apply_rotary_interleaved(k, *rotary)
+    q, k = torch.relu(q) + 1e-6, torch.relu(k) + 1e-6
+    qn, kn = q, k
+    if rotary is not None and rope == "after":
+        qn, kn = apply_rotary_interleaved(q, *rotary), apply_rotary_interleaved(k, *rotary)
+    if kind == "mhla":
+        ids = layout_for_grid(grid, blocks).token_block_ids_raster()
+        mc = attn.mhla_mixing()[ids][:, ids]  # [N, N]
+    else:
+        mc = torch.ones(N, N, dtype=x.dtype)
+    w_num = torch.einsum("bthd,bshd->bhts", qn, kn) * mc
+    o = torch.einsum("bhts,bshe->bthe", w_num, v)
+    if normalize:
+        w_den = torch.einsum("bthd,bshd->bhts", q, k) * mc
+        o = o / (w_den.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
+    if getattr(attn, "mhla_out_norm", None) is not None:
+        o = attn.mhla_out_norm(o)
+    return attn.to_out[0](o.reshape(B, N, -1))
+
+
+def capture_attn1(model, layer=0):
+    """Record (input, rotary_emb, output) of a block's self-attention during a forward."""
+    rec = {}
+    attn = model.blocks[layer].attn1
+
+    def hook(mod, args, kwargs, out):
+        rec["x"], rec["rotary"], rec["y"] = args[0], args[3], out
+
+    h = attn.register_forward_hook(hook, with_kwargs=True)
+    return attn, rec, h
+
+
+def wan_inputs(frames=4, h=8, w=12, batch=2, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 4, frames, h, w, generator=g, dtype=dtype)
+    t = torch.tensor([100.0, 700.0][:batch], dtype=dtype)
+    text = torch.randn(batch, 5, 8, generator=g, dtype=dtype)
+    return x, t, text
+
+
+@pytest.mark.parametrize("rope,normalize,out_norm", [
+    ("before", True, False), ("after", False, True), ("after", True, False), ("none", False, True),
+])
+def test_wan_processor_matches_dense_oracle(rope, normalize, out_norm):
+    model = tiny_wan()
+    names = swap_self_attention(model, "mhla", blocks=(2, 2, 3), normalize=normalize, out_norm=out_norm, rope=rope)
+    assert names == ["blocks.0.attn1", "blocks.1.attn1", "blocks.2.attn1"]
+    with torch.no_grad():  # make the mixing matrix generic (not symmetric, not the init)
+        model.blocks[0].attn1.mhla_mixing.raw.uniform_(0.05, 1.0)
+    attn, rec, h = capture_attn1(model)
+    with torch.no_grad():
+        model(*wan_inputs())
+    h.remove()
+    grid = (4, 4, 6)  # 4 frames, 8x12 latents with 2x2 patches
+    assert rec["x"].shape[1] == 96
+    ref = dense_oracle(attn, rec["x"], grid, (2, 2, 3), normalize=normalize, rope=rope, rotary=rec["rotary"])
+    torch.testing.assert_close(rec["y"], ref, rtol=1e-9, atol=1e-10)
+
+
+def test_wan_linear_kind_matches_dense():
+    model = tiny_wan()
+    swap_self_attention(model, "linear", normalize=True, rope="before")
+    assert not mhla_parameters(model)
+    attn, rec, h = capture_attn1(model, layer=1)
+    with torch.no_grad():
+        model(*wan_inputs())
+    h.remove()
+    ref = dense_oracle(attn, rec["x"], None, None, normalize=True, rope="before", rotary=rec["rotary"], kind="linear")
+    torch.testing.assert_close(rec["y"], ref, rtol=1e-9, atol=1e-10)
+
+
+def test_generic_attention_2d_and_4d_input():
+    """diffusers' generic Attention (what SANA's attn1 is): [B, N, C] with a fixed grid and [B, C, H, W]."""
+    torch.manual_seed(0)
+    attn = Attention(query_dim=16, heads=2, dim_head=8, bias=True).double()
+    holder = torch.nn.ModuleDict({"attn1": attn, "attn2": Attention(query_dim=16, cross_attention_dim=6,
+                                                                     heads=2, dim_head=8).double()})
+    cross_proc = holder["attn2"].processor
+    names = swap_self_attention(holder, "mhla", grid=(4, 6), num_blocks=6, track_grid=False)
+    assert names == ["attn1"] and holder["attn2"].processor is cross_proc  # cross-attention untouched
+    assert attn.processor.blocks == (2, 3)
+    x = torch.randn(2, 24, 16, dtype=torch.float64)
+    y = attn(x)
+    ref = dense_oracle(attn, x, (4, 6), (2, 3), normalize=True, rope="none")
+    torch.testing.assert_close(y, ref, rtol=1e-9, atol=1e-10)
+    x4 = x.transpose(1, 2).reshape(2, 16, 4, 6)
+    torch.testing.assert_close(attn(x4), y.transpose(1, 2).reshape(2, 16, 4, 6))
+    with pytest.raises(ValueError, match="self-attention"):
+        attn(x, encoder_hidden_states=x)
+
+
+def test_parameters_registered_train_and_save():
+    model = tiny_wan(num_layers=3, dtype=torch.float32)
+    swap_self_attention(model, "mhla", layers=hybrid_layers(3), blocks=(2, 2, 3), normalize=False, out_norm=True)
+    keys = [k for k in model.state_dict() if "mhla" in k]
+    assert keys == ["blocks.0.attn1.mhla_mixing.raw", "blocks.0.attn1.mhla_out_norm.weight",
+                    "blocks.1.attn1.mhla_mixing.raw", "blocks.1.attn1.mhla_out_norm.weight"]
+    assert isinstance(model.blocks[2].attn1.processor, type(model.blocks[2].attn2.processor))  # softmax kept
+    # locality init of the 3-D block grid, rows sum to 1 (not the release's constant init)
+    expected = mixing_init("locality", BlockLayout((2, 2, 3), (1, 1, 1)).block_distances())
+    torch.testing.assert_close(model.blocks[0].attn1.mhla_mixing.raw.detach(), expected)
+    assert expected.std() > 0.01
+    x, t, text = wan_inputs(dtype=torch.float32)
+    model(x, t, text).sample.square().mean().backward()
+    for p in mhla_parameters(model):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    state = model.state_dict()
+    clone = tiny_wan(num_layers=3, dtype=torch.float32)
+    swap_self_attention(clone, "mhla", layers=hybrid_layers(3), blocks=(2, 2, 3), normalize=False, out_norm=True)
+    clone.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(clone(x, t, text).sample, model(x, t, text).sample)
+
+
+def test_grid_tracking_and_errors():
+    model = tiny_wan(num_layers=1)
+    swap_self_attention(model, "mhla", blocks=(2, 2, 3))
+    with torch.no_grad():
+        for shape in ((4, 8, 12), (2, 4, 6)):  # another resolution with the same block grid
+            out = model(*wan_inputs(*shape)).sample
+            assert out.shape == (2, 4, *shape)
+        with pytest.raises(ValueError, match="do not tile"):
+            model(*wan_inputs(3, 8, 12))
+    assert self_attention_modules(model)[0][0] == "blocks.0.attn1"
+    proc = MHLAAttnProcessor("mhla", blocks=(2, 2))
+    with pytest.raises(ValueError, match="token grid"):
+        proc.token_grid(16)
+
+
+def test_block_factorisation():
+    assert factorize_blocks((21, 30, 50), 105) == (7, 3, 5)
+    assert layout_for_grid((21, 30, 50), (7, 3, 5)).block == (3, 10, 10)
+    assert factorize_blocks((16, 16), 16) == (4, 4)
+    assert resolve_blocks((21, 30, 50), block=(3, 10, 10)) == (7, 3, 5)
+    with pytest.raises(ValueError, match="cannot tile"):
+        factorize_blocks((21, 30, 50), 11)
+    with pytest.raises(ValueError, match="frames"):
+        layout_for_grid((21, 30, 50), (4, 3, 5))
+    with pytest.raises(ValueError, match="exactly one"):
+        resolve_blocks((4, 4), blocks=(2, 2), num_blocks=4)
+    assert hybrid_layers(30) == [i for i in range(30) if i % 3 != 2] and len(hybrid_layers(30)) == 20
