@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .feature_maps import focused_feature
 from .layers import _AttentionBase
+from .ops.validation import accumulation_dtype
 from .registry import register_attention
 
 
@@ -53,7 +54,7 @@ def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.T
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """Compute in fp32 for half inputs, keep fp32/fp64 as they are."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return x.to(accumulation_dtype(x.dtype))
 
 
 class _GridBaseline(_AttentionBase):

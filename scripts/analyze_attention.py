@@ -77,7 +77,12 @@ def load_qk(path: str | None, seed: int = 0, n: int = 256, d: int = 64, heads: i
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--qk {path} does not exist; save {{'q': q, 'k': k}} with torch.save")
         data = torch.load(path, map_location="cpu")
-        return data["q"], data["k"], f"file:{path}"
+        if not isinstance(data, dict) or "q" not in data or "k" not in data:
+            raise ValueError(f"{path} must hold a dict with 'q' and 'k' ([B, N, H, d] raw, pre-feature-map)")
+        q, k = data["q"], data["k"]
+        if q.dim() != 4 or q.shape != k.shape:
+            raise ValueError(f"q and k must both be [B, N, H, d]; got {tuple(q.shape)} and {tuple(k.shape)}")
+        return q.float(), k.float(), f"file:{path}"
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(1, n, heads, d, generator=g), torch.randn(1, n, heads, d, generator=g),
             f"synthetic gaussian N={n} d={d} heads={heads} seed={seed}")
@@ -119,7 +124,10 @@ def main(argv=None) -> int:
         rank, ent = rank_and_entropy(A, args.rtol)
         results[name] = {"rank": rank, "entropy": ent}
     n = q.shape[1]
+    side = int(round(math.sqrt(n)))
+    grid = [side, side] if side * side == n else [n]
     out = {"inputs": source, "N": n, "d": q.shape[-1], "heads": q.shape[2], "num_blocks": args.num_blocks,
+           "grid": grid, "mixing": "locality init (row-normalised), tokens block-major on the grid",
            "rank_rtol": args.rtol, "max_entropy_logN": math.log(n), "results": results, "paper": PAPER,
            "command": "python scripts/analyze_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out_dir, exist_ok=True)

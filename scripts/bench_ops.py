@@ -3,15 +3,16 @@
 
     python scripts/bench_ops.py                  # CPU, T in {1k, 4k, 16k, 64k}; ~5-10 min on 2 cores
     python scripts/bench_ops.py --quick          # tiny smoke run
-    python scripts/bench_ops.py --device cuda    # GPU timing with CUDA events (peak memory from the allocator)
+    python scripts/bench_ops.py --ops mhla linear --seq-lens 4096   # a subset (writes ops_cpu_mhla-linear.*)
+    python scripts/bench_ops.py --device cuda    # GPU: CUDA-event timing, peak memory from the allocator
 
 Non-causal: MHLA (torch backend, locality mixing, M blocks with M^2 <= T), linear attention, SDPA.
 Causal: MHLA chunkwise (block 64), our chunkwise linear attention, SDPA causal, and a reimplementation of the
 authors' release's form (python loops over 64-token chunks; checked equal to ours before timing).
 
-Each case runs in a fresh subprocess. Time: median over repeated runs after warm-up (wall clock with
-``time.perf_counter`` on CPU; CUDA events on GPU). Memory: on CPU the growth of the process's peak RSS
-(``ru_maxrss``) over the fwd+bwd runs, relative to the RSS after the inputs were made; on GPU
+Each case runs in a fresh subprocess. Time: median (and p25-p75) over repeated runs after warm-up (wall
+clock with ``time.perf_counter`` on CPU; CUDA events on GPU). Memory: on CPU the growth of the process's peak
+RSS (``ru_maxrss``) over the fwd+bwd runs, relative to the RSS after the inputs were made; on GPU
 ``torch.cuda.max_memory_allocated`` minus the inputs. Cases whose estimated time exceeds ``--max-case-s``
 are skipped and marked with the estimate. Writes ``results/bench/ops_<device>.json`` and ``.md``.
 """
@@ -38,10 +39,40 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 OPS = {
-    False: ["mhla", "linear", "sdpa"],
-    True: ["mhla", "linear", "sdpa", "release_loop"],
+    False: ["mhla", "mhla_torch", "linear", "sdpa"],
+    True: ["mhla", "mhla_torch", "linear", "fla_linear", "sdpa", "release_loop"],
 }
-COMPLEXITY = {"mhla": 1, "linear": 1, "sdpa": 2, "release_loop": 2}  # growth exponent in T for skip estimates
+# growth exponent in T for skip estimates
+COMPLEXITY = {"mhla": 1, "mhla_torch": 1, "linear": 1, "fla_linear": 1, "sdpa": 2, "release_loop": 2}
+# ops that only run on a GPU (fla's Triton kernels) or only make sense there (the torch path as a second MHLA)
+GPU_ONLY = {"fla_linear", "mhla_torch"}
+TIME_METHOD = ("each case in a fresh subprocess; one fwd+bwd at full size as warm-up, then the median (and "
+               "p25-p75) over N runs, N = min(--repeats, --budget-s / first run), at least 3; CPU wall clock "
+               "(time.perf_counter), GPU CUDA events. fwd runs under torch.no_grad(); fwd+bwd backpropagates "
+               "a fixed random output gradient to q, k, v (and the mixing matrix for MHLA / release loop).")
+MEMORY_METHOD = ("CPU: growth of the subprocess's peak RSS (getrusage ru_maxrss) over the fwd and fwd+bwd "
+                 "runs, relative to the peak after a small warm-up run and the inputs were made (coarse: "
+                 "includes allocator caching, not the inputs); GPU: torch.cuda.max_memory_allocated minus "
+                 "the memory allocated before the runs.")
+
+
+BUSY_WARN = 0.10  # flag a case when other processes used more than this fraction of the CPUs meanwhile
+
+
+def busy_cpu_s() -> float | None:
+    """System-wide busy CPU seconds from /proc/stat (Linux), or None where it is not available."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 # ------------------------------------------------------------------------------------------- header
@@ -122,14 +153,19 @@ def make_case(op: str, causal: bool, T: int, args, device):
         mix = mixing_init("locality", distances_1d(M)).to(device=device, dtype=dtype)
         info.update(block_size=C, M=M)
     mix.requires_grad_()
-    if op == "mhla":
-        fn = lambda: mhla.mhla_attention(q, k, v, mix, C, causal=causal, backend=args.backend)  # noqa: E731
+    if op in ("mhla", "mhla_torch"):
+        backend = "torch" if op == "mhla_torch" else args.backend
+        fn = lambda: mhla.mhla_attention(q, k, v, mix, C, causal=causal, backend=backend)  # noqa: E731
         params = [q, k, v, mix]
+        info["backend"] = mhla.ops.resolve_backend(backend, q, causal=causal)
     elif op == "linear":
         fn = lambda: mhla.linear_attention(q, k, v, causal=causal)  # noqa: E731
         params = [q, k, v]
+    elif op == "fla_linear":
+        fn = fla_linear_attention(q, k, v)
+        params = [q, k, v]
     elif op == "sdpa":
-        fn = lambda: mhla.softmax_attention(q, k, v, causal=causal)  # noqa: E731
+        fn = sdpa_call(q, k, v, causal, device)
         params = [q, k, v]
     elif op == "release_loop":
         fn = lambda: release_loop_causal(q, k, v, mix, C)  # noqa: E731
@@ -137,6 +173,53 @@ def make_case(op: str, causal: bool, T: int, args, device):
     else:
         raise ValueError(op)
     return fn, params, info
+
+
+def fla_linear_attention(q, k, v):
+    """flash-linear-attention's chunked (causal, normalised) linear attention, ``[B, T, H, D]`` layout.
+
+    Raises ImportError when ``fla`` is not installed (the case is then reported as skipped)."""
+    import inspect  # noqa: PLC0415
+
+    from fla.ops.linear_attn import chunk_linear_attn  # noqa: PLC0415
+
+    kw = {"normalize": True}
+    if "head_first" in inspect.signature(chunk_linear_attn).parameters:
+        kw["head_first"] = False
+    return lambda: chunk_linear_attn(q, k, v, scale=1.0, **kw)[0]
+
+
+def sdpa_call(q, k, v, causal: bool, device: str):
+    """SDPA; on CUDA pinned to the FlashAttention backend (an error if it cannot run these inputs)."""
+    import mhla  # noqa: PLC0415
+
+    if device != "cuda":
+        return lambda: mhla.softmax_attention(q, k, v, causal=causal)
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    def fn():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return mhla.softmax_attention(q, k, v, causal=causal)
+
+    return fn
+
+
+def copy_bandwidth_gbps(device: str, nbytes: int = 2**30, repeats: int = 20) -> float:
+    """Measured device copy bandwidth (read + write bytes per second, GB/s): the roofline of a memory-bound op.
+
+    ``dst.copy_(src)`` of ``nbytes``; median of ``repeats`` timed copies after a warm-up."""
+    n = nbytes // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = timer(lambda: dst.copy_(src), device, repeats)
+    return 2 * nbytes / (statistics.median(times) / 1e3) / 1e9
+
+
+def min_bytes_moved(rec: dict, args) -> int:
+    """Bytes a forward must at least move: read q, k, v and write o (``[B, T, H, D]`` each)."""
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2}[args.dtype]
+    return 4 * args.batch * rec["T"] * args.heads * args.dim * elem
 
 
 def timer(fn, device: str, repeats: int) -> list[float]:
@@ -188,14 +271,22 @@ def run_case(op: str, causal: bool, T: int, args) -> dict:
     # warm-up and a first measurement to size the number of repeats
     first = timer(fwdbwd, device, 1)[0]
     repeats = max(3, min(args.repeats, int(args.budget_s * 1e3 / max(first, 1e-3))))
-    fwd_ms = statistics.median(timer(fwd, device, repeats))
-    fwdbwd_ms = statistics.median(timer(fwdbwd, device, repeats))
+    fwd_t, fwdbwd_t = timer(fwd, device, repeats), timer(fwdbwd, device, repeats)
     if device == "cuda":
         peak_mb = (torch.cuda.max_memory_allocated() - base_gpu) / 2**20
     else:
         peak_mb = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
-    return {"op": op, "causal": causal, "T": T, **info, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
-            "peak_mem_mb": peak_mb, "repeats": repeats}
+    return {"op": op, "causal": causal, "T": T, **info, "fwd_ms": statistics.median(fwd_t),
+            "fwdbwd_ms": statistics.median(fwdbwd_t), "fwd_ms_iqr": quartiles(fwd_t),
+            "fwdbwd_ms_iqr": quartiles(fwdbwd_t), "peak_mem_mb": peak_mb, "repeats": repeats}
+
+
+def quartiles(xs: list[float]) -> list[float]:
+    """[p25, p75] of the timings (the run-to-run spread; a 2-core VM is noisy)."""
+    if len(xs) < 2:
+        return [xs[0], xs[0]]
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
 
 
 def check_release_equivalence(args) -> float:
@@ -217,23 +308,46 @@ def to_markdown(header: dict, records: list[dict], command: str, equiv: float) -
     lines += ["| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in header.items()] + [""]
     lines.append(f"Release-loop form equals our causal MHLA (normalize=False) to {equiv:.1e} (fp64).")
     lines.append("")
+    lines.append(f"Time: {TIME_METHOD}")
+    lines.append("")
+    lines.append(f"Memory: {MEMORY_METHOD}")
+    lines.append("")
+    if "copy_bandwidth_GBps" in header:
+        lines.append(f"Roofline: measured copy bandwidth {header['copy_bandwidth_GBps']} GB/s (read + write of a "
+                     "1 GiB bf16 tensor); '% of copy BW' = (bytes of q, k, v read + o written) / fwd time / that.")
+        lines.append("")
+    busy = [r for r in records if r.get("other_cpu_frac", 0.0) > BUSY_WARN]
+    if busy:
+        worst = max(r["other_cpu_frac"] for r in busy)
+        lines.append(f"WARNING: other processes used more than {BUSY_WARN:.0%} of the CPUs during "
+                     f"{len(busy)} case(s) (worst {worst:.0%}), marked (busy); their times are inflated. "
+                     "Re-run on an idle machine.")
+        lines.append("")
     for causal in (False, True):
         lines += [f"## {'Causal' if causal else 'Non-causal'}", "",
-                  "| op | T | M | block | fwd ms | fwd+bwd ms | peak mem MB |", "|---|---|---|---|---|---|---|"]
+                  "| op | T | M | block | fwd ms | fwd+bwd ms | fwd+bwd p25-p75 | peak mem MB |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in records:
             if r["causal"] != causal:
                 continue
             if r.get("skipped"):
-                lines.append(f"| {r['op']} | {r['T']} | | | {r['skipped']} | | |")
+                lines.append(f"| {r['op']} | {r['T']} | | | {r['skipped']} | | | |")
             else:
-                uses_blocks = r["op"] in ("mhla", "release_loop")
+                uses_blocks = r["op"] in ("mhla", "mhla_torch", "release_loop")
                 m, c = (r.get("M", ""), r.get("block_size", "")) if uses_blocks else ("", "")
+                iqr = r.get("fwdbwd_ms_iqr")
+                spread = f"{iqr[0]:.1f}-{iqr[1]:.1f}" if iqr else "n/a"
+                flag = " (busy)" if r.get("other_cpu_frac", 0.0) > BUSY_WARN else ""
+                bw = f" ({r['fwd_frac_of_copy_bw']:.0%} of copy BW)" if "fwd_frac_of_copy_bw" in r else ""
                 lines.append(f"| {r['op']} | {r['T']} | {m} | {c} | "
-                             f"{r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {r['peak_mem_mb']:.1f} |")
-        lines += ["", "| T | MHLA / linear (fwd+bwd) | SDPA / MHLA (fwd+bwd) |", "|---|---|---|"]
+                             f"{r['fwd_ms']:.2f}{bw} | {r['fwdbwd_ms']:.2f}{flag} | {spread} | "
+                             f"{r['peak_mem_mb']:.1f} |")
+        lines += ["", "| T | MHLA / fastest linear (fwd+bwd) | SDPA / MHLA (fwd+bwd) |", "|---|---|---|"]
         by = {(r["op"], r["T"]): r for r in records if r["causal"] == causal and not r.get("skipped")}
         for T in sorted({r["T"] for r in records}):
-            m, lin, sd = by.get(("mhla", T)), by.get(("linear", T)), by.get(("sdpa", T))
+            m, sd = by.get(("mhla", T)), by.get(("sdpa", T))
+            linears = [by[(op, T)] for op in ("linear", "fla_linear") if (op, T) in by]
+            lin = min(linears, key=lambda r: r["fwdbwd_ms"]) if linears else None
             a = f"{m['fwdbwd_ms'] / lin['fwdbwd_ms']:.2f}x" if m and lin else "n/a"
             b = f"{sd['fwdbwd_ms'] / m['fwdbwd_ms']:.1f}x" if m and sd else "n/a (SDPA skipped)"
             lines.append(f"| {T} | {a} | {b} |")
@@ -244,23 +358,40 @@ def to_markdown(header: dict, records: list[dict], command: str, equiv: float) -
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                   help="default 1024 4096 16384 65536 (256 512 with --quick)")
+    p.add_argument("--batch", type=int, default=None, help="default 1 (CPU), 8 (CUDA)")
+    p.add_argument("--heads", type=int, default=None, help="default 8 (CPU), 16 (CUDA)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--block", type=int, default=64, help="causal MHLA block (chunk) size")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--backend", default="torch", help="MHLA backend (torch | triton | auto)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default fp32 (CPU), bf16 (CUDA)")
+    p.add_argument("--backend", default=None, help="MHLA backend for op 'mhla': torch | triton | auto "
+                   "(default torch on CPU, triton on CUDA; op 'mhla_torch' is always the torch path)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=4.0, help="time budget per measurement loop")
     p.add_argument("--max-case-s", type=float, default=120.0, help="skip cases estimated to take longer")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out-dir", default=os.path.join(ROOT, "results", "bench"))
+    p.add_argument("--ops", nargs="+", choices=sorted(set(OPS[True])), default=None,
+                   help="only these ops (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: op,causal,T -> run one case, print JSON
     args = p.parse_args(argv)
     if args.quick:
-        args.seq_lens, args.heads, args.dim, args.repeats, args.budget_s = [256, 512], 2, 16, 3, 0.5
+        args.heads, args.dim, args.repeats, args.budget_s = 2, 16, 3, 0.5
+    gpu = args.device == "cuda"
+    # GPU mode (the issue's setting): bf16, B = 8, H = 16, T from 1k to 64k, fused kernels for MHLA
+    for name, cpu_value, gpu_value in (("batch", 1, 8), ("heads", 8, 16), ("dtype", "fp32", "bf16"),
+                                       ("backend", "torch", "triton")):
+        if getattr(args, name) is None:
+            setattr(args, name, gpu_value if gpu else cpu_value)
+    if args.seq_lens is None:
+        if args.quick:
+            args.seq_lens = [256, 512]
+        elif gpu:
+            args.seq_lens = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+        else:
+            args.seq_lens = [1024, 4096, 16384, 65536]
     return args
 
 
@@ -271,6 +402,8 @@ def main(argv=None) -> int:
         print(json.dumps(run_case(op, causal == "1", int(T), args)))
         return 0
     header = machine_header(args.device)
+    if args.device == "cuda":
+        header["copy_bandwidth_GBps"] = round(copy_bandwidth_gbps("cuda"), 1)
     print("machine:", json.dumps(header))
     equiv = check_release_equivalence(args)
     print(f"release-loop equivalence: max abs diff {equiv:.2e}")
@@ -284,34 +417,52 @@ def main(argv=None) -> int:
     records = []
     for causal in (False, True):
         for op in OPS[causal]:
+            if args.ops and op not in args.ops:
+                continue
+            if op in GPU_ONLY and args.device != "cuda":
+                continue
             prev = None
             for T in sorted(args.seq_lens):
                 if prev is not None:
                     est_s = 2 * prev["fwdbwd_ms"] / 1e3 * (T / prev["T"]) ** COMPLEXITY[op] * 3
                     if est_s > args.max_case_s:
-                        records.append({"op": op, "causal": causal, "T": T, "skipped": f"skipped (est. {est_s:.0f}s)"})
+                        reason = f"skipped (est. {est_s:.0f}s)"
+                        records.append({"op": op, "causal": causal, "T": T, "skipped": reason})
                         print(f"{op:12s} causal={causal!s:5s} T={T:6d}: skipped (est. {est_s:.0f}s)")
                         continue
-                cmd = [sys.executable, os.path.abspath(__file__), "--case", f"{op},{int(causal)},{T}", *passthrough]
+                case = f"{op},{int(causal)},{T}"
+                cmd = [sys.executable, os.path.abspath(__file__), "--case", case, *passthrough]
+                busy0, kids0, t0 = busy_cpu_s(), children_cpu_s(), time.monotonic()
                 proc = subprocess.run(cmd, capture_output=True, text=True)
+                busy1, kids1, wall = busy_cpu_s(), children_cpu_s(), time.monotonic() - t0
                 if proc.returncode != 0:
                     reason = (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
                     records.append({"op": op, "causal": causal, "T": T, "skipped": f"failed: {reason}"})
                     print(f"{op:12s} causal={causal!s:5s} T={T:6d}: FAILED {reason}")
                     continue
                 rec = json.loads(proc.stdout.strip().splitlines()[-1])
+                if busy0 is not None and busy1 is not None:
+                    # CPU time other processes used while the case ran, as a fraction of all cores
+                    other = max(0.0, (busy1 - busy0) - (kids1 - kids0))
+                    rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
+                if "copy_bandwidth_GBps" in header:
+                    gbps = min_bytes_moved(rec, args) / (rec["fwd_ms"] / 1e3) / 1e9
+                    rec["fwd_frac_of_copy_bw"] = round(gbps / header["copy_bandwidth_GBps"], 3)
                 records.append(rec)
                 prev = rec
+                busy = rec.get("other_cpu_frac", 0.0)
                 print(f"{op:12s} causal={causal!s:5s} T={T:6d} M={rec['M']:5d}: fwd {rec['fwd_ms']:9.2f} ms  "
-                      f"fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  peak {rec['peak_mem_mb']:8.1f} MB", flush=True)
+                      f"fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  peak {rec['peak_mem_mb']:8.1f} MB"
+                      + (f"  WARNING: other processes used {busy:.0%} of the CPUs" if busy > BUSY_WARN
+                         else ""), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     command = "python scripts/bench_ops.py " + " ".join(passthrough)
     settings = {k: v for k, v in vars(args).items() if k not in ("case", "out_dir")}
     out = {"header": header, "command": command, "settings": settings, "release_loop_max_abs_diff": equiv,
-           "memory_method": ("CPU: growth of peak RSS (ru_maxrss) during fwd+bwd over the RSS after inputs; "
-                             "GPU: torch.cuda.max_memory_allocated minus inputs"),
+           "time_method": TIME_METHOD, "memory_method": MEMORY_METHOD,
            "records": records}
     stem = f"ops_{args.device}" + ("_quick" if args.quick else "")
+    stem += "_" + "-".join(args.ops) if args.ops else ""
     with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
         json.dump(out, f, indent=2)
     with open(os.path.join(args.out_dir, stem + ".md"), "w") as f:

@@ -33,7 +33,7 @@ def resolve_backend(backend: str, q: torch.Tensor, *, causal: bool = False, stat
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        if q.is_cuda and not stateful and _triton_backend() is not None:
+        if q.is_cuda and _triton_backend() is not None:
             return "triton"
         return "torch"
     if backend == "triton" and _triton_backend() is None:
@@ -109,7 +109,8 @@ def mhla_attention(
         return mhla_reference(q, k, v, mixing, block_size, causal=causal, normalize=mode, eps=eps)
     if which == "triton":
         return _triton_backend().mhla_attention(
-            q, k, v, mixing, block_size, causal=causal, normalize=mode, eps=eps
+            q, k, v, mixing, block_size, causal=causal, normalize=mode, eps=eps,
+            initial_state=initial_state, output_final_state=output_final_state,
         )
     if causal:
         return mhla_causal_torch(

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .validation import check_mixing, normalizer_mode, num_blocks
+from .validation import accumulation_dtype, check_mixing, normalizer_mode, num_blocks
 
 
 @dataclass
@@ -95,10 +95,6 @@ def init_state(
     )
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _check_state(state: MHLAState, q: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
     B, _, H, D = q.shape
     if not isinstance(state, MHLAState):
@@ -151,7 +147,7 @@ def mhla_causal_torch(
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     C = block_size
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     if initial_state is None:
         state = init_state(B, H, D, Dv, C, device=q.device, dtype=acc)
     else:

@@ -8,11 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .validation import check_block_size, check_qkv, normalizer_mode
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+from .validation import accumulation_dtype, check_block_size, check_qkv, normalizer_mode
 
 
 def linear_attention(
@@ -46,7 +42,7 @@ def linear_attention(
     mode = normalizer_mode(normalize)
     if mode == "official":
         raise ValueError("normalize='official' applies to MHLA only")
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     if not causal:
         kv = torch.einsum("bshd,bshe->bhde", ka, va)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .validation import normalizer_mode
+from .validation import accumulation_dtype, normalizer_mode
 
 
 def _mix(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def mhla_noncausal_torch(
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     M, C = T // block_size, block_size
-    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    acc = accumulation_dtype(q.dtype)
 
     def blocks(x):  # [B, T, H, d] -> [B, H, M, C, d]
         return x.to(acc).reshape(B, M, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)

@@ -13,6 +13,11 @@ import torch
 _NORMALIZE_MODES = {True: "paper", False: "none", "paper": "paper", "none": "none", "official": "official"}
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ops accumulate in: fp32 for fp16/bf16 inputs, the input dtype otherwise (fp32, fp64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def normalizer_mode(normalize) -> str:
     """Map the ``normalize`` argument to one of ``"paper"``, ``"none"`` or ``"official"``."""
     try:

@@ -1,0 +1,193 @@
+"""Causal (chunkwise) MHLA with Triton kernels: forward, backward and a recurrent state (autograd.Function).
+
+Blocks are contiguous runs of ``C`` tokens (the last may be partial); the kernels cut each block into
+chunks of ``BT`` tokens (:func:`mhla.kernels.utils.chunk_tile`; any ``C`` works, a partial last chunk
+is masked). For token ``t`` in chunk ``j`` of block ``i``, with ``m = Mix[i, i]``:
+
+    P_i = sum_{b < i} Mix[i, b] S_b                         mixed prefix of the earlier blocks  (torch GEMM)
+    R_j = sum_{s in block i, before chunk j} k_s v_s^T      running sum of the block            (kernel)
+    o_t = [q_t^T (P_i + m R_j) + m sum_{s in chunk j, s <= t} (q_t . k_s) v_s] / d_t
+    d_t =  q_t . (p_i + m r_j) + m sum_{s in chunk j, s <= t}  q_t . k_s  + eps   ("none": d_t = 1)
+
+(``p``, ``r``: the same sums over ``k_s`` alone). This equals the definition
+``o_t = sum_{s <= t} Mix[b(t), b(s)] (q_t . k_s) v_s / (sum_{s <= t} Mix[b(t), b(s)] q_t . k_s + eps)``.
+
+Backward (``dn_t = do_t / d_t``, ``dd_t = -(do_t . o_t) / d_t``; the kernels are in
+:mod:`mhla.kernels.chunk`):
+
+    dP_i = sum_{t in i} q_t dn_t^T              dR_j = sum_{t in block i, after chunk j} q_t dn_t^T
+    dS_b = sum_{i > b} Mix[i, b] dP_i           (+ the gradient of a returned state's summaries)
+    dMix[i, b] = <dP_i, S_b> + <dp_i, z_b>      (b < i)
+    dMix[i, i] = sum_{j in i} <q_j^T dn_j, R_j> + <q_j^T dd_j, r_j> + sum_{s <= t in j} (q_t . k_s) dA[t, s]
+    dq, dk, dv: see :mod:`mhla.kernels.chunk` (``dA[t, s] = dn_t . v_s + dd_t``).
+
+State (chunked prefill): a call may continue after ``P`` tokens summarised in an
+:class:`mhla.ops.MHLAState`: the ``first = P // C`` finished block summaries join the mix as extra
+columns, and the running summary of the unfinished block seeds block 0's running sum ``R`` (and ``S``).
+The first ``P % C`` positions of block 0 are empty. The Function returns this call's block summaries so
+the backend can assemble the final state; gradients flow through the state in both directions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunk import (
+    Geometry,
+    bwd_block_grads,
+    bwd_dqk,
+    bwd_dv,
+    fwd_block_summaries,
+    fwd_output,
+    mix_summaries,
+    mix_summaries_backward,
+    mixing_3d,
+    mixing_grad_like,
+    output_delta,
+)
+
+
+def _causal_coefficients(mix: torch.Tensor, first: int, NB: int):
+    """Strictly-lower mixing rows of this call's blocks and their diagonal.
+
+    Returns ``coeff [1 or H, NB, first + NB]`` with ``coeff[:, i, b] = Mix[first + i, b]`` for
+    ``b < first + i`` (else 0), ``mask`` (the same support, bool), and ``mdiag [1 or H, NB]`` =
+    ``Mix[first + i, first + i]``.
+    """
+    rows = torch.arange(first, first + NB, device=mix.device)
+    cols = torch.arange(first + NB, device=mix.device)
+    mask = cols[None, :] < rows[:, None]
+    coeff = mix[:, rows, : first + NB] * mask
+    mdiag = mix[:, rows, rows].contiguous()
+    return coeff, mask, mdiag
+
+
+class MHLACausalFunction(torch.autograd.Function):
+    """Causal chunkwise MHLA with fused Triton kernels (module docstring for the math).
+
+    Inputs: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]``; ``mixing [M, M]`` or ``[H, M, M]`` with
+    ``M >= first + NB``; optional state tensors (fp32): ``state_s [B, H, first, D, Dv]``,
+    ``state_z [B, H, first, D]`` (finished blocks), ``cur_s [B, H, D, Dv]``, ``cur_z [B, H, D]``
+    (running sums of the unfinished block, ``offset`` tokens of it seen). ``keep_z``: compute the key
+    sums even without the normalizer (a state needs them).
+
+    Returns ``o [B, T, H, Dv]`` (dtype of v), and this call's block summaries ``S [B, H, NB, D, Dv]`` and
+    ``Z [B, H, NB, D]`` (fp32; block 0 includes ``cur_s``; ``Z`` is empty when neither normalizing nor
+    ``keep_z``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, state_s, state_z, cur_s, cur_z, block_size: int, first: int,
+                offset: int, normalize: bool, eps: float, keep_z: bool):
+        ctx.set_materialize_grads(False)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        g = Geometry.make(q, v, block_size, offset)
+        B, H, NB, D, Dv = g.B, g.H, g.NB, g.D, g.Dv
+        has_init = cur_s is not None
+        store_z = normalize or keep_z
+        mix = mixing_3d(mixing)
+        coeff, mask, mdiag = _causal_coefficients(mix, first, NB)
+        has_r = g.NC > 1 or has_init  # with one chunk per block and no state, R is zero
+        if has_init:
+            cur_s = cur_s.float().contiguous()
+            cur_z = cur_z.float().contiguous()
+        S, Z, R, Rz = fwd_block_summaries(k, v, g, has_r=has_r, store_z=store_z, cur_s=cur_s, cur_z=cur_z)
+        S = S.view(B, H, NB, D, Dv)
+        Z = Z.view(B, H, NB, D) if store_z else None
+        S_all, Z_all = S, Z
+        if first > 0:
+            S_all = torch.cat([state_s.float(), S], dim=2)
+            Z_all = torch.cat([state_z.float(), Z], dim=2) if store_z else None
+        P, Pz = mix_summaries(coeff, S_all, Z_all if normalize else None)
+        o, den = fwd_output(q, k, v, P, Pz, R, Rz if normalize else None, mdiag, g, causal=True,
+                            normalize=normalize, eps=eps, out_dtype=v.dtype)
+        ctx.save_for_backward(q, k, v, o, coeff, mdiag, S_all, Z_all, P, Pz, R, Rz, den)
+        ctx.g, ctx.normalize, ctx.first, ctx.has_init = g, normalize, first, has_init
+        ctx.mask, ctx.mix_shape, ctx.mixing_meta = mask, mix.shape, (mixing.dim(), mixing.dtype)
+        Z_out = Z if store_z else S.new_zeros(0)
+        return o, S, Z_out
+
+    @staticmethod
+    def backward(ctx, do, dS_out, dZ_out):
+        q, k, v, o, coeff, mdiag, S_all, Z_all, P, Pz, R, Rz, den = ctx.saved_tensors
+        g, normalize, first, has_init = ctx.g, ctx.normalize, ctx.first, ctx.has_init
+        B, H, NB, D, Dv = g.B, g.H, g.NB, g.D, g.Dv
+        if do is None:
+            do = torch.zeros_like(o)
+        do = do.contiguous()
+        if not normalize:
+            Rz = None
+        delta = output_delta(do, o) if normalize else None
+
+        dP, dPz, dR, dRz, dm_r = bwd_block_grads(q, do, den, delta, R, Rz, g, normalize=normalize)
+        need_dmix = ctx.needs_input_grad[3]
+        dS_all, dZ_all, dcoeff = mix_summaries_backward(
+            coeff, S_all, Z_all if normalize else None, dP, dPz, need_dcoeff=need_dmix
+        )
+        dS = dS_all[:, :, first:]
+        if dS_out is not None:
+            dS = dS + dS_out
+        dS = dS.contiguous()
+        dZ = dZ_all[:, :, first:] if normalize else None
+        if dZ_out is not None and dZ_out.numel():
+            dZ = dZ_out if dZ is None else dZ + dZ_out
+        # The kernels add dZ to dk only under the normalizer; a key-sum gradient that comes from a returned
+        # state alone ("none") is added below in torch.
+        dZ_kernel = dZ.contiguous().view(g.BH, NB, D) if normalize else None
+
+        dS_k = dS.view(g.BH, NB, D, Dv)
+        dv = bwd_dv(q, k, do, den, dS_k, dR, mdiag, g, causal=True, normalize=normalize, out_dtype=v.dtype)
+        dq, dk, dm_i = bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS_k, dZ_kernel, dR, dRz, mdiag, g,
+                               causal=True, normalize=normalize, out_dtype=q.dtype)
+        if not normalize and dZ is not None:
+            blk = (torch.arange(g.T, device=q.device) + g.OFFSET) // g.C  # block of each token
+            dk = (dk.float() + dZ.permute(0, 2, 1, 3)[:, blk]).to(q.dtype)
+
+        # Mixing: strictly-lower entries from the mix GEMM, the diagonal from the kernels.
+        dmixing = None
+        if need_dmix:
+            dm = dm_i if dm_r is None else dm_i + dm_r  # [B*H, NB]
+            dm = dm.view(B, H, NB).sum(0)
+            if coeff.shape[0] == 1:
+                dm = dm.sum(0, keepdim=True)
+            dmix = torch.zeros(ctx.mix_shape, device=q.device, dtype=torch.float32)
+            rows = torch.arange(first, first + NB, device=q.device)
+            dmix[:, rows, : first + NB] = dcoeff * ctx.mask
+            dmix[:, rows, rows] += dm
+            dmixing = mixing_grad_like(dmix, *ctx.mixing_meta)
+
+        d_state_s = d_state_z = d_cur_s = d_cur_z = None
+        if first > 0:
+            d_state_s = dS_all[:, :, :first]
+            d_state_z = dZ_all[:, :, :first] if normalize else None
+        if has_init:
+            # cur_s seeds block 0's summary (-> dS[:, :, 0]) and every running sum R_j of block 0
+            # (-> m_0 * sum_{j in block 0} q_j^T dn_j = m_0 * dP_0).
+            m0 = mdiag[:, 0].view(1, -1, 1, 1)
+            d_cur_s = dS[:, :, 0] + m0 * dP.view(B, H, NB, D, Dv)[:, :, 0]
+            if dZ is not None:
+                d_cur_z = dZ[:, :, 0]
+                if normalize:
+                    d_cur_z = d_cur_z + m0[..., 0] * dPz.view(B, H, NB, D)[:, :, 0]
+        return (dq, dk, dv, dmixing, d_state_s, d_state_z, d_cur_s, d_cur_z,
+                None, None, None, None, None, None)
+
+
+def mhla_causal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = True, eps: float = 1e-6,
+                       state=None, keep_z: bool = False):
+    """Causal MHLA on the Triton kernels (no input checks; see :func:`mhla.ops.mhla_attention`).
+
+    ``state``: None or ``(state_s, state_z, cur_s, cur_z, num_tokens)``. Returns ``(o, S, Z)`` as
+    :class:`MHLACausalFunction`.
+    """
+    if state is None:
+        args = (None, None, None, None, 0, 0)
+    else:
+        state_s, state_z, cur_s, cur_z, num_tokens = state
+        first, offset = divmod(num_tokens, block_size)
+        args = (state_s, state_z, cur_s, cur_z, first, offset)
+    return MHLACausalFunction.apply(q, k, v, mixing, *args[:4], block_size, *args[4:], bool(normalize),
+                                    float(eps), bool(keep_z))
+
+
+__all__ = ["MHLACausalFunction", "mhla_causal_triton"]

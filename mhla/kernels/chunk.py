@@ -1,0 +1,638 @@
+"""Chunked Triton kernels shared by the non-causal and the causal MHLA operators.
+
+Both forms are written in one "chunked" formulation. Tokens are in block-major order; block ``i`` holds
+``C = block_size`` tokens and is cut into ``NC = ceil(C / BT)`` chunks of ``BT`` tokens (the kernels'
+token tile; the last chunk of a block is masked when ``BT`` does not divide ``C``). For a token ``t`` in
+chunk ``j`` of block ``i``, with ``m_i`` a per-block scalar:
+
+    h_j = P_i + m_i R_j                       [D, Dv]   (fp32)
+    g_j = p_i + m_i r_j                       [D]       (fp32)
+    n_t = q_t^T h_j + m_i sum_{s in chunk j, s <= t} (q_t . k_s) v_s               (numerator, [Dv])
+    d_t = q_t . g_j + m_i sum_{s in chunk j, s <= t}  q_t . k_s  + eps             (denominator)
+    o_t = n_t / d_t        ("paper")      or      o_t = n_t        ("none")
+
+where
+
+    S_b = sum_{s in b} k_s v_s^T,  z_b = sum_{s in b} k_s                           (block summaries)
+    R_j = sum_{s in block i, chunk(s) < j} k_s v_s^T,  r_j likewise                 (running in-block sum)
+    P_i = sum_b coeff[i, b] S_b,   p_i = sum_b coeff[i, b] z_b                      (mixed summaries)
+
+* non-causal MHLA: ``coeff = mixing`` (all blocks), ``m_i = 0`` (no R, no intra-chunk term);
+* causal MHLA:     ``coeff = strictly-lower part of mixing``, ``m_i = mixing[i, i]``.
+
+The M x M mix of the summaries (``P = coeff @ S``) is a batched torch matmul between the kernels: it is
+tiny (``M^2 D Dv`` per head) and a GEMM already. The kernels, with their grids:
+
+forward
+    ``fwd_block_summaries``  grid (NK*NV, NB, B*H): S_b, z_b per block, and R_j, r_j per chunk (causal).
+    ``fwd_output``           grid (NV, NB*NC, B*H): o and the denominator d (kept for the backward).
+backward (``dn_t = do_t / d_t``, ``dd_t = -(do_t . o_t) / d_t``; "none": ``dn = do``, ``dd = 0``)
+    ``bwd_block_grads``      grid (NK*NV, NB, B*H): dP_i = sum_{t in i} q_t dn_t^T, dp_i = sum q_t dd_t,
+                             dR_j = sum_{t in block i, chunk(t) > j} q_t dn_t^T (reverse scan), and the
+                             R part of the gradient of m_i: sum_j <q^T dn, R_j> + <q^T dd, r_j>.
+    (torch)                  dS = coeff^T dP, d coeff = dP S^T (the mixing gradient), dz likewise.
+    ``bwd_dv``               grid (NV, NB*NC, B*H): dv_s = dH_j^T k_s + m_i sum_{t >= s} (q_t . k_s) dn_t
+    ``bwd_dqk``              grid (NK, NB*NC, B*H):
+                             dq_t = h_j dn_t + g_j dd_t + m_i sum_{s <= t} dA[t, s] k_s
+                             dk_s = dH_j v_s + dh_j + m_i sum_{t >= s} dA[t, s] q_t
+                             with dH_j = dS_i + m_i dR_j, dh_j = dz_i + m_i dr_j and
+                             dA[t, s] = dn_t . v_s + dd_t; plus the intra-chunk part of the gradient of
+                             m_i: sum_{s <= t} (q_t . k_s) dA[t, s] (one partial sum per K tile).
+
+Layouts: q, k ``[B, T, H, D]``, v, o, do ``[B, T, H, Dv]`` (contiguous); summaries fp32
+``[B*H, NB, D, Dv]`` / ``[B*H, NB, D]``, running sums ``[B*H, NB*NC, D, Dv]``; d ``[B*H, T]``.
+``OFFSET`` empty positions precede token 0 in the first block (a causal call that continues a state in
+the middle of a block); those positions, and positions past ``T``, read as zeros.
+All accumulation is fp32. Feature dims are tiled by ``BK`` / ``BV`` (powers of two, masked), so any head
+dim works.
+"""
+
+# ruff: noqa: SIM102  (nested ifs: a compile-time flag outside, a runtime test inside)
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import autotune_configs, chunk_tile, device_helper, dot_precision, feature_tile
+
+_KEY = ["D", "Dv", "BT", "BK", "BV"]  # autotune key; each kernel adds its flags
+
+
+@dataclass
+class Geometry:
+    """Sizes of one call. ``NB`` blocks of ``C`` tokens, each ``NC`` chunks of ``BT``; ``OFFSET`` empty
+    positions before token 0 (causal continuation of a state)."""
+
+    B: int
+    T: int
+    H: int
+    D: int
+    Dv: int
+    C: int
+    OFFSET: int
+    NB: int
+    NC: int
+    BT: int
+    BK: int
+    BV: int
+
+    @classmethod
+    def make(cls, q: torch.Tensor, v: torch.Tensor, block_size: int, offset: int = 0) -> Geometry:
+        B, T, H, D = q.shape
+        Dv = v.shape[-1]
+        NB = triton.cdiv(offset + T, block_size)
+        BT = chunk_tile(block_size)
+        return cls(B, T, H, D, Dv, block_size, offset, NB, triton.cdiv(block_size, BT), BT,
+                   feature_tile(D), feature_tile(Dv))
+
+    @property
+    def NK(self) -> int:
+        return triton.cdiv(self.D, self.BK)
+
+    @property
+    def NV(self) -> int:
+        return triton.cdiv(self.Dv, self.BV)
+
+    @property
+    def NT(self) -> int:
+        return self.NB * self.NC
+
+    @property
+    def BH(self) -> int:
+        return self.B * self.H
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@device_helper
+def _chunk_tokens(i_blk, i_chunk, T, OFFSET, C, BT: tl.constexpr):
+    """Token indices ``t`` ([BT], clamped to 0 where invalid) and validity of chunk ``i_chunk`` of block
+    ``i_blk``: position ``pos`` inside the block, virtual position ``i_blk*C + pos``, token
+    ``t = i_blk*C + pos - OFFSET``; valid when ``pos < C`` and ``0 <= t < T``."""
+    pos = i_chunk * BT + tl.arange(0, BT)
+    t = i_blk * C + pos - OFFSET
+    valid = (pos < C) & (t >= 0) & (t < T)
+    return tl.where(valid, t, 0), valid
+
+
+@device_helper
+def _load_tokens(ptr, t, valid, stride_t, i_f, F, BF: tl.constexpr):
+    """``[BT, BF]`` tile of a ``[.., T, .., F]`` tensor (base ``ptr``), feature tile ``i_f``; zeros where
+    invalid."""
+    f = i_f * BF + tl.arange(0, BF)
+    p = ptr + t[:, None].to(tl.int64) * stride_t + f[None, :]
+    return tl.load(p, mask=valid[:, None] & (f < F)[None, :], other=0.0)
+
+
+@device_helper
+def _store_tokens(ptr, x, t, valid, stride_t, i_f, F, BF: tl.constexpr):
+    f = i_f * BF + tl.arange(0, BF)
+    p = ptr + t[:, None].to(tl.int64) * stride_t + f[None, :]
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=valid[:, None] & (f < F)[None, :])
+
+
+@device_helper
+def _summary_ptrs(ptr, n, i_k, i_v, D, Dv, BK: tl.constexpr, BV: tl.constexpr):
+    """Pointers and mask of the ``[BK, BV]`` tile ``(i_k, i_v)`` of the ``D x Dv`` matrix number ``n`` of
+    a ``[.., D, Dv]`` fp32 buffer."""
+    dk = i_k * BK + tl.arange(0, BK)
+    dv = i_v * BV + tl.arange(0, BV)
+    p = ptr + n.to(tl.int64) * D * Dv + dk[:, None] * Dv + dv[None, :]
+    return p, (dk < D)[:, None] & (dv < Dv)[None, :]
+
+
+@device_helper
+def _vector_ptrs(ptr, n, i_k, D, BK: tl.constexpr):
+    """Pointers and mask of the ``[BK]`` tile ``i_k`` of the vector number ``n`` of a ``[.., D]`` buffer."""
+    dk = i_k * BK + tl.arange(0, BK)
+    return ptr + n.to(tl.int64) * D + dk, dk < D
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+
+@triton.autotune(configs=autotune_configs(), key=_KEY + ["HAS_R", "HAS_INIT", "STORE_Z"])
+@triton.jit
+def _fwd_block_summaries_kernel(
+    k, v, cur_s, cur_z, S, Z, R, Rz,
+    T, H, D, Dv, OFFSET, C, NC, NB,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_R: tl.constexpr, HAS_INIT: tl.constexpr, STORE_Z: tl.constexpr, PREC: tl.constexpr,
+):
+    """Block summaries ``S_b = sum_{s in b} k_s v_s^T``, ``z_b = sum k_s`` (fp32).
+
+    Program ``(i_kv, i_blk, i_bh)`` owns the ``[BK, BV]`` tile ``i_kv`` of block ``i_blk`` and walks its
+    ``NC`` chunks in order; with ``HAS_R`` it stores the running sum *before* each chunk as ``R_j``
+    (``r_j``). With ``HAS_INIT`` block 0 starts from the state's running summary ``cur_s`` / ``cur_z``
+    (``[B*H, D, Dv]`` / ``[B*H, D]``). ``z`` is computed by the programs of the first V tile.
+    """
+    i_kv, i_blk, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = tl.cdiv(Dv, BV)
+    i_k, i_v = i_kv // NV, i_kv % NV
+    i_b, i_h = i_bh // H, i_bh % H
+    stride_k, stride_v = H * D, H * Dv
+    k_base = k + (i_b.to(tl.int64) * T * H + i_h) * D
+    v_base = v + (i_b.to(tl.int64) * T * H + i_h) * Dv
+
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    acc_z = tl.zeros([BK], dtype=tl.float32)
+    if HAS_INIT:
+        if i_blk == 0:
+            p, msk = _summary_ptrs(cur_s, i_bh, i_k, i_v, D, Dv, BK, BV)
+            acc += tl.load(p, mask=msk, other=0.0)
+            pz, mz = _vector_ptrs(cur_z, i_bh, i_k, D, BK)
+            acc_z += tl.load(pz, mask=mz, other=0.0)
+    for i_c in range(NC):
+        j = i_bh * NB * NC + i_blk * NC + i_c  # row of the running-sum buffers
+        if HAS_R:
+            p, msk = _summary_ptrs(R, j, i_k, i_v, D, Dv, BK, BV)
+            tl.store(p, acc, mask=msk)
+            if STORE_Z:
+                if i_v == 0:
+                    pz, mz = _vector_ptrs(Rz, j, i_k, D, BK)
+                    tl.store(pz, acc_z, mask=mz)
+        t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
+        kt = _load_tokens(k_base, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
+        vt = _load_tokens(v_base, t, valid, stride_v, i_v, Dv, BV)  # [BT, BV]
+        acc += tl.dot(tl.trans(kt), vt, input_precision=PREC)
+        if STORE_Z:
+            acc_z += tl.sum(kt.to(tl.float32), axis=0)
+    p, msk = _summary_ptrs(S, i_bh * NB + i_blk, i_k, i_v, D, Dv, BK, BV)
+    tl.store(p, acc, mask=msk)
+    if STORE_Z:
+        if i_v == 0:
+            pz, mz = _vector_ptrs(Z, i_bh * NB + i_blk, i_k, D, BK)
+            tl.store(pz, acc_z, mask=mz)
+
+
+@triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
+@triton.jit
+def _fwd_output_kernel(
+    q, k, v, P, Pz, R, Rz, mdiag, o, den,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, eps,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Output of one chunk, one V tile: ``o = (q h_j + m tril(q k^T) v) / (q . g_j + m rowsum + eps)``.
+
+    Program ``(i_v, j, i_bh)``; ``j`` is the chunk (block ``j // NC``). The K dimension is reduced in a
+    loop over K tiles. ``mdiag``: ``[H or 1, NB]`` fp32 diagonal coefficients ``m_i`` (head stride
+    ``stride_mh``). The V-tile-0 programs store the denominator ``d_t`` in ``den`` (``[B*H, T]``).
+    """
+    i_v, j, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_blk, i_c = j // NC, j % NC
+    i_b, i_h = i_bh // H, i_bh % H
+    stride_k, stride_v = H * D, H * Dv
+    q_base = q + (i_b.to(tl.int64) * T * H + i_h) * D
+    k_base = k + (i_b.to(tl.int64) * T * H + i_h) * D
+    t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
+    m = 0.0
+    if CAUSAL:
+        m = tl.load(mdiag + i_h * stride_mh + i_blk)
+    n_p = i_bh * NB + i_blk  # block row of P
+    n_r = i_bh * NB * NC + j  # chunk row of R
+
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    dsum = tl.zeros([BT], dtype=tl.float32)
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(D, BK)):
+        qt = _load_tokens(q_base, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
+        p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BV)
+        h = tl.load(p, mask=msk, other=0.0)
+        if HAS_R:
+            p, msk = _summary_ptrs(R, n_r, i_k, i_v, D, Dv, BK, BV)
+            h += m * tl.load(p, mask=msk, other=0.0)
+        acc += tl.dot(qt.to(tl.float32), h, input_precision=PREC)
+        if NORMALIZE:
+            pz, mz = _vector_ptrs(Pz, n_p, i_k, D, BK)
+            g = tl.load(pz, mask=mz, other=0.0)
+            if HAS_R:
+                pz, mz = _vector_ptrs(Rz, n_r, i_k, D, BK)
+                g += m * tl.load(pz, mask=mz, other=0.0)
+            dsum += tl.sum(qt.to(tl.float32) * g[None, :], axis=1)
+        if CAUSAL:
+            kt = _load_tokens(k_base, t, valid, stride_k, i_k, D, BK)
+            A += tl.dot(qt, tl.trans(kt), input_precision=PREC)  # A[t, s] = q_t . k_s
+    if CAUSAL:
+        causal_mask = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+        A = tl.where(causal_mask, A, 0.0)
+        vt = _load_tokens(v + (i_b.to(tl.int64) * T * H + i_h) * Dv, t, valid, stride_v, i_v, Dv, BV)
+        acc += m * tl.dot(A, vt.to(tl.float32), input_precision=PREC)
+        if NORMALIZE:
+            dsum += m * tl.sum(A, axis=1)
+    if NORMALIZE:
+        d = dsum + eps
+        acc = acc / d[:, None]
+        if i_v == 0:
+            tl.store(den + i_bh.to(tl.int64) * T + t, d, mask=valid)
+    _store_tokens(o + (i_b.to(tl.int64) * T * H + i_h) * Dv, acc, t, valid, stride_v, i_v, Dv, BV)
+
+
+# ----------------------------------------------------------------------------------------- backward
+
+
+@device_helper
+def _load_dn_dd(do_base, den, delta, i_bh, t, valid, stride_v, i_v, T, Dv,
+                BT: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr):
+    """``dn = do / d`` ([BT, BV] fp32) and ``dd = -(do . o) / d`` ([BT]); ``do`` and 0 without the
+    normalizer. ``delta = do . o`` is precomputed, ``[B*H, T]``."""
+    dn = _load_tokens(do_base, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
+    dd = tl.zeros([BT], dtype=tl.float32)
+    if NORMALIZE:
+        d = tl.load(den + i_bh.to(tl.int64) * T + t, mask=valid, other=1.0)
+        dn = dn / d[:, None]
+        dd = -tl.load(delta + i_bh.to(tl.int64) * T + t, mask=valid, other=0.0) / d
+    return dn, dd
+
+
+@triton.autotune(configs=autotune_configs(), key=_KEY + ["HAS_R", "NORMALIZE"])
+@triton.jit
+def _bwd_block_grads_kernel(
+    q, do, den, delta, R, Rz, dP, dPz, dR, dRz, dmr,
+    T, H, D, Dv, OFFSET, C, NC, NB,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per block ``i``: ``dP_i = sum_{t in i} q_t dn_t^T`` and ``dp_i = sum q_t dd_t`` (fp32).
+
+    Program ``(i_kv, i_blk, i_bh)`` walks the chunks of its block backwards; with ``HAS_R`` it stores
+    ``dR_j`` (the sum over the *later* chunks of the block) before adding chunk ``j``, and accumulates the
+    R part of the gradient of ``m_i``, ``sum_j <G_j, R_j> + <g_j, r_j>`` with ``G_j = q_j^T dn_j``,
+    ``g_j = q_j^T dd_j``: one partial sum per program, stored at ``dmr[i_kv, i_bh, i_blk]``.
+    """
+    i_kv, i_blk, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = tl.cdiv(Dv, BV)
+    i_k, i_v = i_kv // NV, i_kv % NV
+    i_b, i_h = i_bh // H, i_bh % H
+    stride_k, stride_v = H * D, H * Dv
+    q_base = q + (i_b.to(tl.int64) * T * H + i_h) * D
+    do_base = do + (i_b.to(tl.int64) * T * H + i_h) * Dv
+
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    acc_z = tl.zeros([BK], dtype=tl.float32)
+    dm = tl.zeros([BK], dtype=tl.float32)  # partial gradient of m_i, per feature row
+    for i_rev in range(NC):
+        i_c = NC - 1 - i_rev
+        j = i_bh * NB * NC + i_blk * NC + i_c
+        if HAS_R:
+            p, msk = _summary_ptrs(dR, j, i_k, i_v, D, Dv, BK, BV)
+            tl.store(p, acc, mask=msk)
+            if NORMALIZE:
+                if i_v == 0:
+                    pz, mz = _vector_ptrs(dRz, j, i_k, D, BK)
+                    tl.store(pz, acc_z, mask=mz)
+        t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
+        qt = _load_tokens(q_base, t, valid, stride_k, i_k, D, BK).to(tl.float32)
+        dn, dd = _load_dn_dd(do_base, den, delta, i_bh, t, valid, stride_v, i_v, T, Dv, BT, BV, NORMALIZE)
+        G = tl.dot(tl.trans(qt), dn, input_precision=PREC)  # [BK, BV]
+        if HAS_R:
+            p, msk = _summary_ptrs(R, j, i_k, i_v, D, Dv, BK, BV)
+            dm += tl.sum(G * tl.load(p, mask=msk, other=0.0), axis=1)
+        acc += G
+        if NORMALIZE:
+            if i_v == 0:
+                gz = tl.sum(qt * dd[:, None], axis=0)  # [BK]
+                if HAS_R:
+                    pz, mz = _vector_ptrs(Rz, j, i_k, D, BK)
+                    dm += gz * tl.load(pz, mask=mz, other=0.0)
+                acc_z += gz
+    p, msk = _summary_ptrs(dP, i_bh * NB + i_blk, i_k, i_v, D, Dv, BK, BV)
+    tl.store(p, acc, mask=msk)
+    if NORMALIZE:
+        if i_v == 0:
+            pz, mz = _vector_ptrs(dPz, i_bh * NB + i_blk, i_k, D, BK)
+            tl.store(pz, acc_z, mask=mz)
+    if HAS_R:
+        tl.store(dmr + (i_kv * tl.num_programs(2) + i_bh) * NB + i_blk, tl.sum(dm, axis=0))
+
+
+@triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
+@triton.jit
+def _bwd_dv_kernel(
+    q, k, do, den, dS, dR, mdiag, dv,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """``dv_s = (dS_i + m_i dR_j)^T k_s + m_i sum_{t in chunk, t >= s} (q_t . k_s) dn_t``.
+
+    Program ``(i_v, j, i_bh)``; reduces over K tiles. ``dS``: ``[B*H, NB, D, Dv]`` total gradient of the
+    block summaries (mixing and, for a returned state, its own gradient), ``dR``: ``[B*H, NB*NC, D, Dv]``.
+    """
+    i_v, j, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_blk, i_c = j // NC, j % NC
+    i_b, i_h = i_bh // H, i_bh % H
+    stride_k, stride_v = H * D, H * Dv
+    q_base = q + (i_b.to(tl.int64) * T * H + i_h) * D
+    k_base = k + (i_b.to(tl.int64) * T * H + i_h) * D
+    t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
+    m = 0.0
+    if CAUSAL:
+        m = tl.load(mdiag + i_h * stride_mh + i_blk)
+
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    At = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(D, BK)):
+        kt = _load_tokens(k_base, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
+        p, msk = _summary_ptrs(dS, i_bh * NB + i_blk, i_k, i_v, D, Dv, BK, BV)
+        dH = tl.load(p, mask=msk, other=0.0)
+        if HAS_R:
+            p, msk = _summary_ptrs(dR, i_bh * NB * NC + j, i_k, i_v, D, Dv, BK, BV)
+            dH += m * tl.load(p, mask=msk, other=0.0)
+        acc += tl.dot(kt.to(tl.float32), dH, input_precision=PREC)
+        if CAUSAL:
+            qt = _load_tokens(q_base, t, valid, stride_k, i_k, D, BK)
+            At += tl.dot(kt, tl.trans(qt), input_precision=PREC)  # At[s, t] = k_s . q_t
+    if CAUSAL:
+        At = tl.where(tl.arange(0, BT)[:, None] <= tl.arange(0, BT)[None, :], At, 0.0)
+        do_base = do + (i_b.to(tl.int64) * T * H + i_h) * Dv
+        dn = _load_tokens(do_base, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
+        if NORMALIZE:
+            dn = dn / tl.load(den + i_bh.to(tl.int64) * T + t, mask=valid, other=1.0)[:, None]
+        acc += m * tl.dot(At, dn, input_precision=PREC)
+    _store_tokens(dv + (i_b.to(tl.int64) * T * H + i_h) * Dv, acc, t, valid, stride_v, i_v, Dv, BV)
+
+
+@triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
+@triton.jit
+def _bwd_dqk_kernel(
+    q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, dq, dk, dmi,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """``dq`` and ``dk`` of one chunk, one K tile (module docstring). Reduces over V tiles.
+
+    With ``CAUSAL`` it also stores the intra-chunk part of the gradient of ``m_i`` restricted to this K
+    tile, ``sum_{s <= t} (q_t . k_s)|_{K tile} dA[t, s]``, at ``dmi[i_k, i_bh, j]`` (the K tiles add up).
+    """
+    i_k, j, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_blk, i_c = j // NC, j % NC
+    i_b, i_h = i_bh // H, i_bh % H
+    stride_k, stride_v = H * D, H * Dv
+    qk_off = (i_b.to(tl.int64) * T * H + i_h) * D
+    v_off = (i_b.to(tl.int64) * T * H + i_h) * Dv
+    t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
+    m = 0.0
+    if CAUSAL:
+        m = tl.load(mdiag + i_h * stride_mh + i_blk)
+    n_p = i_bh * NB + i_blk
+    n_r = i_bh * NB * NC + j
+
+    qt = _load_tokens(q + qk_off, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
+    kt = _load_tokens(k + qk_off, t, valid, stride_k, i_k, D, BK)
+    dq_acc = tl.zeros([BT, BK], dtype=tl.float32)
+    dk_acc = tl.zeros([BT, BK], dtype=tl.float32)
+    dA = tl.zeros([BT, BT], dtype=tl.float32)
+    dd = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(Dv, BV)):
+        dn, dd = _load_dn_dd(do + v_off, den, delta, i_bh, t, valid, stride_v, i_v, T, Dv, BT, BV, NORMALIZE)
+        vt = _load_tokens(v + v_off, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
+        p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BV)
+        h = tl.load(p, mask=msk, other=0.0)
+        p, msk = _summary_ptrs(dS, n_p, i_k, i_v, D, Dv, BK, BV)
+        dH = tl.load(p, mask=msk, other=0.0)
+        if HAS_R:
+            p, msk = _summary_ptrs(R, n_r, i_k, i_v, D, Dv, BK, BV)
+            h += m * tl.load(p, mask=msk, other=0.0)
+            p, msk = _summary_ptrs(dR, n_r, i_k, i_v, D, Dv, BK, BV)
+            dH += m * tl.load(p, mask=msk, other=0.0)
+        dq_acc += tl.dot(dn, tl.trans(h), input_precision=PREC)
+        dk_acc += tl.dot(vt, tl.trans(dH), input_precision=PREC)
+        if CAUSAL:
+            dA += tl.dot(dn, tl.trans(vt), input_precision=PREC)  # dn_t . v_s
+    if NORMALIZE:
+        pz, mz = _vector_ptrs(Pz, n_p, i_k, D, BK)
+        g = tl.load(pz, mask=mz, other=0.0)
+        pz, mz = _vector_ptrs(dSz, n_p, i_k, D, BK)
+        dh = tl.load(pz, mask=mz, other=0.0)
+        if HAS_R:
+            pz, mz = _vector_ptrs(Rz, n_r, i_k, D, BK)
+            g += m * tl.load(pz, mask=mz, other=0.0)
+            pz, mz = _vector_ptrs(dRz, n_r, i_k, D, BK)
+            dh += m * tl.load(pz, mask=mz, other=0.0)
+        dq_acc += dd[:, None] * g[None, :]
+        dk_acc += dh[None, :]
+    if CAUSAL:
+        causal_mask = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+        dA = tl.where(causal_mask, dA + dd[:, None], 0.0)  # dA[t, s] = dn_t . v_s + dd_t, s <= t
+        qf, kf = qt.to(tl.float32), kt.to(tl.float32)
+        dq_acc += m * tl.dot(dA, kf, input_precision=PREC)
+        dk_acc += m * tl.dot(tl.trans(dA), qf, input_precision=PREC)
+        A = tl.dot(qt, tl.trans(kt), input_precision=PREC)  # this K tile's part of q_t . k_s
+        tl.store(dmi + (i_k * tl.num_programs(2) + i_bh) * NB * NC + j, tl.sum(A * dA))
+    _store_tokens(dq + qk_off, dq_acc, t, valid, stride_k, i_k, D, BK)
+    _store_tokens(dk + qk_off, dk_acc, t, valid, stride_k, i_k, D, BK)
+
+
+# ------------------------------------------------------------------------------------- host wrappers
+
+
+def _f32(shape, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, device=like.device, dtype=torch.float32)
+
+
+def _dummy(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(1, device=like.device, dtype=torch.float32)
+
+
+def _head_stride(mdiag: torch.Tensor) -> int:
+    """Head stride of the ``[H or 1, NB]`` diagonal coefficients: 0 when shared by all heads."""
+    return mdiag.stride(0) if mdiag.shape[0] > 1 else 0
+
+
+def _common(g: Geometry):
+    return {"T": g.T, "H": g.H, "D": g.D, "Dv": g.Dv, "OFFSET": g.OFFSET, "C": g.C, "NC": g.NC, "NB": g.NB,
+            "BT": g.BT, "BK": g.BK, "BV": g.BV}
+
+
+def fwd_block_summaries(k, v, g: Geometry, *, has_r: bool, store_z: bool, cur_s=None, cur_z=None):
+    """Run ``_fwd_block_summaries_kernel``.
+
+    Returns ``S [B*H, NB, D, Dv]``, ``Z [B*H, NB, D]`` (or None), ``R [B*H, NB*NC, D, Dv]`` and
+    ``Rz [B*H, NB*NC, D]`` (None without ``has_r``), all fp32.
+    """
+    S = _f32((g.BH, g.NB, g.D, g.Dv), k)
+    Z = _f32((g.BH, g.NB, g.D), k) if store_z else _dummy(k)
+    R = _f32((g.BH, g.NT, g.D, g.Dv), k) if has_r else _dummy(k)
+    Rz = _f32((g.BH, g.NT, g.D), k) if has_r and store_z else _dummy(k)
+    has_init = cur_s is not None
+    _fwd_block_summaries_kernel[(g.NK * g.NV, g.NB, g.BH)](
+        k, v, cur_s if has_init else _dummy(k), cur_z if has_init else _dummy(k), S, Z, R, Rz,
+        HAS_R=has_r, HAS_INIT=has_init, STORE_Z=store_z, PREC=dot_precision(k.dtype), **_common(g),
+    )
+    return S, (Z if store_z else None), (R if has_r else None), (Rz if has_r and store_z else None)
+
+
+def fwd_output(q, k, v, P, Pz, R, Rz, mdiag, g: Geometry, *, causal: bool, normalize: bool, eps: float,
+               out_dtype: torch.dtype):
+    """Run ``_fwd_output_kernel``. Returns ``o [B, T, H, Dv]`` (``out_dtype``) and ``den [B*H, T]`` fp32
+    (None without the normalizer)."""
+    o = torch.empty(g.B, g.T, g.H, g.Dv, device=q.device, dtype=out_dtype)
+    den = _f32((g.BH, g.T), q) if normalize else _dummy(q)
+    has_r = R is not None
+    _fwd_output_kernel[(g.NV, g.NT, g.BH)](
+        q, k, v, P, Pz if normalize else _dummy(q), R if has_r else _dummy(q),
+        Rz if has_r and normalize else _dummy(q), mdiag if causal else _dummy(q), o, den,
+        stride_mh=_head_stride(mdiag) if causal else 0, eps=eps,
+        CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
+    )
+    return o, (den if normalize else None)
+
+
+def bwd_block_grads(q, do, den, delta, R, Rz, g: Geometry, *, normalize: bool):
+    """Run ``_bwd_block_grads_kernel``. Returns ``dP, dPz, dR, dRz`` (fp32, shapes of ``P, Pz, R, Rz``;
+    None where not used) and ``dm_r [B*H, NB]``, the R part of the gradient of ``m_i`` (None without R)."""
+    has_r = R is not None
+    dP = _f32((g.BH, g.NB, g.D, g.Dv), q)
+    dPz = _f32((g.BH, g.NB, g.D), q) if normalize else _dummy(q)
+    dR = _f32((g.BH, g.NT, g.D, g.Dv), q) if has_r else _dummy(q)
+    dRz = _f32((g.BH, g.NT, g.D), q) if has_r and normalize else _dummy(q)
+    dmr = _f32((g.NK * g.NV, g.BH, g.NB), q) if has_r else _dummy(q)
+    _bwd_block_grads_kernel[(g.NK * g.NV, g.NB, g.BH)](
+        q, do, den if normalize else _dummy(q), delta if normalize else _dummy(q),
+        R if has_r else _dummy(q), Rz if has_r and normalize else _dummy(q), dP, dPz, dR, dRz, dmr,
+        HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
+    )
+    return (dP, dPz if normalize else None, dR if has_r else None, dRz if has_r and normalize else None,
+            dmr.sum(0) if has_r else None)
+
+
+def bwd_dv(q, k, do, den, dS, dR, mdiag, g: Geometry, *, causal: bool, normalize: bool, out_dtype):
+    """Run ``_bwd_dv_kernel``. Returns ``dv [B, T, H, Dv]``."""
+    dv = torch.empty(g.B, g.T, g.H, g.Dv, device=q.device, dtype=out_dtype)
+    has_r = dR is not None
+    _bwd_dv_kernel[(g.NV, g.NT, g.BH)](
+        q, k, do, den if normalize else _dummy(q), dS, dR if has_r else _dummy(q),
+        mdiag if causal else _dummy(q), dv, stride_mh=_head_stride(mdiag) if causal else 0,
+        CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
+    )
+    return dv
+
+
+def bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, g: Geometry, *,
+            causal: bool, normalize: bool, out_dtype):
+    """Run ``_bwd_dqk_kernel``. Returns ``dq, dk [B, T, H, D]`` and ``dm_intra [B*H, NB]`` (the
+    intra-chunk part of the gradient of ``m_i``; None when not causal)."""
+    dq = torch.empty(g.B, g.T, g.H, g.D, device=q.device, dtype=out_dtype)
+    dk = torch.empty_like(dq)
+    has_r = R is not None
+    dmi = _f32((g.NK, g.BH, g.NT), q) if causal else _dummy(q)
+    d = _dummy(q)
+    _bwd_dqk_kernel[(g.NK, g.NT, g.BH)](
+        q, k, v, do, den if normalize else d, delta if normalize else d, P, Pz if normalize else d,
+        R if has_r else d, Rz if has_r and normalize else d, dS, dSz if normalize else d,
+        dR if has_r else d, dRz if has_r and normalize else d, mdiag if causal else d, dq, dk, dmi,
+        stride_mh=_head_stride(mdiag) if causal else 0,
+        CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
+    )
+    dm = dmi.sum(0).view(g.BH, g.NB, g.NC).sum(-1) if causal else None
+    return dq, dk, dm
+
+
+# --------------------------------------------------------------------------------- torch glue: the mix
+
+
+def mix_summaries(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None):
+    """``P_i = sum_b coeff[i, b] S_b`` (and ``p_i`` from ``z_b``): one batched GEMM per summary kind.
+
+    Args:
+        coeff: ``[H or 1, NB, N]`` fp32 (rows: this call's blocks; columns: all blocks summarised).
+        S_all: ``[B, H, N, D, Dv]`` fp32; Z_all: ``[B, H, N, D]`` or None.
+    Returns:
+        ``P [B*H, NB, D, Dv]`` and ``Pz [B*H, NB, D]`` (None without Z), contiguous fp32.
+    """
+    B, H, _, D, Dv = S_all.shape
+    NB = coeff.shape[1]
+    P = torch.matmul(coeff, S_all.reshape(B, H, -1, D * Dv)).reshape(B * H, NB, D, Dv)
+    Pz = None if Z_all is None else torch.matmul(coeff, Z_all).reshape(B * H, NB, D)
+    return P, Pz
+
+
+def mix_summaries_backward(coeff, S_all, Z_all, dP, dPz, *, need_dcoeff: bool = True):
+    """Backward of :func:`mix_summaries`.
+
+    Returns ``dS_all [B, H, N, D, Dv]``, ``dZ_all [B, H, N, D]`` (None without Z) and
+    ``dcoeff [H or 1, NB, N]``: ``dcoeff[i, b] = sum_batch <dP_i, S_b> + <dp_i, z_b>`` (summed over heads
+    too when the coefficients are shared; None unless ``need_dcoeff``).
+    """
+    B, H, N, D, Dv = S_all.shape
+    NB = coeff.shape[1]
+    dP = dP.reshape(B, H, NB, D * Dv)
+    S_flat = S_all.reshape(B, H, N, D * Dv)
+    coeff_t = coeff.transpose(-1, -2)
+    dS_all = torch.matmul(coeff_t, dP).reshape(B, H, N, D, Dv)
+    dZ_all = None
+    if Z_all is not None:
+        dPz = dPz.reshape(B, H, NB, D)
+        dZ_all = torch.matmul(coeff_t, dPz)
+    if not need_dcoeff:
+        return dS_all, dZ_all, None
+    dcoeff = torch.matmul(dP, S_flat.transpose(-1, -2))  # [B, H, NB, N]
+    if Z_all is not None:
+        dcoeff = dcoeff + torch.matmul(dPz, Z_all.transpose(-1, -2))
+    dcoeff = dcoeff.sum(0)
+    if coeff.shape[0] == 1:
+        dcoeff = dcoeff.sum(0, keepdim=True)
+    return dS_all, dZ_all, dcoeff
+
+
+def output_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """``delta_t = do_t . o_t`` in fp32, as ``[B*H, T]`` (the normalizer's backward)."""
+    B, T, H, _ = o.shape
+    return (do.float() * o.float()).sum(-1).transpose(1, 2).reshape(B * H, T).contiguous()
+
+
+def mixing_3d(mixing: torch.Tensor) -> torch.Tensor:
+    """``[M, M]`` or ``[H, M, M]`` -> fp32 ``[1 or H, M, M]``."""
+    mix = mixing.float()
+    return mix.unsqueeze(0) if mix.dim() == 2 else mix
+
+
+def mixing_grad_like(dmix3: torch.Tensor, ndim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[1 or H, M, M]`` fp32 gradient in the rank (2 or 3) and dtype of the mixing matrix."""
+    return (dmix3[0] if ndim == 2 else dmix3).to(dtype)

@@ -1,0 +1,118 @@
+"""The ``backend="triton"`` entry point: layout, dtypes, mixing shapes and state around the Functions.
+
+:func:`mhla_attention` has the contract of :func:`mhla.ops.mhla_attention` (which validates the inputs
+and calls it), and returns the same values as the torch path up to rounding:
+
+* layout ``[B, T, H, D]`` in and out (the kernels read it in place, strided by heads);
+* ``mixing`` ``[M, M]`` (shared) or ``[H, M, M]`` (per head), any float dtype (read as fp32);
+* fp16 / bf16 / fp32 inputs, fp32 accumulation and summaries, output in ``v``'s dtype. Under the CPU
+  interpreter bf16 tensors are computed in fp32 (numpy has no bf16) and the output cast back;
+* causal calls may continue an :class:`~mhla.ops.MHLAState` and return the final one (fp32 summaries).
+
+Routed to the torch path instead (same results, documented): ``normalize="official"`` (the release's
+vision normalizer) and float64 inputs.
+
+:func:`available` says whether the kernels can run here: triton imports and either CUDA is available or
+the kernels were built by the CPU interpreter (``TRITON_INTERPRET=1`` set *before* this module is
+imported: triton reads it when ``@triton.jit`` decorates the kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.causal import MHLAState, _check_state, mhla_causal_torch
+from ..ops.noncausal import mhla_noncausal_torch
+from ..ops.validation import normalizer_mode
+from .causal import mhla_causal_triton
+from .noncausal import mhla_noncausal_triton
+from .utils import INTERPRET_AT_IMPORT, SUPPORTED_DTYPES
+
+
+def available() -> bool:
+    """True when the kernels can launch: CUDA is available, or they were built for the interpreter."""
+    return INTERPRET_AT_IMPORT or torch.cuda.is_available()
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if not INTERPRET_AT_IMPORT and not q.is_cuda:
+        raise ValueError(
+            "backend='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1 set before "
+            f"import); got tensors on {q.device}. Move them to the GPU or use backend='torch'"
+        )
+
+
+def mhla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    block_size: int,
+    *,
+    causal: bool = False,
+    normalize="paper",
+    eps: float = 1e-6,
+    initial_state: MHLAState | None = None,
+    output_final_state: bool = False,
+):
+    """MHLA on the Triton kernels. Arguments and returns as :func:`mhla.ops.mhla_attention`.
+
+    Returns ``o [B, T, H, Dv]`` (dtype of ``v``), or ``(o, state)`` with ``output_final_state``.
+    """
+    mode = normalizer_mode(normalize)
+    stateful = initial_state is not None or output_final_state
+    if not causal and stateful:
+        raise ValueError("initial_state / output_final_state are for causal=True only")
+    if mode == "official" or q.dtype not in SUPPORTED_DTYPES:
+        # Not in the kernels: the release's normalizer and float64. Same results from the torch path.
+        if causal:
+            return mhla_causal_torch(q, k, v, mixing, block_size, normalize=mode, eps=eps,
+                                     initial_state=initial_state, output_final_state=output_final_state)
+        return mhla_noncausal_torch(q, k, v, mixing, block_size, normalize=mode, eps=eps)
+    _check_device(q)
+    out_dtype = v.dtype
+    if INTERPRET_AT_IMPORT and q.dtype == torch.bfloat16:  # numpy has no bf16: compute in fp32
+        q, k, v = q.float(), k.float(), v.float()
+    normalize_b = mode == "paper"
+
+    if not causal:
+        if q.shape[1] % block_size:
+            raise ValueError(f"non-causal MHLA needs T ({q.shape[1]}) to be a multiple of block_size "
+                             f"({block_size})")
+        o = mhla_noncausal_triton(q, k, v, mixing, block_size, normalize=normalize_b, eps=eps)
+        return o.to(out_dtype)
+
+    state = None
+    P = 0
+    if initial_state is not None:
+        _check_state(initial_state, q, v, block_size)
+        st = initial_state
+        P = st.num_tokens
+        state = (st.block_summaries, st.block_key_sums, st.current_summary, st.current_key_sum, P)
+    o, S, Z = mhla_causal_triton(q, k, v, mixing, block_size, normalize=normalize_b, eps=eps, state=state,
+                                 keep_z=output_final_state)
+    o = o.to(out_dtype)
+    if not output_final_state:
+        return o
+
+    C = block_size
+    first = P // C
+    end = P + q.shape[1]
+    finished = end // C  # finished blocks after this call
+    NB = S.shape[2]
+    new_done = finished - first  # this call's blocks that are finished: NB or NB - 1
+    prev_s = initial_state.block_summaries.float() if initial_state is not None else S[:, :, :0]
+    prev_z = initial_state.block_key_sums.float() if initial_state is not None else Z[:, :, :0]
+    if new_done == NB:
+        cur_s, cur_z = torch.zeros_like(S[:, :, 0]), torch.zeros_like(Z[:, :, 0])
+    else:
+        cur_s, cur_z = S[:, :, NB - 1], Z[:, :, NB - 1]
+    new_state = MHLAState(
+        block_summaries=torch.cat([prev_s, S[:, :, :new_done]], dim=2),
+        block_key_sums=torch.cat([prev_z, Z[:, :, :new_done]], dim=2),
+        current_summary=cur_s,
+        current_key_sum=cur_z,
+        num_tokens=end,
+        block_size=C,
+    )
+    return o, new_state

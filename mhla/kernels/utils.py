@@ -1,0 +1,114 @@
+"""Small helpers shared by the Triton kernels: interpreter detection, tile sizes, autotune configs, dtypes.
+
+Nothing here launches a kernel. The module imports ``triton``; :mod:`mhla.kernels.triton_backend` catches
+the ``ImportError`` where triton is missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True when ``@triton.jit`` builds CPU-interpreted kernels (``TRITON_INTERPRET=1``).
+
+    Triton 3.x reads the variable when ``@triton.jit`` *decorates* a function, i.e. when the kernel modules
+    of this package are imported, not at launch. :data:`INTERPRET_AT_IMPORT` records what the kernels were
+    built with; this function reports the environment now.
+    """
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # older triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+#: Whether the kernels of this package were decorated under the interpreter (fixed at import).
+INTERPRET_AT_IMPORT = interpreting()
+
+def device_helper(fn):
+    """Decorator for the small ``@triton.jit`` helpers the kernels call.
+
+    Compiled, it is ``triton.jit`` (the helpers are inlined). Under the interpreter the plain Python
+    function is kept: the kernel body already runs with ``triton.language`` patched to numpy, and an
+    interpreted ``@triton.jit`` call re-patches the language on every call, which made the helpers the
+    main cost of the CPU tests.
+    """
+    return fn if INTERPRET_AT_IMPORT else triton.jit(fn)
+
+
+#: Tile sizes the kernels may use. ``tl.dot`` needs every dimension >= 16 on a GPU.
+MIN_TILE = 16
+MAX_TILE = 64
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def feature_tile(dim: int, max_tile: int = MAX_TILE) -> int:
+    """Tile size for a head dimension ``dim`` (32..256, not only powers of two).
+
+    The tile is a power of two in ``[32, max_tile]`` (16 for tiny dims); the last tile is masked when it
+    overruns ``dim``. Pick the one with the least padding, the larger on ties:
+    48 -> 64 (one tile), 96 -> 32 (three), 128 -> 64, 160 -> 32 (five), 256 -> 64.
+    """
+    if dim <= MIN_TILE:
+        return MIN_TILE
+    best, best_pad = None, None
+    tile = max_tile
+    while tile >= 2 * MIN_TILE:
+        padded = triton.cdiv(dim, tile) * tile
+        if best is None or padded < best_pad:
+            best, best_pad = tile, padded
+        tile //= 2
+    return min(best, next_pow2(dim))
+
+
+def chunk_tile(block_size: int, max_tile: int = MAX_TILE) -> int:
+    """Chunk length ``c`` (the kernels' token tile) for MHLA blocks of ``block_size`` tokens.
+
+    Every block is cut into ``ceil(C / c)`` chunks; the last chunk of a block is masked when ``c`` does
+    not divide ``C``, so any block size works. A block that fits in one tile uses a single chunk; larger
+    blocks use ``max_tile`` unless a smaller power of two wastes clearly less padding.
+    """
+    if block_size <= max_tile:
+        return max(MIN_TILE, next_pow2(block_size))
+    best, best_pad = max_tile, triton.cdiv(block_size, max_tile) * max_tile
+    tile = max_tile // 2
+    while tile >= MIN_TILE:
+        padded = triton.cdiv(block_size, tile) * tile
+        if padded * 1.25 < best_pad:  # only trade tile size for a real saving (>= 20%)
+            best, best_pad = tile, padded
+        tile //= 2
+    return best
+
+
+def autotune_configs(warps=(4, 8), stages=(2, 3)) -> list:
+    """Autotune configurations; a single one under the interpreter (there is nothing to tune)."""
+    if INTERPRET_AT_IMPORT:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in warps for s in stages]
+
+
+def kernel_dtype(x: torch.Tensor) -> torch.Tensor:
+    """The tensor as the kernels read it: contiguous; bf16 cast to fp32 under the interpreter (numpy has no
+    bf16). Other dtypes are kept (fp16, fp32)."""
+    if INTERPRET_AT_IMPORT and x.dtype == torch.bfloat16:
+        x = x.float()
+    return x.contiguous()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for ``tl.dot`` on fp32 operands.
+
+    fp32 inputs get exact ("ieee") products so the fp32 path matches the torch path tightly; for half
+    inputs the fp32 operands are summaries and intermediate products, where TF32 (10 mantissa bits, more
+    than bf16's 7) is accurate enough and twice as fast.
+    """
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,0 +1,301 @@
+"""The Triton kernels (backend="triton") against the torch path: forward and every gradient.
+
+Without a GPU the kernels run in Triton's CPU interpreter. Triton reads ``TRITON_INTERPRET`` when
+``@triton.jit`` decorates a kernel, i.e. when ``mhla.kernels`` is first imported, so it is set here at
+module import (pytest imports every test module during collection, before any test runs; nothing else
+imports ``mhla.kernels`` at import time). It is only set when CUDA is absent, so on a GPU machine the same
+tests run the compiled kernels on CUDA tensors, and the ``gpu`` tests add bf16 checks at realistic shapes.
+
+Criterion (``check_against_torch``): the output and the gradients of q, k, v and mixing of the loss
+``sum(o * w)`` (fixed random ``w``) are compared with the torch path run in float64 on the same (rounded)
+inputs; per tensor, ``err = max|x - x_fp64| / max(max|x_fp64|, 1)``. The Triton error must be at most
+``max(TOL[dtype], 2 * err of the torch path in the same dtype)``:
+    fp32: TOL 1e-5  (observed: Triton <= 1.6e-6, the torch path <= 1.9e-6)
+    fp16: TOL 5e-3  (observed: Triton <= 1.3e-3, the torch path <= 7e-4; the mixing gradient is the
+                     largest, it reads the fp16-rounded output through the normalizer's backward)
+    bf16: TOL 1e-2  (GPU tests; 8 mantissa bits)
+Comparing with float64 rather than with the fp32 torch path matters for the mixing gradient of a
+normalized block: it is a difference of nearly equal sums (a normalized output does not depend on the
+scale of its mixing row), so both fp32 paths carry ~1e-5 relative noise there. The floor of 1 in the
+denominator covers a single normalized block, whose mixing gradient is zero up to rounding.
+"""
+
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from mhla.ops import mhla_attention
+
+triton_backend = pytest.importorskip("mhla.kernels.triton_backend")
+if not triton_backend.available():  # e.g. mhla.kernels was imported before TRITON_INTERPRET was set
+    pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)",
+                allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+def make_inputs(B, T, H, D, Dv, M, *, per_head, dtype, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, T, H, D, generator=g)
+    k = torch.rand(B, T, H, D, generator=g)
+    v = torch.randn(B, T, H, Dv, generator=g)
+    mix = torch.rand(*((H, M, M) if per_head else (M, M)), generator=g)
+    w = torch.randn(B, T, H, Dv, generator=g)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)] + [mix.to(device), w.to(device)]
+
+
+def run(backend, q, k, v, mix, w, block_size, **kw):
+    """Output and gradients (q, k, v, mixing) of ``sum(o * w)``."""
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v, mix)]
+    o = mhla_attention(*xs[:3], xs[3], block_size, backend=backend, **kw)
+    (o.float() * w).sum().backward()
+    return [o.detach()] + [x.grad for x in xs]
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+
+
+def check_against_torch(q, k, v, mix, w, C, dtype, **kw):
+    """Triton vs the fp64 torch path on the same (rounded) inputs, next to the torch path in ``dtype``."""
+    got = run("triton", q, k, v, mix, w, C, **kw)
+    same = run("torch", q, k, v, mix, w, C, **kw)
+    exact = run("torch", *(x.double() for x in (q, k, v, mix, w)), C, **kw)
+    names = ("o", "dq", "dk", "dv", "dmixing")
+    errs, bad = {}, {}
+    for name, a, b, r in zip(names, got, same, exact):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        errs[name] = (rel_err(a, r), rel_err(b, r))
+        if not errs[name][0] <= max(TOL[dtype], 2 * errs[name][1]):
+            bad[name] = errs[name]
+    assert not bad, f"(triton, torch) errors vs fp64 above {TOL[dtype]:.0e}: {bad} (all: {errs})"
+    return errs
+
+
+def compare(B, T, H, D, Dv, C, *, causal, normalize, per_head, dtype, M=None, seed=0):
+    M = M or math.ceil(T / C)
+    q, k, v, mix, w = make_inputs(B, T, H, D, Dv, M, per_head=per_head, dtype=dtype, seed=seed)
+    check_against_torch(q, k, v, mix, w, C, dtype, causal=causal, normalize=normalize)
+
+
+# ------------------------------------------------------------------------------------------ non-causal
+
+NONCAUSAL = [  # B, T, H, D, Dv, C
+    (2, 63, 2, 16, 16, 9),  # 7 blocks of 9 (one masked chunk each)
+    (1, 100, 2, 48, 40, 20),  # head dims not powers of two
+    (1, 300, 2, 32, 24, 100),  # blocks of two chunks, the second partial
+    (1, 1000, 1, 32, 32, 125),
+    (1, 200, 1, 96, 80, 100),  # 3 K tiles and 3 V tiles of 32
+]
+
+
+@pytest.mark.parametrize("shape", NONCAUSAL, ids=lambda s: "B{}-T{}-H{}-D{}-Dv{}-C{}".format(*s))
+@pytest.mark.parametrize("normalize", [True, False])
+def test_noncausal_fp32(shape, normalize):
+    per_head = shape[1] % 2 == 0  # alternate shared and per-head mixing over the shapes
+    compare(*shape, causal=False, normalize=normalize, per_head=per_head, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_noncausal_fp32_mixing_kinds(per_head):
+    compare(2, 64, 3, 16, 8, 16, causal=False, normalize=True, per_head=per_head, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- causal
+
+CAUSAL = [  # B, T, H, D, Dv, C
+    (2, 63, 2, 16, 16, 8),  # 8 blocks, the last partial
+    (1, 100, 2, 48, 40, 16),  # non-power-of-two head dims
+    (1, 100, 2, 32, 32, 64),  # one chunk per block, partial last block
+    (1, 100, 1, 16, 16, 100),  # one block of two chunks, the second partial
+    (1, 200, 2, 16, 24, 128),  # two chunks per block
+    (1, 1000, 2, 32, 32, 100),  # 10 blocks of two chunks
+    (1, 1000, 1, 48, 40, 64),
+    (1, 150, 1, 96, 80, 100),  # 3 K tiles and 3 V tiles of 32, two chunks per block
+    (1, 70, 1, 160, 256, 32),  # 5 K tiles of 32, 4 V tiles of 64
+]
+
+
+@pytest.mark.parametrize("shape", CAUSAL, ids=lambda s: "B{}-T{}-H{}-D{}-Dv{}-C{}".format(*s))
+@pytest.mark.parametrize("normalize", [True, False])
+def test_causal_fp32(shape, normalize):
+    per_head = shape[1] != 100
+    extra_rows = 2 if normalize else 0  # more mixing rows than blocks is allowed
+    M = math.ceil(shape[1] / shape[5]) + extra_rows
+    compare(*shape, causal=True, normalize=normalize, per_head=per_head, dtype=torch.float32, M=M)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_causal_fp32_mixing_kinds(per_head):
+    compare(2, 90, 3, 16, 8, 32, causal=True, normalize=True, per_head=per_head, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ fp16
+
+HALF = [  # causal, B, T, H, D, Dv, C
+    (False, 1, 100, 2, 48, 40, 20),
+    (False, 1, 300, 2, 32, 32, 100),
+    (True, 1, 63, 2, 32, 32, 8),
+    (True, 1, 100, 2, 48, 40, 16),
+    (True, 1, 1000, 1, 32, 32, 100),
+]
+
+
+@pytest.mark.parametrize("case", HALF, ids=lambda s: "{}-T{}-D{}-C{}".format(
+    "causal" if s[0] else "noncausal", s[2], s[4], s[6]))
+def test_fp16(case):
+    causal, *shape = case
+    compare(*shape, causal=causal, normalize=True, per_head=True, dtype=torch.float16)
+
+
+def test_fp16_without_normalizer():
+    compare(1, 100, 2, 32, 32, 16, causal=True, normalize=False, per_head=False, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_returns_bf16(causal):
+    """bf16 in, bf16 out (under the interpreter computed in fp32, since numpy has no bf16)."""
+    q, k, v, mix, w = make_inputs(1, 64, 2, 32, 32, 4, per_head=False, dtype=torch.bfloat16)
+    got = run("triton", q, k, v, mix, w, 16, causal=causal)
+    want = run("torch", q, k, v, mix, w, 16, causal=causal)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        assert rel_err(a, b) <= TOL[torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------------------ state
+
+
+@pytest.mark.parametrize("T,C,splits", [(70, 8, [7, 8, 9, 61]), (250, 100, [130, 170]), (100, 64, [64])])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_causal_state_split_and_resume(T, C, splits, normalize):
+    """Chunked prefill on the kernels equals one call, and the final states agree with the torch path."""
+    B, H, D = 1, 2, 16
+    q, k, v, mix, _ = make_inputs(B, T, H, D, D, math.ceil(T / C), per_head=True, dtype=torch.float32)
+    full, full_state = mhla_attention(q, k, v, mix, C, causal=True, normalize=normalize,
+                                      output_final_state=True, backend="torch")
+    bounds = [0, *splits, T]
+    outs, state = [], None
+    for a, b in itertools.pairwise(bounds):
+        o, state = mhla_attention(q[:, a:b], k[:, a:b], v[:, a:b], mix, C, causal=True, normalize=normalize,
+                                  initial_state=state, output_final_state=True, backend="triton")
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+    assert state.num_tokens == T and state.block_size == C
+    for name in ("block_summaries", "block_key_sums", "current_summary", "current_key_sum"):
+        torch.testing.assert_close(getattr(state, name), getattr(full_state, name), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_causal_state_gradients_match_torch(normalize):
+    """Gradients flow through the state: an empty initial state and two chained calls on each backend, a
+    loss on the outputs and on the final state; the same gradients (q, k, v, mixing, initial state)."""
+    from mhla.ops import init_state
+
+    B, T, H, D, C, cut = 1, 90, 2, 16, 16, 37
+    q, k, v, mix, w = make_inputs(B, T, H, D, D, 6, per_head=True, dtype=torch.float32)
+    grads = []
+    for backend in ("torch", "triton"):
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v, mix)]
+        qq, kk, vv, mm = xs
+        st0 = init_state(B, H, D, D, C, device=DEVICE)
+        st0.current_summary.requires_grad_()
+        kw = {"causal": True, "normalize": normalize, "output_final_state": True, "backend": backend}
+        o1, st = mhla_attention(qq[:, :cut], kk[:, :cut], vv[:, :cut], mm, C, initial_state=st0, **kw)
+        o2, st2 = mhla_attention(qq[:, cut:], kk[:, cut:], vv[:, cut:], mm, C, initial_state=st, **kw)
+        loss = (torch.cat([o1, o2], 1) * w).sum() + 1e-2 * st2.block_summaries.sum() \
+            + 1e-2 * st2.current_summary.sum() + 1e-3 * (st2.current_key_sum ** 2).sum() \
+            + 1e-3 * (st2.block_key_sums ** 2).sum()
+        loss.backward()
+        grads.append([x.grad for x in xs] + [st0.current_summary.grad])
+    for name, a, b in zip(("dq", "dk", "dv", "dmixing", "dstate"), grads[1], grads[0]):
+        assert rel_err(a, b) <= 1e-5, name
+
+
+# ------------------------------------------------------------------------------------- routing, errors
+
+
+def test_available_here():
+    assert triton_backend.available()
+
+
+def test_official_normalizer_and_fp64_use_the_torch_path():
+    q, k, v, mix, _ = make_inputs(1, 32, 2, 8, 8, 4, per_head=False, dtype=torch.float64)
+    a = mhla_attention(q, k, v, mix.double(), 8, backend="triton")  # fp64: torch path
+    b = mhla_attention(q, k, v, mix.double(), 8, backend="torch")
+    torch.testing.assert_close(a, b)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    a = mhla_attention(qf, kf, vf, mix, 8, normalize="official", backend="triton")
+    b = mhla_attention(qf, kf, vf, mix, 8, normalize="official", backend="torch")
+    torch.testing.assert_close(a, b)
+
+
+def test_noncausal_state_is_rejected():
+    q, k, v, mix, _ = make_inputs(1, 32, 2, 8, 8, 4, per_head=False, dtype=torch.float32)
+    with pytest.raises(ValueError, match="causal=True only"):
+        triton_backend.mhla_attention(q, k, v, mix, 8, output_final_state=True)
+
+
+# ------------------------------------------------------------------------------------------- compiling
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_h100_without_a_gpu():
+    """The interpreter does not compile: run Triton's real pipeline (to sm_90 cubin) in a subprocess."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "mhla.kernels.compile_check", "--quick", "--arch", "90"],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode == 3:
+        pytest.skip(f"cannot compile for CUDA here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_bf16_realistic_shapes(causal, D):
+    B, T, H, M = 2, 4096, 8, 64
+    q, k, v, mix, w = make_inputs(B, T, H, D, D, M, per_head=True, dtype=torch.bfloat16, device="cuda")
+    check_against_torch(q, k, v, mix, w, T // M, torch.bfloat16, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_auto_picks_triton_and_odd_dims(causal):
+    """backend="auto" on CUDA uses the kernels; head dims 96 / 160, blocks of 3 chunks, bf16."""
+    from mhla.ops import resolve_backend
+
+    q, k, v, mix, w = make_inputs(2, 1536, 4, 96, 160, 8, per_head=False, dtype=torch.bfloat16,
+                                  device="cuda")
+    assert resolve_backend("auto", q, causal=causal) == "triton"
+    got = run("auto", q, k, v, mix, w, 192, causal=causal)
+    want = run("triton", q, k, v, mix, w, 192, causal=causal)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    check_against_torch(q, k, v, mix, w, 192, torch.bfloat16, causal=causal)
+
+
+@pytest.mark.gpu
+def test_gpu_causal_long_sequence_fp32():
+    """fp32 (exact dot products) on a long causal sequence: 128 blocks of 64."""
+    q, k, v, mix, w = make_inputs(1, 8192, 4, 64, 64, 128, per_head=True, dtype=torch.float32,
+                                  device="cuda")
+    check_against_torch(q, k, v, mix, w, 64, torch.float32, causal=True)
