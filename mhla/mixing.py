@@ -37,7 +37,7 @@ def distances_1d(num_blocks: int) -> torch.Tensor:
     """float64 ``[M, M]``: ``|i - j|`` between contiguous 1-D blocks."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    i = torch.arange(num_blocks, dtype=torch.float64)
+    i = torch.arange(num_blocks, dtype=torch.float64, device="cpu")
     return (i[:, None] - i[None, :]).abs()
 
 
@@ -220,10 +220,15 @@ class MixingMatrix(nn.Module):
         self.num_heads = num_heads
         self.parameterization = parameterization
         self.max_value = max_value
-        w = mixing_init(init, distances, causal=causal, **(init_kwargs or {}))
-        if num_heads is not None:
-            w = w.unsqueeze(0).repeat(num_heads, 1, 1)
-        raw = w if parameterization == "clamp" else _inverse_softplus(w.clamp_min(1e-4))
+        # The init is computed on the CPU, then moved to the default device: under a `torch.device("meta")`
+        # context (transformers' from_pretrained) or a CUDA one, mixing_init's tensors would land there.
+        target = torch.get_default_device()
+        with torch.device("cpu"):
+            w = mixing_init(init, distances, causal=causal, **(init_kwargs or {}))
+            if num_heads is not None:
+                w = w.unsqueeze(0).repeat(num_heads, 1, 1)
+            raw = w if parameterization == "clamp" else _inverse_softplus(w.clamp_min(1e-4))
+        raw = raw.to(target)
         if learnable:
             self.raw = nn.Parameter(raw)
         else:
