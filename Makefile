@@ -8,12 +8,13 @@ PIP := $(VENV)/bin/pip
 SCALE ?= full
 EXTRA ?=
 
-.PHONY: install test test-fast bench analyze clean help reproduce-table2 reproduce-table13
+.PHONY: install test test-fast bench bench-gpu analyze clean help reproduce-table2 reproduce-table13
 
 help:
 	@echo "make install   - create .venv with the pinned dependencies (requirements.lock) and mhla (editable)"
 	@echo "make test      - run the test suite in .venv"
 	@echo "make bench     - CPU op benchmarks -> results/bench/"
+	@echo "make bench-gpu - GPU tests + kernel benchmarks (bf16, B=8, H=16, D=64/128) -> results/bench/"
 	@echo "make analyze   - attention rank/entropy analysis (Fig. 3 measure) -> results/analysis/"
 	@echo "make reproduce-table2 [SCALE=mini] [EXTRA='data.root=/data/imagenet'] - Table 2 -> results/table2[_mini].md"
 
@@ -38,6 +39,12 @@ test-fast: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_ops.py
+
+# On a CUDA machine: the GPU tests, then the kernel benchmark at D = 64 and D = 128 -> results/bench/
+bench-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu tests/
+	$(PY) scripts/bench_ops.py --device cuda
+	$(PY) scripts/bench_ops.py --device cuda --dim 128 --out-dir results/bench/d128
 
 analyze: $(VENV)/.installed
 	$(PY) scripts/analyze_attention.py
