@@ -164,12 +164,13 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """Rotate pairs ``(x[2i], x[2i+1])`` of ``x: [B, N, H, D]`` by the angles of ``cos``/``sin``.
 
     ``cos``/``sin`` broadcast to ``[B, N, H, D]`` with each angle repeated for the two entries of its pair
-    (Wan's ``WanRotaryPosEmbed`` output, ``[1, N, 1, D]``). Computed in the dtype of ``cos`` (fp64/fp32),
+    (Wan's ``WanRotaryPosEmbed`` output, ``[1, N, 1, D]``, fp64). Computed in fp32 (fp64 for fp64 ``x``),
     returned in the dtype of ``x``.
     """
-    xr = x.to(cos.dtype).unflatten(-1, (-1, 2))
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xr = x.to(acc).unflatten(-1, (-1, 2))
     x1, x2 = xr[..., 0], xr[..., 1]
-    c, s = cos[..., 0::2], sin[..., 0::2]
+    c, s = cos[..., 0::2].to(acc), sin[..., 0::2].to(acc)
     return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).to(x.dtype)
 
 

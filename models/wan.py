@@ -1,0 +1,163 @@
+"""Wan2.1 text-to-video transformer (diffusers ``WanTransformer3DModel``) with MHLA / linear self-attention.
+
+    from models.wan import build_wan, apply_attention
+    model = build_wan(cfg.model, cfg.attn)          # pretrained from model.pretrained, or random init
+    apply_attention(model, {"name": "mhla", "blocks": [7, 3, 5], "layers": "hybrid", ...})
+
+Wan2.1-T2V-1.3B (BASELINES.md section 9): 30 layers, width 1536 = 12 heads x 128, FFN 8960, patch (1, 2, 2),
+16 latent channels, UMT5-XXL text (4096-dim, 512 tokens), qk RMSNorm across heads, 1419M params. The VAE
+compresses (4, 8, 8): 81 frames at 480 x 800 -> latents 21 x 60 x 100 -> 21 x 30 x 50 = 31,500 tokens.
+
+Attention variants (``attn`` config; only the self-attention ``attn1`` changes, cross-attention stays softmax):
+    ``softmax``  the model's own processor (SDPA / FlashAttention): Table 5's "FlashAttention" row
+    ``linear``   plain linear attention (ReLU features): Table 5's "Linear" row
+    ``mhla``     MHLA over a 3-D block grid ``blocks`` (default 7 x 3 x 5 = 105 blocks of 3 x 10 x 10),
+                 ``layers: all`` ("MHLA" row) or ``layers: hybrid`` (2/3 of the layers, "MHLA Hybrid" row)
+Options read from ``attn`` (defaults = the paper's video setting): ``normalize: false`` with
+``out_norm: true`` (output RMSNorm), ``feature_map: relu``, ``rope: after`` (``before`` | ``none``),
+``mixing_init: locality``, ``layers: all | hybrid | [indices]``, ``softmax_every: 3``, ``softmax_offset: 2``
+(hybrid: layers 2, 5, 8, ... keep softmax; our choice, the paper does not say which layers).
+
+Local weights only: ``model.pretrained`` is a folder in diffusers format (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``);
+a missing folder raises :class:`MissingWeightsError` that says what to download and where.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch.nn as nn
+
+# WanTransformer3DModel config of Wan2.1-T2V-1.3B (diffusers' conversion script; BASELINES.md section 9).
+WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                rope_max_seq_len=1024)
+HF_REPO = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+LAYOUT = ("model_index.json", "transformer/ (config.json + *.safetensors)", "vae/ (AutoencoderKLWan)",
+          "text_encoder/ (UMT5EncoderModel)", "tokenizer/", "scheduler/")
+VAE_STRIDE = (4, 8, 8)
+TRANSFORMER_KEYS = tuple(WAN_1_3B)
+
+
+class MissingWeightsError(FileNotFoundError):
+    """A local weights folder is missing; the message says what to download and where to put it."""
+
+
+def check_weights_dir(path, component: str | None = None) -> str:
+    """``path`` (and ``path/component``) must exist; else :class:`MissingWeightsError` naming the HF repo."""
+    where = os.path.join(path, component) if (path and component) else path
+    if not path or not os.path.isdir(where):
+        raise MissingWeightsError(
+            f"Wan2.1 weights not found at {where!r}. Nothing is downloaded at run time: download "
+            f"{HF_REPO} (e.g. `huggingface-cli download {HF_REPO} --local-dir /data/Wan2.1-T2V-1.3B-Diffusers`) "
+            f"and pass model.pretrained=/data/Wan2.1-T2V-1.3B-Diffusers. Expected layout: {', '.join(LAYOUT)}")
+    return where
+
+
+def _plain(cfg) -> dict:
+    if cfg is None:
+        return {}
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def token_grid(num_frames: int, height: int, width: int, patch=(1, 2, 2), vae_stride=VAE_STRIDE) -> tuple[int, ...]:
+    """Token grid of a clip: latents ``(1 + (F - 1) / 4, H / 8, W / 8)``, then the patch size.
+
+    ``token_grid(81, 480, 800) == (21, 30, 50)`` (31,500 tokens). ``vae_stride=(1, 1, 1)``: pixel space.
+    """
+    st, sh, sw = vae_stride
+    if (num_frames - 1) % st or height % (sh * patch[1]) or width % (sw * patch[2]):
+        raise ValueError(f"{num_frames} frames at {height}x{width} do not fit VAE stride {vae_stride} and patch "
+                         f"{tuple(patch)}: need frames = 1 + {st}k and sizes divisible by "
+                         f"{sh * patch[1]} / {sw * patch[2]}")
+    lat = (1 + (num_frames - 1) // st, height // sh, width // sw)
+    return tuple(g // p for g, p in zip(lat, patch))
+
+
+def build_transformer(model_cfg):
+    """``WanTransformer3DModel``: from ``model.pretrained`` (local, diffusers format) or random init."""
+    from diffusers import WanTransformer3DModel  # noqa: PLC0415
+
+    m = _plain(model_cfg)
+    if m.get("pretrained"):
+        where = check_weights_dir(m["pretrained"], "transformer")
+        model = WanTransformer3DModel.from_pretrained(where)
+    else:
+        arch = {k: m[k] for k in TRANSFORMER_KEYS if k in m}
+        arch = {k: tuple(v) if isinstance(v, list) else v for k, v in arch.items()}
+        model = WanTransformer3DModel(**{**WAN_1_3B, **arch})
+    if m.get("gradient_checkpointing"):
+        model.enable_gradient_checkpointing()
+    return model
+
+
+def attention_layers(attn_cfg, num_layers: int) -> list[int]:
+    """Indices of the self-attention layers that get the new attention (``attn.layers``)."""
+    from mhla.adapters.diffusers import hybrid_layers  # noqa: PLC0415
+
+    a = _plain(attn_cfg)
+    layers = a.get("layers", "all")
+    if layers in (None, "all"):
+        return list(range(num_layers))
+    if layers == "hybrid":
+        return hybrid_layers(num_layers, int(a.get("softmax_every", 3)), int(a.get("softmax_offset", 2)))
+    if isinstance(layers, str):
+        raise ValueError(f"attn.layers must be all, hybrid or a list of layer indices, got {layers!r}")
+    return [int(i) for i in layers]
+
+
+def apply_attention(model, attn_cfg, grid=None) -> list[str]:
+    """Swap the self-attention of ``model`` as ``attn_cfg`` says; returns the swapped module names.
+
+    ``grid``: the training token grid, used when the block grid is given as ``num_blocks`` (factorised)
+    rather than ``blocks`` (per axis).
+    """
+    from mhla.adapters.diffusers import swap_self_attention  # noqa: PLC0415
+
+    a = _plain(attn_cfg)
+    name = a.get("name", "softmax")
+    if name == "softmax":
+        return []
+    if name not in ("mhla", "linear"):
+        raise ValueError(f"Wan supports attn=softmax | linear | mhla, got attn={name}")
+    if a.get("cpe") or a.get("gate"):
+        raise ValueError("attn.cpe / attn.gate are not supported in Wan's self-attention; set them false")
+    num_layers = len(model.blocks)
+    kw = dict(layers=attention_layers(a, num_layers), feature_map=a.get("feature_map", "relu"),
+              normalize=a.get("normalize", False), out_norm=bool(a.get("out_norm", True)),
+              rope=a.get("rope", "after"), backend=a.get("backend", "auto"))
+    if name == "mhla":
+        blocks = a.get("blocks")
+        kw.update(grid=grid, blocks=blocks, num_blocks=None if blocks is not None else a.get("num_blocks"),
+                  mixing_init=a.get("mixing_init", "locality"), mixing_learnable=a.get("mixing_learnable", True),
+                  mixing_per_head=a.get("mixing_per_head", False), mixing_param=a.get("mixing_param", "clamp"))
+    return swap_self_attention(model, name, **kw)
+
+
+def build_wan(model_cfg, attn_cfg, grid=None) -> nn.Module:
+    """The Wan transformer with ``attn_cfg`` applied to its self-attention."""
+    model = build_transformer(model_cfg)
+    apply_attention(model, attn_cfg, grid)
+    return model
+
+
+def load_vae(path):
+    """``AutoencoderKLWan`` from ``<path>/vae`` (local)."""
+    from diffusers import AutoencoderKLWan  # noqa: PLC0415
+
+    return AutoencoderKLWan.from_pretrained(check_weights_dir(path, "vae"))
+
+
+def load_text_encoder(path):
+    """``(tokenizer, UMT5EncoderModel)`` from ``<path>/tokenizer`` and ``<path>/text_encoder`` (local)."""
+    from transformers import AutoTokenizer, UMT5EncoderModel  # noqa: PLC0415
+
+    tok = AutoTokenizer.from_pretrained(check_weights_dir(path, "tokenizer"))
+    enc = UMT5EncoderModel.from_pretrained(check_weights_dir(path, "text_encoder"))
+    return tok, enc.eval().requires_grad_(False)
