@@ -15,9 +15,9 @@ class ConfigError(ValueError):
 
 
 def _token_grid(model_cfg) -> tuple[int, int] | None:
-    if model_cfg.get("kind") != "vit":
+    if model_cfg.get("kind") not in ("vit", "dit"):
         return None
-    img = int(model_cfg.get("pad_to") or model_cfg.img_size)
+    img = int(model_cfg.get("pad_to") or model_cfg.get("img_size") or model_cfg.input_size)  # DiT: input_size
     patch = int(model_cfg.patch_size)
     if img % patch:
         raise ConfigError(f"model.img_size/pad_to={img} is not a multiple of model.patch_size={patch}")

@@ -154,7 +154,7 @@ class Trainer:
         if example is not None and self.dist.is_main and tcfg.get("count_flops", True):
             from .utils import count_flops  # noqa: PLC0415
 
-            flops = count_flops(model, example)
+            flops = count_flops(model, *example) if isinstance(example, tuple) else count_flops(model, example)
             flops_msg = (f", {flops / 2e9:.3f} GMACs per sample "
                          f"(torch.utils.flop_counter, matmul/conv only)")
         self._print(f"model: {self.task.describe_model(model)}: {n_params / 1e6:.3f}M params{flops_msg}")
@@ -302,6 +302,7 @@ class Trainer:
             progress.close()
         elapsed = time.time() - t0
         metrics = dict(metrics)
+        self.model, self.ema = model, ema  # after_fit may sample from them
         metrics.update(self.task.after_fit(self, metrics) or {})
         if self.dist.is_main:
             logger.summary({**metrics, "train_time_s": elapsed, "steps": step})
