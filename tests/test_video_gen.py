@@ -1,0 +1,129 @@
+"""Video generation: 3-D layout round trip, Wan variants build and train, data, config composition, loading errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from mhla.adapters.diffusers import MHLAAttnProcessor  # noqa: E402
+from mhla.layouts import BlockLayout  # noqa: E402
+from models.wan import MissingWeightsError, apply_attention, build_transformer, check_weights_dir, token_grid  # noqa: E402
+from tasks.video_gen.data import MovingShapes, VideoFolder, caption_ids  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(patch_size=[1, 4, 4], num_attention_heads=2, attention_head_dim=12, in_channels=3, out_channels=3,
+            text_dim=8, freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
+
+
+def test_3d_layout_round_trip_paper_grid():
+    lay = BlockLayout((21, 30, 50), (3, 10, 10))
+    assert lay.num_blocks == 105 and lay.num_tokens == 31_500 == 21 * 30 * 50
+    x = torch.arange(2 * 31_500, dtype=torch.float32).view(2, 31_500, 1)
+    xb = lay.raster_to_block_major(x)
+    torch.testing.assert_close(lay.block_major_to_raster(xb), x)
+    # block 0 holds frames 0-2, rows 0-9, cols 0-9 of the raster grid
+    first = xb[0, :300, 0].long()
+    f, rem = first // 1500, first % 1500
+    assert f.max() == 2 and (rem // 50).max() == 9 and (rem % 50).max() == 9
+    assert token_grid(81, 480, 800) == (21, 30, 50)
+    with pytest.raises(ValueError, match="frames"):
+        token_grid(80, 480, 800)
+
+
+@pytest.mark.parametrize("variant", ["mhla", "hybrid", "linear", "softmax"])
+def test_variants_build_and_train_two_steps(variant):
+    torch.manual_seed(0)
+    model = build_transformer(TINY)
+    attn = {"name": "mhla" if variant == "hybrid" else variant, "blocks": [2, 2, 2], "normalize": False,
+            "out_norm": True, "rope": "after", "layers": "hybrid" if variant == "hybrid" else "all"}
+    names = apply_attention(model, attn)
+    expected = {"mhla": 3, "hybrid": 2, "linear": 3, "softmax": 0}[variant]
+    assert len(names) == expected
+    swapped = [isinstance(b.attn1.processor, MHLAAttnProcessor) for b in model.blocks]
+    assert sum(swapped) == expected
+    if variant == "hybrid":
+        assert swapped == [True, True, False]
+    model.enable_gradient_checkpointing()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 3, 4, 16, 16)
+    text = torch.randn(2, 3, 8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "mhla" in n}
+    losses = []
+    for _ in range(2):
+        loss = (model(x, torch.tensor([200.0, 800.0]), text).sample - x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    for n, p in model.named_parameters():
+        if n in before:
+            assert not torch.equal(p, before[n]), f"{n} did not train"
+
+
+def test_moving_shapes_data():
+    ds = MovingShapes(8, num_frames=8, size=32, seed=0)
+    video, ids = ds[3]
+    assert video.shape == (3, 8, 32, 32) and video.min() >= -1 and video.max() <= 1
+    assert torch.equal(ids, caption_ids(ds.caption(3)))
+    torch.testing.assert_close(ds[3][0], video)  # deterministic
+    # the shape is visible in every frame and its centre moves in the captioned direction
+    fg = (video - video[:, :1, :1, :1]).abs().sum(0) > 0.1  # [F, H, W]
+    assert fg.flatten(1).any(1).all()
+    ys, xs = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
+    cy = (fg * ys).flatten(1).sum(1) / fg.flatten(1).sum(1)
+    cx = (fg * xs).flatten(1).sum(1) / fg.flatten(1).sum(1)
+    d = ds.spec(3)["direction"]
+    moved = {"right": cx[-1] - cx[0], "left": cx[0] - cx[-1], "down": cy[-1] - cy[0], "up": cy[0] - cy[-1]}[d]
+    assert moved > 5
+
+
+def test_video_folder_reads_clips(tmp_path):
+    from tasks.video_gen.media import save_mp4
+
+    clip = torch.linspace(-1, 1, 10).view(1, 10, 1, 1).expand(3, 10, 24, 40).contiguous()
+    assert save_mp4(clip, tmp_path / "clips" / "a.mp4", fps=8) is not None
+    (tmp_path / "metadata.jsonl").write_text(json.dumps({"video": "clips/a.mp4", "caption": "a ramp"}) + "\n")
+    ds = VideoFolder(str(tmp_path), num_frames=5, height=16, width=16, frame_stride=2)
+    video, caption = ds[0]
+    assert video.shape == (3, 5, 16, 16) and caption == "a ramp"
+    assert video[:, -1].mean() > video[:, 0].mean() + 0.5  # frames in order
+    with pytest.raises(FileNotFoundError, match="metadata.jsonl"):
+        VideoFolder(str(tmp_path / "nothing"), num_frames=5, height=16, width=16)
+
+
+def test_missing_weights_message(tmp_path):
+    with pytest.raises(MissingWeightsError, match="Wan-AI/Wan2.1-T2V-1.3B-Diffusers"):
+        check_weights_dir(str(tmp_path / "absent"), "transformer")
+    with pytest.raises(MissingWeightsError, match="transformer/"):
+        build_transformer({**TINY, "pretrained": str(tmp_path)})
+
+
+def test_video_mini_config_composes_and_task_runs(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from tasks.common.trainer import Trainer
+    from tasks.video_gen.task import VideoGenTask
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "task=video_mini", "logger=none", "trainer.max_steps=2", "data.train_size=8", "data.eval_size=4",
+            "data.batch_size=4", "data.num_frames=4", "data.height=16", "data.width=16", "model.num_layers=2",
+            "attn.layers=hybrid", "sample.num_steps=2", "sample.prompts=[a red square moving right]",
+            "trainer.progress_bar=false"])
+        fin = compose("train", overrides=["task=wan_finetune", "attn=mhla"])
+    assert fin.attn.blocks == [7, 3, 5] and fin.optim.lr == 2e-5 and fin.task.shift == 3.0
+    assert fin.sample.num_steps == 50 and fin.sample.guidance_scale == 5.0
+    task = VideoGenTask(cfg)
+    assert task.grid == (4, 4, 4)
+    metrics = Trainer(cfg, task, tmp_path).fit()
+    assert metrics["loss"] > 0
+    assert (tmp_path / "samples.gif").stat().st_size > 0
+    assert (tmp_path / "checkpoints" / "last.pt").exists()
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+    assert any("mhla_mixing" in k for k in state["model"])
