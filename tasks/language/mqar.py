@@ -1,0 +1,181 @@
+"""MQAR: multi-query associative recall (Zoology; Arora, Eyuboglu et al. 2023), data and a Task for the Trainer.
+
+Definition (the one of ``multiquery_ar`` in HazyResearch/zoology, re-implemented here). Vocabulary ``V``; keys
+are drawn from ``[1, V/2)``, values from ``[V/2, V)``; each example has ``K`` distinct keys and ``K`` distinct
+values. A sequence of length ``N``:
+
+* positions ``0 .. 2K-1``: the key-value pairs ``k_1 v_1 k_2 v_2 ... k_K v_K``;
+* the query region, positions ``2K .. N-1``: query ``j`` (the key ``k_j`` again) is placed at
+  ``2K + 2 * g_j``, with distinct gaps ``g_j`` drawn without replacement from ``{0, .., (N - 2K)/2 - 1}`` with
+  probability ``p(g) ∝ a (g + 1)^(a - 1)`` (power law, ``a = power_a``; small gaps are likely, ``a = 1`` is
+  uniform); every other query-region position is ``0``, replaced by a uniform random token from ``[0, V)``
+  when ``random_non_queries`` (the default);
+* labels are ``-100`` everywhere except at each query position ``2K + 2 g_j``, whose label is ``v_j``: the model
+  must output the value of the key it just read. Accuracy = fraction of these positions predicted exactly.
+
+Labels are aligned with the inputs (``labels[t]`` is the target of the logits at ``t``), not shifted.
+
+Gaps are sampled with the Gumbel-top-k trick, which draws ``K`` items without replacement with the same law as
+successive weighted draws (``numpy.random.choice(replace=False, p=p)``, Zoology's sampler).
+
+``python train.py task=mqar attn=mhla|linear|softmax data.seq_len=128 data.num_kv_pairs=8`` trains one cell;
+``scripts/run_mqar.py`` runs the grid and writes ``results/mqar.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from tasks.common.trainer import Task, Trainer
+
+
+def power_law_probs(space: int, power_a: float) -> np.ndarray:
+    """``p(g) ∝ a (g + 1)^(a - 1)`` for ``g = 0 .. space-1`` (normalised)."""
+    p = power_a * np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
+    return p / p.sum()
+
+
+def multiquery_ar(num_examples: int, input_seq_len: int, vocab_size: int, num_kv_pairs: int,
+                  power_a: float = 0.01, random_non_queries: bool = True,
+                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generate MQAR sequences. Returns ``inputs [n, N]`` (int64) and ``labels [n, N]`` (``-100`` or a value)."""
+    n, N, V, K = num_examples, input_seq_len, vocab_size, num_kv_pairs
+    if N % 2:
+        raise ValueError(f"input_seq_len must be even, got {N}")
+    if V <= N:
+        raise ValueError(f"vocab_size ({V}) must exceed input_seq_len ({N}), as in Zoology")
+    if 4 * K > N:
+        raise ValueError(f"{K} key-value pairs need input_seq_len >= 4 * K = {4 * K} (pairs + queries), got {N}")
+    half = V // 2
+    if K > half - 1:
+        raise ValueError(f"{K} distinct keys do not fit in the key vocabulary [1, {half})")
+    rng = np.random.default_rng(seed)
+    # K distinct keys in [1, V/2) and K distinct values in [V/2, V) per example: first K of a random permutation
+    keys = rng.random((n, half - 1)).argsort(axis=1)[:, :K] + 1
+    values = rng.random((n, V - half)).argsort(axis=1)[:, :K] + half
+    context = 2 * K
+    space = (N - context) // 2
+    # K distinct gaps per example, weighted by the power law, without replacement (Gumbel-top-k)
+    scores = np.log(power_law_probs(space, power_a))[None, :] + rng.gumbel(size=(n, space))
+    gaps = np.argsort(-scores, axis=1)[:, :K]
+
+    inputs = np.zeros((n, N), dtype=np.int64)
+    inputs[:, 0:context:2] = keys
+    inputs[:, 1:context:2] = values
+    qpos = context + 2 * gaps                                       # [n, K] query positions
+    np.put_along_axis(inputs, qpos, keys, axis=1)
+    labels = np.full((n, N), -100, dtype=np.int64)
+    np.put_along_axis(labels, qpos, values, axis=1)
+    if random_non_queries:
+        filler = rng.integers(0, V, size=(n, N))
+        empty = np.zeros((n, N), dtype=bool)
+        empty[:, context:] = True
+        np.put_along_axis(empty, qpos, False, axis=1)
+        inputs = np.where(empty, filler, inputs)
+    return torch.from_numpy(inputs), torch.from_numpy(labels)
+
+
+class MQARDataset(Dataset):
+    """A fixed set of MQAR examples; items are ``(inputs [N], labels [N])``."""
+
+    def __init__(self, num_examples: int, seq_len: int, vocab_size: int, num_kv_pairs: int, power_a: float = 0.01,
+                 random_non_queries: bool = True, seed: int = 0):
+        self.inputs, self.labels = multiquery_ar(num_examples, seq_len, vocab_size, num_kv_pairs, power_a,
+                                                 random_non_queries, seed)
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def __getitem__(self, i: int):
+        return self.inputs[i], self.labels[i]
+
+
+def auto_block_size(seq_len: int) -> int:
+    """MHLA chunk length for a sequence of ``N`` tokens: the smallest power of two ``C >= sqrt(N)``, so the
+    number of blocks ``M = N / C`` satisfies the paper's ``M^2 <= N`` (64 -> 8, 128 -> 16, 256 -> 16)."""
+    return 1 << math.ceil(math.log2(math.sqrt(seq_len)))
+
+
+def build_mqar_model(cfg) -> nn.Module:
+    """Our causal LM (``models.lm.MHLALMForCausalLM``) with ``attn_type = cfg.attn.name`` and ``cfg.model``'s sizes."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415
+
+    m = OmegaConf.to_container(cfg.model, resolve=True) if OmegaConf.is_config(cfg.model) else dict(cfg.model)
+    for key in ("name", "kind", "mhla_num_blocks", "attentions"):
+        m.pop(key, None)
+    if m.get("block_size") in (None, "auto"):
+        m["block_size"] = auto_block_size(int(cfg.data.seq_len))
+    m.setdefault("max_position_embeddings", int(cfg.data.seq_len))
+    config = MHLALMConfig(attn_type=cfg.attn.name, vocab_size=int(cfg.data.vocab_size), bos_token_id=None,
+                          eos_token_id=None, pad_token_id=None, **m)
+    return MHLALMForCausalLM(config)
+
+
+def mqar_loss_and_correct(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Mean cross-entropy and number of exactly predicted values over the positions with a label.
+
+    logits ``[B, N, V]``, labels ``[B, N]`` (``-100`` = no target). Returns ``(loss, correct, count)``.
+    """
+    mask = labels != -100
+    sel = logits[mask].float()                                       # [P, V]
+    target = labels[mask]
+    loss = F.cross_entropy(sel, target)
+    correct = (sel.argmax(-1) == target).sum()
+    return loss, correct, int(mask.sum())
+
+
+class MQARTask(Task):
+    """MQAR for the shared Trainer: ``monitor = acc`` (accuracy on the value positions of the test set)."""
+
+    monitor = "acc"
+    monitor_mode = "max"
+
+    def build_model(self) -> nn.Module:
+        return build_mqar_model(self.cfg)
+
+    def describe_model(self, model: nn.Module) -> str:
+        c = model.config
+        return (f"{self.cfg.model.name} ({c.num_hidden_layers} layers, width {c.hidden_size}, {c.num_heads} heads, "
+                f"MHLA chunk {c.block_size}) with {self.cfg.attn.name} attention")
+
+    def build_datasets(self):
+        d = self.cfg.data
+        common = dict(seq_len=int(d.seq_len), vocab_size=int(d.vocab_size), num_kv_pairs=int(d.num_kv_pairs),
+                      power_a=float(d.power_a), random_non_queries=bool(d.random_non_queries))
+        seed = int(self.cfg.get("seed", 0))
+        # distinct generator seeds for train and test (Zoology builds its splits from different seeds)
+        return (MQARDataset(int(d.num_train), seed=2 * seed + 1, **common),
+                MQARDataset(int(d.num_test), seed=2 * seed + 2, **common))
+
+    def example_input(self, device):
+        return torch.zeros(1, int(self.cfg.data.seq_len), dtype=torch.long, device=device)
+
+    def training_loss(self, model, batch):
+        x, y = batch
+        loss, correct, count = mqar_loss_and_correct(model(x).logits, y)
+        return loss, {"acc": correct.item() / max(count, 1)}
+
+    @torch.no_grad()
+    def evaluate(self, model, loader, device, dist_info) -> dict:
+        tot = torch.zeros(3, device=device, dtype=torch.float64)     # loss sum, correct, count
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            loss, correct, count = mqar_loss_and_correct(model(x).logits, y)
+            tot += torch.tensor([loss.item() * count, correct.item(), count], device=device, dtype=torch.float64)
+        if dist_info.enabled:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            dist.all_reduce(tot)
+        return {"acc": (tot[1] / tot[2]).item(), "loss": (tot[0] / tot[2]).item()}
+
+
+def run(cfg, run_dir) -> dict:
+    return Trainer(cfg, MQARTask(cfg), run_dir).fit()

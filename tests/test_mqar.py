@@ -1,0 +1,110 @@
+"""MQAR data generator against its definition (placement, labels, vocab halves, power-law gaps) and the task."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.language.mqar import auto_block_size, mqar_loss_and_correct, multiquery_ar, power_law_probs
+
+
+@pytest.mark.parametrize("N,K", [(64, 4), (64, 16), (128, 8), (256, 16)])
+def test_layout_matches_definition(N, K):
+    V = 512
+    x, y = multiquery_ar(200, N, V, K, random_non_queries=False, seed=3)
+    assert x.shape == y.shape == (200, N) and x.dtype == y.dtype == torch.int64
+    ctx = 2 * K
+    for i in range(200):
+        keys, vals = x[i, 0:ctx:2], x[i, 1:ctx:2]
+        assert ((keys >= 1) & (keys < V // 2)).all() and ((vals >= V // 2) & (vals < V)).all()
+        assert len(set(keys.tolist())) == K and len(set(vals.tolist())) == K
+        assert (y[i, :ctx] == -100).all()                         # no target inside the key-value pairs
+        pos = (y[i] != -100).nonzero().flatten()
+        assert len(pos) == K                                       # one target per pair
+        assert ((pos - ctx) % 2 == 0).all() and (pos >= ctx).all()  # queries at 2K + 2 g
+        pair = dict(zip(keys.tolist(), vals.tolist()))
+        for p in pos.tolist():
+            assert int(x[i, p]) in pair                            # a query repeats a key of the context ...
+            assert int(y[i, p]) == pair[int(x[i, p])]              # ... and its label is that key's value
+        assert sorted(x[i, pos].tolist()) == sorted(keys.tolist())  # every key is queried exactly once
+        rest = torch.ones(N, dtype=torch.bool)
+        rest[:ctx] = False
+        rest[pos] = False
+        assert (x[i, rest] == 0).all()                             # nothing else in the query region
+
+
+def test_random_non_queries_fill_only_the_empty_slots():
+    a, ya = multiquery_ar(50, 64, 512, 8, random_non_queries=False, seed=0)
+    b, yb = multiquery_ar(50, 64, 512, 8, random_non_queries=True, seed=0)
+    assert torch.equal(ya, yb)
+    keep = a != 0
+    assert torch.equal(a[keep], b[keep])                           # pairs and queries unchanged
+    filled = b[~keep]
+    assert filled.min() >= 0 and filled.max() < 512 and len(filled.unique()) > 100   # uniform over [0, V)
+
+
+def test_gaps_follow_the_power_law():
+    N, K, n = 128, 1, 20000
+    _, y = multiquery_ar(n, N, 512, K, power_a=0.01, random_non_queries=False, seed=1)
+    gaps = ((y != -100).nonzero()[:, 1] - 2 * K) // 2
+    space = (N - 2 * K) // 2
+    p = power_law_probs(space, 0.01)
+    freq = np.bincount(gaps.numpy(), minlength=space) / n
+    assert abs(freq[0] - p[0]) < 0.02 and abs(freq[:4].sum() - p[:4].sum()) < 0.02
+    assert freq[0] > 5 * freq[space // 2]                          # heavily skewed to short gaps
+    _, yu = multiquery_ar(n, N, 512, K, power_a=1.0, random_non_queries=False, seed=1)
+    gu = ((yu != -100).nonzero()[:, 1] - 2 * K) // 2
+    assert abs(gu.float().mean().item() - (space - 1) / 2) < 1.0   # a = 1: uniform gaps
+
+
+def test_seeds_and_validation():
+    a = multiquery_ar(4, 64, 512, 4, seed=0)
+    b = multiquery_ar(4, 64, 512, 4, seed=0)
+    c = multiquery_ar(4, 64, 512, 4, seed=1)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    with pytest.raises(ValueError, match="even"):
+        multiquery_ar(1, 63, 512, 4)
+    with pytest.raises(ValueError, match="vocab_size"):
+        multiquery_ar(1, 64, 64, 4)
+    with pytest.raises(ValueError, match="4 \\* K"):
+        multiquery_ar(1, 64, 512, 17)
+
+
+def test_block_size_rule():
+    for n in (64, 128, 256, 512, 2048):
+        c = auto_block_size(n)
+        m = n // c
+        assert n % c == 0 and m * m <= n and (c // 2) < n ** 0.5 <= c
+
+
+def test_loss_and_accuracy_on_hand_logits():
+    V = 6
+    labels = torch.tensor([[-100, 4, -100, 5]])
+    logits = torch.zeros(1, 4, V)
+    logits[0, 1, 4] = 10.0   # right
+    logits[0, 3, 2] = 10.0   # wrong
+    loss, correct, count = mqar_loss_and_correct(logits, labels)
+    assert count == 2 and int(correct) == 1
+    expected = 0.5 * (torch.log(torch.exp(torch.tensor(10.0)) + 5) - 10 + torch.log(torch.exp(torch.tensor(10.0)) + 5))
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_train_py_runs_mqar_for_each_attention(tmp_path):
+    pytest.importorskip("models.lm")
+    from omegaconf import OmegaConf
+    from hydra import compose, initialize_config_dir
+
+    import os
+    import train as train_py
+
+    cfg_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    for attn in ("mhla", "linear", "softmax"):
+        with initialize_config_dir(config_dir=cfg_dir, version_base="1.3"):
+            cfg = compose("train", overrides=[
+                "task=mqar", f"attn={attn}", "logger=none", "trainer.max_steps=2", "trainer.progress_bar=false",
+                "data.num_train=64", "data.num_test=32", "data.batch_size=16", "data.seq_len=32",
+                "data.num_kv_pairs=4"])
+        OmegaConf.set_struct(cfg, False)
+        metrics = train_py.run(cfg, str(tmp_path / attn))
+        assert 0.0 <= metrics["acc"] <= 1.0 and np.isfinite(metrics["loss"])
