@@ -60,6 +60,11 @@ reproduce-table13: $(VENV)/.installed
 # --- language (issue 6)
 
 # --- video generation (issue 7)
+reproduce-table5: $(VENV)/.installed  ## WAN_PATH=/data/Wan2.1-T2V-1.3B-Diffusers VIDEO_DATA=/data/videos [RUN=--run]
+	$(PY) -m tasks.video_gen.table5 $(RUN)
+
+bench-video: $(VENV)/.installed
+	$(PY) scripts/bench_video.py --preset cpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
