@@ -1,0 +1,1 @@
+"""Language modelling: packed token streams, the LM task for the shared trainer, evaluation helpers."""

@@ -1,0 +1,127 @@
+"""The language-modelling task for the shared trainer: packed token windows, next-token loss, validation
+perplexity beside the unigram baseline, and a few greedy generations written to the run directory."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tasks.common.trainer import Task
+
+
+def build_lm(model_cfg, attn_name: str, vocab_size: int, eos_id: int | None = None) -> nn.Module:
+    """The model of ``model.arch``: ``mhla_lm`` (MHLA / linear / softmax by ``attn``) or ``llama``
+    (Transformer++); ``model.*`` fields map to the config fields of the same name."""
+    arch = model_cfg.get("arch", "mhla_lm")
+    common = dict(vocab_size=vocab_size, hidden_size=int(model_cfg.hidden_size),
+                  num_hidden_layers=int(model_cfg.num_hidden_layers),
+                  max_position_embeddings=int(model_cfg.max_position_embeddings),
+                  tie_word_embeddings=bool(model_cfg.get("tie_word_embeddings", True)),
+                  bos_token_id=eos_id, eos_token_id=eos_id)
+    if arch == "llama":
+        from models.lm.baselines import build_transformer_pp  # noqa: PLC0415
+
+        if attn_name != "softmax":
+            raise ValueError(f"model.arch=llama is Transformer++ (softmax attention); use attn=softmax, not {attn_name}")
+        return build_transformer_pp(num_attention_heads=int(model_cfg.num_heads),
+                                    intermediate_size=model_cfg.get("intermediate_size"), **common)
+    if arch != "mhla_lm":
+        raise ValueError(f"model.arch must be mhla_lm or llama, got {arch!r}")
+    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415
+
+    fields = ("num_heads", "key_dim_ratio", "value_dim_ratio", "intermediate_size", "block_size",
+              "max_learned_blocks", "feature_map", "normalize", "output_gate", "rope", "rope_theta",
+              "mixing_init", "mixing_per_head", "mixing_param", "mixing_learnable", "qk_norm", "cpe",
+              "cpe_kernel", "attn_backend")
+    extra = {k: model_cfg[k] for k in fields if k in model_cfg and model_cfg[k] is not None}
+    return MHLALMForCausalLM(MHLALMConfig(attn_type=attn_name, **common, **extra))
+
+
+class LanguageModelingTask(Task):
+    monitor = "val_loss"
+    monitor_mode = "min"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self._data = None
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.cfg.data.seq_len)
+
+    def data(self):
+        """(train, val, tokenizer, info), built once (the tokenizer fixes the vocabulary size)."""
+        if self._data is None:
+            from .data import build_lm_datasets  # noqa: PLC0415
+
+            self._data = build_lm_datasets(self.cfg.data, self.seq_len, seed=int(self.cfg.get("seed", 0)))
+            info = self._data[3]
+            print(f"data: {info['train_tokens']:,} train / {info['val_tokens']:,} val tokens, "
+                  f"vocab {len(self._data[2])}, unigram baseline val ppl {info['unigram_ppl']:.1f}", flush=True)
+        return self._data
+
+    def build_model(self) -> nn.Module:
+        _, _, tok, _ = self.data()
+        return build_lm(self.cfg.model, self.cfg.attn.name, len(tok), tok.eos_token_id)
+
+    def describe_model(self, model: nn.Module) -> str:
+        return f"{self.cfg.model.name} ({self.cfg.model.get('arch', 'mhla_lm')}) with {self.cfg.attn.name} attention"
+
+    def build_datasets(self):
+        train, val, _, _ = self.data()
+        return train, val
+
+    def on_batch(self, batch, device):
+        return batch.to(device, non_blocking=True)
+
+    def example_input(self, device):
+        return None  # FLOPs of an LM: 6 x params x tokens; the counter cannot pass input_ids cleanly
+
+    def training_loss(self, model, batch):
+        return model(input_ids=batch, labels=batch, use_cache=False).loss, {}
+
+    @torch.no_grad()
+    def evaluate(self, model, loader, device, dist_info) -> dict:
+        nll = torch.zeros((), device=device, dtype=torch.float64)
+        count = torch.zeros((), device=device, dtype=torch.float64)
+        for x in loader:
+            x = x.to(device)
+            logits = model(input_ids=x, use_cache=False).logits.float()
+            nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum").double()
+            count += x[:, 1:].numel()
+        if dist_info.enabled:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            dist.all_reduce(nll)
+            dist.all_reduce(count)
+        loss = (nll / count).item()
+        return {"val_ppl": math.exp(loss), "unigram_ppl": self.data()[3]["unigram_ppl"], "val_loss": loss}
+
+    def after_fit(self, trainer, metrics: dict) -> dict:
+        """Greedy continuations of a few validation prompts -> ``<run_dir>/samples.txt`` (main process)."""
+        n = int(self.cfg.task.get("num_samples", 4))
+        if not n or not trainer.dist.is_main:
+            return {}
+        _, val, tok, _ = self.data()
+        model = trainer.ema.module if trainer.ema is not None else (getattr(trainer, "model", None))
+        model = model if model is not None else trainer._wrapped
+        model = getattr(model, "module", model)
+        model.eval()
+        prompt_len, new = int(self.cfg.task.get("prompt_len", 32)), int(self.cfg.task.get("sample_tokens", 64))
+        lines = []
+        for i in range(min(n, len(val))):
+            prompt = val[(i * len(val)) // n][:prompt_len].unsqueeze(0).to(trainer.device)
+            with torch.no_grad():
+                out = model.generate(prompt, max_new_tokens=new, do_sample=False, use_cache=True,
+                                     attention_mask=torch.ones_like(prompt), pad_token_id=tok.eos_token_id)
+            lines.append(f"### prompt {i}\n{tok.decode(prompt[0])}\n### greedy continuation\n"
+                         f"{tok.decode(out[0, prompt_len:])}\n")
+        path = Path(trainer.run_dir) / "samples.txt"
+        path.write_text("\n".join(lines), encoding="utf-8")
+        print(f"samples: {path}", flush=True)
+        print(lines[0], flush=True)
+        return {}

@@ -1,0 +1,129 @@
+"""LM task: data (split, packing, tokenizer cache, unigram baseline), train.py task=lm_mini end to end on a
+tiny config for each model kind, the paper-recipe config, baselines (Transformer++; fla skipped without it)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def _write_corpus(tmp_path, n_docs=40):
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat while dogs ran past quick brown foxes under green trees near old houses".split()
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(n_docs):
+        text = " ".join(rng.choice(words, size=120)) + "."
+        (folder / f"doc{i:03d}.txt").write_text(text)
+    return folder
+
+
+def test_split_is_deterministic_and_by_document():
+    from tasks.language.data import is_validation
+
+    a = [is_validation(i, 0.1, 0) for i in range(2000)]
+    assert a == [is_validation(i, 0.1, 0) for i in range(2000)]
+    assert 120 < sum(a) < 280  # ~10%
+    assert a != [is_validation(i, 0.1, 1) for i in range(2000)]
+
+
+def test_packing_and_unigram(tmp_path):
+    from tasks.language.data import PackedTokens, unigram_perplexity
+
+    path = tmp_path / "t.bin"
+    np.arange(103, dtype=np.uint16).tofile(path)
+    ds = PackedTokens(path, 10)
+    assert len(ds) == 10 and ds[3].tolist() == list(range(30, 40)) and ds[0].dtype == torch.int64
+    train = np.array([0, 0, 1, 1])  # add-one: p(0) = p(1) = 3/8, p(2) = p(3) = 1/8
+    assert unigram_perplexity(train, np.array([0, 1]), 4) == pytest.approx(8 / 3)
+    assert unigram_perplexity(train, np.array([2]), 4) == pytest.approx(8.0)
+
+
+def test_gensim_corpus_is_english_prose():
+    from tasks.language.data import gensim_documents
+
+    docs = gensim_documents()
+    text = " ".join(docs)
+    assert len(docs) > 1000 and len(text) > 3_000_000
+    assert " the " in text and "'''" not in text and "__label__" not in text
+
+
+def test_missing_paths_give_clear_errors(tmp_path):
+    from tasks.language.data import iter_documents, load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="FineWeb-Edu"):
+        next(iter_documents(OmegaConf.create({"source": "parquet", "path": None})))
+    with pytest.raises(FileNotFoundError, match="Llama 32k tokenizer"):
+        load_tokenizer(OmegaConf.create({"tokenizer": str(tmp_path / "nope")}), tmp_path)
+
+
+@pytest.mark.parametrize("model,attn", [("lm_mini", "mhla"), ("lm_mini", "linear"), ("lm_mini", "softmax"),
+                                        ("lm_mini_llama", "softmax")])
+def test_train_two_steps_and_generate(tmp_path, model, attn):
+    """train.py task=lm_mini on a local text folder with a tiny model: two steps, eval, greedy samples."""
+    import train
+
+    corpus = _write_corpus(tmp_path)
+    cfg = _cfg("task=lm_mini", f"model={model}", f"attn={attn}", "logger=none", "data=text_local",
+               f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300",
+               "data.val_fraction=0.2", "data.seq_len=32", "data.batch_size=4", "data.eval_batch_size=8",
+               "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_heads=2",
+               "trainer.max_steps=2", "trainer.eval_every_steps=2", "trainer.progress_bar=false",
+               "task.num_samples=1", "task.prompt_len=8", "task.sample_tokens=12")
+    if model == "lm_mini":
+        with open_dict(cfg):
+            cfg.model.block_size = 8
+    metrics = train.run(cfg, str(tmp_path / "run"))
+    assert set(metrics) >= {"val_ppl", "unigram_ppl", "val_loss"}
+    assert np.isfinite(metrics["val_ppl"]) and metrics["unigram_ppl"] > 1
+    assert (tmp_path / "run" / "samples.txt").read_text().count("greedy continuation") == 1
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+
+
+def test_llama_needs_softmax():
+    from tasks.language.task import build_lm
+
+    with pytest.raises(ValueError, match="attn=softmax"):
+        build_lm(_cfg("task=lm_mini", "model=lm_mini_llama").model, "mhla", 100)
+
+
+def test_paper_recipe_config():
+    cfg = _cfg("task=lm_fineweb")
+    tokens_per_step = cfg.task.global_batch * cfg.data.seq_len
+    assert tokens_per_step == 262_144 and cfg.data.batch_size * 8 == cfg.task.global_batch
+    assert cfg.trainer.max_steps * tokens_per_step == pytest.approx(10e9, rel=1e-3)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.trainer.grad_clip) == (3e-4, 0.01, 1.0)
+    assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.block_size) == (1024, 24, 64)
+
+
+def test_transformer_pp_size():
+    from models.lm.baselines import build_transformer_pp
+
+    def count(layers):
+        return sum(p.numel() for p in build_transformer_pp(num_hidden_layers=layers).parameters())
+
+    one, two = count(1), count(2)
+    assert one + 23 * (two - one) == pytest.approx(341.1e6, rel=2e-3)  # BASELINES.md section 6 (tied)
+
+
+def test_fla_baselines_optional():
+    from models.lm.baselines import build_fla_model, fla_available
+
+    if not fla_available():
+        with pytest.raises(ImportError, match="flash-linear-attention"):
+            build_fla_model("gla")
+        pytest.skip("flash-linear-attention is not installed")
+    assert sum(p.numel() for p in build_fla_model("gla").parameters()) == pytest.approx(341.7e6, rel=5e-3)
