@@ -58,6 +58,11 @@ reproduce-table13: $(VENV)/.installed
 # --- image generation (issue 5)
 
 # --- language (issue 6)
+.PHONY: lm-mini bench-generation
+lm-mini:
+	$(PY) train.py task=lm_mini
+bench-generation:
+	$(PY) scripts/bench_generation.py
 
 # --- video generation (issue 7)
 reproduce-table5: $(VENV)/.installed  ## WAN_PATH=/data/Wan2.1-T2V-1.3B-Diffusers VIDEO_DATA=/data/videos [RUN=--run]
