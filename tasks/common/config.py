@@ -69,9 +69,13 @@ def check_data(cfg) -> None:
     data = cfg.data
     root = data.get("root", None)
     if "root" in data and not root:
-        raise ConfigError(
-            f"data={data.name} needs data.root=PATH (an ImageNet-style folder with train/ and val/, one "
-            f"subfolder per class). Download ImageNet-1k from image-net.org and pass data.root=/path/to/imagenet")
+        if str(data.name).startswith("imagenet"):
+            what = ("an ImageNet-style folder with train/ and val/, one subfolder per class. Download ImageNet-1k "
+                    "from image-net.org and pass data.root=/path/to/imagenet")
+        else:
+            what = (f"the local dataset folder; configs/data/{data.name}.yaml describes the layout it expects "
+                    "(nothing is downloaded)")
+        raise ConfigError(f"data={data.name} needs data.root=PATH: {what}")
     if root and not os.path.isdir(root):
         raise ConfigError(f"data.root={root} does not exist; point it at the dataset folder")
     if int(data.batch_size) < 1:
