@@ -17,6 +17,7 @@ help:
 	@echo "make bench-gpu - GPU tests + kernel benchmarks (bf16, B=8, H=16, D=64/128) -> results/bench/"
 	@echo "make analyze   - attention rank/entropy analysis (Fig. 3 measure) -> results/analysis/"
 	@echo "make reproduce-table2 [SCALE=mini] [EXTRA='data.root=/data/imagenet'] - Table 2 -> results/table2[_mini].md"
+	@echo "make reproduce-table3 [SCALE=mini] [EXTRA='data.root=... data.vae_path=...'] [REF=ref.npz] - Table 3a -> results/table3[_mini].md"
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +57,16 @@ reproduce-table13: $(VENV)/.installed
 	$(PY) scripts/reproduce_table.py --table 13 --scale $(SCALE) -- $(EXTRA)
 
 # --- image generation (issue 5)
+.PHONY: reproduce-table3 reproduce-table12 mnist-gen
+mnist-gen: $(VENV)/.installed
+	$(PY) train.py task=mnist_gen
+
+# Table 3a (every DiT cell; full: 400k steps at batch 256 on all GPUs, then 50k samples -> FID against REF)
+reproduce-table3: $(VENV)/.installed
+	$(PY) scripts/reproduce_table.py --table 3 --scale $(SCALE) $(if $(REF),--fid-ref $(REF)) -- $(EXTRA)
+
+reproduce-table12: $(VENV)/.installed
+	$(PY) scripts/reproduce_table.py --table 12 --scale $(SCALE) $(if $(REF),--fid-ref $(REF)) -- $(EXTRA)
 
 # --- language (issue 6)
 .PHONY: lm-mini bench-generation
