@@ -1,0 +1,151 @@
+"""LongBench (Bai et al. 2023) on local files: prompts, middle truncation, greedy generation, official metrics.
+
+Reads the official ``data/<dataset>.jsonl`` files (from ``data.zip`` of the HF dataset ``THUDM/LongBench``; fields
+``input, context, answers, all_classes, length, dataset, language, _id``) from a local folder, and follows the
+official ``pred.py`` / ``eval.py`` (THUDM/LongBench, ``LongBench/`` folder):
+
+* prompt = ``DATASET_PROMPT[dataset].format(context=..., input=...)`` (``config/dataset2prompt.json``);
+* if the tokenized prompt is longer than ``max_length``, keep its first and last ``max_length // 2`` tokens
+  (decoded and re-joined: "truncate in the middle, since the left and right side may contain crucial
+  instructions");
+* greedy decoding of at most ``DATASET_MAXLEN[dataset]`` new tokens (``config/dataset2maxlen.json``); for
+  ``samsum`` a newline also stops generation; no chat template (base models);
+* score with :mod:`tasks.language.longbench_metrics` (:func:`~tasks.language.longbench_metrics.score_dataset`).
+
+Table 8's 14 tasks (:data:`TABLE8_TASKS`): the paper says "LongBench (14 tasks)" without listing them. The
+English LongBench has 16 datasets; the 14 are, we infer, the set used by the fla line of work the paper's LM code
+comes from (Gated DeltaNet's LongBench table: single-doc QA NarrativeQA, Qasper, MultiFieldQA-en; multi-doc QA
+HotpotQA, 2WikiMQA, MuSiQue; summarization GovReport, QMSum, MultiNews; few-shot TREC, TriviaQA, SAMSum; code LCC,
+RepoBench-P), i.e. the English tasks without the two synthetic ones (PassageCount, PassageRetrieval-en), which
+the runner also supports. The Chinese datasets are not supported (their metrics need jieba).
+
+    python -m tasks.language.evaluate longbench --pretrained /ckpt/mhla-340m --data /data/LongBench/data \\
+        --max-length 2048 --out results/longbench/mhla
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from .eval_ppl import encode
+from .lm_eval_adapter import greedy_generate
+from .longbench_metrics import score_dataset
+
+# The official prompt templates (THUDM/LongBench, LongBench/config/dataset2prompt.json), English datasets.
+DATASET_PROMPT = {
+    "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
+    "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
+    "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "2wikimqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "musique": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "gov_report": "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",  # noqa: E501
+    "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:",  # noqa: E501
+    "multi_news": "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:",  # noqa: E501
+    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",
+    "triviaqa": "Answer the question based on the given passage. Only give me the answer and do not output any other words. The following are some examples.\n\n{context}\n\n{input}",  # noqa: E501
+    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
+    "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",  # noqa: E501
+    "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: ",  # noqa: E501
+    "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
+    "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
+}
+
+# Maximum new tokens per dataset (THUDM/LongBench, LongBench/config/dataset2maxlen.json).
+DATASET_MAXLEN = {
+    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "hotpotqa": 32, "2wikimqa": 32, "musique": 32,
+    "gov_report": 512, "qmsum": 512, "multi_news": 512, "trec": 64, "triviaqa": 32, "samsum": 128,
+    "passage_count": 32, "passage_retrieval_en": 32, "lcc": 64, "repobench-p": 64,
+}
+
+TABLE8_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
+                "multi_news", "trec", "triviaqa", "samsum", "lcc", "repobench-p")
+
+DOWNLOAD_HELP = (
+    "LongBench data is read from local files only: download data.zip of the Hugging Face dataset THUDM/LongBench "
+    "(https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip), unzip it and pass the folder that "
+    "holds narrativeqa.jsonl, qasper.jsonl, ... (e.g. --data /data/LongBench/data).")
+
+
+def load_longbench(data_dir: str, dataset: str, limit: int | None = None) -> list[dict]:
+    """Rows of ``<data_dir>/<dataset>.jsonl``."""
+    path = os.path.join(data_dir, f"{dataset}.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"LongBench file {path} not found. {DOWNLOAD_HELP}")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def build_prompt(dataset: str, row: dict) -> str:
+    return DATASET_PROMPT[dataset].format(context=row["context"], input=row["input"])
+
+
+def truncate_middle(tokenizer, prompt: str, max_length: int) -> list[int]:
+    """Token ids of ``prompt``; when longer than ``max_length``, the first and last ``max_length // 2`` tokens are
+    decoded and joined into a new prompt (LongBench's middle truncation), which is encoded again."""
+    ids = encode(tokenizer, prompt)
+    if len(ids) <= max_length:
+        return ids
+    half = max_length // 2
+    text = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:],
+                                                                                     skip_special_tokens=True)
+    return encode(tokenizer, text)
+
+
+def _newline_token(tokenizer) -> int | None:
+    ids = encode(tokenizer, "\n")
+    return ids[-1] if ids else None
+
+
+def predict_dataset(model, tokenizer, rows: Sequence[dict], dataset: str, max_length: int,
+                    progress: bool = False) -> list[str]:
+    """Greedy predictions for ``rows`` of one dataset (the prompt plus its generation fits ``max_length``)."""
+    max_new = DATASET_MAXLEN[dataset]
+    eos = [getattr(tokenizer, "eos_token_id", None)]
+    if dataset == "samsum":  # the official script also stops samsum at a newline
+        eos.append(_newline_token(tokenizer))
+    iterator = rows
+    if progress:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        iterator = tqdm(rows, desc=dataset, dynamic_ncols=True)
+    preds = []
+    for row in iterator:
+        ids = truncate_middle(tokenizer, build_prompt(dataset, row), max_length - max_new)
+        new = greedy_generate(model, ids, max_new, eos_token_ids=[e for e in eos if e is not None],
+                              pad_token_id=eos[0] if eos[0] is not None else 0)
+        preds.append(tokenizer.decode(new, skip_special_tokens=True))
+    return preds
+
+
+def run_longbench(model, tokenizer, data_dir: str, datasets: Sequence[str] = TABLE8_TASKS, *, max_length: int,
+                  out_dir: str | None = None, limit: int | None = None, progress: bool = True) -> dict:
+    """Predict and score each dataset; writes ``<out_dir>/<dataset>.jsonl`` (pred, answers, all_classes, length)
+    in the official format and ``<out_dir>/result.json``. Returns ``{dataset: score, "average": mean}``.
+
+    ``max_length`` bounds prompt + generation (the official script bounds the prompt alone by the model's
+    context; our models are trained with a fixed context, so the generation budget is taken out of it).
+    """
+    unknown = [d for d in datasets if d not in DATASET_PROMPT]
+    if unknown:
+        raise KeyError(f"unsupported LongBench datasets {unknown}; English ones: {sorted(DATASET_PROMPT)}")
+    scores = {}
+    for dataset in datasets:
+        rows = load_longbench(data_dir, dataset, limit)
+        preds = predict_dataset(model, tokenizer, rows, dataset, max_length, progress)
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f"{dataset}.jsonl"), "w", encoding="utf-8") as f:
+                for row, pred in zip(rows, preds):
+                    f.write(json.dumps({"pred": pred, "answers": row["answers"], "all_classes": row.get("all_classes"),
+                                        "length": row.get("length")}, ensure_ascii=False) + "\n")
+        scores[dataset] = score_dataset(dataset, preds, [r["answers"] for r in rows],
+                                        [r.get("all_classes") for r in rows])
+    scores["average"] = round(sum(scores[d] for d in datasets) / len(datasets), 2)
+    if out_dir:
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump(scores, f, indent=2)
+    return scores
