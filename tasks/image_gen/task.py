@@ -58,7 +58,7 @@ class ImageGenTask(Task):
             from .vae import load_vae  # noqa: PLC0415
 
             self._vae = load_vae(self.cfg.data.get("vae_path"), device)
-        return self._vae
+        return self._vae.to(device)  # loaded on the CPU for the size check, moved once to the training device
 
     def build_datasets(self):
         data, seed = self.cfg.data, int(self.cfg.get("seed", 0))
