@@ -127,3 +127,25 @@ def test_fla_baselines_optional():
             build_fla_model("gla")
         pytest.skip("flash-linear-attention is not installed")
     assert sum(p.numel() for p in build_fla_model("gla").parameters()) == pytest.approx(341.7e6, rel=5e-3)
+
+
+@pytest.mark.parametrize("source", ["hf_disk", "parquet", "jsonl"])
+def test_local_dataset_sources(tmp_path, source):
+    import datasets
+
+    from tasks.language.data import iter_documents
+
+    ds = datasets.Dataset.from_dict({"text": [f"document number {i}" for i in range(5)], "id": list(range(5))})
+    path = tmp_path / "ds"
+    if source == "hf_disk":
+        ds.save_to_disk(str(path))
+    elif source == "parquet":
+        path.mkdir()
+        ds.to_parquet(str(path / "part-0.parquet"))
+    else:
+        path.mkdir()
+        ds.to_json(str(path / "part-0.jsonl"))
+    cfg = OmegaConf.create({"source": source, "path": str(path), "text_field": "text", "max_documents": 4})
+    assert list(iter_documents(cfg)) == [f"document number {i}" for i in range(4)]
+    with pytest.raises(KeyError, match="content"):
+        next(iter_documents(OmegaConf.create({"source": source, "path": str(path), "text_field": "content"})))

@@ -110,17 +110,22 @@ def _expand(path: str, exts: tuple[str, ...]) -> list[str]:
     return files
 
 
+def require_path(data_cfg) -> None:
+    """Sources other than ``gensim`` read a local copy: fail early with what to download and where."""
+    if data_cfg.source != "gensim" and not data_cfg.get("path"):
+        raise FileNotFoundError(
+            f"data.source={data_cfg.source} needs data.path=... (a local copy; nothing is downloaded). For the "
+            f"paper's recipe download FineWeb-Edu sample-10BT (huggingface.co/datasets/HuggingFaceFW/fineweb-edu, "
+            f"sample/10BT/*.parquet) and pass data.path=/path/to/fineweb-edu/sample/10BT")
+
+
 def iter_documents(data_cfg):
     """Yield the documents of ``data_cfg.source`` (see the module docstring)."""
     source = data_cfg.source
     path = data_cfg.get("path")
     field = data_cfg.get("text_field", "text")
     limit = data_cfg.get("max_documents")
-    if source != "gensim" and not path:
-        raise FileNotFoundError(
-            f"data.source={source} needs data.path=... (a local copy; nothing is downloaded). For the paper's "
-            f"recipe download FineWeb-Edu sample-10BT (huggingface.co/datasets/HuggingFaceFW/fineweb-edu, "
-            f"sample/10BT/*.parquet) and pass data.path=/path/to/fineweb-edu/sample/10BT")
+    require_path(data_cfg)
     if source == "gensim":
         it = iter(gensim_documents())
     elif source == "text":
@@ -283,6 +288,7 @@ def build_lm_datasets(data_cfg, seq_len: int, seed: int = 0):
 
     ``info`` holds the token counts and the unigram-baseline perplexity of the validation tokens.
     """
+    require_path(data_cfg)
     cache_dir = Path(os.path.expanduser(str(data_cfg.get("cache_dir", "outputs/cache/lm"))))
     val_fraction = float(data_cfg.get("val_fraction", 0.05))
     split_seed = int(data_cfg.get("split_seed", 0))
