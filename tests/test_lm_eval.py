@@ -250,3 +250,53 @@ def test_wikitext_and_lambada_files_end_to_end(tmp_path):
     assert d["tokens"] == 7 and d["words"] == 2
     with pytest.raises(FileNotFoundError, match="wikitext.smerity.com"):
         evaluate_wikitext(model, tok, str(tmp_path / "missing.raw"))
+
+
+# ------------------------------------------------------------------------------ evaluate.py loading
+
+
+def _word_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>", "<unk>", "the", "cat", "sat", "on", "mat", "dogs", "bark", "."]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
+    tok.save_pretrained(path)
+    return tok
+
+
+def test_evaluate_loads_hf_folders_and_trainer_checkpoints(tmp_path):
+    pytest.importorskip("models.lm")
+    from omegaconf import OmegaConf
+
+    from tasks.language import evaluate
+    from tasks.language.task import build_lm
+
+    tok = _word_tokenizer(tmp_path / "tok")
+    model_cfg = {"arch": "mhla_lm", "hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2, "block_size": 4,
+                 "max_position_embeddings": 16}
+    torch.manual_seed(0)
+    model = build_lm(OmegaConf.create(model_cfg), "mhla", 10).eval()
+    # a Trainer checkpoint (weights + the run's config) and an EMA variant
+    ckpt = {"model": model.state_dict(), "ema": None,
+            "config": {"model": model_cfg, "attn": {"name": "mhla"}, "data": {"tokenizer": str(tmp_path / "tok")}}}
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    torch.save(ckpt, tmp_path / "run" / "checkpoints" / "best.pt")
+    ids = torch.tensor([[2, 3, 4, 5, 2, 6, 9]])
+    ref = model(ids).logits
+    m1, t1 = evaluate.load_model(str(tmp_path / "run"))
+    torch.testing.assert_close(m1(ids).logits, ref)
+    assert t1.encode("the cat", add_special_tokens=False) == [2, 3]
+    ema = {f"module.{k}": v * 0 for k, v in model.state_dict().items()} | {"num_updates": torch.tensor(3)}
+    torch.save(ckpt | {"ema": ema}, tmp_path / "ema.pt")
+    m2, _ = evaluate.load_model(str(tmp_path / "ema.pt"))
+    assert all((p == 0).all() for p in m2.parameters())                # the EMA weights are the ones loaded
+    model.save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    m3, _ = evaluate.load_model(str(tmp_path / "hf"))
+    torch.testing.assert_close(m3(ids).logits, ref)
+    (tmp_path / "wiki.test.raw").write_text(" = the cat = \n\n the cat sat on the mat . \n")
+    assert evaluate.main(["ppl", "--model", str(tmp_path / "hf"), "--wikitext", str(tmp_path / "wiki.test.raw"),
+                          "--device", "cpu"]) == 0

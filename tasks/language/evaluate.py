@@ -88,8 +88,9 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu", dty
 
     state = load_checkpoint(ckpt, map_location="cpu")
     cfg = state["config"]
-    weights = state.get("ema") or state["model"]
-    weights = weights.get("module", weights) if isinstance(weights, dict) and "module" in weights else weights
+    weights = state["model"]
+    if state.get("ema"):  # ModelEMA's state dict: the averaged model under "module."
+        weights = {k[len("module."):]: v for k, v in state["ema"].items() if k.startswith("module.")}
     vocab = next(v.shape[0] for k, v in weights.items() if k.endswith("embed_tokens.weight"))
     model = build_lm(OmegaConf.create(cfg["model"]), cfg["attn"]["name"], vocab)
     model.load_state_dict(weights)
