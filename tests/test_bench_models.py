@@ -1,0 +1,42 @@
+"""scripts/bench_models.py: runs a tiny grid, writes JSON + markdown with a machine header, skips by estimate."""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench_models  # noqa: E402
+
+
+def test_attn_config_keeps_m_squared_below_n():
+    assert bench_models.attn_config("mhla", 256, False)["num_blocks"] == 16
+    assert bench_models.attn_config("mhla", 4096, False)["num_blocks"] == 16
+    assert bench_models.attn_config("mhla", 64, False)["num_blocks"] == 4
+    assert bench_models.attn_config("softmax", 64, False) == {"name": "softmax"}
+
+
+def test_estimate_scales_with_tokens_and_model_size():
+    s = bench_models.model_weight("DiT-S/2")
+    prev = {"sec": 1.0, "n_tokens": 256, "weight": s}
+    assert bench_models.estimate(prev, 1024, "mhla", "DiT-S/2") == 4.0
+    assert bench_models.estimate(prev, 1024, "softmax", "DiT-S/2") == 16.0
+    xl = bench_models.estimate(prev, 256, "linear", "DiT-XL/2")
+    assert 15 < xl < 25  # 28 x 1152^2 / (12 x 384^2) = 21
+    assert bench_models.estimate(None, 256, "mhla", "DiT-S/2") is None
+
+
+def test_bench_models_tiny_run(tmp_path):
+    rc = bench_models.main(["--models", "DiT-S/2", "--resolutions", "64", "128", "--attns", "softmax", "mhla",
+                            "--modes", "fwd", "--repeats", "1", "--max-case-s", "1e-6", "--out-dir", str(tmp_path),
+                            "--note", "test"])
+    assert rc == 0
+    data = json.loads((tmp_path / "models_cpu.json").read_text())
+    assert {"cpu", "torch", "date", "batch", "precision"} <= set(data["header"])
+    rows = {(r["res"], r["attn"]): r for r in data["results"]}
+    assert rows[(64, "mhla")]["images_per_s"] > 0 and rows[(64, "mhla")]["n_tokens"] == 16
+    assert rows[(64, "mhla")]["attn_config"]["num_blocks"] == 4
+    assert rows[(128, "softmax")]["images_per_s"] is None and "estimated" in rows[(128, "softmax")]["skipped"]
+    md = (tmp_path / "models_cpu.md").read_text()
+    assert "| DiT-S/2 | 64 | 16 | fwd |" in md and "skipped" in md
