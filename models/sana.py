@@ -1,0 +1,98 @@
+"""SANA (Xie et al., ICLR 2025) through diffusers' ``SanaTransformer2DModel``, with MHLA in its self-attention.
+
+SANA's self-attention (``attn1`` of every block) is already linear attention with a ReLU kernel (diffusers'
+``SanaLinearAttnProcessor2_0``: ``relu(q) sum relu(k)^T v / (relu(q) . sum relu(k) + 1e-15)``, fp32);
+cross-attention (``attn2``, to the Gemma text tokens) is softmax. MHLA Table 4 fine-tunes SANA-0.6B with MHLA in
+place of that linear attention: :func:`build_sana` swaps the ``attn1`` processors through the project's diffusers
+adapter (:func:`mhla.adapters.diffusers.swap_self_attention`; cross-attention is never touched) and leaves
+everything else (Mix-FFN, adaLN-single, NoPE) as is.
+
+    model = build_sana({"config": "sana_600m", "pretrained": "/data/Sana_600M_1024px_diffusers/transformer"},
+                       {"name": "mhla", "num_blocks": 16})
+    v = model(latents [B, 32, H, W], encoder_hidden_states [B, L, 2304], timestep [B]).sample
+
+``attn.name``: ``mhla`` (M blocks over the latent grid, 16 = 4 x 4 at 1024 px), ``linear`` (the adapter's plain
+linear attention) or ``sana`` / ``softmax``-free baseline ``native`` (keep SANA's own ReLU linear attention).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.nn as nn
+
+# BASELINES.md section 8 (scripts/convert_sana_to_diffusers.py, SanaMS_600M_P1_D28); sample_size 32 = 1024 px.
+SANA_600M = dict(in_channels=32, out_channels=32, num_attention_heads=36, attention_head_dim=32, num_layers=28,
+                 num_cross_attention_heads=16, cross_attention_head_dim=72, cross_attention_dim=1152,
+                 caption_channels=2304, mlp_ratio=2.5, attention_bias=False, sample_size=32, patch_size=1,
+                 norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=None, qk_norm=None,
+                 guidance_embeds=False)
+# A tiny SANA with the same structure (tests, CPU runs): width 64, 2 blocks, 8 x 8 latents with 8 channels.
+SANA_TINY = dict(SANA_600M, in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=16,
+                 num_layers=2, num_cross_attention_heads=4, cross_attention_head_dim=16, cross_attention_dim=64,
+                 caption_channels=32, sample_size=8)
+CONFIGS = {"sana_600m": SANA_600M, "sana_tiny": SANA_TINY}
+NATIVE = ("native", "sana")
+
+
+def sana_config(name_or_dict) -> dict:
+    """A named config (``sana_600m``, ``sana_tiny``) or an explicit mapping of ``SanaTransformer2DModel`` args."""
+    if isinstance(name_or_dict, str):
+        if name_or_dict not in CONFIGS:
+            raise ValueError(f"unknown SANA config {name_or_dict!r}; known: {', '.join(CONFIGS)}")
+        return dict(CONFIGS[name_or_dict])
+    return dict(name_or_dict)
+
+
+def load_pretrained_sana(path: str):
+    """``SanaTransformer2DModel.from_pretrained`` on a LOCAL diffusers folder (never a hub download)."""
+    from diffusers import SanaTransformer2DModel  # noqa: PLC0415
+
+    if not path or not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"SANA checkpoint folder {path!r} not found. Download the diffusers-format SANA-0.6B weights "
+            f"(Efficient-Large-Model/Sana_600M_1024px_diffusers, its 'transformer' subfolder) on a machine with "
+            f"internet access, copy it here, and pass model.pretrained=/path/to/Sana_600M_1024px_diffusers/transformer")
+    sub = os.path.join(path, "transformer")
+    if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(sub, "config.json")):
+        path = sub
+    return SanaTransformer2DModel.from_pretrained(path, local_files_only=True)
+
+
+def swap_attention(model: nn.Module, attn_cfg) -> list[str]:
+    """Replace SANA's ``attn1`` processors per ``attn_cfg`` (``name`` mhla / linear / native); returns the names."""
+    from mhla.adapters.diffusers import swap_self_attention  # noqa: PLC0415
+
+    cfg = {str(k): v for k, v in dict(attn_cfg).items()}
+    name = cfg.pop("name")
+    if name in NATIVE:
+        return []
+    if name not in ("mhla", "linear"):
+        raise ValueError(f"SANA attention must be mhla, linear or native (SANA's ReLU linear attention), got {name!r}")
+    grid = (model.config.sample_size // model.config.patch_size,) * 2
+    allowed = {"num_blocks", "blocks", "block", "feature_map", "normalize", "out_norm", "mixing_init",
+               "mixing_learnable", "mixing_per_head", "mixing_param", "eps", "backend"}
+    opts = {k: (list(v) if isinstance(v, (list, tuple)) or hasattr(v, "__iter__") and not isinstance(v, str) else v)
+            for k, v in cfg.items() if k in allowed and v is not None}
+    if name == "linear":
+        opts = {k: v for k, v in opts.items() if k in ("feature_map", "normalize", "eps", "out_norm")}
+    return swap_self_attention(model, name, grid=grid, rope="none", **opts)
+
+
+def build_sana(model_cfg, attn_cfg):
+    """Build SANA from ``model_cfg`` (``config``: a name in :data:`CONFIGS` or a mapping; ``pretrained``: a
+    local diffusers checkpoint folder, which wins over ``config``) and swap its self-attention per ``attn_cfg``."""
+    from diffusers import SanaTransformer2DModel  # noqa: PLC0415
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    to_dict = (lambda c: OmegaConf.to_container(c, resolve=True)) if OmegaConf.is_config(model_cfg) else dict
+    mcfg = to_dict(model_cfg)
+    acfg = OmegaConf.to_container(attn_cfg, resolve=True) if OmegaConf.is_config(attn_cfg) else dict(attn_cfg)
+    if mcfg.get("pretrained"):
+        model = load_pretrained_sana(mcfg["pretrained"])
+    else:
+        model = SanaTransformer2DModel(**sana_config(mcfg.get("config", "sana_tiny")))
+    if mcfg.get("gradient_checkpointing"):
+        model.enable_gradient_checkpointing()
+    swap_attention(model, acfg)
+    return model
