@@ -108,6 +108,32 @@ def machine_header(device: str) -> dict:
     return info
 
 
+def write_results(rows, header, args, dtype, argv) -> str:
+    """``results/bench/generation_<device>.json`` and ``.md`` for the rows measured so far."""
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"generation_{args.device}")
+    cmd = "python scripts/bench_generation.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    with open(stem + ".json", "w") as f:
+        json.dump({"machine": header, "preset": args.preset, "model": PRESETS[args.preset], "dtype": dtype,
+                   "command": cmd.strip(), "rows": rows}, f, indent=2)
+    lines = [f"# Greedy generation: prefill L tokens, decode {args.new_tokens} ({args.device}, {dtype})", "",
+             f"Command: `{cmd.strip()}`", "",
+             "Machine: " + ", ".join(f"{k}={v}" for k, v in header.items()), "",
+             f"Model preset `{args.preset}`: {PRESETS[args.preset]} (the same MHLALM code for every attention).",
+             "CPU peak memory = growth of the peak RSS of a fresh process (model, prefill activations, cache).", "",
+             "| context L | attention | prefill s | decode tok/s | ms/token | peak MiB | cache MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['context']} | {r['attn']} | error: {r['error']} | | | | |")
+            continue
+        lines.append(f"| {r['context']} | {r['attn']} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | "
+                     f"{r['decode_ms_per_token']:.1f} | {r['peak_mem_mib']:.0f} | {r['cache_mib']:.2f} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return stem
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -133,27 +159,7 @@ def main(argv=None):
             p.join()
             rows.append(row)
             print(json.dumps(row), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"generation_{args.device}")
-    cmd = "python scripts/bench_generation.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    with open(stem + ".json", "w") as f:
-        json.dump({"machine": header, "preset": args.preset, "model": PRESETS[args.preset], "dtype": dtype,
-                   "command": cmd.strip(), "rows": rows}, f, indent=2)
-    lines = [f"# Greedy generation: prefill L tokens, decode {args.new_tokens} ({args.device}, {dtype})", "",
-             f"Command: `{cmd.strip()}`", "",
-             "Machine: " + ", ".join(f"{k}={v}" for k, v in header.items()), "",
-             f"Model preset `{args.preset}`: {PRESETS[args.preset]} (the same MHLALM code for every attention).",
-             "CPU peak memory = growth of the peak RSS of a fresh process (model, prefill activations, cache).", "",
-             "| context L | attention | prefill s | decode tok/s | ms/token | peak MiB | cache MiB |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['context']} | {r['attn']} | error: {r['error']} | | | | |")
-            continue
-        lines.append(f"| {r['context']} | {r['attn']} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | "
-                     f"{r['decode_ms_per_token']:.1f} | {r['peak_mem_mib']:.0f} | {r['cache_mib']:.2f} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+            stem = write_results(rows, header, args, dtype, argv)  # after every row: partial runs leave a file
     print(f"wrote {stem}.json and {stem}.md")
 
 
