@@ -66,6 +66,7 @@ def write_outputs(results: list[dict], args, stem: str) -> None:
             return "not run"
         return f"failed: {r['error'][:40]}" if "error" in r else f"{100 * r['acc']:.1f}"
 
+    init = next((e.split("=", 1)[1] for e in args.extra if "mixing_init=" in e), "locality (the paper's)")
     lines = [
         "# MQAR: softmax vs linear vs MHLA",
         "",
@@ -81,8 +82,9 @@ def write_outputs(results: list[dict], args, stem: str) -> None:
         f"vocabulary 512; {args.steps} steps of batch {args.batch_size} (fresh examples, "
         f"{args.steps * args.batch_size} in all), AdamW lr {args.lr}, cosine schedule, seed {args.seed}; test set "
         f"{args.num_test} examples. MHLA: chunks of C = smallest power of two >= sqrt(N) (M = N / C blocks, "
-        f"M^2 <= N: N = 64 -> M = 8, 128 -> 8, 256 -> 16), locality init, learnable mixing. CPU run, shared machine "
-        f"(2 cores, several other jobs): times are wall-clock under load.",
+        f"M^2 <= N: N = 64 -> M = 8, 128 -> 8, 256 -> 16), mixing init {init}, learnable mixing. Extra overrides: "
+        f"{' '.join(args.extra) or 'none'}. CPU run, shared machine (2 cores, several other jobs): times are "
+        f"wall-clock under load.",
         "",
         f"Machine: {json.dumps(system_info())}",
         "",
