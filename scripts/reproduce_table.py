@@ -43,7 +43,7 @@ MINI_OVERRIDES = {
     "dit_b": ["task=mnist_gen", "model=dit_mnist", "model.depth=4", "model.hidden_size=96"],
     "dit_l": ["task=mnist_gen", "model=dit_mnist", "model.depth=6", "model.hidden_size=96"],
     "dit_xl": ["task=mnist_gen", "model=dit_mnist", "model.depth=6", "model.hidden_size=128"],
-    "dit_512": ["model.patch_size=2", "model.mhla_num_blocks=16"],
+    "dit_512": ["model.input_size=32", "model.patch_size=2", "model.mhla_num_blocks=16"],
     "gen_common": ["trainer.max_steps=100", "sched.warmup_steps=20", "trainer.device=cpu", "logger=none",
                    "trainer.progress_bar=false", "trainer.count_flops=false", "data.batch_size=32",
                    "data.eval_limit=256",
@@ -121,7 +121,8 @@ def run_cell(table: str, cell: str, args) -> dict:
     elapsed = time.time() - t0
     finals = [line for line in proc.stdout.splitlines() if line.startswith("final:")]
     if proc.returncode != 0 or not finals:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        tail = "\n".join(line for line in (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+                         if not line.startswith("Set the environment variable HYDRA_FULL_ERROR"))
         print(f"  FAILED ({proc.returncode}):\n{tail}", flush=True)
         return {"cell": cell, "error": tail.splitlines()[-1] if tail else "failed", "seconds": elapsed,
                 "command": " ".join(cmd)}
