@@ -43,6 +43,7 @@ MINI_OVERRIDES = {
     "dit_b": ["task=mnist_gen", "model=dit_mnist", "model.depth=4", "model.hidden_size=96"],
     "dit_l": ["task=mnist_gen", "model=dit_mnist", "model.depth=6", "model.hidden_size=96"],
     "dit_xl": ["task=mnist_gen", "model=dit_mnist", "model.depth=6", "model.hidden_size=128"],
+    "dig_s": ["task=mnist_gen", "model=dig_mnist"],
     "dit_512": ["model.input_size=32", "model.patch_size=2", "model.mhla_num_blocks=16"],
     "gen_common": ["trainer.max_steps=100", "sched.warmup_steps=20", "trainer.device=cpu", "logger=none",
                    "trainer.progress_bar=false", "trainer.count_flops=false", "data.batch_size=32",

@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 
 
 def _token_grid(model_cfg) -> tuple[int, int] | None:
-    if model_cfg.get("kind") not in ("vit", "dit"):
+    if model_cfg.get("kind") not in ("vit", "dit", "dig"):
         return None
     img = int(model_cfg.get("pad_to") or model_cfg.get("img_size") or model_cfg.input_size)  # DiT: input_size
     patch = int(model_cfg.patch_size)

@@ -33,6 +33,13 @@ class ImageGenTask(Task):
 
     # ----------------------------------------------------------------------------------- model
     def build_model(self) -> nn.Module:
+        kind = self.cfg.model.get("kind", "dit")
+        if kind == "dig":  # DiG (models/dig.py): a DiT subclass with GLA / MHLA token mixers
+            from models.dig import build_dig  # noqa: PLC0415
+
+            return build_dig(self.cfg.model, self.cfg.attn)
+        if kind != "dit":
+            raise ValueError(f"model.kind={kind!r} is not a generation model (dit | dig)")
         from models.dit import build_dit  # noqa: PLC0415
 
         return build_dit(self.cfg.model, self.cfg.attn)
