@@ -28,9 +28,11 @@ def check_attention_fits_model(cfg) -> None:
     from mhla.registry import list_attentions  # noqa: PLC0415
 
     attn = cfg.attn
-    if attn.name not in list_attentions():
-        raise ConfigError(f"attn={attn.name} is not a registered attention; choose one of {list_attentions()}")
     supported = cfg.model.get("attentions")
+    # a model may list its own built-in attention (e.g. SANA's "native" ReLU linear attention)
+    model_native = supported is not None and attn.name in supported
+    if attn.name not in list_attentions() and not model_native:
+        raise ConfigError(f"attn={attn.name} is not a registered attention; choose one of {list_attentions()}")
     if supported is not None and attn.name not in supported:
         raise ConfigError(
             f"model={cfg.model.name} cannot take attn={attn.name}; it supports {list(supported)}")
