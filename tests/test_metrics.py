@@ -179,3 +179,21 @@ def test_evaluate_samples_end_to_end(tmp_path):
     assert res2["fid"] == pytest.approx(res["fid"], abs=1e-6)
     with pytest.raises(FileNotFoundError, match="reference"):
         M.evaluate_samples(same, str(tmp_path / "nope.npz"))
+
+
+def test_eval_fid_cli_writes_metrics(tmp_path, capsys):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import eval_fid
+
+    base = _base_images()
+    ref = save_npz(base, tmp_path / "ref.npz")
+    noisy = save_npz(_noisy(base, 48), tmp_path / "noisy.npz")
+    assert eval_fid.main([str(noisy), str(ref)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((tmp_path / "noisy.metrics.json").read_text())
+    assert printed["fid"] == pytest.approx(written["fid"]) and printed["fid"] > 1.0
+    with pytest.raises(SystemExit):
+        eval_fid.main([str(tmp_path / "missing.npz"), str(ref)])
