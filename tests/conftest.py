@@ -11,6 +11,13 @@ if ROOT not in sys.path:
 # Keep CPU tests reproducible and fast on a 2-core machine.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Without a GPU the Triton kernels are tested in Triton's CPU interpreter. Triton reads TRITON_INTERPRET when a
+# function is decorated with @triton.jit, and that includes triton.language's own helpers (tl.zeros, tl.cdiv),
+# which are decorated when triton is first imported. Other test modules import triton indirectly (diffusers,
+# transformers), so the variable must be set before any of them is collected: here, before everything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

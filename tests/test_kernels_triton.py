@@ -1,10 +1,11 @@
 """The Triton kernels (backend="triton") against the torch path: forward and every gradient.
 
 Without a GPU the kernels run in Triton's CPU interpreter. Triton reads ``TRITON_INTERPRET`` when
-``@triton.jit`` decorates a kernel, i.e. when ``mhla.kernels`` is first imported, so it is set here at
-module import (pytest imports every test module during collection, before any test runs; nothing else
-imports ``mhla.kernels`` at import time). It is only set when CUDA is absent, so on a GPU machine the same
-tests run the compiled kernels on CUDA tensors, and the ``gpu`` tests add bf16 checks at realistic shapes.
+``@triton.jit`` decorates a function: our kernels (when ``mhla.kernels`` is imported) and triton.language's own
+helpers (when triton is first imported, which other test modules do indirectly through diffusers /
+transformers). So ``tests/conftest.py`` sets it before anything is collected, and this module sets it again
+for a run of this file alone. It is only set when CUDA is absent, so on a GPU machine the same tests run the
+compiled kernels on CUDA tensors, and the ``gpu`` tests add bf16 checks at realistic shapes.
 
 Criterion (``check_against_torch``): the output and the gradients of q, k, v and mixing of the loss
 ``sum(o * w)`` (fixed random ``w``) are compared with the torch path run in float64 on the same (rounded)
@@ -299,3 +300,25 @@ def test_gpu_causal_long_sequence_fp32():
     q, k, v, mix, w = make_inputs(1, 8192, 4, 64, 64, 128, per_head=True, dtype=torch.float32,
                                   device="cuda")
     check_against_torch(q, k, v, mix, w, 64, torch.float32, causal=True)
+
+
+def test_interpreter_needs_triton_imported_after_the_variable():
+    """A triton imported before TRITON_INTERPRET=1 keeps tl.zeros etc. compiled: the backend must say so
+    (not crash inside a kernel), and with the variable set first it is usable."""
+    import subprocess
+    import sys
+
+    code = ("import os, triton; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from mhla.kernels import utils, triton_backend\n"
+            "print(utils.INTERPRET_AT_IMPORT, utils.INTERPRETER_USABLE, triton_backend.available())\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == ["True", "False", "False"]
+    code_ok = "import os; os.environ['TRITON_INTERPRET'] = '1'\n" + code.split("\n", 1)[1].replace(
+        "from mhla", "import triton\nfrom mhla")
+    out = subprocess.run([sys.executable, "-c", code_ok], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == ["True", "True", "True"]

@@ -26,15 +26,20 @@ from ..ops.noncausal import mhla_noncausal_torch
 from ..ops.validation import normalizer_mode
 from .causal import mhla_causal_triton
 from .noncausal import mhla_noncausal_triton
-from .utils import INTERPRET_AT_IMPORT, SUPPORTED_DTYPES
+from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES
 
 
 def available() -> bool:
     """True when the kernels can launch: CUDA is available, or they were built for the interpreter."""
-    return INTERPRET_AT_IMPORT or torch.cuda.is_available()
+    return INTERPRETER_USABLE or torch.cuda.is_available()
 
 
 def _check_device(q: torch.Tensor) -> None:
+    if INTERPRET_AT_IMPORT and not INTERPRETER_USABLE and not q.is_cuda:
+        raise ValueError(
+            "backend='triton' on CPU: triton was imported before TRITON_INTERPRET=1 was set, so its language "
+            "helpers were built for the GPU. Set TRITON_INTERPRET=1 before anything imports triton"
+        )
     if not INTERPRET_AT_IMPORT and not q.is_cuda:
         raise ValueError(
             "backend='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1 set before "

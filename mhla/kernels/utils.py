@@ -28,6 +28,20 @@ def interpreting() -> bool:
 #: Whether the kernels of this package were decorated under the interpreter (fixed at import).
 INTERPRET_AT_IMPORT = interpreting()
 
+
+def language_interpreted() -> bool:
+    """True when triton.language's own jitted helpers (``tl.zeros``, ``tl.cdiv``, ...) were built for the
+    interpreter. They are decorated when triton is first imported, so a triton imported *before*
+    ``TRITON_INTERPRET=1`` was set keeps them compiled, and interpreted kernels that call them fail with
+    "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    import triton.language as tl  # noqa: PLC0415
+
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
+#: Whether the CPU interpreter can run these kernels in this process.
+INTERPRETER_USABLE = INTERPRET_AT_IMPORT and language_interpreted()
+
 def device_helper(fn):
     """Decorator for the small ``@triton.jit`` helpers the kernels call.
 
