@@ -208,7 +208,9 @@ def to_markdown(data: dict) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", default="image", choices=["image"], help="what to benchmark (image: DiT)")
+    ap.add_argument("--mode", default="image", choices=["image", "video"],
+                    help="image: DiT images/s; video: one Wan2.1 denoising step (the remaining arguments go to "
+                         "scripts/bench_video.py, e.g. --preset wan1.3b --device cuda)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--models", nargs="+", default=["DiT-S/2", "DiT-XL/2"])
     ap.add_argument("--resolutions", nargs="+", type=int, default=[256, 512, 1024])
@@ -231,6 +233,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mode" in argv and argv[argv.index("--mode") + 1:argv.index("--mode") + 2] == ["video"]:
+        i = argv.index("--mode")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_video  # noqa: PLC0415
+
+        bench_video.main(argv[:i] + argv[i + 2:])
+        return 0
     args = parse_args(argv)
     data = run(args)
     os.makedirs(args.out_dir, exist_ok=True)

@@ -76,7 +76,7 @@ def bench_variant(preset: dict, variant: str, device: torch.device, dtype, warmu
     return {"median_s": statistics.median(times), "min_s": min(times), "iters": len(times), "peak_mem_gib": mem}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)

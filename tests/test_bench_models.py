@@ -40,3 +40,13 @@ def test_bench_models_tiny_run(tmp_path):
     assert rows[(128, "softmax")]["images_per_s"] is None and "estimated" in rows[(128, "softmax")]["skipped"]
     md = (tmp_path / "models_cpu.md").read_text()
     assert "| DiT-S/2 | 64 | 16 | fwd |" in md and "skipped" in md
+
+
+def test_video_mode_forwards_to_bench_video(monkeypatch):
+    """``--mode video`` hands the remaining arguments to scripts/bench_video.py (the Wan2.1 step benchmark)."""
+    import bench_video
+
+    seen = {}
+    monkeypatch.setattr(bench_video, "main", lambda argv=None: seen.setdefault("argv", argv))
+    assert bench_models.main(["--mode", "video", "--preset", "cpu", "--device", "cpu"]) == 0
+    assert seen["argv"] == ["--preset", "cpu", "--device", "cpu"]
