@@ -109,6 +109,13 @@ class Geometry:
 
 
 @device_helper
+def _row_offset(i_b, i_h, T, H, F):
+    """Element offset of token 0 of batch ``i_b``, head ``i_h`` in a contiguous ``[B, T, H, F]`` tensor (int64:
+    ``B * T * H * F`` may pass 2^31)."""
+    return (i_b.to(tl.int64) * T * H + i_h) * F
+
+
+@device_helper
 def _chunk_tokens(i_blk, i_chunk, T, OFFSET, C, BT: tl.constexpr):
     """Token indices ``t`` ([BT], clamped to 0 where invalid) and validity of chunk ``i_chunk`` of block
     ``i_blk``: position ``pos`` inside the block, virtual position ``i_blk*C + pos``, token
@@ -175,8 +182,8 @@ def _fwd_block_summaries_kernel(
     i_k, i_v = i_kv // NV, i_kv % NV
     i_b, i_h = i_bh // H, i_bh % H
     stride_k, stride_v = H * D, H * Dv
-    k_base = k + (i_b.to(tl.int64) * T * H + i_h) * D
-    v_base = v + (i_b.to(tl.int64) * T * H + i_h) * Dv
+    k_base = k + _row_offset(i_b, i_h, T, H, D)
+    v_base = v + _row_offset(i_b, i_h, T, H, Dv)
 
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     acc_z = tl.zeros([BK], dtype=tl.float32)
@@ -227,8 +234,8 @@ def _fwd_output_kernel(
     i_blk, i_c = j // NC, j % NC
     i_b, i_h = i_bh // H, i_bh % H
     stride_k, stride_v = H * D, H * Dv
-    q_base = q + (i_b.to(tl.int64) * T * H + i_h) * D
-    k_base = k + (i_b.to(tl.int64) * T * H + i_h) * D
+    q_base = q + _row_offset(i_b, i_h, T, H, D)
+    k_base = k + _row_offset(i_b, i_h, T, H, D)
     t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
     m = 0.0
     if CAUSAL:
@@ -260,7 +267,7 @@ def _fwd_output_kernel(
     if CAUSAL:
         causal_mask = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
         A = tl.where(causal_mask, A, 0.0)
-        vt = _load_tokens(v + (i_b.to(tl.int64) * T * H + i_h) * Dv, t, valid, stride_v, i_v, Dv, BV)
+        vt = _load_tokens(v + _row_offset(i_b, i_h, T, H, Dv), t, valid, stride_v, i_v, Dv, BV)
         acc += m * tl.dot(A, vt.to(tl.float32), input_precision=PREC)
         if NORMALIZE:
             dsum += m * tl.sum(A, axis=1)
@@ -269,7 +276,7 @@ def _fwd_output_kernel(
         acc = acc / d[:, None]
         if i_v == 0:
             tl.store(den + i_bh.to(tl.int64) * T + t, d, mask=valid)
-    _store_tokens(o + (i_b.to(tl.int64) * T * H + i_h) * Dv, acc, t, valid, stride_v, i_v, Dv, BV)
+    _store_tokens(o + _row_offset(i_b, i_h, T, H, Dv), acc, t, valid, stride_v, i_v, Dv, BV)
 
 
 # ----------------------------------------------------------------------------------------- backward
@@ -309,8 +316,8 @@ def _bwd_block_grads_kernel(
     i_k, i_v = i_kv // NV, i_kv % NV
     i_b, i_h = i_bh // H, i_bh % H
     stride_k, stride_v = H * D, H * Dv
-    q_base = q + (i_b.to(tl.int64) * T * H + i_h) * D
-    do_base = do + (i_b.to(tl.int64) * T * H + i_h) * Dv
+    q_base = q + _row_offset(i_b, i_h, T, H, D)
+    do_base = do + _row_offset(i_b, i_h, T, H, Dv)
 
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     acc_z = tl.zeros([BK], dtype=tl.float32)
@@ -367,8 +374,8 @@ def _bwd_dv_kernel(
     i_blk, i_c = j // NC, j % NC
     i_b, i_h = i_bh // H, i_bh % H
     stride_k, stride_v = H * D, H * Dv
-    q_base = q + (i_b.to(tl.int64) * T * H + i_h) * D
-    k_base = k + (i_b.to(tl.int64) * T * H + i_h) * D
+    q_base = q + _row_offset(i_b, i_h, T, H, D)
+    k_base = k + _row_offset(i_b, i_h, T, H, D)
     t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
     m = 0.0
     if CAUSAL:
@@ -389,12 +396,12 @@ def _bwd_dv_kernel(
             At += tl.dot(kt, tl.trans(qt), input_precision=PREC)  # At[s, t] = k_s . q_t
     if CAUSAL:
         At = tl.where(tl.arange(0, BT)[:, None] <= tl.arange(0, BT)[None, :], At, 0.0)
-        do_base = do + (i_b.to(tl.int64) * T * H + i_h) * Dv
+        do_base = do + _row_offset(i_b, i_h, T, H, Dv)
         dn = _load_tokens(do_base, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
         if NORMALIZE:
             dn = dn / tl.load(den + i_bh.to(tl.int64) * T + t, mask=valid, other=1.0)[:, None]
         acc += m * tl.dot(At, dn, input_precision=PREC)
-    _store_tokens(dv + (i_b.to(tl.int64) * T * H + i_h) * Dv, acc, t, valid, stride_v, i_v, Dv, BV)
+    _store_tokens(dv + _row_offset(i_b, i_h, T, H, Dv), acc, t, valid, stride_v, i_v, Dv, BV)
 
 
 @triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
@@ -414,8 +421,8 @@ def _bwd_dqk_kernel(
     i_blk, i_c = j // NC, j % NC
     i_b, i_h = i_bh // H, i_bh % H
     stride_k, stride_v = H * D, H * Dv
-    qk_off = (i_b.to(tl.int64) * T * H + i_h) * D
-    v_off = (i_b.to(tl.int64) * T * H + i_h) * Dv
+    qk_off = _row_offset(i_b, i_h, T, H, D)
+    v_off = _row_offset(i_b, i_h, T, H, Dv)
     t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
     m = 0.0
     if CAUSAL:
