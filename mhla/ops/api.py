@@ -28,8 +28,9 @@ def _triton_backend():
     return triton_backend if triton_backend.available() else None
 
 
-def resolve_backend(backend: str, q: torch.Tensor, *, causal: bool = False, stateful: bool = False) -> str:
-    """Pick the backend that ``backend`` means for these inputs."""
+def resolve_backend(backend: str, q: torch.Tensor, *, causal: bool = False) -> str:
+    """Pick the backend that ``backend`` means for these inputs (the kernels serve both forms, with or without
+    a state, so ``causal`` does not change the choice today)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -102,7 +103,7 @@ def mhla_attention(
         seen = initial_state.num_tokens if initial_state is not None else 0
         check_mixing(mixing, H, num_blocks(seen + T, block_size))
 
-    which = resolve_backend(backend, q, causal=causal, stateful=stateful)
+    which = resolve_backend(backend, q, causal=causal)
     if which == "reference":
         if stateful:
             raise ValueError("the reference backend has no state; use backend='torch'")
