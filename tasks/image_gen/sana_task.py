@@ -3,6 +3,7 @@
     python train.py task=sana_finetune attn=mhla model.pretrained=/data/Sana_600M_1024px_diffusers/transformer \
         task.data_root=/data/sana_latents     # a folder of .pt files {"latent": [32, 32, 32], "text": [L, 2304]}
     python train.py task=sana_mini attn=mhla   # tiny SANA on generated data (CPU, seconds)
+    python -m tasks.image_gen.sana_sample --ckpt <run_dir> ...   # sampling, FID / CLIP / GenEval (task.sample)
 
 Loss: rectified-flow velocity regression (:func:`tasks.common.flow_matching.flow_matching_loss`, logit-normal
 times, SANA's ``flow_shift``), the model called with ``timestep = t * 1000``. Latents (DC-AE f32c32) and Gemma-2
@@ -65,9 +66,19 @@ class SanaFinetuneTask(Task):
     monitor_mode = "min"
 
     def build_model(self) -> nn.Module:
+        from omegaconf import OmegaConf, open_dict  # noqa: PLC0415
+
         from models.sana import build_sana  # noqa: PLC0415
 
-        return build_sana(self.cfg.model, self.cfg.attn)
+        model = build_sana(self.cfg.model, self.cfg.attn)
+        if OmegaConf.is_config(self.cfg):
+            # Record the transformer's own config with the run (checkpoints save the run config), so the sampler
+            # (tasks.image_gen.sana_sample) rebuilds the same architecture without the pretrained folder.
+            arch = {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.config.items()
+                    if not k.startswith("_")}
+            with open_dict(self.cfg):
+                self.cfg.model.transformer_config = arch
+        return model
 
     def describe_model(self, model) -> str:
         return f"SANA ({self.cfg.model.name}) with {self.cfg.attn.name} self-attention, softmax cross-attention"
