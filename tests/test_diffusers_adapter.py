@@ -182,3 +182,20 @@ def test_block_factorisation():
     with pytest.raises(ValueError, match="exactly one"):
         resolve_blocks((4, 4), blocks=(2, 2), num_blocks=4)
     assert hybrid_layers(30) == [i for i in range(30) if i % 3 != 2] and len(hybrid_layers(30)) == 20
+
+
+def test_deep_copy_tracks_its_own_grid():
+    """An EMA copy (copy.deepcopy) of a swapped model runs on its own: its pre-hook must update the copy's
+    grid context, not the original's (the copy was never called before, so it has no grid otherwise)."""
+    import copy
+
+    model = tiny_wan(num_layers=1)
+    swap_self_attention(model, "mhla", blocks=(2, 2, 3))
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        a = ema(*wan_inputs(4, 8, 12)).sample  # fails with "does not know the token grid" if the hook is shared
+        b = ema(*wan_inputs(2, 4, 6)).sample
+        torch.testing.assert_close(a, model(*wan_inputs(4, 8, 12)).sample)
+    assert ema._mhla_grid_context is not model._mhla_grid_context
+    assert ema._mhla_grid_context.grid == (2, 2, 3) and model._mhla_grid_context.grid == (4, 4, 6)
+    assert b.shape == (2, 4, 2, 4, 6)

@@ -388,7 +388,9 @@ def _install_grid_hook(model: nn.Module) -> GridContext:
         x = args[0] if args else kwargs.get("hidden_states")
         grid = _patch_grid(module, x)
         if grid is not None:
-            ctx.grid = grid
+            # the module's own context, not the closure's: a deep copy of the model (EMA) copies the context
+            # with its processors but shares this function, so it must update the copy's context
+            module._mhla_grid_context.grid = grid
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     object.__setattr__(model, "_mhla_grid_context", ctx)  # plain attribute, not a submodule
