@@ -98,20 +98,43 @@ def test_learned_variance_interpolates_between_posterior_and_beta():
 
 
 def _oracle(d, x0):
-    """The model that knows x0: eps = (x_t - sqrt(abar) x0) / sqrt(1 - abar); variance channel -1 (beta~)."""
+    """The model that knows x0: eps = (x_t - sqrt(abar) x0) / sqrt(1 - abar) (or v = sqrt(abar) eps -
+    sqrt(1 - abar) x0 when ``d.prediction == "v"``); variance channel -1 (beta~)."""
 
     def fn(x, t_model):
         # t_model are original steps; map back to this diffusion's indices
         idx = torch.stack([(d.timestep_map == s).nonzero()[0, 0] for s in t_model])
         abar = d.alphas_cumprod[idx].view(-1, 1, 1, 1).to(x.dtype)
         eps = (x - abar.sqrt() * x0) / (1 - abar).sqrt()
-        return torch.cat([eps, -torch.ones_like(x)], 1)
+        pred = eps if d.prediction == "eps" else abar.sqrt() * eps - (1 - abar).sqrt() * x0
+        return torch.cat([pred, -torch.ones_like(x)], 1)
 
     return fn
 
 
-def test_oracle_model_has_zero_loss_terms_for_t_at_least_1():
-    d = create_diffusion()
+def test_v_prediction_converts_to_the_same_x0_and_eps():
+    """A v-model and an eps-model describing the same (x0, eps) give the same posterior mean and x0."""
+    de, dv = create_diffusion(), create_diffusion(prediction="v")
+    x0, eps = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    t = torch.tensor([0, 400, 999])
+    xt = de.q_sample(x0, t, eps)
+    v = dv.v_target(x0, t, eps)
+    abar = de.alphas_cumprod[t].view(-1, 1, 1, 1)
+    torch.testing.assert_close(v, abar.sqrt() * eps - (1 - abar).sqrt() * x0)
+    s = torch.rand_like(x0) * 2 - 1
+    oe = de.p_mean_variance(torch.cat([eps, s], 1), xt, t)
+    ov = dv.p_mean_variance(torch.cat([v, s], 1), xt, t)
+    for k in ("mean", "log_variance", "pred_xstart", "eps"):
+        torch.testing.assert_close(ov[k], oe[k])
+    torch.testing.assert_close(ov["pred_xstart"], x0)
+    assert dv.respace("10").prediction == "v"
+    with pytest.raises(ValueError, match="prediction"):
+        create_diffusion(prediction="x0")
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v"])
+def test_oracle_model_has_zero_loss_terms_for_t_at_least_1(prediction):
+    d = create_diffusion(prediction=prediction)
     x0 = torch.rand(4, 1, 4, 4, dtype=torch.float64) * 2 - 1
     t = torch.tensor([1, 5, 300, 999])
     terms = d.training_losses(_oracle(d, x0), x0, t, torch.randn_like(x0))
@@ -120,10 +143,11 @@ def test_oracle_model_has_zero_loss_terms_for_t_at_least_1():
     assert (terms0["vb"] > 0).all()  # t = 0: decoder NLL of quantised data, in bits
 
 
+@pytest.mark.parametrize("prediction", ["eps", "v"])
 @pytest.mark.parametrize("method", ["ddpm", "ddim"])
-def test_samplers_recover_the_data_point_under_the_oracle(method):
+def test_samplers_recover_the_data_point_under_the_oracle(method, prediction):
     x0 = torch.rand(2, 1, 4, 4, dtype=torch.float64) * 2 - 1
-    d = create_diffusion("ddim25" if method == "ddim" else "25")
+    d = create_diffusion("ddim25" if method == "ddim" else "25", prediction=prediction)
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(x0.shape, generator=g, dtype=torch.float64)
     if method == "ddpm":

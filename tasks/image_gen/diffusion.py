@@ -6,8 +6,11 @@
 * Posterior: ``q(x_{t-1} | x_t, x_0) = N(c1_t x_0 + c2_t x_t, beta~_t)`` with
   ``c1 = beta_t sqrt(abar_{t-1}) / (1 - abar_t)``, ``c2 = (1 - abar_{t-1}) sqrt(alpha_t) / (1 - abar_t)``,
   ``beta~_t = beta_t (1 - abar_{t-1}) / (1 - abar_t)``.
-* Model: predicts ``eps`` and, with a learned sigma, ``v in [-1, 1]`` (raw output, mapped by ``(v + 1) / 2``)
-  interpolating the log-variance between ``log beta~_t`` and ``log beta_t`` (improved DDPM, eq. 15).
+* Model: predicts ``eps`` (DiT; ``prediction="eps"``) or the velocity ``v = sqrt(abar) eps - sqrt(1 - abar) x_0``
+  (Salimans & Ho 2022; ``prediction="v"``, well conditioned at high noise, so small models trained briefly give
+  clean samples; the MNIST default uses it) and, with a learned sigma, ``s in [-1, 1]`` (raw output, mapped by
+  ``(s + 1) / 2``) interpolating the log-variance between ``log beta~_t`` and ``log beta_t`` (improved DDPM,
+  eq. 15). The MSE term is on the predicted quantity; samplers convert it to ``x_0`` and ``eps``.
 * Loss ("hybrid"): ``MSE(eps) + L_vlb`` where ``L_vlb`` is the KL between posterior and model transition
   (in bits, per dimension) with the model mean frozen (stop-gradient), so the VLB only trains the variance;
   at ``t = 0`` it is the discretized Gaussian decoder NLL. DiT adds the two unweighted (no ``T / 1000``
@@ -95,9 +98,14 @@ class GaussianDiffusion:
     Args:
         betas: ``[T]`` noise schedule. learn_sigma: model outputs ``2C`` channels (eps, variance interp).
         timestep_map: the original step of each of these steps (identity unless respaced).
+        prediction: what the first ``C`` output channels are: ``eps`` (noise, DiT) or ``v`` (velocity).
     """
 
-    def __init__(self, betas: torch.Tensor, learn_sigma: bool = True, timestep_map: list[int] | None = None):
+    def __init__(self, betas: torch.Tensor, learn_sigma: bool = True, timestep_map: list[int] | None = None,
+                 prediction: str = "eps"):
+        if prediction not in ("eps", "v"):
+            raise ValueError(f"prediction must be eps or v, got {prediction!r}")
+        self.prediction = prediction
         betas = torch.as_tensor(betas, dtype=torch.float64)
         if betas.ndim != 1 or (betas <= 0).any() or (betas > 1).any():
             raise ValueError("betas must be a 1-D tensor in (0, 1]")
@@ -122,8 +130,8 @@ class GaussianDiffusion:
         self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * alphas.sqrt() / (1.0 - self.alphas_cumprod)
 
     @classmethod
-    def linear(cls, num_steps: int = 1000, learn_sigma: bool = True) -> GaussianDiffusion:
-        return cls(linear_betas(num_steps), learn_sigma)
+    def linear(cls, num_steps: int = 1000, learn_sigma: bool = True, prediction: str = "eps") -> GaussianDiffusion:
+        return cls(linear_betas(num_steps), learn_sigma, prediction=prediction)
 
     def respace(self, spacing: str | int) -> GaussianDiffusion:
         """A diffusion over a subset of steps (``space_timesteps``) with the same ``abar`` on those steps."""
@@ -134,7 +142,7 @@ class GaussianDiffusion:
             betas.append(1.0 - abar / last)
             last = abar
         return GaussianDiffusion(torch.tensor(betas, dtype=torch.float64), self.learn_sigma,
-                                 [int(self.timestep_map[s]) for s in keep])
+                                 [int(self.timestep_map[s]) for s in keep], prediction=self.prediction)
 
     # ----------------------------------------------------------------------------------- helpers
     @staticmethod
@@ -164,6 +172,18 @@ class GaussianDiffusion:
         return (self._at(self.sqrt_recip_alphas_cumprod, t, x_t) * x_t - x_start) / \
             self._at(self.sqrt_recipm1_alphas_cumprod, t, x_t)
 
+    def v_target(self, x_start, t, noise):
+        """``v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0``."""
+        return self._at(self.sqrt_alphas_cumprod, t, x_start) * noise - \
+            self._at(self.sqrt_one_minus_alphas_cumprod, t, x_start) * x_start
+
+    def xstart_and_eps(self, x_t, t, pred):
+        """The model's prediction (``eps`` or ``v``, per ``self.prediction``) -> ``(x_0, eps)``."""
+        if self.prediction == "eps":
+            return self.predict_xstart_from_eps(x_t, t, pred), pred
+        a, s = self._at(self.sqrt_alphas_cumprod, t, x_t), self._at(self.sqrt_one_minus_alphas_cumprod, t, x_t)
+        return a * x_t - s * pred, s * x_t + a * pred
+
     # ------------------------------------------------------------------------------------ model
     def p_mean_variance(self, model_out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
                         clip_denoised: bool = False) -> dict:
@@ -173,15 +193,15 @@ class GaussianDiffusion:
         if self.learn_sigma:
             if model_out.shape[1] != 2 * C:
                 raise ValueError(f"learn_sigma expects {2 * C} output channels, got {model_out.shape[1]}")
-            eps, v = model_out[:, :C], model_out[:, C:]
+            pred, s = model_out[:, :C], model_out[:, C:]
             min_log = self._at(self.posterior_log_variance_clipped, t, x_t)
             max_log = self._at(torch.log(self.betas), t, x_t)
-            frac = (v + 1) / 2
+            frac = (s + 1) / 2
             log_var = frac * max_log + (1 - frac) * min_log
         else:
-            eps = model_out
+            pred = model_out
             log_var = self._at(self.posterior_log_variance_clipped, t, x_t).expand_as(x_t)
-        x0 = self.predict_xstart_from_eps(x_t, t, eps)
+        x0, eps = self.xstart_and_eps(x_t, t, pred)
         if clip_denoised:
             x0 = x0.clamp(-1, 1)
         mean, _, _ = self.q_posterior(x0, x_t, t)
@@ -203,7 +223,8 @@ class GaussianDiffusion:
         x_t = self.q_sample(x_start, t, noise)
         out = model_fn(x_t, self.model_timesteps(t))
         C = x_start.shape[1]
-        terms = {"mse": _mean_flat((noise - out[:, :C].float()) ** 2)}
+        target = noise if self.prediction == "eps" else self.v_target(x_start, t, noise)
+        terms = {"mse": _mean_flat((target - out[:, :C].float()) ** 2)}
         if self.learn_sigma:
             frozen = torch.cat([out[:, :C].detach(), out[:, C:]], dim=1).float()  # VLB trains only the variance
             terms["vb"] = self.vb_terms_bpd(frozen, x_start.float(), x_t.float(), t)
@@ -270,10 +291,11 @@ class GaussianDiffusion:
         return steps
 
 
-def create_diffusion(spacing: str | int = "", num_steps: int = 1000, learn_sigma: bool = True) -> GaussianDiffusion:
+def create_diffusion(spacing: str | int = "", num_steps: int = 1000, learn_sigma: bool = True,
+                     prediction: str = "eps") -> GaussianDiffusion:
     """DiT's setting: ``create_diffusion("")`` for training (1000 steps), ``create_diffusion(250)`` for DDPM
-    sampling, ``create_diffusion("ddim50")`` for DDIM."""
-    base = GaussianDiffusion.linear(num_steps, learn_sigma)
+    sampling, ``create_diffusion("ddim50")`` for DDIM. ``prediction``: ``eps`` (DiT) or ``v``."""
+    base = GaussianDiffusion.linear(num_steps, learn_sigma, prediction)
     return base if str(spacing) in ("", str(num_steps)) else base.respace(spacing)
 
 

@@ -79,7 +79,8 @@ def sample_to_npz(model, cfg, out_dir: str, *, num_samples: int, batch_size: int
         n = min(batch_size, num_samples - j * batch_size)
         labels, g = batch_labels_and_generator(seed, j, n, int(cfg.model.num_classes), device)
         imgs = generate(model, labels.to(device), steps=steps, method=method, cfg_scale=cfg_scale,
-                        guidance_channels=guidance_channels, generator=g, vae=vae)
+                        guidance_channels=guidance_channels, generator=g, vae=vae,
+                        prediction=str(cfg.task.get("prediction", "eps")))
         np.savez(os.path.join(out_dir, f".part_{j:06d}.npz"), images=imgs.cpu().numpy(), labels=labels.numpy())
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -96,14 +97,9 @@ def sample_to_npz(model, cfg, out_dir: str, *, num_samples: int, batch_size: int
         os.unlink(part)
     images = np.concatenate(images)
     path = os.path.join(out_dir, "samples.npz")
-    try:
-        from .npz import save_npz  # noqa: PLC0415
-    except ImportError:
-        save_npz = None
-    if save_npz is not None:
-        save_npz(images, path)
-    else:
-        np.savez(path, arr_0=images)
+    from .npz import save_npz  # noqa: PLC0415
+
+    save_npz(images, path)
     np.save(os.path.join(out_dir, "labels.npy"), np.concatenate(labels))
     return path
 

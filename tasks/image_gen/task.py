@@ -1,7 +1,7 @@
 """Class-conditional image generation with DiT for the shared trainer (Table 3 / 12 / 7b, MNIST default).
 
 Training: DiT's recipe (``configs/task/imagenet_gen.yaml``): hybrid loss (eps MSE + VLB for the learned
-variance) on uniformly drawn steps of the 1000-step linear schedule, in SD-VAE latent space (encoded on the
+variance; ``task.prediction=v`` regresses the velocity instead, as the MNIST default does) on uniformly drawn steps of the 1000-step linear schedule, in SD-VAE latent space (encoded on the
 fly, or pre-extracted once with ``data.latents=precompute``). Evaluation: the same loss on held-out data with
 fixed noise and steps (a deterministic number to compare runs; FID comes from sampling, ``sample.py``).
 After training, rank 0 writes ``<run_dir>/samples.png``: one row per class, sampled from the EMA weights.
@@ -28,7 +28,8 @@ class ImageGenTask(Task):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.diffusion = create_diffusion("", int(cfg.task.get("diffusion_steps", 1000)),
-                                          learn_sigma=bool(cfg.model.get("learn_sigma", True)))
+                                          learn_sigma=bool(cfg.model.get("learn_sigma", True)),
+                                          prediction=str(cfg.task.get("prediction", "eps")))
         self._vae = None
 
     # ----------------------------------------------------------------------------------- model
@@ -75,8 +76,10 @@ class ImageGenTask(Task):
             if self.latent:
                 raise ValueError("data=mnist_gen is pixel space; set data.latents=none")
             pad = int(data.get("pad_to", 32))
-            self._check_size(pad, 1)
-            return (MNISTImages("train", pad, data.get("limit")), MNISTImages("test", pad, data.get("eval_limit")))
+            size = int(data.get("image_size") or pad)
+            self._check_size(size, 1)
+            return (MNISTImages("train", pad, data.get("limit"), size),
+                    MNISTImages("test", pad, data.get("eval_limit"), size))
         if data.name in ("imagenet", "imagefolder"):
             return self._image_folder(data, seed)
         raise ValueError(f"data.name={data.name!r} is not supported by the image generation task (mnist | imagenet)")
@@ -173,8 +176,10 @@ class ImageGenTask(Task):
         t0 = time.time()
         imgs = generate(model, labels.to(trainer.device), steps=s.get("steps", 250), method=s.get("method", "ddpm"),
                         cfg_scale=float(s.get("cfg_scale", 1.0)), guidance_channels=s.get("guidance_channels"),
-                        generator=g, vae=vae, progress=True)
-        path = save_grid(imgs.cpu(), os.path.join(str(trainer.run_dir), "samples.png"), nrow=per)
+                        generator=g, vae=vae, num_train_steps=self.diffusion.num_timesteps,
+                        prediction=self.diffusion.prediction, progress=True)
+        path = save_grid(imgs.cpu(), os.path.join(str(trainer.run_dir), "samples.png"), nrow=per,
+                         upscale=int(s.get("upscale", 1)))
         print(f"sample grid ({n_cls} classes x {per}, {s.get('method', 'ddpm')} {s.get('steps', 250)} steps, "
               f"cfg {s.get('cfg_scale', 1.0)}): {path}", flush=True)
         return {"sample_s": time.time() - t0}
