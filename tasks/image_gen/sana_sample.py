@@ -328,8 +328,8 @@ def read_prompt_list(path: str, limit: int | None = None) -> list[dict]:
 def _pad(texts, masks) -> Cond:
     """Stack ``[L_b, D]`` embeddings (``masks``: ``[L_b]`` or ``None``) into ``[B, L, D]`` + mask ``[B, L]``.
 
-    The mask is ``None`` when every row has the same length and none had a mask (as the training task, which
-    reads no mask); otherwise rows are zero-padded at the end and the padding is masked out.
+    The mask is ``None`` when every row has the same length and none had a mask (files
+    without masks); otherwise rows are zero-padded at the end and the padding is masked out.
     """
     lens = {t.shape[0] for t in texts}
     if len(lens) == 1 and all(m is None for m in masks):
@@ -341,6 +341,25 @@ def _pad(texts, masks) -> Cond:
         text[b, :t.shape[0]] = t.float()
         mask[b, :t.shape[0]] = 1 if m is None else m.long()
     return text, mask
+
+
+def load_negative(neg, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unconditional (empty-prompt) caption ``(text [L, D] fp32, mask [L] | None)`` of classifier-free guidance.
+
+    ``neg``: a ``negative.pt`` path or its loaded dict ``{"text": [L, D], optional "mask": [L]}`` (what
+    :func:`encode_to_files` writes), or ``"zeros"``: an all-zero ``[1, D]`` embedding with no mask (needs ``dim``;
+    tiny / generated-data runs). Shared by :class:`FilePrompts` and the training task's caption dropout
+    (:class:`tasks.image_gen.sana_task.SanaFinetuneTask`), so both use the same unconditional branch.
+    """
+    if isinstance(neg, str) and neg == "zeros":
+        if dim is None:
+            raise ValueError("a 'zeros' negative embedding needs the caption dimension")
+        return torch.zeros(1, int(dim)), None
+    if isinstance(neg, (str, os.PathLike)):
+        if not os.path.isfile(neg):
+            raise FileNotFoundError(f"negative embedding {neg} not found")
+        neg = torch.load(neg, map_location="cpu")
+    return neg["text"].float(), neg.get("mask")
 
 
 class FilePrompts:
@@ -382,16 +401,7 @@ class FilePrompts:
         if limit is not None:
             self.texts, self.masks, self.records = self.texts[:limit], self.masks[:limit], self.records[:limit]
         neg = negative if negative is not None else neg
-        if neg is None:
-            self.negative = None
-        elif isinstance(neg, str) and neg == "zeros":
-            self.negative = (torch.zeros(1, self.texts[0].shape[-1]), None)
-        else:
-            if isinstance(neg, str):
-                if not os.path.isfile(neg):
-                    raise FileNotFoundError(f"negative embedding {neg} not found")
-                neg = torch.load(neg, map_location="cpu")
-            self.negative = (neg["text"].float(), neg.get("mask"))
+        self.negative = None if neg is None else load_negative(neg, self.texts[0].shape[-1])
 
     def _add(self, text, mask, d, default_id):
         self.texts.append(text.float())
