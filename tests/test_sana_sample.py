@@ -19,13 +19,7 @@ TINY = ["task=sana_mini", "attn=mhla", "logger=none", "trainer.progress_bar=fals
         "trainer.device=cpu", "trainer.max_steps=2", "data.batch_size=4", "task.train_size=8", "task.eval_size=4"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is ~50x faster than two when another process shares the 2 CPU cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
