@@ -113,7 +113,7 @@ def test_video_mini_config_composes_and_task_runs(tmp_path):
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[
             "task=video_mini", "logger=none", "trainer.max_steps=2", "data.train_size=8", "data.eval_size=4",
-            "data.batch_size=4", "data.num_frames=4", "data.height=16", "data.width=16", "model.num_layers=2",
+            "data.batch_size=4", "data.num_frames=4", "data.height=8", "data.width=8", "model.num_layers=2",
             "attn.layers=hybrid", "sample.num_steps=2", "sample.prompts=[a red square moving right]",
             "trainer.progress_bar=false"])
         fin = compose("train", overrides=["task=wan_finetune", "attn=mhla"])
@@ -127,3 +127,58 @@ def test_video_mini_config_composes_and_task_runs(tmp_path):
     assert (tmp_path / "checkpoints" / "last.pt").exists()
     state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
     assert any("mhla_mixing" in k for k in state["model"])
+
+
+def test_wan_token_order_is_the_grid_mhla_assumes():
+    """The attention sees patch (f, h, w) at raster index (f * H + h) * W + w of the grid the adapter tracks:
+    perturb one input patch and find the one token (and only that one) whose patch embedding changes."""
+    model = build_transformer(TINY)  # patch (1, 4, 4)
+    apply_attention(model, {"name": "mhla", "blocks": [2, 2, 2]})
+    x = torch.zeros(1, 3, 4, 16, 24)
+    seen = {}
+    model.blocks[0].attn1.register_forward_hook(lambda m, a, k, o: seen.update(x=a[0]), with_kwargs=True)
+    with torch.no_grad():
+        model.patch_embedding.bias.zero_()
+        for f, h, w in [(0, 0, 1), (1, 2, 3), (3, 3, 5)]:
+            xp = x.clone()
+            xp[:, :, f, 4 * h:4 * h + 4, 4 * w:4 * w + 4] = 1.0
+            model(xp, torch.tensor([500.0]), torch.randn(1, 3, 8))
+            grid = model._mhla_grid_context.grid
+            assert grid == (4, 4, 6)
+            # the self-attention input of layer 0 is per-token (norm + modulation) of the patch embedding:
+            # every empty patch gives the same row, the lit patch a different one
+            rows = seen["x"][0]
+            assert rows.shape[0] == 4 * 4 * 6
+            hot = (rows - rows[(f * grid[1] + h) * grid[2] + w - 1]).abs().sum(-1).nonzero().flatten().tolist()
+            assert hot == [(f * grid[1] + h) * grid[2] + w], (f, h, w, hot)
+
+
+def test_euler_sampler_recovers_a_clip_with_the_oracle_velocity():
+    """Time convention of the sampler vs the loss: x_t = (1 - t) x0 + t eps, v = eps - x0, sampling from t = 1
+    (noise) to 0 with the training shift. With the exact velocity of a one-clip data set,
+    v(x, t) = (x - x0) / t, Euler lands on the clip (any shift, any step count); a sign or direction
+    error in either convention lands elsewhere."""
+    from tasks.common import flow_matching as fm
+
+    x0 = MovingShapes(2, num_frames=4, size=16)[1][0][None]
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0.4])
+    xt = fm.interpolate(x0, noise, t)
+    torch.testing.assert_close((xt - x0) / t, fm.velocity_target(x0, noise))  # the oracle is the loss target
+    for shift in (1.0, 3.0):
+        out = fm.euler_sample(lambda x, tt, c: (x - x0) / tt.view(-1, 1, 1, 1, 1), noise, num_steps=7, shift=shift)
+        torch.testing.assert_close(out, x0, atol=1e-5, rtol=0)
+
+
+def test_moving_shapes_scale_with_canvas():
+    """At 16 px the shapes are half the 32 px size and (at most) speed, and stay inside the canvas."""
+    a, b = MovingShapes(16, size=32), MovingShapes(16, size=16)
+    for i in range(16):
+        sa, sb = a.spec(i), b.spec(i)
+        assert sb["radius"] == pytest.approx(sa["radius"] / 2)
+        assert 0.5 < sb["speed"] <= sa["speed"] / 2 + 1e-9  # half, or slower where the clip would leave the canvas
+        video = b[i][0]
+        fg = (video - video[:, :1, :1, :1]).abs().sum(0) > 0.1
+        assert fg.flatten(1).any(1).all()  # visible in every frame
+        edge = fg[:, 0].any() or fg[:, -1].any() or fg[:, :, 0].any() or fg[:, :, -1].any()
+        assert not edge  # never touches the border

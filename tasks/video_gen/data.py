@@ -63,7 +63,8 @@ def render_clip(color: str, shape: str, direction: str, *, num_frames: int = 8, 
 class MovingShapes(Dataset):
     """``length`` generated clips; item ``i`` -> ``(video [3, F, S, S], text ids [3])``.
 
-    The start position is drawn so the shape stays inside the canvas for all frames.
+    The start position is drawn so the shape stays inside the canvas for all frames. Radius (3.5-5.5 px)
+    and speed (1.5-3 px per frame) are those of a 32 px canvas, scaled by ``size / 32`` for other sizes.
     """
 
     def __init__(self, length: int, *, num_frames: int = 8, size: int = 32, seed: int = 0):
@@ -76,11 +77,13 @@ class MovingShapes(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         r = lambda n: int(torch.randint(n, (1,), generator=g))  # noqa: E731
         color, shape, direction = list(COLORS)[r(4)], SHAPES[r(2)], list(DIRECTIONS)[r(4)]
-        radius = 3.5 + float(torch.rand(1, generator=g)) * 2
-        speed = 1.5 + float(torch.rand(1, generator=g)) * 1.5
-        travel = speed * (self.num_frames - 1)
+        k = self.size / 32
+        radius = (3.5 + float(torch.rand(1, generator=g)) * 2) * k
+        speed = (1.5 + float(torch.rand(1, generator=g)) * 1.5) * k
         dy, dx = DIRECTIONS[direction]
         lo, hi = radius + 1, self.size - radius - 1
+        speed = min(speed, (hi - lo) / max(self.num_frames - 1, 1))  # fast + large: slow down to stay inside
+        travel = speed * (self.num_frames - 1)
 
         def start(d):
             a, b = (lo, hi - travel) if d > 0 else (lo + travel, hi) if d < 0 else (lo, hi)
