@@ -21,7 +21,7 @@ def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_
 
     from omegaconf import OmegaConf  # noqa: PLC0415
 
-    from tasks.common.checkpoint import load_checkpoint  # noqa: PLC0415
+    from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415
     from tasks.common.distributed import setup_distributed  # noqa: PLC0415
     from tasks.common.trainer import _precision_context  # noqa: PLC0415
 
@@ -34,10 +34,7 @@ def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_
     task = task_cls(cfg)
     info = setup_distributed(cfg.trainer.get("device", "auto"))
     model = task.build_model()
-    weights = state["model"]
-    if use_ema and state.get("ema"):
-        weights = {k[len("module."):]: v for k, v in state["ema"].items() if k.startswith("module.")}
-    model.load_state_dict(weights)
+    model.load_state_dict(model_weights(state, "ema" if use_ema else "model"))
     model.to(info.device).eval()
     _, eval_ds = task.build_datasets()
     from torch.utils.data import DataLoader  # noqa: PLC0415

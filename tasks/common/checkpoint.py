@@ -39,6 +39,15 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
+def model_weights(state: dict, prefer: str = "ema") -> dict:
+    """The model state dict of a ``train.py`` checkpoint: the EMA weights when ``prefer="ema"`` and the
+    checkpoint has them (:class:`tasks.common.ema.ModelEMA` keeps the averaged model under ``module.``),
+    else the raw ``state["model"]``."""
+    if prefer == "ema" and state.get("ema"):
+        return {k.removeprefix("module."): v for k, v in state["ema"].items() if k.startswith("module.")}
+    return state["model"]
+
+
 class CheckpointManager:
     """Saves ``last.pt`` every time and ``best.pt`` when the monitored metric improves."""
 

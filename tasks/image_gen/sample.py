@@ -33,17 +33,13 @@ def load_model(ckpt_path: str, weights: str = "ema", device="cpu"):
     from omegaconf import OmegaConf  # noqa: PLC0415
 
     from models.dit import build_dit  # noqa: PLC0415
-    from tasks.common.checkpoint import load_checkpoint  # noqa: PLC0415
+    from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415
 
     state = load_checkpoint(ckpt_path, map_location="cpu")
     cfg = OmegaConf.create(state["config"])
     cfg.model.pretrained = None
     model = build_dit(cfg.model, cfg.attn)
-    if weights == "ema" and state.get("ema") is not None:
-        sd = {k.removeprefix("module."): v for k, v in state["ema"].items() if k.startswith("module.")}
-    else:
-        sd = state["model"]
-    model.load_state_dict(sd)
+    model.load_state_dict(model_weights(state, weights))
     return model.to(device).eval(), cfg, int(state.get("step", 0))
 
 

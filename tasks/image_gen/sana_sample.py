@@ -111,17 +111,13 @@ def load_sana_checkpoint(ckpt: str, weights: str = "ema", device="cpu", which: s
     from omegaconf import OmegaConf  # noqa: PLC0415
 
     from models.sana import swap_attention  # noqa: PLC0415
-    from tasks.common.checkpoint import load_checkpoint  # noqa: PLC0415
+    from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415
 
     state = load_checkpoint(resolve_checkpoint(ckpt, which), map_location="cpu")
     cfg = OmegaConf.create(state["config"])
     model = SanaTransformer2DModel(**transformer_config(OmegaConf.to_container(cfg.model, resolve=True)))
     swap_attention(model, OmegaConf.to_container(cfg.attn, resolve=True))
-    if weights == "ema" and state.get("ema") is not None:
-        sd = {k.removeprefix("module."): v for k, v in state["ema"].items() if k.startswith("module.")}
-    else:
-        sd = state["model"]
-    model.load_state_dict(sd)
+    model.load_state_dict(model_weights(state, weights))
     for p in model.parameters():
         p.requires_grad_(False)
     return model.to(device).eval(), cfg, int(state.get("step", 0))

@@ -83,14 +83,12 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu", dty
             raise FileNotFoundError(f"{path} holds neither config.json nor checkpoints/best.pt|last.pt")
     from omegaconf import OmegaConf  # noqa: PLC0415
 
-    from tasks.common.checkpoint import load_checkpoint  # noqa: PLC0415
+    from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415
     from tasks.language.task import build_lm  # noqa: PLC0415
 
     state = load_checkpoint(ckpt, map_location="cpu")
     cfg = state["config"]
-    weights = state["model"]
-    if state.get("ema"):  # ModelEMA's state dict: the averaged model under "module."
-        weights = {k[len("module."):]: v for k, v in state["ema"].items() if k.startswith("module.")}
+    weights = model_weights(state)  # the EMA weights when the run kept them
     vocab = next(v.shape[0] for k, v in weights.items() if k.endswith("embed_tokens.weight"))
     model = build_lm(OmegaConf.create(cfg["model"]), cfg["attn"]["name"], vocab)
     model.load_state_dict(weights)
