@@ -13,6 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from tasks.image_gen import sana_sample as ss
+from tasks.image_gen.sampling import to_uint8
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["task=sana_mini", "attn=mhla", "logger=none", "trainer.progress_bar=false", "trainer.count_flops=false",
@@ -169,7 +170,7 @@ def test_cli_writes_the_geneval_layout_and_an_adm_npz(run, tmp_path, capsys):
     (text, mask), (nt, nm) = prompts.encode([1], "cpu")
     z = ss.sample_latents(model, text, mask=mask, neg_text=nt, neg_mask=nm, seeds=[ss.sample_seed(5, 1, 1)],
                           steps=2, solver="euler", guidance_scale=4.5)
-    diff = np.abs(ss.to_uint8(ss.preview_decoder(z))[0].astype(int) - arr[3].astype(int))
+    diff = np.abs(to_uint8(ss.preview_decoder(z)).numpy()[0].astype(int) - arr[3].astype(int))
     assert diff.max() <= 1
     with pytest.raises(SystemExit):                             # guidance without a negative embedding
         os.unlink(tmp_path / "prompts" / "negative.pt")

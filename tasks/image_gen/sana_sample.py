@@ -65,6 +65,7 @@ PIPELINE_REPO = "Efficient-Large-Model/Sana_600M_1024px_diffusers"
 DEFAULTS = dict(steps=20, cfg_scale=4.5, shift=3.0, seed=0, solver="dpm", images_per_prompt=1, batch_size=8,
                 max_sequence_length=300, use_chi=True, npz_size=512, precision="auto")
 SOLVERS = ("dpm", "euler")
+NEGATIVE_FILE = "negative.pt"  # the unconditional caption embedding beside prompt / training .pt files
 
 
 # ------------------------------------------------------------------------------------ the transformer
@@ -287,12 +288,6 @@ def preview_decoder(z: torch.Tensor, factor: int = 4) -> torch.Tensor:
     return torch.nn.functional.interpolate(torch.tanh(rgb.float()), scale_factor=factor, mode="nearest")
 
 
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """``[B, 3, H, W]`` in [-1, 1] -> uint8 ``[B, H, W, 3]`` (as :func:`tasks.image_gen.npz.to_uint8_nhwc`)."""
-    x = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return x.permute(0, 2, 3, 1).cpu().numpy()
-
-
 # -------------------------------------------------------------------------------------------- prompts
 def read_prompt_list(path: str, limit: int | None = None) -> list[dict]:
     """Prompts from a text file (one per line), GenEval's ``evaluation_metadata.jsonl`` or MJHQ-30K's
@@ -321,7 +316,7 @@ def read_prompt_list(path: str, limit: int | None = None) -> list[dict]:
     return records[:limit] if limit is not None else records
 
 
-def _pad(texts, masks) -> Cond:
+def stack_captions(texts, masks) -> Cond:
     """Stack ``[L_b, D]`` embeddings (``masks``: ``[L_b]`` or ``None``) into ``[B, L, D]`` + mask ``[B, L]``.
 
     The mask is ``None`` when every row has the same length and none had a mask (files
@@ -378,7 +373,7 @@ class FilePrompts:
         if os.path.isdir(path):
             files = sorted(glob.glob(os.path.join(path, "**", "*.pt"), recursive=True))
             for f in files:
-                if os.path.basename(f) == "negative.pt":
+                if os.path.basename(f) == NEGATIVE_FILE:
                     neg = f
                     continue
                 d = torch.load(f, map_location="cpu")
@@ -411,7 +406,7 @@ class FilePrompts:
 
     def encode(self, indices, device="cpu") -> tuple[Cond, Cond | None]:
         """Conditional and unconditional ``(text [B, L, D], mask [B, L] | None)`` for prompts ``indices``."""
-        text, mask = _pad([self.texts[i] for i in indices], [self.masks[i] for i in indices])
+        text, mask = stack_captions([self.texts[i] for i in indices], [self.masks[i] for i in indices])
         uncond = None
         if self.negative is not None:
             nt, nm = self.negative
@@ -508,7 +503,7 @@ def encode_to_files(prompts: PipelinePrompts, out_dir: str, batch_size: int = 16
             torch.save(dict(cut(pe[b], pm[b]), prompt=r["prompt"], id=r["id"], metadata=r["metadata"]),
                        os.path.join(out_dir, f"{i:05d}.pt"))
         neg = cut(ne[0], nm[0])
-    torch.save(neg, os.path.join(out_dir, "negative.pt"))
+    torch.save(neg, os.path.join(out_dir, NEGATIVE_FILE))
     return out_dir
 
 
@@ -569,6 +564,7 @@ def generate(model, prompts, run: SampleRun, s: dict, *, decode: Callable | None
     from PIL import Image  # noqa: PLC0415
 
     from .npz import center_crop_resize  # noqa: PLC0415
+    from .sampling import to_uint8  # noqa: PLC0415
 
     mine = list(range(rank, run.num_batches, world))
     it = mine
@@ -587,7 +583,7 @@ def generate(model, prompts, run: SampleRun, s: dict, *, decode: Callable | None
         if decode is None:
             np.save(part, z.cpu().numpy().astype(np.float32))
             continue
-        imgs = to_uint8(decode(z))
+        imgs = to_uint8(decode(z)).cpu().numpy()  # [b, H, W, 3] uint8
         if write_png:
             for jb, im in zip(jobs, imgs):
                 Image.fromarray(im).save(os.path.join(run.out_dir, f"{jb.prompt:05d}", "samples", f"{jb.k:04d}.png"))

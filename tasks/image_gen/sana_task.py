@@ -31,9 +31,7 @@ import torch
 import torch.nn as nn
 
 from tasks.common.trainer import Task
-
-
-NEGATIVE_FILE = "negative.pt"  # the unconditional caption embedding in a data root (not a training sample)
+from tasks.image_gen.sana_sample import NEGATIVE_FILE, load_negative, stack_captions
 
 
 class LatentFolder(torch.utils.data.Dataset):
@@ -127,8 +125,6 @@ class SanaFinetuneTask(Task):
         ``[1, D]`` with mask ``[1]`` (generated data, or a data root without ``negative.pt``: a warning)."""
         if getattr(self, "_negative", None) is not None and self._negative[0].shape[-1] == dim:
             return self._negative
-        from tasks.image_gen.sana_sample import load_negative  # noqa: PLC0415
-
         root = self.cfg.task.get("data_root")
         path = os.path.join(root, NEGATIVE_FILE) if root else None
         if path and os.path.isfile(path):
@@ -170,10 +166,8 @@ class SanaFinetuneTask(Task):
     def collate(self, samples):
         """``[(latent [C, H, W], text [L_i, D], mask [L_i])]`` -> ``[latent [B, C, H, W], text [B, L, D],
         mask [B, L]]`` with ``L = max L_i`` (shorter captions zero-padded, the padding masked out)."""
-        from tasks.image_gen.sana_sample import _pad  # noqa: PLC0415 (the sampler's padding, shared)
-
         latents, texts, masks = zip(*samples)
-        text, mask = _pad(list(texts), list(masks))
+        text, mask = stack_captions(list(texts), list(masks))
         return [torch.stack(latents), text, mask]
 
     def build_datasets(self):
