@@ -1,8 +1,9 @@
 """Class-conditional image generation with DiT for the shared trainer (Table 3 / 12 / 7b, MNIST default).
 
 Training: DiT's recipe (``configs/task/imagenet_gen.yaml``): hybrid loss (eps MSE + VLB for the learned
-variance; ``task.prediction=v`` regresses the velocity instead, as the MNIST default does) on uniformly drawn steps of the 1000-step linear schedule, in SD-VAE latent space (encoded on the
-fly, or pre-extracted once with ``data.latents=precompute``). Evaluation: the same loss on held-out data with
+variance; ``task.prediction=v`` regresses the velocity instead, as the MNIST default does) on uniformly drawn
+steps of the 1000-step linear schedule, in SD-VAE latent space (encoded on the fly, or pre-extracted once with
+``data.latents=precompute``). Evaluation: the same loss on held-out data with
 fixed noise and steps (a deterministic number to compare runs; FID comes from sampling, ``sample.py``).
 After training, rank 0 writes ``<run_dir>/samples.png``: one row per class, sampled from the EMA weights.
 """
