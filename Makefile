@@ -79,13 +79,14 @@ CKPT_DIR ?= checkpoints/lm
 WIKITEXT ?=
 LAMBADA ?=
 LONGBENCH ?=
-.PHONY: reproduce-table6 reproduce-table8 mqar
+.PHONY: reproduce-table6 reproduce-table8 mqar reproduce-mqar
 reproduce-table6: $(VENV)/.installed  ## CKPT_DIR=/ckpt [WIKITEXT=wiki.test.raw LAMBADA=lambada_test.jsonl]
 	$(PY) -m tasks.language.evaluate table6 --ckpt-dir $(CKPT_DIR) $(if $(WIKITEXT),--wikitext $(WIKITEXT)) $(if $(LAMBADA),--lambada $(LAMBADA)) $(EXTRA)
 reproduce-table8: $(VENV)/.installed  ## CKPT_DIR=/ckpt LONGBENCH=/data/LongBench/data
 	$(PY) -m tasks.language.evaluate table8 --ckpt-dir $(CKPT_DIR) $(if $(LONGBENCH),--longbench $(LONGBENCH)) $(EXTRA)
-mqar: $(VENV)/.installed  ## softmax vs linear vs MHLA on MQAR -> results/mqar.md + .png
-	$(PY) scripts/run_mqar.py $(EXTRA)
+mqar: reproduce-mqar
+reproduce-mqar: $(VENV)/.installed  ## [SCALE=mini|full|large] softmax vs linear vs MHLA on MQAR -> results/mqar[_SCALE].md + .png
+	$(PY) scripts/run_mqar.py --scale $(SCALE) $(EXTRA)
 
 # --- video generation (issue 7)
 reproduce-table5: $(VENV)/.installed  ## WAN_PATH=/data/Wan2.1-T2V-1.3B-Diffusers VIDEO_DATA=/data/videos [RUN=--run]

@@ -16,14 +16,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True) -> dict:
+def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True):
+    """``(cfg, task, model, dist_info)`` of a ``train.py`` checkpoint: the run's stored config with
+    ``overrides`` on top, its task, and the model with the EMA (``use_ema``) or raw weights, in eval mode."""
     import importlib  # noqa: PLC0415
 
     from omegaconf import OmegaConf  # noqa: PLC0415
 
     from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415
     from tasks.common.distributed import setup_distributed  # noqa: PLC0415
-    from tasks.common.trainer import _precision_context  # noqa: PLC0415
 
     state = load_checkpoint(ckpt_path)
     cfg = OmegaConf.create(state["config"])
@@ -36,11 +37,17 @@ def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_
     model = task.build_model()
     model.load_state_dict(model_weights(state, "ema" if use_ema else "model"))
     model.to(info.device).eval()
-    _, eval_ds = task.build_datasets()
+    return cfg, task, model, info
+
+
+def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True) -> dict:
     from torch.utils.data import DataLoader  # noqa: PLC0415
 
     from tasks.common.data import ResumableSampler  # noqa: PLC0415
+    from tasks.common.trainer import _precision_context  # noqa: PLC0415
 
+    cfg, task, model, info = load_run(ckpt_path, overrides, use_ema)
+    _, eval_ds = task.build_datasets()
     bs = int(cfg.data.get("eval_batch_size", cfg.data.batch_size))
     sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
                                drop_last=False)

@@ -27,9 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-INIT_KINDS = ("locality", "locality_official", "uniform", "identity", "cos", "exp", "gaussian", "local")
+INIT_KINDS = ("locality", "locality_visible", "locality_official", "uniform", "identity", "cos", "exp", "gaussian",
+              "local")
 NORMALIZE_MODES = ("row", "col", "none")
-PARAMETERIZATIONS = ("clamp", "softplus")
+PARAMETERIZATIONS = ("clamp", "softplus", "log")
 
 
 # --------------------------------------------------------------------------------- initialisations
@@ -95,9 +96,13 @@ def mixing_init(
     """Initial mixing matrix ``[M, M]`` (nonnegative) from block-centre distances ``d [M, M]``.
 
     Kinds (SPEC.md 1.5 and the ablations):
-        ``locality`` (paper default): ``1 - d(i, j) / max_k d(i, k)``, max over the row (over the visible
-            blocks ``k <= i`` when causal, so causal row 0 is ``[1, 0, ...]``); a row whose max is 0
+        ``locality`` (paper default): ``1 - d(i, j) / max_k d(i, k)``, max over the WHOLE row (paper section
+            4.2), then, when causal, the upper triangle masked (Appendix C), then normalised. Causal row ``i``
+            thus keeps a nonzero weight on block 0 while ``i < (M - 1) / 2``. A row whose max is 0
             (``M = 1``) gets 1 on the diagonal.
+        ``locality_visible``: as ``locality`` but, when causal, the max is over the VISIBLE blocks ``k <= i``
+            only, so every causal row ``i >= 1`` starts with ``w[i, 0] = 0`` (identical to ``locality`` when
+            not causal).
         ``locality_official``: the authors' release: ``1 - d / d.max()`` with the GLOBAL max, then each
             COLUMN normalised to sum 1 (``normalize`` is ignored).
         ``uniform``: ``1/M`` (causal: ``1/(i+1)`` on ``j <= i``, the release's LM init).
@@ -137,6 +142,8 @@ def mixing_init(
         w = (1 - d / dmax_safe).masked_fill(~visible, 0)
         return _normalize(w, "col").to(dtype)
     if kind == "locality":
+        w = _locality(d, torch.ones_like(visible))
+    elif kind == "locality_visible":
         w = _locality(d, visible)
     elif kind == "uniform":
         w = _uniform(M, causal)
@@ -186,6 +193,10 @@ class MixingMatrix(nn.Module):
             is reset to 0 and can grow again.
             ``"softplus"``: ``raw = softplus^-1(max(init, 1e-4))``; the forward returns ``softplus(raw)``
             (always positive; reproduces the init up to the 1e-4 floor; ``max_value`` is not used).
+            ``"log"``: ``raw = log(max(init, 1e-4))``; the forward returns ``exp(raw)``. Adam's steps of about
+            ``lr`` on ``raw`` then change every coefficient by a RELATIVE amount of about ``lr``, whatever its
+            size (with ``clamp`` an entry of ``1/(i+1)`` moves by about ``lr`` in absolute terms, so small
+            entries random-walk to the 0 bound; see ``results/mqar/``).
         max_value: upper clip of the clamp parameterization (the paper clips to (0, 1)).
     """
 
@@ -220,19 +231,31 @@ class MixingMatrix(nn.Module):
         self.num_heads = num_heads
         self.parameterization = parameterization
         self.max_value = max_value
+        self._init_kwargs = dict(init_kwargs or {})
+        self._distances = distances.detach().to("cpu", torch.float64)
         # The init is computed on the CPU, then moved to the default device: under a `torch.device("meta")`
         # context (transformers' from_pretrained) or a CUDA one, mixing_init's tensors would land there.
-        target = torch.get_default_device()
-        with torch.device("cpu"):
-            w = mixing_init(init, distances, causal=causal, **(init_kwargs or {}))
-            if num_heads is not None:
-                w = w.unsqueeze(0).repeat(num_heads, 1, 1)
-            raw = w if parameterization == "clamp" else _inverse_softplus(w.clamp_min(1e-4))
-        raw = raw.to(target)
+        raw = self.initial_raw().to(torch.get_default_device())
         if learnable:
             self.raw = nn.Parameter(raw)
         else:
             self.register_buffer("raw", raw)
+
+    def initial_raw(self) -> torch.Tensor:
+        """The stored values of the initialisation (float32 on the CPU): ``[M, M]`` or ``[H, M, M]``.
+
+        ``clamp``: the init itself; ``softplus``: ``softplus^-1(max(init, 1e-4))``; ``log``:
+        ``log(max(init, 1e-4))`` (zeros of the init start at ``1e-4``, which Adam grows multiplicatively).
+        """
+        with torch.device("cpu"):
+            w = mixing_init(self.init, self._distances, causal=self.causal, **self._init_kwargs)
+            if self.num_heads is not None:
+                w = w.unsqueeze(0).repeat(self.num_heads, 1, 1)
+            if self.parameterization == "softplus":
+                return _inverse_softplus(w.clamp_min(1e-4))
+            if self.parameterization == "log":
+                return w.clamp_min(1e-4).log()
+            return w
 
     @staticmethod
     def _check_args(num_blocks, num_heads, parameterization, max_value, init_kwargs) -> None:
@@ -257,8 +280,10 @@ class MixingMatrix(nn.Module):
         """Effective learned block ``[M, M]`` / ``[H, M, M]`` (nonnegative; lower-triangular if causal)."""
         if self.parameterization == "clamp":
             w = _straight_through_clamp(self.raw, 0.0, self.max_value)
-        else:
+        elif self.parameterization == "softplus":
             w = F.softplus(self.raw)
+        else:
+            w = self.raw.exp()
         return w.tril() if self.causal else w
 
     @torch.no_grad()

@@ -1,22 +1,30 @@
 #!/usr/bin/env python
 """The paper's Fig. 3 measure: rank and mean row entropy of the effective attention matrix.
 
-    python scripts/analyze_attention.py                      # synthetic inputs (documented below)
-    python scripts/analyze_attention.py --qk captured.pt     # {"q": [B, N, H, d], "k": [B, N, H, d]} raw q, k
+    python scripts/analyze_attention.py --ckpt RUN_A RUN_B RUN_C   # trained models (the real measure)
+    python scripts/analyze_attention.py                            # SANITY CHECK on synthetic q, k
+    python scripts/analyze_attention.py --qk captured.pt           # {"q": [B, N, H, d], "k": [B, N, H, d]}
 
-For each head, the attention matrix A (rows sum to 1) is built for
+``--ckpt`` (a run directory or a ``.pt`` written by ``train.py``; any number of them, typically the softmax,
+linear and MHLA runs of one proxy): each model runs on the first ``--batch`` images of its own evaluation set,
+forward hooks capture every attention layer's q and k (after the projection and the qk norm, before the
+feature map), and each layer's OWN effective attention matrix is built, as in the paper:
   softmax: softmax(q k^T / sqrt(d));
-  linear:  phi(q) phi(k)^T, rows normalised (phi = relu + 1e-6);
-  MHLA:    mixing[b(t), b(s)] * phi(q_t) . phi(k_s), rows normalised, tokens on a square grid split into
-           M blocks (block-major), locality-initialised mixing (the paper's init).
+  linear:  phi(q) phi(k)^T, rows normalised (phi = the layer's feature map);
+  MHLA:    Mc[b(t), b(s)] phi(q_t) . phi(k_s), rows normalised, with the layer's LEARNED mixing matrix Mc and
+           its block layout (tokens are block-major inside MHLA layers; rank and entropy ignore the order).
+It reports the mean over images and heads per layer and over all layers, writes
+``results/analysis/trained_rank_entropy.json`` and ``.png``, and prints a table. Layers with prefix tokens
+(class tokens) use their grid tokens only.
+
+Without ``--ckpt`` the three matrices are built from ONE set of SYNTHETIC q, k (N = 256 tokens on a 16 x 16
+grid, M = 16, d = 64, 4 heads, i.i.d. Gaussian, fixed seed, locality-initialised mixing). That shows the
+mechanism (rank <= d for linear attention), not the paper's numbers; it is kept as a labelled sanity check and
+writes ``results/analysis/attention_rank_entropy.json`` and ``.png``.
+
 Rank: number of singular values above ``rtol * sigma_max`` (default rtol 1e-6, recorded).
 Entropy: mean over rows of -sum_s A log A (natural log); uniform rows give log N.
-
-Default inputs are SYNTHETIC: N = 256 tokens (16 x 16 grid, M = 16), d = 64, 4 heads, q and k i.i.d.
-Gaussian with a fixed seed. They show the mechanism (rank <= d for linear attention), not the paper's
-numbers, which come from a trained DeiT-T (linear 58.4 / 5.12, softmax 254.8 / 4.13, MHLA 233.4 / 4.06);
-pass ``--qk`` with q, k captured from a trained model to compare like with like.
-Writes ``results/analysis/attention_rank_entropy.json`` and ``.png``.
+Paper (trained DeiT-T, N = 256): linear 58.4 / 5.12, softmax 254.8 / 4.13, MHLA 233.4 / 4.06.
 """
 
 from __future__ import annotations
@@ -88,6 +96,146 @@ def load_qk(path: str | None, seed: int = 0, n: int = 256, d: int = 64, heads: i
             f"synthetic gaussian N={n} d={d} heads={heads} seed={seed}")
 
 
+# ------------------------------------------------------------------------------------ trained models
+def capture_qk(model, x) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
+    """Run ``model(x)`` once; return ``(layer, q, k)`` for every softmax / linear / MHLA layer, in model order.
+
+    ``q, k: [B, N, H, d]`` are the outputs of the layer's qk norms (after the projection, before the feature
+    map; block-major token order inside MHLA layers).
+    """
+    from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention  # noqa: PLC0415
+
+    layers = [m for m in model.modules() if isinstance(m, (SoftmaxAttention, LinearAttention,
+                                                          MultiHeadLinearAttention))]
+    if not layers:
+        raise ValueError("the model has no mhla softmax / linear / MHLA attention layer to analyse")
+    seen, handles = {}, []
+    for i, layer in enumerate(layers):
+        handles.append(layer.q_norm.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__((i, "q"), out)))
+        handles.append(layer.k_norm.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__((i, "k"), out)))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return [(layer, seen[(i, "q")].double(), seen[(i, "k")].double()) for i, layer in enumerate(layers)]
+
+
+def own_attention_matrix(layer, q: torch.Tensor, k: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """``(kind, A [B, H, N, N])``: the layer's own effective attention matrix over its grid tokens (rows sum to 1)."""
+    from mhla.layers import LinearAttention, MultiHeadLinearAttention  # noqa: PLC0415
+    from mhla.ops.reference import mhla_attention_matrix  # noqa: PLC0415
+
+    P = layer.num_prefix_tokens
+    q, k = q[:, P:], k[:, P:]
+    causal = layer.causal
+    if isinstance(layer, MultiHeadLinearAttention):
+        fq, fk = layer.feature_map(q), layer.feature_map(k)
+        N = q.shape[1]
+        C = layer.block_size if causal else layer._layout_for(layer._grid_for(N, None)).block_size
+        n_blocks = -(-N // C)
+        mixing = layer.mixing(n_blocks).detach().double()
+        return "mhla", mhla_attention_matrix(fq, fk, mixing, C, causal=causal, eps=0.0)
+    if isinstance(layer, LinearAttention):
+        fq, fk = layer.feature_map(q), layer.feature_map(k)
+        w = torch.einsum("bthd,bshd->bhts", fq, fk)
+        if causal:
+            w = w.tril()
+        return "linear", w / w.sum(-1, keepdim=True)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        n = scores.shape[-1]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return "softmax", torch.softmax(scores, dim=-1)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A run directory (its ``checkpoints/last.pt``) or a ``.pt`` file."""
+    if os.path.isdir(path):
+        for name in ("last.pt", "best.pt"):
+            cand = os.path.join(path, "checkpoints", name)
+            if os.path.isfile(cand):
+                return cand
+        raise FileNotFoundError(f"{path} has no checkpoints/last.pt or best.pt: pass a run directory of train.py")
+    return path
+
+
+def analyze_checkpoint(path: str, batch: int, rtol: float) -> dict:
+    """Rank and entropy of every attention layer of the trained model at ``path`` on ``batch`` eval inputs."""
+    from eval import load_run  # noqa: PLC0415  (train.py's sibling; pulls in the task stack)
+
+    ckpt = resolve_checkpoint(path)
+    cfg, task, model, info = load_run(ckpt, ["trainer.device=cpu"])
+    _, eval_ds = task.build_datasets()
+    samples = [eval_ds[i] for i in range(min(batch, len(eval_ds)))]
+    x = task.collate(samples)[0]
+    layers = []
+    for i, (layer, q, k) in enumerate(capture_qk(model, x)):
+        kind, A = own_attention_matrix(layer, q, k)
+        rank, ent = rank_and_entropy(A, rtol)
+        s = torch.linalg.svdvals(A)
+        per_head = (s > rtol * s[..., :1]).sum(-1).double().mean(0).tolist()
+        layers.append({"layer": i, "kind": kind, "rank": rank, "entropy": ent, "rank_per_head": per_head,
+                       "N": A.shape[-1], "heads": A.shape[1]})
+    kinds = sorted({lay["kind"] for lay in layers})
+    return {"checkpoint": ckpt, "attention": cfg.attn.name if "attn" in cfg else "/".join(kinds),
+            "kinds": kinds, "images": x.shape[0], "layers": layers,
+            "rank": sum(lay["rank"] for lay in layers) / len(layers),
+            "entropy": sum(lay["entropy"] for lay in layers) / len(layers),
+            "N": layers[0]["N"], "max_entropy_logN": math.log(layers[0]["N"])}
+
+
+def plot_trained(models: list[dict], path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for j, m in enumerate(models):
+        xs = [lay["layer"] for lay in m["layers"]]
+        label = f"{m['attention']} (mean {m['rank']:.1f} / {m['entropy']:.2f})"
+        axes[0].plot(xs, [lay["rank"] for lay in m["layers"]], "o-", color=f"C{j}", label=label)
+        axes[1].plot(xs, [lay["entropy"] for lay in m["layers"]], "o-", color=f"C{j}", label=label)
+    n = models[0]["N"]
+    axes[0].axhline(n, color="grey", ls=":", lw=1)
+    axes[0].set_title(f"rank of the attention matrix (N = {n})")
+    axes[1].axhline(math.log(n), color="grey", ls=":", lw=1)
+    axes[1].set_title("mean row entropy (nats; dotted: uniform rows)")
+    for ax in axes:
+        ax.set_xlabel("layer")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main_trained(args, argv) -> int:
+    models = []
+    for path in args.ckpt:
+        m = analyze_checkpoint(path, args.batch, args.rtol)
+        models.append(m)
+        print(f"{m['attention']:>10}: rank {m['rank']:.1f}, entropy {m['entropy']:.3f} (N={m['N']}, "
+              f"log N={m['max_entropy_logN']:.3f}; per layer rank "
+              + ", ".join(f"{lay['rank']:.1f}" for lay in m["layers"]) + f"; {m['checkpoint']})", flush=True)
+    out = {"command": "python scripts/analyze_attention.py " + " ".join(argv), "rank_rtol": args.rtol,
+           "images": args.batch, "models": models, "paper": PAPER, "machine": _system_info()}
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, args.name)
+    with open(stem + ".json", "w") as f:
+        json.dump(out, f, indent=2)
+    plot_trained(models, stem + ".png")
+    print(f"wrote {stem}.json, .png")
+    return 0
+
+
+def _system_info() -> dict:
+    from tasks.common.utils import system_info  # noqa: PLC0415
+
+    return system_info()
+
+
 def plot(results: dict, mats: dict, path: str) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -111,12 +259,18 @@ def plot(results: dict, mats: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", nargs="*", help="trained runs (run directories or .pt files) to analyse")
+    p.add_argument("--batch", type=int, default=16, help="--ckpt: evaluation inputs per model")
+    p.add_argument("--name", default="trained_rank_entropy", help="--ckpt: output stem under --out-dir")
     p.add_argument("--qk", help="a .pt file with raw q, k [B, N, H, d]")
     p.add_argument("--num-blocks", type=int, default=16)
     p.add_argument("--rtol", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=os.path.join(ROOT, "results", "analysis"))
     args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if args.ckpt:
+        return main_trained(args, argv)
     q, k, source = load_qk(args.qk, args.seed)
     mats = attention_matrices(q, k, args.num_blocks)
     results = {}
@@ -129,7 +283,8 @@ def main(argv=None) -> int:
     out = {"inputs": source, "N": n, "d": q.shape[-1], "heads": q.shape[2], "num_blocks": args.num_blocks,
            "grid": grid, "mixing": "locality init (row-normalised), tokens block-major on the grid",
            "rank_rtol": args.rtol, "max_entropy_logN": math.log(n), "results": results, "paper": PAPER,
-           "command": "python scripts/analyze_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+           "command": "python scripts/analyze_attention.py " + " ".join(argv),
+           "note": "SANITY CHECK on synthetic inputs: not the paper's measure (use --ckpt on trained models)"}
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "attention_rank_entropy.json"), "w") as f:
         json.dump(out, f, indent=2)

@@ -1,14 +1,21 @@
 #!/usr/bin/env python
-"""MQAR grid: softmax vs linear vs MHLA at several sequence lengths and key-value counts -> results/mqar.md + PNG.
+"""MQAR grid: attention variants x sequence lengths x key-value counts x seeds -> table, plots and raw records.
 
-    python scripts/run_mqar.py                                   # the default grid (CPU; see --help)
-    python scripts/run_mqar.py --cells 64x4 128x8 --steps 1000   # chosen cells, longer training
-    python scripts/run_mqar.py --plot-only                       # redraw table and plot from results/mqar.json
+    python scripts/run_mqar.py --scale mini                      # CI-size check (N = 32, K = 2; about 10 min)
+    python scripts/run_mqar.py                                   # the committed grid -> results/mqar.md
+    python scripts/run_mqar.py --scale large --jobs 8            # more cells, widths and seeds (bigger machine)
+    python scripts/run_mqar.py --cells 64x8 --variants mhla mhla_clamp_lr0.01 --epochs 20 --seeds 0 1 \\
+        --out results/mqar/lr_scale                              # one hypothesis -> results/mqar/lr_scale.md
+    python scripts/run_mqar.py --plot-only                       # redraw from <out>.json
 
-Each run is ``python train.py task=mqar attn=<attn> data.seq_len=N data.num_kv_pairs=K trainer.max_steps=S ...``
-(the same 2-layer model of ``configs/task/mqar.yaml`` for every attention; MHLA with chunks of C = the smallest
-power of two >= sqrt(N), so M = N / C blocks and M^2 <= N). Results are saved after every run
-(``results/mqar.json``), so an interrupted grid keeps what it finished and ``--resume`` skips those runs.
+Each run is ``python train.py task=mqar <variant overrides> data.seq_len=N data.num_kv_pairs=K seed=S
+trainer.max_epochs=E ...`` (the 2-layer model of ``configs/task/mqar.yaml``, only the attention changes), run
+``--jobs`` at a time with one thread each. A variant is a name for a list of overrides (:data:`VARIANTS`):
+``mhla`` is whatever ``configs/task/mqar.yaml`` sets (the language-model default rule), the others name
+what they change. Records are saved after every run (``<out>.json``); ``--resume`` skips finished runs.
+
+A cell counts only when softmax attention solves it (>= 99% on average over seeds): otherwise the training
+is too short to compare anything, and the table says so.
 """
 
 from __future__ import annotations
@@ -17,150 +24,272 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-ATTNS = ("softmax", "linear", "mhla")
-DEFAULT_CELLS = ("64x4", "128x8", "256x16", "64x8", "128x16", "64x16", "128x4", "256x8", "256x4")
+from tasks.common.utils import system_info  # noqa: E402
+
+# name -> Hydra overrides. "mhla" is the task's default rule; the others each change one thing.
+VARIANTS = {
+    "softmax": ["attn=softmax"],
+    "linear": ["attn=linear"],
+    "mhla": ["attn=mhla"],
+    # the mixing hypotheses (results/mqar/): each changes one thing of the task's default rule
+    "mhla_log": ["attn=mhla", "model.mixing_param=log"],
+    "mhla_softplus": ["attn=mhla", "model.mixing_param=softplus"],
+    "mhla_clamp": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0"],
+    "mhla_clamp_lr0.1": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=0.1"],
+    "mhla_clamp_lr0.01": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=0.01"],
+    "mhla_frozen": ["attn=mhla", "model.mixing_learnable=false"],
+    "mhla_locality": ["attn=mhla", "model.mixing_init=locality"],
+    "mhla_locality_visible": ["attn=mhla", "model.mixing_init=locality_visible"],
+    "mhla_identity": ["attn=mhla", "model.mixing_init=identity"],
+}
+
+# Grids by scale: cells (NxK), variants, seeds, epochs of the task's 20k training examples (312 steps each).
+SCALES = {
+    "mini": {"cells": ["32x2"], "variants": ["softmax", "linear", "mhla"], "seeds": [0], "epochs": 8},
+    "full": {"cells": ["64x8", "64x4", "128x8", "128x4"], "variants": ["softmax", "linear", "mhla"],
+             "seeds": [0, 1], "epochs": 20},
+    "large": {"cells": ["64x4", "64x8", "128x8", "256x8", "256x16", "512x16", "512x32"],
+              "variants": ["softmax", "linear", "mhla", "mhla_clamp"], "seeds": [0, 1, 2], "epochs": 40,
+              "extra": ["model.hidden_size=128"]},
+}
+CONVERGED = 0.99  # softmax accuracy a cell needs before its comparison counts
 
 
-def run_one(attn: str, n: int, k: int, args) -> dict:
-    overrides = [f"task=mqar", f"attn={attn}", f"data.seq_len={n}", f"data.num_kv_pairs={k}",
-                 f"trainer.max_steps={args.steps}", f"data.batch_size={args.batch_size}",
-                 f"data.num_train={args.steps * args.batch_size}", f"data.num_test={args.num_test}",
-                 f"optim.lr={args.lr}", f"model.hidden_size={args.width}", f"seed={args.seed}",
-                 "logger=none", "trainer.progress_bar=false", "trainer.device=cpu",
-                 f"hydra.run.dir={os.path.join(args.out_dir, f'{n}x{k}', attn)}", *args.extra]
+def overrides_for(variant: str, n: int, k: int, seed: int, args) -> list[str]:
+    return ["task=mqar", *VARIANTS[variant], f"data.seq_len={n}", f"data.num_kv_pairs={k}", f"seed={seed}",
+            f"trainer.max_epochs={args.epochs}", "logger=none", "trainer.progress_bar=false", "trainer.device=cpu",
+            f"hydra.run.dir={run_dir(args, variant, n, k, seed)}", *args.extra]
+
+
+def run_dir(args, variant: str, n: int, k: int, seed: int) -> str:
+    return os.path.join(args.out_dir, f"{n}x{k}", f"{variant}_s{seed}")
+
+
+def read_curve(path: str) -> list[tuple[int, float]]:
+    """``(step, train loss)`` pairs from a run's ``metrics.jsonl``."""
+    curve = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                if "train/loss" in rec:
+                    curve.append((rec["step"], rec["train/loss"]))
+    return curve
+
+
+def run_one(variant: str, n: int, k: int, seed: int, args) -> dict:
+    overrides = overrides_for(variant, n, k, seed, args)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *overrides]
-    print("$", " ".join(cmd), flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    rec = {"attn": attn, "seq_len": n, "num_kv_pairs": k, "seconds": round(time.time() - t0, 1),
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    rec = {"variant": variant, "seq_len": n, "num_kv_pairs": k, "seed": seed, "seconds": round(time.time() - t0, 1),
            "command": "python train.py " + " ".join(overrides)}
     finals = [line for line in proc.stdout.splitlines() if line.startswith("final:")]
     if proc.returncode != 0 or not finals:
         rec["error"] = ((proc.stderr or proc.stdout).strip().splitlines() or ["failed"])[-1]
-        print(f"  FAILED: {rec['error']}", flush=True)
         return rec
-    rec.update({k_: float(v) for k_, v in re.findall(r"(\w+)=([-\d.eE+naninf]+)", finals[-1])})
-    params = re.search(r"([\d.]+)M params", proc.stdout)
-    rec["params_M"] = float(params.group(1)) if params else None
-    print(f"  {finals[-1]} ({rec['seconds']:.0f}s)", flush=True)
+    rec.update({k_: float(v) for k_, v in re.findall(r"([\w/]+)=([-\d.eE+naninf]+)", finals[-1])})
+    rec["curve"] = read_curve(os.path.join(run_dir(args, variant, n, k, seed), "metrics.jsonl"))
     return rec
 
 
-def write_outputs(results: list[dict], args, stem: str) -> None:
-    from tasks.common.utils import system_info  # noqa: PLC0415
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
+
+def summarize(results: list[dict], variants: list[str]) -> tuple[list, dict]:
+    """Cells in order and ``{(n, k, variant): (mean acc, std, number of seeds)}`` over finished runs."""
     cells = sorted({(r["seq_len"], r["num_kv_pairs"]) for r in results})
-    by = {(r["seq_len"], r["num_kv_pairs"], r["attn"]): r for r in results}
+    stats = {}
+    for n, k in cells:
+        for v in variants:
+            accs = [r["acc"] for r in results if (r["seq_len"], r["num_kv_pairs"], r["variant"]) == (n, k, v)
+                    and "acc" in r]
+            if accs:
+                stats[(n, k, v)] = (*mean_std(accs), len(accs))
+    return cells, stats
 
-    def fmt(r):
-        if r is None:
-            return "not run"
-        return f"failed: {r['error'][:40]}" if "error" in r else f"{100 * r['acc']:.1f}"
 
-    init = next((e.split("=", 1)[1] for e in args.extra if "mixing_init=" in e), "locality (the paper's)")
+def write_outputs(results: list[dict], args, stem: str) -> None:
+    variants = [v for v in args.variants if any(r["variant"] == v for r in results)] or args.variants
+    cells, stats = summarize(results, variants)
+    head = "| N | K | " + " | ".join(f"{v} acc %" for v in variants) + " | softmax solved | mean time s |"
     lines = [
-        "# MQAR: softmax vs linear vs MHLA",
+        f"# {args.title}",
         "",
-        "Multi-query associative recall (Zoology's `multiquery_ar`, re-implemented in `tasks/language/mqar.py`): "
-        "K key-value pairs (keys from the lower half of the vocabulary, values from the upper half), then the K "
-        "keys again as queries at power-law gaps (a = 0.01) among random tokens; accuracy = exact prediction of "
-        "the value at the query positions of a held-out set.",
+        "Multi-query associative recall (Zoology's `multiquery_ar`, `tasks/language/mqar.py`): K key-value pairs, "
+        "then the K keys again at power-law gaps among random tokens; accuracy = exact value predicted at the query "
+        "positions of 1,000 held-out examples. Mean ± std over seeds (n = number of seeds).",
         "",
-        f"Command: `python scripts/run_mqar.py {' '.join(args.argv)}`".rstrip() + "",
+        f"Command: `python scripts/run_mqar.py {' '.join(args.argv)}`".rstrip(),
         "",
-        f"Conditions: every run trains the same 2-layer causal LM (`models.lm.MHLALMForCausalLM`, width {args.width}, "
-        f"2 heads, SwiGLU, RoPE, no normalizer + output RMSNorm, tied embeddings) with only the attention changed; "
-        f"vocabulary 512; {args.steps} steps of batch {args.batch_size} (fresh examples, "
-        f"{args.steps * args.batch_size} in all), AdamW lr {args.lr}, cosine schedule, seed {args.seed}; test set "
-        f"{args.num_test} examples. MHLA: chunks of C = smallest power of two >= sqrt(N) (M = N / C blocks, "
-        f"M^2 <= N: N = 64 -> M = 8, 128 -> 8, 256 -> 16), mixing init {init}, learnable mixing. Extra overrides: "
-        f"{' '.join(args.extra) or 'none'}. CPU run, shared machine (2 cores, several other jobs): times are "
-        f"wall-clock under load.",
+        f"Conditions: the 2-layer causal LM of `configs/task/mqar.yaml` (width 64 unless an override says "
+        f"otherwise, 2 heads, SwiGLU, RoPE, no normalizer + output RMSNorm), AdamW lr 1e-3, cosine, batch 64, "
+        f"{args.epochs} epochs of 20k examples ({args.epochs * 312} steps); MHLA chunks of C = smallest power of "
+        f"two >= sqrt(N). Variants (each one's overrides): "
+        + "; ".join(f"`{v}`: {' '.join(VARIANTS[v])}" for v in variants)
+        + f". Extra overrides: {' '.join(args.extra) or 'none'}. {args.jobs} run(s) at a time, "
+        f"{args.threads} thread(s) each.",
         "",
         f"Machine: {json.dumps(system_info())}",
         "",
-        "| N (seq len) | K (kv pairs) | softmax acc % | linear acc % | MHLA acc % | time s (sm / lin / mhla) |",
-        "|---|---|---|---|---|---|",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
     ]
     for n, k in cells:
-        rs = [by.get((n, k, a)) for a in ATTNS]
-        times = " / ".join(f"{r['seconds']:.0f}" if r else "-" for r in rs)
-        lines.append(f"| {n} | {k} | " + " | ".join(fmt(r) for r in rs) + f" | {times} |")
-    lines += ["", f"Plot: `{os.path.basename(stem)}.png`. Raw records (commands, losses, times): "
-              f"`{os.path.basename(stem)}.json`.", ""]
+        row = []
+        for v in variants:
+            s = stats.get((n, k, v))
+            row.append("not run" if s is None else f"{100 * s[0]:.1f} ± {100 * s[1]:.1f} (n={s[2]})")
+        sm = stats.get((n, k, "softmax"))
+        solved = "?" if sm is None else ("yes" if sm[0] >= CONVERGED else "**no: too short, does not count**")
+        secs = [r["seconds"] for r in results if (r["seq_len"], r["num_kv_pairs"]) == (n, k) and "acc" in r]
+        lines.append(f"| {n} | {k} | " + " | ".join(row) + f" | {solved} | {statistics.fmean(secs):.0f} |"
+                     if secs else f"| {n} | {k} | " + " | ".join(row) + f" | {solved} | - |")
+    failed = [r for r in results if "error" in r]
+    if failed:
+        lines += ["", "Failed runs: " + "; ".join(f"{r['variant']} {r['seq_len']}x{r['num_kv_pairs']} seed "
+                                                  f"{r['seed']}: {r['error'][:80]}" for r in failed)]
+    base = os.path.basename(stem)
+    lines += ["", f"Plots: `{base}.png` (accuracy, mean and spread over seeds), `{base}_curves.png` (training "
+              f"loss, every seed). Raw records (commands, metrics, loss curves, times): `{base}.json`.", ""]
     if args.notes:
-        lines += ["## Reading", "", args.notes, ""]
+        lines += ["## Reading", "", args.notes.strip(), ""]
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines))
     with open(stem + ".json", "w") as f:
-        json.dump({"date": datetime.now(timezone.utc).isoformat(), "args": vars(args) | {"extra": args.extra},
-                   "results": results}, f, indent=2)
+        json.dump({"date": datetime.now(timezone.utc).isoformat(), "argv": args.argv, "results": results}, f,
+                  indent=1)
+    plot(results, variants, cells, stats, stem, args)
+
+
+def plot(results, variants, cells, stats, stem, args) -> None:
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib  # noqa: PLC0415  (optional: the table is written without it)
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
-
-        fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(cells) + 2), 3.6))
-        width = 0.8 / len(ATTNS)
-        for j, a in enumerate(ATTNS):
-            ys = [100 * by[(n, k, a)]["acc"] if (n, k, a) in by and "acc" in by[(n, k, a)] else 0 for n, k in cells]
-            ax.bar([i + (j - 1) * width for i in range(len(cells))], ys, width, label=a)
-        ax.set_xticks(range(len(cells)), [f"N={n}\nK={k}" for n, k in cells])
-        ax.set_ylabel("MQAR accuracy (%)")
-        ax.set_ylim(0, 100)
-        ax.set_title(f"MQAR, 2 layers, width {args.width}, {args.steps} steps (CPU)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=120)
-        plt.close(fig)
     except ImportError:  # pragma: no cover
         print("matplotlib missing: no plot", flush=True)
+        return
+    lengths = sorted({n for n, _ in cells})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        ks = sorted(k for m, k in cells if m == n)
+        for j, v in enumerate(variants):
+            pts = [(k, *stats[(n, k, v)][:2]) for k in ks if (n, k, v) in stats]
+            if pts:
+                x, y, e = zip(*pts)
+                ax.errorbar(x, [100 * a for a in y], yerr=[100 * s for s in e], marker="o", capsize=3, label=v,
+                            color=f"C{j}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_ylim(0, 102)
+        ax.set_xlabel("key-value pairs K")
+        ax.set_title(f"N = {n}")
+    axes[0][0].set_ylabel("MQAR accuracy (%)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{args.title} ({args.epochs * 312} steps, CPU)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.2), squeeze=False)
+    for ax, (n, k) in zip(axes[0], cells):
+        for j, v in enumerate(variants):
+            for r in results:
+                if (r["seq_len"], r["num_kv_pairs"], r["variant"]) == (n, k, v) and r.get("curve"):
+                    s, loss = zip(*r["curve"])
+                    ax.plot(s, loss, color=f"C{j}", alpha=0.8, lw=1, label=v if r["seed"] == min(
+                        q["seed"] for q in results if q["variant"] == v and "curve" in q) else None)
+        ax.set_title(f"N = {n}, K = {k}")
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+    axes[0][0].set_ylabel("training loss (query positions)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(stem + "_curves.png", dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cells", nargs="*", default=list(DEFAULT_CELLS), help="NxK cells (sequence length x pairs)")
-    p.add_argument("--attns", nargs="*", default=list(ATTNS))
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--num-test", type=int, default=500)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(ROOT, "results", "mqar"), help="output stem (.md/.json/.png)")
+    p.add_argument("--scale", choices=sorted(SCALES), default="full", help="preset grid (the options below override)")
+    p.add_argument("--cells", nargs="*", help="NxK cells (sequence length x key-value pairs)")
+    p.add_argument("--variants", nargs="*", help=f"attention variants: {', '.join(VARIANTS)}")
+    p.add_argument("--seeds", nargs="*", type=int)
+    p.add_argument("--epochs", type=int, help="epochs of the task's 20k training examples (312 steps each)")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--out", default=None, help="output stem (.md/.json/.png); default results/mqar[_<scale>]")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "outputs", "mqar_grid"), help="run directories")
+    p.add_argument("--title", default="MQAR: softmax vs linear vs MHLA")
     p.add_argument("--resume", action="store_true", help="skip runs already in <out>.json")
     p.add_argument("--plot-only", action="store_true")
-    p.add_argument("--notes", default="", help="a paragraph written under the table")
+    p.add_argument("--notes", default="", help="a paragraph (or @file) written under the table as its reading")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args(argv)
     args.argv = argv
+    preset = SCALES[args.scale]
+    args.cells = args.cells or preset["cells"]
+    args.variants = args.variants or preset["variants"]
+    args.seeds = args.seeds if args.seeds is not None else preset["seeds"]
+    args.epochs = args.epochs or preset["epochs"]
+    args.extra = [*preset.get("extra", []), *args.extra]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.notes.startswith("@"):
+        with open(args.notes[1:]) as f:
+            args.notes = f.read()
+    stem = args.out or os.path.join(ROOT, "results", "mqar" if args.scale == "full" else f"mqar_{args.scale}")
     results = []
-    if (args.resume or args.plot_only) and os.path.exists(args.out + ".json"):
-        with open(args.out + ".json") as f:
+    if (args.resume or args.plot_only) and os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
             results = json.load(f)["results"]
     if not args.plot_only:
-        done = {(r["seq_len"], r["num_kv_pairs"], r["attn"]) for r in results if "error" not in r}
-        for cell in args.cells:
-            n, k = (int(v) for v in cell.lower().split("x"))
-            for attn in args.attns:
-                if (n, k, attn) in done:
-                    continue
-                results.append(run_one(attn, n, k, args))
-                write_outputs(results, args, args.out)
-    write_outputs(results, args, args.out)
-    print(f"wrote {args.out}.md, .json, .png")
+        done = {(r["variant"], r["seq_len"], r["num_kv_pairs"], r["seed"]) for r in results if "error" not in r}
+        results = [r for r in results if "error" not in r]
+        todo = [(v, *(int(x) for x in c.lower().split("x")), s) for c in args.cells for s in args.seeds
+                for v in args.variants]
+        todo = [t for t in todo if t not in done]
+        try:
+            from tqdm import tqdm  # noqa: PLC0415  (progress bar when available)
+        except ImportError:  # pragma: no cover
+            tqdm = None
+        bar = tqdm(total=len(todo), desc="MQAR runs", unit="run") if tqdm and todo else None
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = [pool.submit(run_one, v, n, k, s, args) for v, n, k, s in todo]
+            for fut in futures:
+                rec = fut.result()
+                results.append(rec)
+                msg = (f"{rec['variant']} N={rec['seq_len']} K={rec['num_kv_pairs']} seed={rec['seed']}: "
+                       + (f"FAILED {rec['error']}" if "error" in rec else f"acc={100 * rec['acc']:.1f}%")
+                       + f" ({rec['seconds']:.0f}s)")
+                if bar is not None:
+                    bar.write(msg)
+                    bar.update()
+                else:
+                    print(msg, flush=True)
+                write_outputs(results, args, stem)
+        if bar is not None:
+            bar.close()
+    write_outputs(results, args, stem)
+    print(f"wrote {stem}.md, .json, .png, _curves.png")
     return 0 if all("error" not in r for r in results) else 1
 
 

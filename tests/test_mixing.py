@@ -49,7 +49,20 @@ def test_official_init_is_column_normalised_with_global_max():
 
 def test_causal_inits():
     d = distances_1d(6)
-    w = mixing_init("locality", d, causal=True)
+    # paper (section 4.2 + Appendix C): max distance over the WHOLE row, then mask the upper triangle, then
+    # normalise. Row 1: max(1, 4) = 4 -> raw [3/4, 1]; row 2: max 3 -> [1/3, 2/3, 1]; row 5: max 5.
+    p = mixing_init("locality", d, causal=True)
+    assert torch.equal(p, p.tril())
+    assert p[0].tolist() == [1, 0, 0, 0, 0, 0]
+    torch.testing.assert_close(p.sum(1), torch.ones(6))
+    torch.testing.assert_close(p[1], torch.tensor([3 / 7, 4 / 7, 0, 0, 0, 0]))
+    torch.testing.assert_close(p[2], torch.tensor([1 / 6, 1 / 3, 1 / 2, 0, 0, 0]))
+    torch.testing.assert_close(p[5], torch.tensor([0, 0.2, 0.4, 0.6, 0.8, 1.0]) / 3)
+    assert (p[1:3, 0] > 0).all() and (p[3:, 0] == 0).all()  # block 0 is seen while i < (M - 1) / 2
+    # not causal, both forms are the same
+    torch.testing.assert_close(mixing_init("locality", d), mixing_init("locality_visible", d))
+
+    w = mixing_init("locality_visible", d, causal=True)
     assert torch.equal(w, w.tril())
     assert w[0].tolist() == [1, 0, 0, 0, 0, 0]
     torch.testing.assert_close(w.sum(1), torch.ones(6))
@@ -155,6 +168,26 @@ def test_softplus_reproduces_init():
     assert torch.equal(sp_c(), sp_c().tril())
 
 
+def test_log_parameterization_reproduces_init_and_moves_relatively():
+    lg = MixingMatrix(6, init="uniform", causal=True, parameterization="log")
+    torch.testing.assert_close(lg(), mixing_init("uniform", distances_1d(6), causal=True))
+    assert torch.equal(lg(), lg().tril())
+    loc = MixingMatrix(16, distances=D16, parameterization="log")  # zeros of the init start at 1e-4
+    torch.testing.assert_close(loc(), mixing_init("locality", D16), atol=1e-4, rtol=0)
+    assert (loc() > 0).all()
+    # one Adam step of lr changes every entry by the same RELATIVE amount, small entries too (with clamp: the
+    # same ABSOLUTE amount, which sends an entry of 1/(i+1) to the 0 bound in about 1 / ((i+1) lr) steps)
+    before = lg().detach().clone()
+    opt = torch.optim.Adam(lg.parameters(), lr=1e-2)
+    lg().sum().backward()
+    opt.step()
+    ratio = lg().detach().tril() / before.tril().where(before > 0, torch.ones(()))
+    torch.testing.assert_close(ratio[before > 0], torch.full_like(ratio[before > 0], math.exp(-1e-2)))  # loss = sum: every entry shrinks
+    # the LM re-initialises the stored values of every parameterization through initial_raw()
+    torch.testing.assert_close(lg.initial_raw(), torch.log(mixing_init("uniform", distances_1d(6), causal=True)
+                                                           .clamp_min(1e-4)).float())
+
+
 def test_clamp_stays_nonnegative_and_project_recovers():
     m = MixingMatrix(4)  # locality init has zeros at the farthest blocks
     assert m()[0, 3] == 0
@@ -253,3 +286,30 @@ def test_noncausal_cannot_extend():
         MixingMatrix(4)(6)
     with pytest.raises(ValueError, match=">= 1"):
         MixingMatrix(4, causal=True)(0)
+
+
+def test_optimizer_gives_the_mixing_matrix_its_own_lr_and_decay():
+    from omegaconf import OmegaConf
+
+    from mhla.layers import MultiHeadLinearAttention
+    from tasks.common.optim import build_optimizer, build_scheduler
+
+    layer = MultiHeadLinearAttention(16, 2, causal=True, block_size=4, mixing_init="uniform")
+    cfg = OmegaConf.create({"lr": 1e-3, "weight_decay": 0.05, "mixing_lr_scale": 0.01, "mixing_weight_decay": 0.1})
+    opt = build_optimizer(layer, cfg)
+    mix = [g for g in opt.param_groups if any(p is layer.mixing.raw for p in g["params"])]
+    assert len(mix) == 1 and len(mix[0]["params"]) == 1
+    assert mix[0]["lr"] == pytest.approx(1e-5) and mix[0]["weight_decay"] == 0.1
+    others = [g for g in opt.param_groups if g is not mix[0]]
+    assert all(g["lr"] == pytest.approx(1e-3) for g in others)
+    # the schedule scales every group alike: the ratio survives warmup and decay
+    sched = build_scheduler(opt, OmegaConf.create({"name": "cosine", "warmup_steps": 2}), 10, 10)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+        assert mix[0]["lr"] == pytest.approx(0.01 * others[0]["lr"])
+    # default: same lr, no decay (as before the option existed)
+    opt = build_optimizer(layer, OmegaConf.create({"lr": 1e-3, "weight_decay": 0.05}))
+    assert {g["lr"] for g in opt.param_groups} == {1e-3}
+    with pytest.raises(ValueError, match="mixing_lr_scale"):
+        build_optimizer(layer, OmegaConf.create({"lr": 1e-3, "weight_decay": 0.05, "mixing_lr_scale": -1}))

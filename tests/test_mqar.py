@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from tasks.language.mqar import auto_block_size, mqar_loss_and_correct, multiquery_ar, power_law_probs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("N,K", [(64, 4), (64, 16), (128, 8), (256, 16)])
@@ -108,3 +114,28 @@ def test_train_py_runs_mqar_for_each_attention(tmp_path):
         OmegaConf.set_struct(cfg, False)
         metrics = train_py.run(cfg, str(tmp_path / attn))
         assert 0.0 <= metrics["acc"] <= 1.0 and np.isfinite(metrics["loss"])
+
+
+def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
+    """scripts/run_mqar.py: runs every (variant, cell, seed), writes mean ± std, flags unsolved cells."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import run_mqar
+
+    out = tmp_path / "grid"
+    argv = ["--cells", "16x2", "--variants", "softmax", "mhla_log", "--seeds", "0", "1", "--epochs", "1",
+            "--out", str(out), "--out-dir", str(tmp_path / "runs"), "--jobs", "2",
+            "data.num_train=64", "data.num_test=32", "data.batch_size=32", "data.vocab_size=64"]
+    assert run_mqar.main(argv) == 0
+    data = json.loads((tmp_path / "grid.json").read_text())
+    assert sorted((r["variant"], r["seed"]) for r in data["results"]) == [
+        ("mhla_log", 0), ("mhla_log", 1), ("softmax", 0), ("softmax", 1)]
+    assert all(r["curve"] and 0 <= r["acc"] <= 1 for r in data["results"])
+    md = (tmp_path / "grid.md").read_text()
+    assert "(n=2)" in md and "does not count" in md  # 2 steps cannot solve MQAR: the cell is flagged
+    assert "model.mixing_param=log" in md
+    assert (tmp_path / "grid.png").stat().st_size > 1000 and (tmp_path / "grid_curves.png").stat().st_size > 1000
+    # --resume skips finished runs; --plot-only rewrites from the json
+    assert run_mqar.main([*argv, "--resume"]) == 0
+    assert len(json.loads((tmp_path / "grid.json").read_text())["results"]) == 4
+    with pytest.raises(SystemExit):
+        run_mqar.main(["--variants", "bogus", "--out", str(out)])

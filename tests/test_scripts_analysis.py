@@ -1,5 +1,6 @@
 """analyze_attention.py input loading (--qk files) and the MHLA rank bound."""
 
+import json
 import os
 import sys
 
@@ -39,3 +40,62 @@ def test_mhla_rank_bounded_by_blocks_times_d():
     r_mh, _ = analyze_attention.rank_and_entropy(mats["mhla"])
     assert r_lin <= 2
     assert 2 < r_mh <= 8
+
+
+# ------------------------------------------------------------------------------ --ckpt: trained models
+def _layers():
+    from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
+
+    torch.manual_seed(0)
+    mh = MultiHeadLinearAttention(32, 2, grid=(8, 8), num_blocks=4, qk_norm=True)
+    with torch.no_grad():  # a "learned" mixing matrix, far from the init
+        mh.mixing.raw.copy_(torch.rand(4, 4))
+    causal = MultiHeadLinearAttention(32, 2, causal=True, block_size=8, normalize=True, mixing_init="uniform")
+    with torch.no_grad():
+        causal.mixing.raw.copy_(torch.rand_like(causal.mixing.raw))
+    return [SoftmaxAttention(32, 2), LinearAttention(32, 2, qk_norm=True), mh, causal,
+            LinearAttention(32, 2, causal=True)]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_own_attention_matrix_reproduces_the_layer_output(index):
+    """A @ v equals the layer's attention output: the analysed matrix is the one the model uses (learned
+    mixing and block layout included), not a re-initialised stand-in."""
+    layer = _layers()[index].double().eval()
+    x = torch.randn(2, 64, 32, dtype=torch.float64)
+    (_, q, k), = analyze_attention.capture_qk(layer, x)
+    kind, A = analyze_attention.own_attention_matrix(layer, q, k)
+    assert kind == ("softmax" if index == 0 else "mhla" if index in (2, 3) else "linear")
+    layout = layer._block_layout(layer._grid_for(64, None))
+    xb = layout.raster_to_block_major(x) if layout is not None else x
+    q2, k2, v = layer._project(xb)
+    o = layer._core(q2, k2, v, layer._grid_for(64, None), None, None)         # [B, N, H, Dv]
+    torch.testing.assert_close(torch.einsum("bhts,bshd->bthd", A, v), o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(A.sum(-1), torch.ones_like(A.sum(-1)))
+
+
+def test_ckpt_mode_on_trained_runs(tmp_path):
+    """--ckpt on three short train.py runs: per-layer rank and entropy of each model's own attention."""
+    import subprocess
+
+    runs = []
+    for attn in ("softmax", "linear", "mhla"):
+        run = tmp_path / attn
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "task=mnist", f"attn={attn}", "data.limit=64",
+               "data.batch_size=32",
+               "data.eval_limit=16", "trainer.max_steps=1", "logger=none", "trainer.progress_bar=false",
+               "trainer.device=cpu", "trainer.count_flops=false", f"hydra.run.dir={run}"]
+        subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+        runs.append(str(run))
+    out = tmp_path / "out"
+    assert analyze_attention.main(["--ckpt", *runs, "--batch", "4", "--out-dir", str(out), "--name", "t"]) == 0
+    data = json.loads((out / "t.json").read_text())
+    by = {m["attention"]: m for m in data["models"]}
+    assert set(by) == {"softmax", "linear", "mhla"}
+    head_dim = 16  # vit_mnist: width 64, 4 heads
+    assert all(lay["rank"] <= head_dim for lay in by["linear"]["layers"])  # linear attention: rank <= d
+    assert by["mhla"]["rank"] > by["linear"]["rank"]
+    assert len(by["mhla"]["layers"]) == 4 and by["mhla"]["N"] == 64
+    assert (out / "t.png").stat().st_size > 1000
+    with pytest.raises(FileNotFoundError, match="no checkpoints"):
+        analyze_attention.resolve_checkpoint(str(tmp_path))

@@ -28,7 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from mhla.feature_maps import get_feature_map
 from mhla.layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
-from mhla.mixing import MixingMatrix, distances_1d, mixing_init
+from mhla.mixing import MixingMatrix
 
 from .configuration_mhla_lm import MHLALMConfig
 
@@ -242,12 +242,8 @@ class MHLALMPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, MixingMatrix) and module.parameterization == "clamp":
-            with torch.device("cpu"):
-                w = mixing_init(module.init, distances_1d(module.num_blocks), causal=module.causal)
-                if module.num_heads is not None:
-                    w = w.unsqueeze(0).repeat(module.num_heads, 1, 1)
-            hf_init.copy_(module.raw, w.to(module.raw.dtype))
+        if isinstance(module, MixingMatrix):
+            hf_init.copy_(module.raw, module.initial_raw().to(module.raw.dtype))
 
 
 class MHLALMModel(MHLALMPreTrainedModel):

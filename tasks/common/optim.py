@@ -8,29 +8,51 @@ import torch
 import torch.nn as nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: no weight decay on biases, norms, embeddings' position tables and MHLA mixing."""
-    decay, no_decay = [], []
+def is_mixing_param(name: str) -> bool:
+    """True for an MHLA mixing-matrix parameter (``MixingMatrix.raw``, named ``...mixing.raw``)."""
+    return name.endswith("mixing.raw")
+
+
+def param_groups(model: nn.Module, weight_decay: float, mixing_lr_scale: float = 1.0,
+                 mixing_weight_decay: float = 0.0) -> list[dict]:
+    """AdamW groups: weights with decay; biases, norms and position tables without; MHLA mixing on its own.
+
+    The mixing-matrix group has learning rate ``mixing_lr_scale x`` the base lr and weight decay
+    ``mixing_weight_decay`` (the group is left out when the model has no learnable mixing). Each group carries
+    ``lr_scale``, which :func:`build_optimizer` multiplies into its lr (the scheduler scales every group alike).
+    """
+    decay, no_decay, mixing = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim <= 1 or "mixing" in name or "pos_embed" in name or name.endswith(".bias"):
+        if is_mixing_param(name):
+            mixing.append(p)
+        elif p.ndim <= 1 or "pos_embed" in name or name.endswith(".bias"):
             no_decay.append(p)
         else:
             decay.append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
     ]
+    if mixing:
+        groups.append({"params": mixing, "weight_decay": mixing_weight_decay, "lr_scale": mixing_lr_scale})
+    return groups
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    """``cfg``: name (adamw), lr, weight_decay, betas, eps."""
+    """``cfg``: name (adamw), lr, weight_decay, betas, eps, mixing_lr_scale, mixing_weight_decay."""
     name = cfg.get("name", "adamw")
     if name != "adamw":
         raise ValueError(f"optim.name={name!r} is not supported; use adamw")
+    scale = float(cfg.get("mixing_lr_scale", 1.0))
+    if not scale >= 0:
+        raise ValueError(f"optim.mixing_lr_scale must be >= 0, got {scale}")
+    groups = param_groups(model, cfg.weight_decay, scale, float(cfg.get("mixing_weight_decay", 0.0)))
+    for g in groups:
+        g["lr"] = cfg.lr * g["lr_scale"]
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
+        groups,
         lr=cfg.lr,
         betas=tuple(cfg.get("betas", (0.9, 0.999))),
         eps=cfg.get("eps", 1e-8),

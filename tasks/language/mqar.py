@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from mhla.mixing import MixingMatrix
 from tasks.common.trainer import Task, Trainer
 
 
@@ -122,7 +123,7 @@ def build_mqar_model(cfg) -> nn.Module:
 def mqar_loss_and_correct(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Mean cross-entropy and number of exactly predicted values over the positions with a label.
 
-    logits ``[B, N, V]``, labels ``[B, N]`` (``-100`` = no target). Returns ``(loss, correct, count)``.
+    logits ``[..., V]``, labels ``[...]`` (``-100`` = no target). Returns ``(loss, correct, count)``.
     """
     mask = labels != -100
     sel = logits[mask].float()                                       # [P, V]
@@ -130,6 +131,35 @@ def mqar_loss_and_correct(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     loss = F.cross_entropy(sel, target)
     correct = (sel.argmax(-1) == target).sum()
     return loss, correct, int(mask.sum())
+
+
+def query_logits(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[P, V]`` and targets ``[P]`` at the ``P`` labelled (query) positions of ``inputs, labels [B, N]``.
+
+    Only ``K`` of the ``N`` positions of a sequence have a target, so the LM head runs on those hidden states
+    alone: the same loss as slicing the full ``[B, N, V]`` logits, at about ``K / N`` of the head's cost.
+    """
+    mask = labels != -100
+    hidden = model.model(inputs, use_cache=False).last_hidden_state   # [B, N, C]
+    return model.lm_head(hidden[mask]), labels[mask]
+
+
+def mixing_shares(model: nn.Module) -> dict:
+    """Where the learned causal mixing rows put their weight, per MHLA layer (for the logs; empty without MHLA).
+
+    ``mix<l>_first``: mean over rows ``i >= 1`` of ``M[i, 0] / sum_b M[i, b]``, the share of the first chunk
+    (where MQAR's key-value pairs are); ``mix<l>_diag``: the same for the diagonal (the query's own chunk).
+    Uniform rows give ``mean 1/(i+1)`` for both.
+    """
+    out = {}
+    for layer, m in enumerate(mod for mod in model.modules() if isinstance(mod, MixingMatrix)):
+        w = m().detach().float()
+        w = w.mean(0) if w.dim() == 3 else w                          # per-head matrices: their mean
+        rows = w[1:] / w[1:].sum(-1, keepdim=True).clamp_min(1e-12)   # [M-1, M]
+        if rows.numel():
+            out[f"mix{layer}_first"] = rows[:, 0].mean().item()
+            out[f"mix{layer}_diag"] = rows.diagonal(offset=1).mean().item()
+    return out
 
 
 class MQARTask(Task):
@@ -160,7 +190,7 @@ class MQARTask(Task):
 
     def training_loss(self, model, batch):
         x, y = batch
-        loss, correct, count = mqar_loss_and_correct(model(x).logits, y)
+        loss, correct, count = mqar_loss_and_correct(*query_logits(model, x, y))
         return loss, {"acc": correct.item() / max(count, 1)}
 
     @torch.no_grad()
@@ -168,13 +198,13 @@ class MQARTask(Task):
         tot = torch.zeros(3, device=device, dtype=torch.float64)     # loss sum, correct, count
         for x, y in loader:
             x, y = x.to(device), y.to(device)
-            loss, correct, count = mqar_loss_and_correct(model(x).logits, y)
+            loss, correct, count = mqar_loss_and_correct(*query_logits(model, x, y))
             tot += torch.tensor([loss.item() * count, correct.item(), count], device=device, dtype=torch.float64)
         if dist_info.enabled:
             import torch.distributed as dist  # noqa: PLC0415
 
             dist.all_reduce(tot)
-        return {"acc": (tot[1] / tot[2]).item(), "loss": (tot[0] / tot[2]).item()}
+        return {"acc": (tot[1] / tot[2]).item(), "loss": (tot[0] / tot[2]).item(), **mixing_shares(model)}
 
 
 def run(cfg, run_dir) -> dict:
