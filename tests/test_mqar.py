@@ -122,17 +122,17 @@ def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     import run_mqar
 
     out = tmp_path / "grid"
-    argv = ["--cells", "16x2", "--variants", "softmax", "mhla_log", "--seeds", "0", "1", "--epochs", "1",
+    argv = ["--cells", "16x2", "--variants", "softmax", "mhla_clamp", "--seeds", "0", "1", "--epochs", "1",
             "--out", str(out), "--out-dir", str(tmp_path / "runs"), "--jobs", "2",
             "data.num_train=64", "data.num_test=32", "data.batch_size=32", "data.vocab_size=64"]
     assert run_mqar.main(argv) == 0
     data = json.loads((tmp_path / "grid.json").read_text())
     assert sorted((r["variant"], r["seed"]) for r in data["results"]) == [
-        ("mhla_log", 0), ("mhla_log", 1), ("softmax", 0), ("softmax", 1)]
+        ("mhla_clamp", 0), ("mhla_clamp", 1), ("softmax", 0), ("softmax", 1)]
     assert all(r["curve"] and 0 <= r["acc"] <= 1 for r in data["results"])
     md = (tmp_path / "grid.md").read_text()
     assert "(n=2)" in md and "does not count" in md  # 2 steps cannot solve MQAR: the cell is flagged
-    assert "model.mixing_param=log" in md
+    assert "model.mixing_param=clamp" in md
     assert (tmp_path / "grid.png").stat().st_size > 1000 and (tmp_path / "grid_curves.png").stat().st_size > 1000
     # --resume skips finished runs; --plot-only rewrites from the json
     assert run_mqar.main([*argv, "--resume"]) == 0
