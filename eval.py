@@ -16,6 +16,25 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def find_task_class(module_name: str) -> type:
+    """The Task subclass of a run: the one defined in ``task.module`` itself (MQAR, SANA fine-tuning), else the
+    one of its package's ``task`` module (``tasks.classification.train`` -> ``ClassificationTask``)."""
+    import importlib  # noqa: PLC0415
+
+    from tasks.common.trainer import Task  # noqa: PLC0415
+
+    for name in (module_name, module_name.rsplit(".", 1)[0] + ".task"):
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        found = [obj for obj in vars(mod).values() if isinstance(obj, type) and issubclass(obj, Task)
+                 and obj is not Task and obj.__module__ == mod.__name__]
+        if found:
+            return found[0]
+    raise ValueError(f"no Task subclass in {module_name} or its package's task module")
+
+
 def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True):
     """``(cfg, task, model, dist_info)`` of a ``train.py`` checkpoint: the run's stored config with
     ``overrides`` on top, its task, and the model with the EMA (``use_ema``) or raw weights, in eval mode."""
@@ -29,10 +48,7 @@ def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool =
     state = load_checkpoint(ckpt_path)
     cfg = OmegaConf.create(state["config"])
     cfg.merge_with_dotlist(overrides or [])
-    task_module = importlib.import_module(cfg.task.module.rsplit(".", 1)[0] + ".task")
-    task_cls = next(getattr(task_module, n) for n in dir(task_module)
-                    if n.endswith("Task") and n != "Task" and isinstance(getattr(task_module, n), type))
-    task = task_cls(cfg)
+    task = find_task_class(cfg.task.module)(cfg)
     info = setup_distributed(cfg.trainer.get("device", "auto"))
     model = task.build_model()
     model.load_state_dict(model_weights(state, "ema" if use_ema else "model"))

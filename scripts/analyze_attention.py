@@ -109,6 +109,9 @@ def capture_qk(model, x) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
                                                           MultiHeadLinearAttention))]
     if not layers:
         raise ValueError("the model has no mhla softmax / linear / MHLA attention layer to analyse")
+    if any(hasattr(layer, "lm_rope") for layer in layers):
+        raise ValueError("language-model layers apply their feature map and RoPE inside the projection; "
+                         "--ckpt analyses the vision models (classification runs)")
     seen, handles = {}, []
     for i, layer in enumerate(layers):
         handles.append(layer.q_norm.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__((i, "q"), out)))

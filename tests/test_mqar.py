@@ -134,6 +134,13 @@ def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     assert "(n=2)" in md and "does not count" in md  # 2 steps cannot solve MQAR: the cell is flagged
     assert "model.mixing_param=clamp" in md
     assert (tmp_path / "grid.png").stat().st_size > 1000 and (tmp_path / "grid_curves.png").stat().st_size > 1000
+    # eval.py finds MQARTask (defined in task.module itself) and reproduces the run's final accuracy
+    sys.path.insert(0, ROOT)
+    from eval import evaluate_checkpoint
+
+    rec = next(r for r in data["results"] if (r["variant"], r["seed"]) == ("mhla_clamp", 0))
+    again = evaluate_checkpoint(str(tmp_path / "runs" / "16x2" / "mhla_clamp_s0" / "checkpoints" / "last.pt"))
+    assert again["acc"] == pytest.approx(rec["acc"], abs=1e-4) and "mix0_first" in again
     # --resume skips finished runs; --plot-only rewrites from the json
     assert run_mqar.main([*argv, "--resume"]) == 0
     assert len(json.loads((tmp_path / "grid.json").read_text())["results"]) == 4
