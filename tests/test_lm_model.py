@@ -124,7 +124,7 @@ def test_save_load_auto_classes(tmp_path):
 
 
 def test_mixing_init_options():
-    loc = tiny("mhla", mixing_init="locality").model.layers[0].attn.mixing(4)
+    loc = tiny("mhla", mixing_init="locality", mixing_param="clamp").model.layers[0].attn.mixing(4)
     uni = tiny("mhla").model.layers[0].attn.mixing(4)  # the LM default (results/mqar/)
     torch.testing.assert_close(uni[3], torch.full((4,), 0.25))  # release: 1/(i+1) over past chunks
     assert loc[3, 0] == 0 and loc[3, 3] > loc[3, 2] > loc[3, 1]  # paper: locality, nearest chunks weigh most
