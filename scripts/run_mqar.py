@@ -4,7 +4,7 @@
     python scripts/run_mqar.py --scale mini                      # CI-size check (N = 32, K = 2; about 10 min)
     python scripts/run_mqar.py                                   # the committed grid -> results/mqar.md
     python scripts/run_mqar.py --scale large --jobs 8            # more cells, widths and seeds (bigger machine)
-    python scripts/run_mqar.py --cells 64x8 --variants mhla mhla_clamp --epochs 20 --seeds 0 1 \\
+    python scripts/run_mqar.py --cells 64x8 --variants mhla mhla_log --epochs 20 --seeds 0 1 \\
         --out results/mqar/lr_scale                              # one hypothesis -> results/mqar/lr_scale.md
     python scripts/run_mqar.py --plot-only                       # redraw from <out>.json
 
@@ -37,17 +37,17 @@ if ROOT not in sys.path:
 
 from tasks.common.utils import system_info  # noqa: E402
 
-# name -> Hydra overrides. "mhla" is the task's default rule (uniform init, log parameterization, full lr);
+# name -> Hydra overrides. "mhla" is the task's default rule (uniform init, clamp, optim.mixing_lr_scale=0.01);
 # the others each change one thing of it.
 VARIANTS = {
     "softmax": ["attn=softmax"],
     "linear": ["attn=linear"],
     "mhla": ["attn=mhla"],
     # the mixing hypotheses (results/mqar/): each changes one thing of the task's default rule
+    "mhla_log": ["attn=mhla", "model.mixing_param=log", "optim.mixing_lr_scale=1.0"],
     "mhla_softplus": ["attn=mhla", "model.mixing_param=softplus", "optim.mixing_lr_scale=1.0"],
     "mhla_clamp": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0"],
     "mhla_clamp_lr0.1": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=0.1"],
-    "mhla_clamp_lr0.01": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=0.01"],
     "mhla_frozen": ["attn=mhla", "model.mixing_learnable=false"],
     "mhla_locality": ["attn=mhla", "model.mixing_init=locality"],
     "mhla_locality_visible": ["attn=mhla", "model.mixing_init=locality_visible"],

@@ -13,12 +13,13 @@ Paper defaults versus the authors' release (SPEC.md section 2), every difference
 | ``output_gate`` | ``True``: RMSNorm(o) * swish(W_g x); Table 6's "340M" is reached only with it (341.2M; 316.0M without) | same |
 | ``rope`` | ``"after_feature_map"`` (the paper is silent; the release's placement) | same |
 | ``max_position_embeddings`` | learned mixing rows = 2048 / 64; longer inputs extend by relative distance | hard cap at 2048 |
-| ``mixing_param`` | ``"log"`` (``exp`` of the stored value: Adam changes every coefficient by a relative amount) | clamp |
+| ``mixing_param`` | ``"clamp"`` (paper); ``"log"`` and ``"softplus"`` are options | clamp |
 
-The paper's clamp parameterization lets Adam move each coefficient by about the lr in absolute terms, which
-is the size of the coefficients themselves (1/(i+1)): on MQAR the matrix then reshapes within the first few
-hundred steps and learnable MHLA ends near chance; ``log`` learns the matrix and beats linear attention
-(``results/mqar/README.md``).
+The mixing matrix's learning rate is not a model field: the LM task configs set ``optim.mixing_lr_scale =
+0.01``. At the full lr, Adam moves each clamp coefficient by about the lr per step, which is the size of the
+coefficients themselves (1/(i+1)). On MQAR the matrix then reshapes within the first 300 steps, and
+learnable MHLA stays at chance (``results/mqar/README.md``). Build the optimizer with that group if you
+train this model outside ``train.py``.
 
 ``rope``: ``"after_feature_map"`` rotates phi(q), phi(k) (release), ``"before_feature_map"`` rotates q, k
 before phi (keeps phi's outputs nonnegative), ``"none"``. Softmax attention rotates q, k for either placement.
@@ -82,7 +83,7 @@ class MHLALMConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         mixing_init: str = "uniform",
         mixing_per_head: bool = False,
-        mixing_param: str = "log",
+        mixing_param: str = "clamp",
         mixing_learnable: bool = True,
         qk_norm: bool = False,
         cpe: bool = False,
