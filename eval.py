@@ -38,8 +38,6 @@ def find_task_class(module_name: str) -> type:
 def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True):
     """``(cfg, task, model, dist_info)`` of a ``train.py`` checkpoint: the run's stored config with
     ``overrides`` on top, its task, and the model with the EMA (``use_ema``) or raw weights, in eval mode."""
-    import importlib  # noqa: PLC0415
-
     from omegaconf import OmegaConf  # noqa: PLC0415
 
     from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415

@@ -71,12 +71,20 @@ def attention_matrices(q: torch.Tensor, k: torch.Tensor, num_blocks: int, eps: f
     return {"softmax": soft, "linear": lin, "mhla": mh}
 
 
+def ranks(A: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
+    """Numerical rank ``[B, H]`` of each matrix of ``A: [B, H, N, N]`` (singular values > ``rtol * max``)."""
+    s = torch.linalg.svdvals(A)
+    return (s > rtol * s[..., :1]).sum(-1).double()
+
+
+def mean_entropy(A: torch.Tensor) -> float:
+    """Mean row entropy (nats) of ``A: [..., N, N]`` with rows summing to 1."""
+    return -(A * torch.log(A.clamp_min(1e-300))).sum(-1).mean().item()
+
+
 def rank_and_entropy(A: torch.Tensor, rtol: float = 1e-6) -> tuple[float, float]:
     """Mean (over batch and heads) numerical rank and mean row entropy of ``A: [B, H, N, N]``."""
-    s = torch.linalg.svdvals(A)
-    rank = (s > rtol * s[..., :1]).sum(-1).double().mean().item()
-    ent = -(A * torch.log(A.clamp_min(1e-300))).sum(-1).mean().item()
-    return rank, ent
+    return ranks(A, rtol).mean().item(), mean_entropy(A)
 
 
 def load_qk(path: str | None, seed: int = 0, n: int = 256, d: int = 64, heads: int = 4):
@@ -176,10 +184,9 @@ def analyze_checkpoint(path: str, batch: int, rtol: float) -> dict:
     layers = []
     for i, (layer, q, k) in enumerate(capture_qk(model, x)):
         kind, A = own_attention_matrix(layer, q, k)
-        rank, ent = rank_and_entropy(A, rtol)
-        s = torch.linalg.svdvals(A)
-        per_head = (s > rtol * s[..., :1]).sum(-1).double().mean(0).tolist()
-        layers.append({"layer": i, "kind": kind, "rank": rank, "entropy": ent, "rank_per_head": per_head,
+        r = ranks(A, rtol)                                                # [B, H]
+        layers.append({"layer": i, "kind": kind, "rank": r.mean().item(), "entropy": mean_entropy(A),
+                       "rank_per_head": r.mean(0).tolist(),
                        "N": A.shape[-1], "heads": A.shape[1]})
     kinds = sorted({lay["kind"] for lay in layers})
     return {"checkpoint": ckpt, "attention": cfg.attn.name if "attn" in cfg else "/".join(kinds),

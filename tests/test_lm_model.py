@@ -152,3 +152,17 @@ def test_padding_mask_is_rejected():
     mask[0, 0] = 0
     with pytest.raises(NotImplementedError, match="padding"):
         model(x, attention_mask=mask)
+
+
+def test_logits_to_keep_bool_mask_selects_positions():
+    """A [B, T] bool mask gives the logits at its True positions (MQAR's query positions), through forward."""
+    model = tiny("mhla")
+    x = torch.randint(0, 61, (2, 12))
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, [3, 7]] = True
+    mask[1, 11] = True
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        kept = model(x, use_cache=False, logits_to_keep=mask).logits
+    assert kept.shape == (3, 61)
+    torch.testing.assert_close(kept, full[mask])

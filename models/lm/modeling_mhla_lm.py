@@ -345,7 +345,11 @@ class MHLALMForCausalLM(MHLALMPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """``labels [B, T]`` are the inputs themselves (shifted inside; -100 is ignored)."""
+        """``labels [B, T]`` are the inputs themselves (shifted inside; -100 is ignored).
+
+        ``logits_to_keep``: ``n > 0`` keeps the last ``n`` positions, an index tensor those positions, and a
+        bool ``[B, T]`` mask gives logits ``[P, V]`` at its ``P`` True positions (MQAR's query positions).
+        """
         if labels is not None and use_cache is None:
             use_cache = False
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -353,6 +357,8 @@ class MHLALMForCausalLM(MHLALMPreTrainedModel, GenerationMixin):
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             h = h[:, -logits_to_keep:]
+        elif torch.is_tensor(logits_to_keep) and logits_to_keep.dtype == torch.bool and logits_to_keep.dim() == 2:
+            h = h[logits_to_keep]  # a [B, T] mask: logits [P, V] at its P True positions
         elif torch.is_tensor(logits_to_keep):
             h = h[:, logits_to_keep]
         logits = self.lm_head(h)

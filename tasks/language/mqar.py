@@ -140,8 +140,7 @@ def query_logits(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -
     alone: the same loss as slicing the full ``[B, N, V]`` logits, at about ``K / N`` of the head's cost.
     """
     mask = labels != -100
-    hidden = model.model(inputs, use_cache=False).last_hidden_state   # [B, N, C]
-    return model.lm_head(hidden[mask]), labels[mask]
+    return model(inputs, use_cache=False, logits_to_keep=mask).logits, labels[mask]
 
 
 def mixing_shares(model: nn.Module) -> dict:
