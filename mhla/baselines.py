@@ -25,6 +25,7 @@ from .feature_maps import focused_feature
 from .layers import _AttentionBase
 from .ops.validation import accumulation_dtype
 from .registry import register_attention
+from .rope import apply_rope
 
 
 # ----------------------------------------------------------------------------------------- 2-D RoPE
@@ -32,7 +33,9 @@ def rope_2d_angles(grid: tuple[int, int], head_dim: int, device=None) -> tuple[t
     """RALA/MALA's 2-D RoPE: ``(sin, cos)`` of shape ``[N, head_dim]`` for a raster ``grid``.
 
     Frequencies ``1 / 10000^linspace(0, 1, d/4)``, each repeated twice; the first ``d/2`` channels rotate
-    with the row index, the last ``d/2`` with the column index; pairs are (even, odd) channels.
+    with the row index, the last ``d/2`` with the column index; pairs are (even, odd) channels: apply with
+    ``mhla.rope.apply_rope(x, cos[:, None], sin[:, None], interleaved=True)`` (note the ``(sin, cos)`` order
+    returned here).
     """
     if head_dim % 4:
         raise ValueError(f"2-D RoPE needs head_dim divisible by 4, got {head_dim}")
@@ -43,13 +46,6 @@ def rope_2d_angles(grid: tuple[int, int], head_dim: int, device=None) -> tuple[t
     cols = torch.arange(w, device=device, dtype=torch.float32)[None, :].expand(h, w).reshape(-1)
     angles = torch.cat([rows[:, None] * freqs, cols[:, None] * freqs], dim=-1)  # [N, d]
     return angles.sin(), angles.cos()
-
-
-def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """Rotate (even, odd) channel pairs of ``x: [B, N, H, d]`` by the angles ``[N, d]``."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack([-x2, x1], dim=-1).flatten(-2)
-    return x * cos[None, :, None] + rotated * sin[None, :, None]
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +178,8 @@ class _GatedRoPEBaseline(_GridBaseline):
         if not self.rope:
             return q, k
         sin, cos = rope_2d_angles(grid, q.shape[-1], device=q.device)
-        return apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+        cos, sin = cos[:, None], sin[:, None]  # [N, 1, d]
+        return apply_rope(q, cos, sin, interleaved=True), apply_rope(k, cos, sin, interleaved=True)
 
     def _wrap(self, y, v, grid):
         B, N, H, Dv = v.shape

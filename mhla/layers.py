@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .feature_maps import get_feature_map
-from .layouts import BlockLayout, layout_1d
+from .layouts import BlockLayout, ceil_div, layout_1d
 from .mixing import MixingMatrix
 from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
 
@@ -369,7 +369,7 @@ class MultiHeadLinearAttention(_AttentionBase):
     def _causal(self, q, k, v, cache: AttentionCache | None):
         C = self.block_size
         seen = cache.attn.num_tokens if (cache is not None and cache.attn is not None) else 0
-        n_blocks = -(-(seen + q.shape[1]) // C)
+        n_blocks = ceil_div(seen + q.shape[1], C)
         mixing = self.mixing(n_blocks).to(q.dtype)
         if cache is None:
             return mhla_attention(q, k, v, mixing, C, causal=True, normalize=self.normalize, eps=self.eps,

@@ -18,8 +18,10 @@ from ``block_size`` alone (:func:`num_blocks_for`), and this class is not needed
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,11 @@ _AXES = {1: ("length",), 2: ("height", "width"), 3: ("frames", "height", "width"
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` in exact integer arithmetic (``b > 0``): blocks of ``b`` covering ``a`` items."""
+    return -(-a // b)
+
+
 def num_blocks_for(seq_len: int, block_size: int) -> int:
     """Blocks covering ``seq_len`` tokens when the last block may be partial (causal 1-D sequences)."""
     seq_len, block_size = _as_int(seq_len, "seq_len"), _as_int(block_size, "block_size")
@@ -35,7 +42,7 @@ def num_blocks_for(seq_len: int, block_size: int) -> int:
         raise ValueError(
             f"need seq_len >= 0 and block_size >= 1, got seq_len={seq_len}, block_size={block_size}"
         )
-    return -(-seq_len // block_size)
+    return ceil_div(seq_len, block_size)
 
 
 def _as_int(value, what: str) -> int:
@@ -266,8 +273,8 @@ def layout_from_num_blocks(grid, num_blocks: int, num_prefix_tokens: int = 0) ->
 
     1-D: ``num_blocks`` chunks. 2-D / 3-D: ``num_blocks`` must be a perfect square / cube whose root
     divides every axis (a 16 x 16 grid with ``num_blocks=16`` -> 4 x 4 blocks of 4 x 4 tokens; 56 x 56 with
-    49 -> 7 x 7 blocks of 8 x 8). Other splits (e.g. the paper's video M = 105): build
-    :class:`BlockLayout` with an explicit ``block``.
+    49 -> 7 x 7 blocks of 8 x 8). Other splits (e.g. the paper's video M = 105): :func:`factorize_blocks`
+    / :func:`layout_for_grid`, or :class:`BlockLayout` with an explicit ``block``.
     """
     grid = _as_int_tuple(grid, "grid")
     num_blocks = _as_int(num_blocks, "num_blocks")
@@ -290,3 +297,77 @@ def layout_from_num_blocks(grid, num_blocks: int, num_prefix_tokens: int = 0) ->
                 f"divisible by {per_axis}; choose another num_blocks or pad the input"
             )
     return BlockLayout(grid, tuple(g // per_axis for g in grid), num_prefix_tokens)
+
+
+# ------------------------------------------------------------------------ block grids (blocks per axis)
+def factorize_blocks(grid: Sequence[int], num_blocks: int) -> tuple[int, ...]:
+    """Blocks per axis ``(b_0, ..., b_{n-1})`` with ``prod(b) == num_blocks`` and ``b_i | grid_i``.
+
+    Among all valid factorisations, the one whose block shape ``grid // b`` is the most isotropic in
+    tokens (smallest ``max(block) / min(block)``; ties: more blocks along the leading axes). Example: the
+    paper's Wan grid ``(21, 30, 50)`` with ``M = 105`` -> ``(7, 3, 5)``, blocks of ``3 x 10 x 10`` tokens.
+    Unlike :func:`layout_from_num_blocks`, the axes may get different block counts.
+
+    Raises:
+        ValueError: when no factorisation tiles the grid (the message lists the divisors per axis).
+    """
+    grid = tuple(int(g) for g in grid)
+    num_blocks = int(num_blocks)
+    if len(grid) not in _AXES or num_blocks < 1 or any(g < 1 for g in grid):
+        raise ValueError(f"need a 1-3 dim grid of positive sizes and num_blocks >= 1, got {grid}, {num_blocks}")
+    divisors = [_divisors(g) for g in grid]
+    best, best_key = None, None
+    for combo in itertools.product(*divisors):
+        if math.prod(combo) != num_blocks:
+            continue
+        shape = [g // b for g, b in zip(grid, combo)]
+        key = (max(shape) / min(shape), tuple(-b for b in combo))
+        if best_key is None or key < best_key:
+            best, best_key = combo, key
+    if best is None:
+        div = "; ".join(f"{a} {g}: {', '.join(map(str, d))}" for a, g, d in zip(_AXES[len(grid)], grid, divisors))
+        raise ValueError(
+            f"num_blocks={num_blocks} cannot tile the token grid {grid}: it must be a product of one divisor "
+            f"per axis ({div}). Choose another num_blocks or give blocks=(...) per axis"
+        )
+    return tuple(best)
+
+
+def resolve_blocks(grid=None, *, blocks=None, block=None, num_blocks=None) -> tuple[int, ...]:
+    """Blocks per axis from exactly one of ``blocks`` / ``block`` (+ ``grid``) / ``num_blocks`` (+ ``grid``)."""
+    given = [n for n, v in (("blocks", blocks), ("block", block), ("num_blocks", num_blocks)) if v is not None]
+    if len(given) != 1:
+        raise ValueError(
+            f"give exactly one of blocks=(per-axis block counts), block=(tokens per block, with grid) or "
+            f"num_blocks=M (with grid); got {given or 'none'}"
+        )
+    if blocks is not None:
+        out = tuple(int(b) for b in blocks)
+        if grid is not None:
+            layout_for_grid(grid, out)  # validates that they tile the grid
+        return out
+    if grid is None:
+        raise ValueError(f"{given[0]}=... needs grid=(F, H, W) / (H, W) to know the block grid; or give blocks=")
+    grid = tuple(int(g) for g in grid)
+    if block is not None:
+        lay = BlockLayout(grid, tuple(int(b) for b in block))
+        return lay.blocks_per_axis
+    return factorize_blocks(grid, num_blocks)
+
+
+def layout_for_grid(grid: Sequence[int], blocks: Sequence[int]) -> BlockLayout:
+    """The :class:`BlockLayout` of ``grid`` split into ``blocks`` blocks per axis (``ValueError`` if not)."""
+    grid, blocks = tuple(int(g) for g in grid), tuple(int(b) for b in blocks)
+    if len(grid) != len(blocks):
+        raise ValueError(
+            f"the token grid {grid} has {len(grid)} axes but the block grid {blocks} has {len(blocks)}; "
+            f"give one block count per axis ({', '.join(_AXES.get(len(grid), ('?',)))})"
+        )
+    for axis, g, b in zip(_AXES[len(grid)], grid, blocks):
+        if b < 1 or g % b:
+            divs = ", ".join(str(d) for d in _divisors(g))
+            raise ValueError(
+                f"MHLA blocks {blocks} do not tile the token grid {grid}: {b} blocks along {axis} do not divide "
+                f"{g} (divisors: {divs}). Change the video/image size or the block grid (attn.blocks)"
+            )
+    return BlockLayout(grid, tuple(g // b for g, b in zip(grid, blocks)))

@@ -18,6 +18,7 @@ import math
 from omegaconf import OmegaConf
 from timm.models import register_model
 
+from mhla.layouts import ceil_div
 from mhla.registry import list_attentions
 
 from .vit import build_vit
@@ -32,7 +33,7 @@ DEIT = {
 def padded_size(img_size: int, patch: int = 16, num_blocks: int = 16) -> int:
     """Smallest size >= img_size whose patch grid splits into sqrt(M) x sqrt(M) equal blocks."""
     step = patch * int(round(math.sqrt(num_blocks)))
-    return int(math.ceil(img_size / step) * step)
+    return int(ceil_div(img_size, step) * step)
 
 
 def deit(variant: str, attn: str = "mhla", *, img_size: int = 224, num_classes: int = 1000,

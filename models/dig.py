@@ -29,12 +29,11 @@ the identity-initialised conv is kept (``dwconv``), as the paper does not say ot
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mhla.layouts import ceil_div
 from mhla.registry import build_attention
 from models.dit import DiT, modulate
 
@@ -154,7 +153,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden: int | None = None):
         super().__init__()
-        hidden = hidden or 256 * math.ceil(int(dim * 8 / 3) / 256)
+        hidden = hidden or 256 * ceil_div(int(dim * 8 / 3), 256)
         self.gate_proj = nn.Linear(dim, 2 * hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 

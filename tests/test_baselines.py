@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from mhla.baselines import apply_rope, rope_2d_angles
+from mhla.baselines import rope_2d_angles
 from mhla.registry import build_attention
+from mhla.rope import apply_rope
 
 GRID = (4, 4)
 
@@ -65,7 +66,7 @@ def test_mala_sums_to_one_without_rope():
 def test_rope_is_a_rotation():
     sin, cos = rope_2d_angles((4, 4), 16)
     x = torch.randn(2, 16, 3, 16)
-    y = apply_rope(x, sin, cos)
+    y = apply_rope(x, cos[:, None], sin[:, None], interleaved=True)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
     # relative: <R_m q, R_n k> depends on positions only through m - n for identical offsets
     assert not torch.allclose(y, x)

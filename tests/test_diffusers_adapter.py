@@ -7,17 +7,14 @@ import torch
 
 from mhla.adapters.diffusers import (
     MHLAAttnProcessor,
-    apply_rotary_interleaved,
-    factorize_blocks,
     hybrid_layers,
-    layout_for_grid,
     mhla_parameters,
-    resolve_blocks,
     self_attention_modules,
     swap_self_attention,
 )
-from mhla.layouts import BlockLayout
+from mhla.layouts import BlockLayout, factorize_blocks, layout_for_grid, resolve_blocks
 from mhla.mixing import mixing_init
+from mhla.rope import apply_rope
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel  # noqa: E402
@@ -40,12 +37,13 @@ def dense_oracle(attn, x, grid, blocks, *, normalize, rope, rotary=None, kind="m
     if attn.norm_q is not None:
         q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.reshape(B, N, H, -1) for t in (q, k, v))
+    rot = lambda t: apply_rope(t, *rotary, interleaved=True, upcast=True)  # noqa: E731
     if rotary is not None and rope == "before":
-        q, k = apply_rotary_interleaved(q, *rotary), apply_rotary_interleaved(k, *rotary)
+        q, k = rot(q), rot(k)
     q, k = torch.relu(q) + 1e-6, torch.relu(k) + 1e-6
     qn, kn = q, k
     if rotary is not None and rope == "after":
-        qn, kn = apply_rotary_interleaved(q, *rotary), apply_rotary_interleaved(k, *rotary)
+        qn, kn = rot(q), rot(k)
     if kind == "mhla":
         ids = layout_for_grid(grid, blocks).token_block_ids_raster()
         mc = attn.mhla_mixing()[ids][:, ids]  # [N, N]

@@ -4,7 +4,8 @@ Two entry points:
 
     from mhla.adapters.diffusers import swap_self_attention, hybrid_layers
     # Wan2.1 (3-D latent grid), all 30 self-attention layers, M = 7 x 3 x 5 = 105 blocks:
-    names = swap_self_attention(wan, "mhla", blocks=(7, 3, 5), normalize=False, out_norm=True, rope="after")
+    names = swap_self_attention(wan, "mhla", blocks=(7, 3, 5), normalize=False, out_norm=True,
+                                rope="after_feature_map")
     # hybrid: every third layer (2, 5, 8, ...) keeps its softmax processor
     names = swap_self_attention(wan, "mhla", layers=hybrid_layers(30), blocks=(7, 3, 5), ...)
     # SANA (2-D latent grid, NoPE): attn1 only (cross-attention is never touched)
@@ -26,10 +27,11 @@ What the processor computes for ``hidden_states x: [B, N, C]`` (grid tokens in r
     q, k, v = to_q(x), to_k(x), to_v(x)             # or to_qkv(x).chunk(3)
     q, k    = norm_q(q), norm_k(k)                   # the module's q/k norms (across heads or per head)
     q, k, v -> [B, N, H, D]
-    rope="before": q, k = rope(q), rope(k)           # the model's rotary embedding (Wan passes rotary_emb)
+    rope="before_feature_map": q, k = rope(q), rope(k)   # the model's rotary embedding (Wan: rotary_emb)
     q, k    = phi(q), phi(k)                         # feature map, default relu(x) + 1e-6
-    rope="after":  numerator uses rope(phi(q)), rope(phi(k)); the normalizer (when normalize=True) uses the
-                   un-rotated phi(q), phi(k) (RoFormer's linear-attention form, so it stays positive)
+    rope="after_feature_map": numerator uses rope(phi(q)), rope(phi(k)); the normalizer (when normalize=True)
+                   uses the un-rotated phi(q), phi(k) (RoFormer's linear-attention form, so it stays positive;
+                   the LM normalises with the rotated ones instead: see mhla.rope)
     MHLA over block-major tokens (mhla.layouts.BlockLayout permutes raster <-> block-major):
         o = mhla_attention(q, k, v, Mc, block_size, normalize=...)    (kind="linear": linear_attention)
     o = out_norm(o) (per head, optional);  y = to_out[1](to_out[0](o.flatten(heads)))
@@ -45,8 +47,8 @@ Blocks. The block *grid* (blocks per axis) is fixed when the layer is built, bec
 ``M x M`` with ``M = prod(blocks)``; the block *shape* is ``grid // blocks`` at each call, and a grid the
 blocks do not tile raises a ``ValueError`` naming the axis. Give ``blocks=(7, 3, 5)`` (blocks per axis),
 or ``block=(3, 10, 10)`` (tokens per block, with ``grid``), or ``num_blocks=105`` (with ``grid``; factorised
-by :func:`factorize_blocks`). Mixing init: the paper's locality init on the block grid's centre distances
-(``mixing_init="locality"``); the constant init of the authors' video release is NOT used (a slip).
+by :func:`mhla.layouts.factorize_blocks`). Mixing init: the paper's locality init on the block grid's centre
+distances (``mixing_init="locality"``); the constant init of the authors' video release is NOT used (a slip).
 
 Parameters registered by :func:`swap_self_attention` (names are stable; checkpoints rely on them):
     ``<attn>.mhla_mixing.raw``       ``[M, M]`` (or ``[H, M, M]`` with ``mixing_per_head``), kind="mhla"
@@ -55,7 +57,6 @@ Parameters registered by :func:`swap_self_attention` (names are stable; checkpoi
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -64,88 +65,15 @@ import torch
 import torch.nn as nn
 
 from ..feature_maps import get_feature_map
-from ..layouts import BlockLayout
+from ..layouts import BlockLayout, layout_for_grid, resolve_blocks
 from ..mixing import MixingMatrix
 from ..ops import linear_attention, mhla_attention
+from ..rope import apply_rope, rope_and_feature_map, rope_placement
 
 KINDS = ("mhla", "linear")
-ROPE_PLACEMENTS = ("before", "after", "none")
-_AXES = {1: ("length",), 2: ("height", "width"), 3: ("frames", "height", "width")}
 
 
-# --------------------------------------------------------------------------------------- blocks
-def factorize_blocks(grid: Sequence[int], num_blocks: int) -> tuple[int, ...]:
-    """Blocks per axis ``(b_0, ..., b_{n-1})`` with ``prod(b) == num_blocks`` and ``b_i | grid_i``.
-
-    Among all valid factorisations, the one whose block shape ``grid // b`` is the most isotropic in
-    tokens (smallest ``max(block) / min(block)``; ties: more blocks along the leading axes). Example: the
-    paper's Wan grid ``(21, 30, 50)`` with ``M = 105`` -> ``(7, 3, 5)``, blocks of ``3 x 10 x 10`` tokens.
-
-    Raises:
-        ValueError: when no factorisation tiles the grid (the message lists the divisors per axis).
-    """
-    grid = tuple(int(g) for g in grid)
-    num_blocks = int(num_blocks)
-    if len(grid) not in _AXES or num_blocks < 1 or any(g < 1 for g in grid):
-        raise ValueError(f"need a 1-3 dim grid of positive sizes and num_blocks >= 1, got {grid}, {num_blocks}")
-    divisors = [[d for d in range(1, g + 1) if g % d == 0] for g in grid]
-    best, best_key = None, None
-    for combo in itertools.product(*divisors):
-        if math.prod(combo) != num_blocks:
-            continue
-        shape = [g // b for g, b in zip(grid, combo)]
-        key = (max(shape) / min(shape), tuple(-b for b in combo))
-        if best_key is None or key < best_key:
-            best, best_key = combo, key
-    if best is None:
-        div = "; ".join(f"{a} {g}: {', '.join(map(str, d))}" for a, g, d in zip(_AXES[len(grid)], grid, divisors))
-        raise ValueError(
-            f"num_blocks={num_blocks} cannot tile the token grid {grid}: it must be a product of one divisor "
-            f"per axis ({div}). Choose another num_blocks or give blocks=(...) per axis"
-        )
-    return tuple(best)
-
-
-def resolve_blocks(grid=None, *, blocks=None, block=None, num_blocks=None) -> tuple[int, ...]:
-    """Blocks per axis from exactly one of ``blocks`` / ``block`` (+ ``grid``) / ``num_blocks`` (+ ``grid``)."""
-    given = [n for n, v in (("blocks", blocks), ("block", block), ("num_blocks", num_blocks)) if v is not None]
-    if len(given) != 1:
-        raise ValueError(
-            f"give exactly one of blocks=(per-axis block counts), block=(tokens per block, with grid) or "
-            f"num_blocks=M (with grid); got {given or 'none'}"
-        )
-    if blocks is not None:
-        out = tuple(int(b) for b in blocks)
-        if grid is not None:
-            layout_for_grid(grid, out)  # validates that they tile the grid
-        return out
-    if grid is None:
-        raise ValueError(f"{given[0]}=... needs grid=(F, H, W) / (H, W) to know the block grid; or give blocks=")
-    grid = tuple(int(g) for g in grid)
-    if block is not None:
-        lay = BlockLayout(grid, tuple(int(b) for b in block))
-        return lay.blocks_per_axis
-    return factorize_blocks(grid, num_blocks)
-
-
-def layout_for_grid(grid: Sequence[int], blocks: Sequence[int]) -> BlockLayout:
-    """The :class:`BlockLayout` of ``grid`` split into ``blocks`` blocks per axis (``ValueError`` if not)."""
-    grid, blocks = tuple(int(g) for g in grid), tuple(int(b) for b in blocks)
-    if len(grid) != len(blocks):
-        raise ValueError(
-            f"the token grid {grid} has {len(grid)} axes but the block grid {blocks} has {len(blocks)}; "
-            f"give one block count per axis ({', '.join(_AXES.get(len(grid), ('?',)))})"
-        )
-    for axis, g, b in zip(_AXES[len(grid)], grid, blocks):
-        if b < 1 or g % b:
-            divs = ", ".join(str(d) for d in range(1, g + 1) if g % d == 0)
-            raise ValueError(
-                f"MHLA blocks {blocks} do not tile the token grid {grid}: {b} blocks along {axis} do not divide "
-                f"{g} (divisors: {divs}). Change the video/image size or the block grid (attn.blocks)"
-            )
-    return BlockLayout(grid, tuple(g // b for g, b in zip(grid, blocks)))
-
-
+# --------------------------------------------------------------------------------------- layers
 def hybrid_layers(num_layers: int, softmax_every: int = 3, softmax_offset: int = 2) -> list[int]:
     """Indices of the layers that get MHLA in a hybrid model: all but ``i % softmax_every == softmax_offset``.
 
@@ -157,21 +85,6 @@ def hybrid_layers(num_layers: int, softmax_every: int = 3, softmax_offset: int =
         raise ValueError(f"need softmax_every >= 1 and 0 <= softmax_offset < softmax_every, got "
                          f"{softmax_every}, {softmax_offset}")
     return [i for i in range(num_layers) if i % softmax_every != softmax_offset]
-
-
-# ----------------------------------------------------------------------------------------- RoPE
-def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs ``(x[2i], x[2i+1])`` of ``x: [B, N, H, D]`` by the angles of ``cos``/``sin``.
-
-    ``cos``/``sin`` broadcast to ``[B, N, H, D]`` with each angle repeated for the two entries of its pair
-    (Wan's ``WanRotaryPosEmbed`` output, ``[1, N, 1, D]``, fp64). Computed in fp32 (fp64 for fp64 ``x``),
-    returned in the dtype of ``x``.
-    """
-    acc = torch.promote_types(x.dtype, torch.float32)
-    xr = x.to(acc).unflatten(-1, (-1, 2))
-    x1, x2 = xr[..., 0], xr[..., 1]
-    c, s = cos[..., 0::2].to(acc), sin[..., 0::2].to(acc)
-    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------ processor
@@ -210,9 +123,11 @@ class MHLAAttnProcessor:
             size of ``attn.mhla_mixing``.
         feature_map: name in :data:`mhla.feature_maps.FEATURE_MAPS` (default ``"relu"``: relu(x) + 1e-6).
         normalize: ``True`` (paper's vision normalizer), ``False`` (no denominator; use ``out_norm``), or
-            ``"official"`` (the authors' release's normalizer; kind="mhla", rope != "after" only).
-        rope: ``"before"`` / ``"after"`` the feature map, or ``"none"`` to ignore the model's rotary
-            embedding (models without RoPE, such as SANA, never pass one).
+            ``"official"`` (the authors' release's normalizer; kind="mhla", rope != "after_feature_map" only).
+        rope: ``"before_feature_map"`` / ``"after_feature_map"`` (:data:`mhla.rope.ROPE_PLACEMENTS`; the old
+            ``"before"`` / ``"after"`` are aliases), or ``"none"`` to ignore the model's rotary embedding
+            (models without RoPE, such as SANA, never pass one). What ``normalize=True`` divides by for each
+            placement: :mod:`mhla.rope`.
         eps: denominator epsilon. backend: op backend of :func:`mhla.mhla_attention`.
         grid: fixed token grid; else the model's :class:`GridContext` (``context``) or a 4-D input.
 
@@ -223,17 +138,16 @@ class MHLAAttnProcessor:
     """
 
     def __init__(self, kind: str = "mhla", *, blocks: Sequence[int] | None = None, feature_map: str = "relu",
-                 normalize=True, rope: str = "before", eps: float = 1e-6, backend: str = "auto",
+                 normalize=True, rope: str = "before_feature_map", eps: float = 1e-6, backend: str = "auto",
                  grid: Sequence[int] | None = None, context: GridContext | None = None):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if rope not in ROPE_PLACEMENTS:
-            raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
+        rope = rope_placement(rope)
         if normalize not in (True, False, "official"):
             raise ValueError(f"normalize must be True, False or 'official', got {normalize!r}")
-        if normalize == "official" and (kind != "mhla" or rope == "after"):
+        if normalize == "official" and (kind != "mhla" or rope == "after_feature_map"):
             raise ValueError("normalize='official' is MHLA's release normalizer; it needs kind='mhla' and "
-                             "rope != 'after'")
+                             "rope != 'after_feature_map'")
         if kind == "mhla" and blocks is None:
             raise ValueError("kind='mhla' needs blocks=(blocks per axis); see resolve_blocks()")
         self.kind = kind
@@ -288,19 +202,16 @@ class MHLAAttnProcessor:
 
     def attend(self, attn, q, k, v, grid, rotary_emb=None) -> torch.Tensor:
         """Projected ``q, k, v [B, N, H, D]`` in raster order -> ``o [B, N, H, Dv]`` (before out_norm)."""
+        rot = None
         if rotary_emb is not None and self.rope != "none":
-            cos, sin = rotary_emb
-            rot = lambda t: apply_rotary_interleaved(t, cos, sin)  # noqa: E731
-        else:
-            rot = None
-        if rot is not None and self.rope == "before":
-            q, k = rot(q), rot(k)
-        q, k = self.feature_map(q), self.feature_map(k)
-        if rot is not None and self.rope == "after":
-            num = self._op(attn, rot(q), rot(k), v, grid, False)
+            cos, sin = rotary_emb  # interleaved pairs, e.g. Wan's [1, N, 1, D] fp64 tables
+            rot = lambda t: apply_rope(t, cos, sin, interleaved=True, upcast=True)  # noqa: E731
+        q, k, q_plain, k_plain = rope_and_feature_map(q, k, self.feature_map, rot, self.rope)
+        if rot is not None and self.rope == "after_feature_map":  # normalise with the un-rotated features
+            num = self._op(attn, q, k, v, grid, False)
             if self.normalize is False:
                 return num
-            den = self._op(attn, q, k, v.new_ones(*v.shape[:-1], 1), grid, False)
+            den = self._op(attn, q_plain, k_plain, v.new_ones(*v.shape[:-1], 1), grid, False)
             acc = torch.promote_types(num.dtype, torch.float32)
             return (num.to(acc) / (den.to(acc) + self.eps)).to(num.dtype)
         return self._op(attn, q, k, v, grid, self.normalize)
@@ -409,7 +320,7 @@ def swap_self_attention(
     feature_map: str = "relu",
     normalize=True,
     out_norm: bool = False,
-    rope: str = "before",
+    rope: str = "before_feature_map",
     mixing_init: str = "locality",
     mixing_learnable: bool = True,
     mixing_per_head: bool = False,

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts import ceil_div
 from .causal import MHLAState, mhla_causal_torch
 from .noncausal import mhla_noncausal_torch
 from .reference import mhla_reference
-from .validation import check_block_size, check_mixing, check_qkv, normalizer_mode, num_blocks
+from .validation import check_block_size, check_mixing, check_qkv, normalizer_mode
 
 BACKENDS = ("auto", "torch", "reference", "triton")
 
@@ -101,7 +102,7 @@ def mhla_attention(
         if mode == "official":
             raise ValueError("normalize='official' is the release's non-causal vision normalizer only")
         seen = initial_state.num_tokens if initial_state is not None else 0
-        check_mixing(mixing, H, num_blocks(seen + T, block_size))
+        check_mixing(mixing, H, ceil_div(seen + T, block_size))
 
     which = resolve_backend(backend, q, causal=causal)
     if which == "reference":

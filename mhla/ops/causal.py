@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .validation import accumulation_dtype, check_mixing, normalizer_mode, num_blocks
+from ..layouts import ceil_div
+from .validation import accumulation_dtype, check_mixing, normalizer_mode
 
 
 @dataclass
@@ -155,12 +156,12 @@ def mhla_causal_torch(
         state = initial_state
     P = state.num_tokens
     first_block, offset = divmod(P, C)
-    total_blocks = num_blocks(P + T, C)
+    total_blocks = ceil_div(P + T, C)
     check_mixing(mixing, H, total_blocks)
 
     # Lay the chunk out on whole blocks: `offset` empty slots in front (those tokens live in the state),
     # zero padding behind. Zero keys and values contribute nothing to any summary.
-    nb = num_blocks(offset + T, C)
+    nb = ceil_div(offset + T, C)
     pad_back = nb * C - offset - T
 
     def blocks(x):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..layouts import ceil_div
 from .validation import accumulation_dtype, check_block_size, check_qkv, normalizer_mode
 
 
@@ -56,7 +57,7 @@ def linear_attention(
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     C = chunk_size
-    n = -(-T // C)
+    n = ceil_div(T, C)
     pad = n * C - T
 
     def blocks(x):

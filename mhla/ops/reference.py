@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .validation import check_block_size, check_mixing, check_qkv, normalizer_mode, num_blocks
+from ..layouts import ceil_div
+from .validation import check_block_size, check_mixing, check_qkv, normalizer_mode
 
 
 def _per_head_mixing(mixing: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -86,7 +87,7 @@ def mhla_reference(
     check_block_size(block_size)
     mode = normalizer_mode(normalize)
     B, T, H, D = q.shape
-    nb = num_blocks(T, block_size)
+    nb = ceil_div(T, block_size)
     check_mixing(mixing, H, nb, square_size=None if causal else nb)
     if not causal and T % block_size:
         raise ValueError(f"non-causal MHLA needs T ({T}) to be a multiple of block_size ({block_size})")

@@ -6,8 +6,6 @@ is wrong and how to fix it, instead of a shape error deep inside an einsum.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 _NORMALIZE_MODES = {True: "paper", False: "none", "paper": "paper", "none": "none", "official": "official"}
@@ -63,11 +61,6 @@ def check_block_size(block_size) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     return block_size
-
-
-def num_blocks(seq_len: int, block_size: int) -> int:
-    """Number of blocks covering ``seq_len`` tokens (the last one may be partial)."""
-    return math.ceil(seq_len / block_size)
 
 
 def check_mixing(

@@ -22,21 +22,27 @@ learnable MHLA stays at chance (``results/mqar/README.md``). Build the optimizer
 train this model outside ``train.py``.
 
 ``rope``: ``"after_feature_map"`` rotates phi(q), phi(k) (release), ``"before_feature_map"`` rotates q, k
-before phi (keeps phi's outputs nonnegative), ``"none"``. Softmax attention rotates q, k for either placement.
+before phi (keeps phi's outputs nonnegative), ``"none"`` (:data:`mhla.rope.ROPE_PLACEMENTS`; the diffusers
+adapter's ``"after"`` / ``"before"`` are accepted and stored under these names). Softmax attention rotates
+q, k for either placement. With ``normalize=True`` the normaliser uses the same (rotated) q, k as the
+numerator, unlike the diffusers adapter's ``"after_feature_map"``, which normalises with the un-rotated
+phi(q), phi(k) (:mod:`mhla.rope`); the default ``normalize=False`` has no normaliser.
 """
 
 from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from mhla.layouts import ceil_div
+from mhla.rope import ROPE_PLACEMENTS, rope_placement  # noqa: F401 (ROPE_PLACEMENTS: models.lm exports it)
+
 ATTN_TYPES = ("mhla", "linear", "softmax")
-ROPE_PLACEMENTS = ("after_feature_map", "before_feature_map", "none")
 
 
 def swiglu_intermediate(hidden_size: int, hidden_ratio: float = 4.0, multiple_of: int = 256) -> int:
     """GLA/fla's SwiGLU width: ``multiple_of * ceil(int(2/3 * hidden_ratio * hidden) / multiple_of)`` (1024 -> 2816)."""
     inner = int(hidden_size * hidden_ratio * 2 / 3)
-    return multiple_of * ((inner + multiple_of - 1) // multiple_of)
+    return multiple_of * ceil_div(inner, multiple_of)
 
 
 class MHLALMConfig(PretrainedConfig):
@@ -100,8 +106,7 @@ class MHLALMConfig(PretrainedConfig):
     ):
         if attn_type not in ATTN_TYPES:
             raise ValueError(f"attn_type must be one of {ATTN_TYPES}, got {attn_type!r}")
-        if rope not in ROPE_PLACEMENTS:
-            raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
+        rope = rope_placement(rope)
         key_dim, value_dim = int(hidden_size * key_dim_ratio), int(hidden_size * value_dim_ratio)
         if key_dim % num_heads or value_dim % num_heads:
             raise ValueError(f"key dim {key_dim} and value dim {value_dim} must be divisible by num_heads={num_heads}")

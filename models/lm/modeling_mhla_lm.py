@@ -29,30 +29,30 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from mhla.feature_maps import get_feature_map
 from mhla.layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
 from mhla.mixing import MixingMatrix
+from mhla.rope import apply_rope, rope_and_feature_map
 
 from .configuration_mhla_lm import MHLALMConfig
 
 
 # ------------------------------------------------------------------------------------------- RoPE
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
-    """Rotary tables for ``positions [T]`` or ``[B, T]`` -> cos, sin ``[T or B x T, 1, dim]`` (fp32 math)."""
+    """Rotary tables for ``positions [T]`` or ``[B, T]`` -> cos, sin ``[T or B x T, 1, dim]`` (fp32 math).
+
+    Half-split layout (``cat([a, a])``), for :func:`mhla.rope.apply_rope` with ``interleaved=False``.
+    """
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
     ang = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
     ang = torch.cat([ang, ang], dim=-1).unsqueeze(-2)  # [..., T, 1, dim]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, T, H, D]`` rotated by position (Llama's half-split convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class _LMAttentionMixin:
     """Makes a library attention layer apply the LM's feature map and RoPE in ``_project``.
 
     The layer is built with ``feature_map="identity"`` so its ``_core`` sees the final q, k; this mixin
-    applies phi and the rotation in the configured order. ``forward_lm`` passes the rotary tables.
+    applies phi and the rotation in the configured order (:func:`mhla.rope.rope_and_feature_map`; the layer's
+    normaliser, when ``normalize=True``, sees the same q, k as the numerator: see :mod:`mhla.rope`).
+    ``forward_lm`` passes the rotary tables.
     """
 
     def setup_lm(self, feature_map: str | None, rope: str) -> None:
@@ -62,16 +62,11 @@ class _LMAttentionMixin:
 
     def _project(self, x):
         q, k, v = super()._project(x)
-        rot = self._rope_tables is not None and self.lm_rope != "none"
-        if rot and (self.lm_rope == "before_feature_map" or self.lm_feature_map is None):
-            cos, sin = self._rope_tables
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            rot = False
-        if self.lm_feature_map is not None:
-            q, k = self.lm_feature_map(q), self.lm_feature_map(k)
-        if rot:  # after the feature map (the release)
-            cos, sin = self._rope_tables
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rot = None
+        if self._rope_tables is not None:
+            cos, sin = self._rope_tables  # half-split tables from rope_cos_sin
+            rot = lambda t: apply_rope(t, cos, sin)  # noqa: E731
+        q, k, _, _ = rope_and_feature_map(q, k, self.lm_feature_map, rot, self.lm_rope)
         return q, k, v
 
     def forward_lm(self, x, rope_tables, cache: AttentionCache | None):

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from mhla.layouts import ceil_div
+
 
 class ResumableSampler(Sampler[int]):
     """Epoch-seeded shuffling, sharded by rank, with ``drop_last`` on the global batch.
@@ -46,7 +48,7 @@ class ResumableSampler(Sampler[int]):
                     f"{batch_size} per device x {world_size}); lower data.batch_size"
                 )
         else:
-            self.batches_per_epoch = -(-n // global_batch)
+            self.batches_per_epoch = ceil_div(n, global_batch)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.epoch = epoch

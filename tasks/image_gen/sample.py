@@ -27,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from mhla.layouts import ceil_div  # noqa: E402
+
 
 def load_model(ckpt_path: str, weights: str = "ema", device="cpu"):
     """Rebuild the DiT of a ``train.py`` checkpoint and load its (EMA) weights. Returns ``(model, cfg, step)``."""
@@ -64,7 +66,7 @@ def sample_to_npz(model, cfg, out_dir: str, *, num_samples: int, batch_size: int
     from .sampling import generate  # noqa: PLC0415
 
     os.makedirs(out_dir, exist_ok=True)
-    n_batches = -(-num_samples // batch_size)
+    n_batches = ceil_div(num_samples, batch_size)
     mine = list(range(rank, n_batches, world))
     it = mine
     if progress and rank == 0:

@@ -58,6 +58,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from mhla.layouts import ceil_div  # noqa: E402
+
 DC_AE_REPO = "mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers"
 CLIP_REPO = "openai/clip-vit-large-patch14"
 PIPELINE_REPO = "Efficient-Large-Model/Sana_600M_1024px_diffusers"
@@ -526,7 +528,7 @@ class SampleRun:
 
     @property
     def num_batches(self) -> int:
-        return -(-len(self.jobs) // self.batch_size)
+        return ceil_div(len(self.jobs), self.batch_size)
 
     def batch(self, j: int) -> list:
         return self.jobs[j * self.batch_size:(j + 1) * self.batch_size]
