@@ -17,6 +17,7 @@ help:
 	@echo "make bench-gpu - GPU tests + kernel benchmarks (bf16, B=8, H=16, D=64/128) -> results/bench/"
 	@echo "make analyze   - attention rank/entropy analysis (Fig. 3 measure) -> results/analysis/"
 	@echo "make reproduce-table2 [SCALE=mini] [EXTRA='data.root=/data/imagenet'] - Table 2 -> results/table2[_mini].md"
+	@echo "    SCALE=mini: MNIST at 256 tokens, every attention x 3 seeds (~80 min on 2 cores) + Fig. 3 -> results/analysis/"
 	@echo "make reproduce-table3 [SCALE=mini] [EXTRA='data.root=... data.vae_path=...'] [REF=ref.npz] - Table 3a -> results/table3[_mini].md"
 
 $(VENV)/.installed: requirements.lock pyproject.toml

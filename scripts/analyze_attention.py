@@ -77,9 +77,14 @@ def ranks(A: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
     return (s > rtol * s[..., :1]).sum(-1).double()
 
 
+def row_entropy(A: torch.Tensor) -> torch.Tensor:
+    """Row entropies (nats) ``[..., N]`` of ``A: [..., N, N]`` with rows summing to 1."""
+    return -(A * torch.log(A.clamp_min(1e-300))).sum(-1)
+
+
 def mean_entropy(A: torch.Tensor) -> float:
     """Mean row entropy (nats) of ``A: [..., N, N]`` with rows summing to 1."""
-    return -(A * torch.log(A.clamp_min(1e-300))).sum(-1).mean().item()
+    return row_entropy(A).mean().item()
 
 
 def rank_and_entropy(A: torch.Tensor, rtol: float = 1e-6) -> tuple[float, float]:
@@ -185,11 +190,14 @@ def analyze_checkpoint(path: str, batch: int, rtol: float) -> dict:
     for i, (layer, q, k) in enumerate(capture_qk(model, x)):
         kind, A = own_attention_matrix(layer, q, k)
         r = ranks(A, rtol)                                                # [B, H]
-        layers.append({"layer": i, "kind": kind, "rank": r.mean().item(), "entropy": mean_entropy(A),
-                       "rank_per_head": r.mean(0).tolist(),
+        ent = row_entropy(A).mean(-1)                                     # [B, H]
+        layers.append({"layer": i, "kind": kind, "rank": r.mean().item(), "entropy": ent.mean().item(),
+                       "rank_per_head": r.mean(0).tolist(), "entropy_per_head": ent.mean(0).tolist(),
                        "N": A.shape[-1], "heads": A.shape[1]})
     kinds = sorted({lay["kind"] for lay in layers})
-    return {"checkpoint": ckpt, "attention": cfg.attn.name if "attn" in cfg else "/".join(kinds),
+    run = os.path.basename(os.path.dirname(os.path.dirname(ckpt))) if ckpt.endswith(".pt") else ckpt
+    return {"checkpoint": ckpt, "run": run, "seed": cfg.get("seed"),
+            "attention": cfg.attn.name if "attn" in cfg else "/".join(kinds),
             "kinds": kinds, "images": x.shape[0], "layers": layers,
             "rank": sum(lay["rank"] for lay in layers) / len(layers),
             "entropy": sum(lay["entropy"] for lay in layers) / len(layers),
@@ -203,11 +211,13 @@ def plot_trained(models: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for j, m in enumerate(models):
+    attns = list(dict.fromkeys(m["attention"] for m in models))  # one colour per attention, one line per run
+    for m in models:
         xs = [lay["layer"] for lay in m["layers"]]
-        label = f"{m['attention']} (mean {m['rank']:.1f} / {m['entropy']:.2f})"
-        axes[0].plot(xs, [lay["rank"] for lay in m["layers"]], "o-", color=f"C{j}", label=label)
-        axes[1].plot(xs, [lay["entropy"] for lay in m["layers"]], "o-", color=f"C{j}", label=label)
+        label = f"{m['attention']} {m.get('run', '')} (mean {m['rank']:.1f} / {m['entropy']:.2f})"
+        color = f"C{attns.index(m['attention'])}"
+        axes[0].plot(xs, [lay["rank"] for lay in m["layers"]], "o-", color=color, label=label, alpha=0.8)
+        axes[1].plot(xs, [lay["entropy"] for lay in m["layers"]], "o-", color=color, label=label, alpha=0.8)
     n = models[0]["N"]
     axes[0].axhline(n, color="grey", ls=":", lw=1)
     axes[0].set_title(f"rank of the attention matrix (N = {n})")
@@ -236,8 +246,49 @@ def main_trained(args, argv) -> int:
     with open(stem + ".json", "w") as f:
         json.dump(out, f, indent=2)
     plot_trained(models, stem + ".png")
-    print(f"wrote {stem}.json, .png")
+    write_trained_md(out, stem + ".md")
+    print(f"wrote {stem}.json, .md, .png")
     return 0
+
+
+def write_trained_md(out: dict, path: str) -> None:
+    """The Fig. 3 table: mean rank / entropy per model beside the paper's, then every layer and head."""
+    from tasks.common.launch import mean_std  # noqa: PLC0415
+    models = out["models"]
+    n = models[0]["N"]
+    lines = ["# Fig. 3 on trained models: rank and entropy of the effective attention matrix", "",
+             f"Command: `{out['command']}`", "",
+             f"Machine: {json.dumps(out['machine'])}", "",
+             f"Each model runs on its first {out['images']} evaluation images; every layer's own matrix is built "
+             f"from the captured q and k (N = {n} tokens, log N = {math.log(n):.3f}); rank counts singular values "
+             f"above {out['rank_rtol']:g} x the largest. Means are over images, heads and layers. The paper's "
+             "numbers are for DeiT-T on ImageNet (N = 256, head dim 64); the proxies here have their own head "
+             "dim, which bounds linear attention's rank.", "",
+             "| attention | run | rank (mean) | entropy (mean, nats) | paper rank | paper entropy |",
+             "|---|---|---|---|---|---|"]
+    for m in models:
+        ref = PAPER.get(m["attention"], {})
+        lines.append(f"| {m['attention']} | {m.get('run', '')} | {m['rank']:.1f} | {m['entropy']:.3f} | "
+                     f"{ref.get('rank', '')} | {ref.get('entropy', '')} |")
+    by_attn = {}
+    for m in models:
+        by_attn.setdefault(m["attention"], []).append(m)
+    if any(len(v) > 1 for v in by_attn.values()):
+        lines += ["", "Over runs (mean ± std):", "", "| attention | runs | rank | entropy |", "|---|---|---|---|"]
+        for a, ms in by_attn.items():
+            r = [m["rank"] for m in ms]
+            e = [m["entropy"] for m in ms]
+            (rm, rs), (em, es) = mean_std(r), mean_std(e)
+            lines.append(f"| {a} | {len(ms)} | {rm:.1f} ± {rs:.1f} | {em:.3f} ± {es:.3f} |")
+    lines += ["", "Per layer and head (rank / entropy):", "", "| attention | layer | " + " | ".join(
+        f"head {h}" for h in range(models[0]["layers"][0]["heads"])) + " |",
+        "|---|---|" + "---|" * models[0]["layers"][0]["heads"]]
+    for m in models:
+        for lay in m["layers"]:
+            cells = [f"{r:.1f} / {e:.3f}" for r, e in zip(lay["rank_per_head"], lay["entropy_per_head"])]
+            lines.append(f"| {m['attention']} {m.get('run', '')} | {lay['layer']} | " + " | ".join(cells) + " |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _system_info() -> dict:

@@ -23,18 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tasks.common.launch import mean_std, run_parallel, run_training, train_loss_curve  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
 
 # name -> Hydra overrides. "mhla" is the task's default rule (uniform init, clamp, optim.mixing_lr_scale=0.01);
@@ -76,37 +73,14 @@ def run_dir(args, variant: str, n: int, k: int, seed: int) -> str:
     return os.path.join(args.out_dir, f"{n}x{k}", f"{variant}_s{seed}")
 
 
-def read_curve(path: str) -> list[tuple[int, float]]:
-    """``(step, train loss)`` pairs from a run's ``metrics.jsonl``."""
-    curve = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                if "train/loss" in rec:
-                    curve.append((rec["step"], rec["train/loss"]))
-    return curve
-
-
 def run_one(variant: str, n: int, k: int, seed: int, args) -> dict:
-    overrides = overrides_for(variant, n, k, seed, args)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    rec = {"variant": variant, "seq_len": n, "num_kv_pairs": k, "seed": seed, "seconds": round(time.time() - t0, 1),
-           "command": "python train.py " + " ".join(overrides)}
-    finals = [line for line in proc.stdout.splitlines() if line.startswith("final:")]
-    if proc.returncode != 0 or not finals:
-        rec["error"] = ((proc.stderr or proc.stdout).strip().splitlines() or ["failed"])[-1]
-        return rec
-    rec.update({k_: float(v) for k_, v in re.findall(r"([\w/]+)=([-\d.eE+naninf]+)", finals[-1])})
-    rec["curve"] = read_curve(os.path.join(run_dir(args, variant, n, k, seed), "metrics.jsonl"))
+    rec = run_training(overrides_for(variant, n, k, seed, args), threads=args.threads)
+    rec.pop("error_tail", None)
+    rec = {"variant": variant, "seq_len": n, "num_kv_pairs": k, "seed": seed, **rec}
+    if "metrics" in rec:
+        rec.update(rec.pop("metrics"))
+        rec["curve"] = train_loss_curve(run_dir(args, variant, n, k, seed))
     return rec
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
 def summarize(results: list[dict], variants: list[str]) -> tuple[list, dict]:
@@ -272,27 +246,15 @@ def main(argv=None) -> int:
         if args.order:  # "variant:seed" pairs to run first, in this order
             rank = {tuple(o.rsplit(":", 1)): i for i, o in enumerate(args.order)}
             todo.sort(key=lambda t: rank.get((t[0], str(t[3])), len(rank)))
-        try:
-            from tqdm import tqdm  # noqa: PLC0415  (progress bar when available)
-        except ImportError:  # pragma: no cover
-            tqdm = None
-        bar = tqdm(total=len(todo), desc="MQAR runs", unit="run") if tqdm and todo else None
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = [pool.submit(run_one, v, n, k, s, args) for v, n, k, s in todo]
-            for fut in futures:
-                rec = fut.result()
-                results.append(rec)
-                msg = (f"{rec['variant']} N={rec['seq_len']} K={rec['num_kv_pairs']} seed={rec['seed']}: "
-                       + (f"FAILED {rec['error']}" if "error" in rec else f"acc={100 * rec['acc']:.1f}%")
-                       + f" ({rec['seconds']:.0f}s)")
-                if bar is not None:
-                    bar.write(msg)
-                    bar.update()
-                else:
-                    print(msg, flush=True)
-                write_outputs(results, args, stem)
-        if bar is not None:
-            bar.close()
+
+        def on_done(item, rec):
+            results.append(rec)
+            write_outputs(results, args, stem)
+            return (f"{rec['variant']} N={rec['seq_len']} K={rec['num_kv_pairs']} seed={rec['seed']}: "
+                    + (f"FAILED {rec['error']}" if "error" in rec else f"acc={100 * rec['acc']:.1f}%")
+                    + f" ({rec['seconds']:.0f}s)")
+
+        run_parallel(lambda t: run_one(*t, args), todo, args.jobs, "MQAR runs", on_done)
     write_outputs(results, args, stem)
     print(f"wrote {stem}.md, .json, .png, _curves.png")
     return 0 if all("error" not in r for r in results) else 1
