@@ -251,3 +251,29 @@ def test_attention_a_model_cannot_take(tmp_path):
 
     with pytest.raises(ConfigError, match="cannot take attn=mhla"):
         run(make_cfg(TINY + ["model.attentions=[softmax]"]), tmp_path)
+
+
+def test_table7a_init_sweep_keeps_the_table2_cells_cpe():
+    """Table 7a's 75.8 is Table 2's DeiT-T MHLA cell (with CPE): every cell of sweep=mhla_init keeps CPE."""
+    cell = make_cfg(["experiment=table2/deit_t_mhla"])
+    for init in ("uniform", "locality"):
+        for learnable in ("true", "false"):
+            cfg = make_cfg(["sweep=mhla_init", "task=imagenet", "model=deit_t", f"attn.mixing_init={init}",
+                            f"attn.mixing_learnable={learnable}"])
+            assert cfg.attn.cpe is True and cfg.attn.cpe_kernel == cell.attn.cpe_kernel
+            assert cfg.attn.mixing_init == init
+
+
+def test_dit_and_dig_cells_train_in_fp32_like_their_scripts():
+    """DiT's and DiG's train.py use fp32 with TF32 matmuls: the Table 3 / 12 cells pin it (not bf16 'auto')."""
+    import glob
+
+    checked = 0
+    for path in sorted(glob.glob(os.path.join(CONFIGS, "experiment", "table3*", "*.yaml"))
+                       + glob.glob(os.path.join(CONFIGS, "experiment", "table12", "*.yaml"))):
+        name = os.path.relpath(path, os.path.join(CONFIGS, "experiment"))[:-5]
+        cfg = make_cfg([f"experiment={name}"])
+        if cfg.task.name == "imagenet_gen":
+            assert cfg.trainer.precision == "fp32" and cfg.trainer.tf32 is True, name
+            checked += 1
+    assert checked >= 10

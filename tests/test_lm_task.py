@@ -149,3 +149,25 @@ def test_local_dataset_sources(tmp_path, source):
     assert list(iter_documents(cfg)) == [f"document number {i}" for i in range(4)]
     with pytest.raises(KeyError, match="content"):
         next(iter_documents(OmegaConf.create({"source": source, "path": str(path), "text_field": "content"})))
+
+
+@pytest.mark.parametrize("task", ["lm_mini", "mqar"])
+def test_attn_keys_an_lm_would_ignore_are_refused(task):
+    """LMs read only attn.name: a changed attn.* key is an error naming the model.* key, not a silent no-op."""
+    from tasks.language.mqar import build_mqar_model
+    from tasks.language.task import check_lm_attn_keys
+
+    check_lm_attn_keys(_cfg(f"task={task}", "attn=mhla"))  # the group's own values compose fine
+    resolved = _cfg(f"task={task}", "attn=mhla")
+    OmegaConf.resolve(resolved)  # as train.py does: attn.num_blocks = ${model.mhla_num_blocks} is resolved
+    check_lm_attn_keys(resolved)
+    check_lm_attn_keys(_cfg(f"task={task}", "attn=linear"))
+    for override, hint in [("attn.mixing_init=uniform", "model.mixing_init"), ("attn.normalize=false", "model.normalize"),
+                           ("attn.gate=true", "model.output_gate"), ("+attn.foo=1", "no LM equivalent"),
+                           ("attn.num_blocks=4", "model.block_size")]:
+        cfg = _cfg(f"task={task}", "attn=mhla", override)
+        with pytest.raises(ValueError, match=hint):
+            check_lm_attn_keys(cfg)
+    if task == "mqar":  # the model builder itself refuses (train.py and eval.py go through it)
+        with pytest.raises(ValueError, match="model.mixing_param"):
+            build_mqar_model(_cfg("task=mqar", "attn=mhla", "attn.mixing_param=softplus"))

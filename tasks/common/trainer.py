@@ -108,6 +108,10 @@ class Trainer:
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"trainer.precision must be auto, fp32, bf16 or fp16, got {precision!r}")
         self.precision = precision
+        if self.device.type == "cuda":  # TF32 matmuls/convs in fp32 (DiT's and DiG's scripts turn them on)
+            tf32 = bool(self.tcfg.get("tf32", False))
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
 
     # ------------------------------------------------------------------------------------ set-up
     def _print(self, *args) -> None:

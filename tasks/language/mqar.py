@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 
 from mhla.mixing import MixingMatrix
 from tasks.common.trainer import Task, Trainer
+from tasks.language.task import check_lm_attn_keys
 
 
 def power_law_probs(space: int, power_a: float) -> np.ndarray:
@@ -109,6 +110,7 @@ def build_mqar_model(cfg) -> nn.Module:
 
     from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415
 
+    check_lm_attn_keys(cfg)
     m = OmegaConf.to_container(cfg.model, resolve=True) if OmegaConf.is_config(cfg.model) else dict(cfg.model)
     for key in ("name", "kind", "mhla_num_blocks", "attentions"):
         m.pop(key, None)

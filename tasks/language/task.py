@@ -13,6 +13,39 @@ import torch.nn.functional as F
 from tasks.common.trainer import Task
 
 
+# The language models (task=lm_*, task=mqar) take only the attention's NAME from the attn group; their attention
+# options are model.* keys. Any other attn.* value that differs from the group's file would compose and do
+# nothing, so it is refused with the model.* key to use instead.
+LM_ATTN_KEY_TO_MODEL_KEY = {
+    "feature_map": "model.feature_map", "normalize": "model.normalize", "mixing_init": "model.mixing_init",
+    "mixing_learnable": "model.mixing_learnable", "mixing_per_head": "model.mixing_per_head",
+    "mixing_param": "model.mixing_param", "cpe": "model.cpe", "cpe_kernel": "model.cpe_kernel",
+    "gate": "model.output_gate", "backend": "model.attn_backend",
+    "num_blocks": "model.block_size (tokens per chunk)"}
+
+
+def check_lm_attn_keys(cfg) -> None:
+    """Raise if ``cfg.attn`` sets anything but ``name`` away from ``configs/attn/<name>.yaml`` (an LM ignores it)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415  (only the LM tasks call this)
+
+    attn = cfg.get("attn")
+    if attn is None:
+        return
+    path = Path(__file__).resolve().parents[2] / "configs" / "attn" / f"{attn.name}.yaml"
+    if not path.is_file():
+        return
+    default = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    for k, v in default.items():  # "${model.x}" in the group's file: its value in this config
+        if isinstance(v, str) and v.startswith("${") and v.endswith("}"):
+            default[k] = OmegaConf.select(cfg, v[2:-1])
+    given = OmegaConf.to_container(attn, resolve=True)
+    changed = sorted(k for k in given if k != "name" and given[k] != default.get(k, object()))
+    if changed:
+        hints = ", ".join(f"attn.{k} -> {LM_ATTN_KEY_TO_MODEL_KEY.get(k, 'no LM equivalent')}" for k in changed)
+        raise ValueError(f"the language models read only attn.name; attn.{', attn.'.join(changed)} would be ignored. "
+                         f"Set the model key instead: {hints}.")
+
+
 def build_lm(model_cfg, attn_name: str, vocab_size: int, eos_id: int | None = None) -> nn.Module:
     """The model of ``model.arch``: ``mhla_lm`` (MHLA / linear / softmax by ``attn``) or ``llama``
     (Transformer++); ``model.*`` fields map to the config fields of the same name."""
@@ -66,6 +99,7 @@ class LanguageModelingTask(Task):
 
     def build_model(self) -> nn.Module:
         _, _, tok, _ = self.data()
+        check_lm_attn_keys(self.cfg)
         return build_lm(self.cfg.model, self.cfg.attn.name, len(tok), tok.eos_token_id)
 
     def describe_model(self, model: nn.Module) -> str:
