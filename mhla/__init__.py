@@ -9,8 +9,9 @@ Hydra and W&B are used by the training harness, not here.
     layer = mhla.build_attention("mhla", dim=192, num_heads=3, grid=(16, 16), num_blocks=16)
 """
 
+from . import baselines  # noqa: F401  (registers focused, inline, mala, rala; .layers the other three)
 from .feature_maps import FEATURE_MAPS, get_feature_map
-from .layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
+from .layers import AttentionBase, AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
 from .layouts import BlockLayout, layout_1d, layout_2d, layout_3d, layout_from_num_blocks
 from .mixing import MixingMatrix, distances_1d, mixing_init
 from .ops import (
@@ -28,9 +29,9 @@ from .registry import build_attention, list_attentions, register_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionCache", "BlockLayout", "FEATURE_MAPS", "LinearAttention", "MHLAState", "MixingMatrix",
-    "MultiHeadLinearAttention", "SoftmaxAttention", "build_attention", "distances_1d", "get_feature_map",
-    "init_state", "layout_1d", "layout_2d", "layout_3d", "layout_from_num_blocks", "linear_attention",
-    "list_attentions", "mhla_attention", "mhla_attention_matrix", "mhla_decode_step", "mhla_reference",
-    "mixing_init", "register_attention", "softmax_attention",
+    "AttentionBase", "AttentionCache", "BlockLayout", "FEATURE_MAPS", "LinearAttention", "MHLAState",
+    "MixingMatrix", "MultiHeadLinearAttention", "SoftmaxAttention", "build_attention", "distances_1d",
+    "get_feature_map", "init_state", "layout_1d", "layout_2d", "layout_3d", "layout_from_num_blocks",
+    "linear_attention", "list_attentions", "mhla_attention", "mhla_attention_matrix", "mhla_decode_step",
+    "mhla_reference", "mixing_init", "register_attention", "softmax_attention",
 ]

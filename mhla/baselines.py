@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .feature_maps import focused_feature
-from .layers import _AttentionBase
+from .layers import AttentionBase
 from .ops.validation import accumulation_dtype
 from .registry import register_attention
 from .rope import apply_rope
@@ -53,7 +53,7 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
     return x.to(accumulation_dtype(x.dtype))
 
 
-class _GridBaseline(_AttentionBase):
+class _GridBaseline(AttentionBase):
     """Common checks: a 2-D grid, no prefix tokens, no causal mode."""
 
     def __init__(self, dim: int, num_heads: int = 8, **kwargs):

@@ -25,6 +25,7 @@ from .feature_maps import get_feature_map
 from .layouts import BlockLayout, ceil_div, layout_1d
 from .mixing import MixingMatrix
 from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
+from .registry import register_attention
 
 
 @dataclass
@@ -48,8 +49,8 @@ def _as_tuple(x, n: int):
     return tuple(int(v) for v in x)
 
 
-class _AttentionBase(nn.Module):
-    """Projections and options shared by the three layers.
+class AttentionBase(nn.Module):
+    """Projections and options shared by the attention layers (the three here and :mod:`mhla.baselines`).
 
     Args:
         dim: model width ``C``. Input and output ``[B, N, C]``.
@@ -246,10 +247,11 @@ class _AttentionBase(nn.Module):
         return None
 
 
-class MultiHeadLinearAttention(_AttentionBase):
+@register_attention("mhla")
+class MultiHeadLinearAttention(AttentionBase):
     """Multi-Head Linear Attention: linear attention with token-level heads mixed by a learnable matrix.
 
-    Extra args (see :class:`_AttentionBase` for the shared ones):
+    Extra args (see :class:`AttentionBase` for the shared ones):
         grid / block: token grid ``(T,)``, ``(H, W)`` or ``(F, H, W)`` and block shape (same rank);
             or ``num_blocks`` (M) to split the grid evenly; or ``block_size`` for a 1-D sequence.
             Causal layers use ``block_size`` (chunk length, default 64).
@@ -384,7 +386,8 @@ class MultiHeadLinearAttention(_AttentionBase):
         return o
 
 
-class LinearAttention(_AttentionBase):
+@register_attention("linear")
+class LinearAttention(AttentionBase):
     """Plain (normalized) linear attention with the shared constructor: one global summary per head."""
 
     def _core(self, q, k, v, grid, cache, attn_mask):
@@ -401,7 +404,8 @@ class LinearAttention(_AttentionBase):
         return o
 
 
-class SoftmaxAttention(_AttentionBase):
+@register_attention("softmax")
+class SoftmaxAttention(AttentionBase):
     """Softmax attention (PyTorch SDPA: FlashAttention / memory-efficient kernels on CUDA).
 
     ``feature_map`` and ``normalize`` are ignored; the scale is ``head_dim ** -0.5``.

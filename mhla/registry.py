@@ -5,8 +5,10 @@
     layer = build_attention("softmax", dim=192, num_heads=3)
 
 Every registered class takes ``(dim, num_heads, **options)`` and is called as ``layer(x)`` with
-``x: [B, N, dim]``. New attentions (the Table 2 baselines, ...) register themselves with
-``@register_attention("name")``.
+``x: [B, N, dim]``. Attentions register themselves where they are defined, with
+``@register_attention("name")`` (:mod:`mhla.layers`: mhla, linear, softmax; :mod:`mhla.baselines`: focused,
+inline, mala, rala); ``import mhla`` imports both, so the registry is full once the package is imported.
+This module imports nothing else from the package.
 """
 
 from __future__ import annotations
@@ -87,15 +89,3 @@ def build_attention(cfg, dim: int, num_heads: int, **overrides) -> nn.Module:
             valid = ", ".join(sorted(accepted - {"self", "dim", "num_heads"}))
             raise ValueError(f"attention {name!r} does not take {unknown}; valid options: {valid}")
     return cls(dim, num_heads, **options)
-
-
-def _register_builtin() -> None:
-    from .layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention  # noqa: PLC0415
-
-    register_attention("mhla")(MultiHeadLinearAttention)
-    register_attention("linear")(LinearAttention)
-    register_attention("softmax")(SoftmaxAttention)
-    from . import baselines  # noqa: F401, PLC0415  (registers focused, inline, mala, rala)
-
-
-_register_builtin()

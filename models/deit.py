@@ -1,6 +1,6 @@
 """DeiT-T/S/B in the paper's setting, registered with timm for every attention in the registry.
 
-    import models.deit, timm
+    import models, timm                                                     # the package registers them
     model = timm.create_model("deit_tiny_patch16_224_mhla")                 # M = 16, paper setting
     model = timm.create_model("deit_small_patch16_224_softmax", cpe=True)    # options go to the attention
 

@@ -281,13 +281,6 @@ def build_dit(model_cfg, attn_cfg) -> DiT:
 
 
 # ------------------------------------------------------------------------------------- checkpoints
-# Names of the original DiT checkpoint (timm ``Attention``) -> ours. Our attention layers keep timm's
-# ``qkv`` (fused [q; k; v] rows) and ``proj`` names, so the map is the identity for the shared parameters;
-# it is spelled out so that a layer with other names only needs an entry here.
-ATTN_KEY_MAP = {"attn.qkv.weight": "attn.qkv.weight", "attn.qkv.bias": "attn.qkv.bias",
-                "attn.proj.weight": "attn.proj.weight", "attn.proj.bias": "attn.proj.bias"}
-
-
 class LoadReport:
     """What :func:`load_original_dit` did: ``loaded``, ``new`` (ours, not in the file: kept at init),
     ``unused`` (in the file, not ours), ``mismatched`` (same name, other shape: kept at init)."""
@@ -315,12 +308,9 @@ def _compact(keys, limit: int = 8) -> str:
 
 
 def map_original_key(key: str) -> str:
-    """A key of DiT's release -> ours (``blocks.3.attn.qkv.weight`` stays; ``module.`` prefixes drop)."""
-    key = key.removeprefix("module.")
-    for src, dst in ATTN_KEY_MAP.items():
-        if key.endswith(src):
-            return key[: -len(src)] + dst
-    return key
+    """A key of DiT's release -> ours: ``module.`` prefixes drop, everything else stays (our attention layers
+    keep timm's ``attn.qkv`` / ``attn.proj`` names, so ``blocks.3.attn.qkv.weight`` is the same key)."""
+    return key.removeprefix("module.")
 
 
 def load_original_dit(model: DiT, path: str, prefer: str = "ema") -> LoadReport:

@@ -17,7 +17,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import resource
 import sys
 import time
@@ -96,18 +95,6 @@ def _child(q, args):
         q.put({"attn": args[0], "context": args[1], "error": repr(e)[:200]})
 
 
-def machine_header(device: str) -> dict:
-    import torch  # noqa: PLC0415
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "threads": torch.get_num_threads(), "device": device,
-            "load_avg_at_start": os.getloadavg()}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
 def write_results(rows, header, args, dtype, argv) -> str:
     """``results/bench/generation_<device>.json`` and ``.md`` for the rows measured so far."""
     os.makedirs(args.out, exist_ok=True)
@@ -146,7 +133,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench"))
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    header = machine_header(args.device)
+    from tasks.common.utils import system_info  # noqa: PLC0415
+
+    header = {**system_info(args.device), "load_avg_at_start": os.getloadavg()}
     rows = []
     ctx = mp.get_context("spawn")
     for L in args.contexts:

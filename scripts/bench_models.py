@@ -35,7 +35,9 @@ for p in (ROOT, os.path.join(ROOT, "scripts")):
 
 import torch  # noqa: E402
 
-from bench_ops import busy_cpu_s, machine_header, timer  # noqa: E402
+from bench_ops import busy_cpu_s, timer  # noqa: E402
+
+from tasks.common.utils import system_info  # noqa: E402
 
 ATTNS = ("softmax", "linear", "mhla")
 TIME_METHOD = ("one warm-up call, then the median (p25-p75) of --repeats calls; CPU: time.perf_counter wall "
@@ -124,7 +126,7 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     amp = device == "cuda" and not args.fp32
     batch = args.batch or (32 if device == "cuda" else 1)
-    header = machine_header(device)
+    header = system_info(device)
     header.update(batch=batch, precision="bf16 autocast" if amp else "fp32", repeats=args.repeats,
                   loadavg_start=os.getloadavg() if hasattr(os, "getloadavg") else None)
     busy0, wall0 = busy_cpu_s(), time.time()

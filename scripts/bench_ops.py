@@ -23,14 +23,11 @@ import argparse
 import json
 import math
 import os
-import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -73,25 +70,6 @@ def busy_cpu_s() -> float | None:
 def children_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
-
-
-# ------------------------------------------------------------------------------------------- header
-def machine_header(device: str) -> dict:
-    from tasks.common.utils import cpu_model  # noqa: PLC0415
-
-    h = {
-        "host": socket.gethostname(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "device": device,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    if device == "cuda":
-        h["gpu"] = torch.cuda.get_device_name(0)
-    return h
 
 
 # ---------------------------------------------------------------------------------------- the ops
@@ -401,7 +379,9 @@ def main(argv=None) -> int:
         op, causal, T = args.case.split(",")
         print(json.dumps(run_case(op, causal == "1", int(T), args)))
         return 0
-    header = machine_header(args.device)
+    from tasks.common.utils import system_info  # noqa: PLC0415
+
+    header = system_info(args.device)
     if args.device == "cuda":
         header["copy_bandwidth_GBps"] = round(copy_bandwidth_gbps("cuda"), 1)
     print("machine:", json.dumps(header))

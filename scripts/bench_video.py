@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from models.wan import WAN_1_3B, apply_attention  # noqa: E402
+from tasks.common.utils import system_info  # noqa: E402
 
 PRESETS = {
     # the paper's setting: 81 frames at 480 x 800 -> latents 21 x 60 x 100 -> 21 x 30 x 50 tokens
@@ -104,10 +105,12 @@ def main(argv=None) -> None:
         results[v] = r
         print(f"  {v:12s} {r['median_s'] * 1e3:10.1f} ms / step (min {r['min_s'] * 1e3:.1f})", flush=True)
     base = results.get("softmax", {}).get("median_s")
-    info = {"preset": args.preset, "device": str(device), "device_name": torch.cuda.get_device_name(device)
-            if device.type == "cuda" else "cpu", "threads": torch.get_num_threads(), "dtype": str(dtype),
-            "tokens": tokens, "grid": grid, "blocks": preset["blocks"], "layers": arch["num_layers"],
-            "torch": torch.__version__, "results": results}
+    machine = system_info(str(device))
+    # device_name / threads / torch: flat keys tasks/video_gen/table5.py reads; "machine": the full header
+    info = {"preset": args.preset, "device": str(device), "device_name": machine.get("gpu", "cpu"),
+            "threads": machine["torch_threads"], "dtype": str(dtype), "tokens": tokens, "grid": grid,
+            "blocks": preset["blocks"], "layers": arch["num_layers"], "torch": machine["torch"],
+            "machine": machine, "results": results}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"video_{args.preset}_{device.type}")
     with open(stem + ".json", "w") as f:

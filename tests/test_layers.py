@@ -24,6 +24,28 @@ def test_registry_names_and_errors():
         register_attention("mhla")(LinearAttention)
 
 
+def test_registry_imports_nothing_from_the_package_and_import_mhla_fills_it():
+    """mhla/registry.py is a leaf (layers register themselves where they are defined); ``import mhla`` alone
+    registers the three layers and the four Table 2 baselines."""
+    import ast
+    import pathlib
+    import subprocess
+    import sys
+
+    import mhla.registry
+
+    tree = ast.parse(pathlib.Path(mhla.registry.__file__).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("mhla"), ast.dump(node)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith("mhla") for a in node.names), ast.dump(node)
+    out = subprocess.run([sys.executable, "-c", "import mhla; print(' '.join(mhla.list_attentions()))"],
+                         capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).resolve().parents[1]).stdout.split()
+    assert out == ["focused", "inline", "linear", "mala", "mhla", "rala", "softmax"]
+
+
 @pytest.mark.parametrize("name", ["mhla", "linear", "softmax"])
 def test_every_layer_shares_constructor_and_forward(name):
     cfg = {"name": name, "qk_norm": True, "cpe": True, "gate": True, "grid": [8, 8]}

@@ -107,14 +107,6 @@ def autotune_configs(warps=(4, 8), stages=(2, 3)) -> list:
     return [triton.Config({}, num_warps=w, num_stages=s) for w in warps for s in stages]
 
 
-def kernel_dtype(x: torch.Tensor) -> torch.Tensor:
-    """The tensor as the kernels read it: contiguous; bf16 cast to fp32 under the interpreter (numpy has no
-    bf16). Other dtypes are kept (fp16, fp32)."""
-    if INTERPRET_AT_IMPORT and x.dtype == torch.bfloat16:
-        x = x.float()
-    return x.contiguous()
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` for ``tl.dot`` on fp32 operands.
 

@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .fileio import atomic_write
+
 
 def atomic_save(obj, path: str | os.PathLike) -> None:
-    """Write ``obj`` with ``torch.save`` to a temp file in the same folder, then rename it into place.
-
-    A crash mid-write leaves the previous checkpoint intact.
+    """Write ``obj`` with ``torch.save`` to a temp file in the same folder, fsync it, then rename it into
+    place (:func:`tasks.common.fileio.atomic_write`). A crash mid-write leaves the previous checkpoint intact.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    atomic_write(path, write, fsync=True)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:

@@ -312,7 +312,6 @@ class Trainer:
             logger.summary({**metrics, "train_time_s": elapsed, "steps": step})
         logger.finish()
         barrier(self.dist)
-        self.model, self.ema = model, ema
         self.step = step
         return metrics
 

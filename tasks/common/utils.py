@@ -45,7 +45,14 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def system_info() -> dict:
+def system_info(device: str | None = None) -> dict:
+    """The machine, for run logs and the headers of benchmark / results files (the one implementation).
+
+    Keys: ``host, platform, python, torch, cpu, cpu_count, torch_threads, cuda`` (available), ``date`` (UTC),
+    and with a GPU ``gpu`` (name) and ``gpu_count``. With ``device`` (what a benchmark ran on: ``"cpu"``,
+    ``"cuda"``, ``"cuda:1"``) it is recorded as ``device``, and ``gpu`` names that device's GPU; a CPU device
+    records no ``gpu``.
+    """
     info = {
         "host": socket.gethostname(),
         "platform": platform.platform(),
@@ -57,8 +64,11 @@ def system_info() -> dict:
         "cuda": torch.cuda.is_available(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+    if device is not None:
+        info["device"] = str(device)
+    on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    if on_gpu:
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device) if device is not None else 0)
         info["gpu_count"] = torch.cuda.device_count()
     return info
 

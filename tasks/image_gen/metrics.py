@@ -31,6 +31,8 @@ import numpy as np
 import scipy.linalg
 import torch
 
+from tasks.common.fileio import atomic_write
+
 from .inception import cached_fid_inception, shipped_weights_path
 from .npz import load_npz, to_uint8_nhwc
 
@@ -194,9 +196,8 @@ def _distance(sample_feats: np.ndarray, mu, sigma, ref_feats) -> tuple[float, st
 
 def save_reference_stats(stats: dict, path: str, *, source: str = "") -> str:
     """Write reference statistics (``mu, sigma, mu_s, sigma_s, pool``) to ``path`` atomically."""
-    tmp = f"{path}.tmp.npz"
-    np.savez(tmp, format=STATS_FORMAT, source=source, **stats)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: np.savez(tmp, format=STATS_FORMAT, source=source, **stats),
+                 suffix=".tmp.npz")  # np.savez appends .npz to a path without it
     return path
 
 

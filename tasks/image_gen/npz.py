@@ -11,11 +11,12 @@ ADM (and DiT, and MHLA's Table 3) evaluate a single ``.npz`` of generated images
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from tasks.common.fileio import atomic_write
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".JPEG")
 
@@ -49,18 +50,12 @@ def to_uint8_nhwc(images) -> np.ndarray:
 def save_npz(images, path: str | os.PathLike) -> str:
     """Write ``images`` (see :func:`to_uint8_nhwc`) to ``path`` as ``arr_0``; atomic (temp file + rename)."""
     arr = to_uint8_nhwc(images)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             np.savez(f, arr_0=arr)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return str(path)
+
+    return str(atomic_write(path, write, suffix=".tmp.npz"))
 
 
 def load_npz(path: str | os.PathLike) -> np.ndarray:

@@ -13,6 +13,8 @@ import os
 import numpy as np
 import torch
 
+from tasks.common.fileio import atomic_write
+
 SD_VAE_SCALE = 0.18215
 
 
@@ -63,30 +65,36 @@ def precompute_latents(dataset, vae, cache_dir: str, *, batch_size: int = 64, ra
     x0, _ = dataset[0]
     shape = (len(idx), 2, int(vae.config.latent_channels), x0.shape[-2] // f, x0.shape[-1] // f)
     path = os.path.join(cache_dir, f"shard_{rank:03d}-of-{world_size:03d}.npy")
-    out = np.lib.format.open_memmap(path + ".tmp.npy", mode="w+", dtype=np.float16, shape=shape)
-    g = torch.Generator(device=device).manual_seed(rank)
-    it = range(0, len(idx), batch_size)
-    if progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415
 
-        it = tqdm(it, desc=f"encoding latents (rank {rank})")
-    for s in it:
-        x = torch.stack([dataset[i][0] for i in idx[s: s + batch_size]]).to(device)
-        z = encode(vae, torch.cat([x, x.flip(-1)]), scale, g).float().cpu()
-        n = x.shape[0]
-        out[s: s + n] = torch.stack([z[:n], z[n:]], dim=1).numpy().astype(np.float16)
-    out.flush()
-    del out
-    os.replace(path + ".tmp.npy", path)
+    def write_shard(tmp: str) -> None:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
+        g = torch.Generator(device=device).manual_seed(rank)
+        it = range(0, len(idx), batch_size)
+        if progress:
+            from tqdm.auto import tqdm  # noqa: PLC0415
+
+            it = tqdm(it, desc=f"encoding latents (rank {rank})")
+        for s in it:
+            x = torch.stack([dataset[i][0] for i in idx[s: s + batch_size]]).to(device)
+            z = encode(vae, torch.cat([x, x.flip(-1)]), scale, g).float().cpu()
+            n = x.shape[0]
+            out[s: s + n] = torch.stack([z[:n], z[n:]], dim=1).numpy().astype(np.float16)
+        out.flush()
+        del out
+
+    atomic_write(path, write_shard, suffix=".tmp.npy")
     if rank == 0:
         labels = np.array([_label(dataset, i) for i in range(len(dataset))], dtype=np.int64)
         np.save(os.path.join(cache_dir, "labels.npy"), labels)
         meta = {"num_samples": len(dataset), "world_size": world_size, "latent_shape": list(shape[2:]),
                 "scale": scale, "num_classes": int(getattr(dataset, "num_classes", int(labels.max()) + 1)),
                 "vae": str(getattr(vae.config, "_name_or_path", ""))}
-        with open(os.path.join(cache_dir, "meta.json.tmp"), "w") as fh:
-            json.dump(meta, fh)
-        os.replace(os.path.join(cache_dir, "meta.json.tmp"), os.path.join(cache_dir, "meta.json"))
+
+        def write_meta(tmp: str) -> None:
+            with open(tmp, "w") as fh:
+                json.dump(meta, fh)
+
+        atomic_write(os.path.join(cache_dir, "meta.json"), write_meta)
     return cache_dir
 
 

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from tasks.common.fileio import atomic_write
+
 GENSIM_PROSE = (
     "lee_background.cor", "lee.cor", "pang_lee_polarity.cor", "alldata-id-10.txt", "para2para_text1.txt",
     "para2para_text2.txt", "crime-and-punishment.txt",
@@ -186,10 +188,7 @@ def train_bpe_tokenizer(docs, vocab_size: int, path: Path):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer=trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
+    atomic_write(path, tok.save)
 
 
 def load_tokenizer(data_cfg, cache_dir: Path, train_docs=None):
@@ -231,26 +230,27 @@ def write_token_file(docs, tokenizer, path: Path, desc: str = "tokenize", batch:
 
     dtype = _token_dtype(len(tokenizer))
     eos = tokenizer.eos_token_id
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
     n = 0
     buf: list[str] = []
-    with open(tmp, "wb") as f, tqdm(desc=desc, unit="doc", leave=False) as bar:
-        def flush():
-            nonlocal n
-            ids = tokenizer(buf, add_special_tokens=False)["input_ids"]
-            arr = np.fromiter((t for seq in ids for t in (*seq, eos)), dtype=dtype)
-            f.write(arr.tobytes())
-            n += arr.size
-            bar.update(len(buf))
-            buf.clear()
-        for doc in docs:
-            buf.append(doc)
-            if len(buf) == batch:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f, tqdm(desc=desc, unit="doc", leave=False) as bar:
+            def flush():
+                nonlocal n
+                ids = tokenizer(buf, add_special_tokens=False)["input_ids"]
+                arr = np.fromiter((t for seq in ids for t in (*seq, eos)), dtype=dtype)
+                f.write(arr.tobytes())
+                n += arr.size
+                bar.update(len(buf))
+                buf.clear()
+            for doc in docs:
+                buf.append(doc)
+                if len(buf) == batch:
+                    flush()
+            if buf:
                 flush()
-        if buf:
-            flush()
-    os.replace(tmp, path)
+
+    atomic_write(path, write)
     return n
 
 
