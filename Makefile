@@ -57,7 +57,7 @@ reproduce-table2: $(VENV)/.installed
 reproduce-table13: $(VENV)/.installed
 	$(PY) scripts/reproduce_table.py --table 13 --scale $(SCALE) -- $(EXTRA)
 
-# --- image generation (issue 5)
+# --- image generation
 .PHONY: reproduce-table3 reproduce-table12 mnist-gen
 mnist-gen: $(VENV)/.installed
 	$(PY) train.py task=mnist_gen
@@ -69,7 +69,7 @@ reproduce-table3: $(VENV)/.installed
 reproduce-table12: $(VENV)/.installed
 	$(PY) scripts/reproduce_table.py --table 12 --scale $(SCALE) $(if $(REF),--fid-ref $(REF)) -- $(EXTRA)
 
-# --- language (issue 6)
+# --- language
 .PHONY: lm-mini bench-generation
 lm-mini:
 	$(PY) train.py task=lm_mini
@@ -89,7 +89,7 @@ mqar: reproduce-mqar
 reproduce-mqar: $(VENV)/.installed  ## [SCALE=mini|full|large] softmax vs linear vs MHLA on MQAR -> results/mqar[_SCALE].md + .png
 	$(PY) scripts/run_mqar.py --scale $(SCALE) $(EXTRA)
 
-# --- video generation (issue 7)
+# --- video generation
 reproduce-table5: $(VENV)/.installed  ## WAN_PATH=/data/Wan2.1-T2V-1.3B-Diffusers VIDEO_DATA=/data/videos [RUN=--run]
 	$(PY) -m tasks.video_gen.table5 $(RUN)
 

@@ -302,11 +302,13 @@ def write_proxy2(records: list[dict], args) -> str:
         "width 64, depth 4, 2 heads of 32, MLP ratio 2, average pooling, qk RMSNorm, CPE kernel 3 as in every "
         f"Table 2 cell); only the attention changes. Training: {args.steps} steps at batch {args.batch} "
         f"({args.steps * args.batch / 60000:.2f} epochs), AdamW lr 2e-3 wd 0.05, {args.warmup} warmup steps, "
-        f"cosine, fp32, one thread per run, {args.jobs} runs at a time. Each row takes its attention settings from "
+        f"cosine, fp32, {args.threads} thread(s) per run, {args.jobs} run(s) at a time"
+        + (f", extra overrides `{' '.join(args.extra)}`" if args.extra else "") + ". Each row takes its attention settings from "
         "the named Table 2 cell (RALA's only cell is DeiT-S; here it runs at the T size like the others). "
         f"Mean ± std over seeds {sorted({r['seed'] for r in records})}.", "",
-        f"Command: `make reproduce-table2 SCALE=mini` (= `python scripts/reproduce_table.py --table 2 --scale mini "
-        f"{' '.join(args.argv)}`)".replace(" )", ")"), "",
+        (f"Command: `python scripts/reproduce_table.py --table 2 --scale mini {' '.join(args.argv)}`"
+         if "--out" in args.argv else f"Command: `make reproduce-table2 SCALE=mini` (= `python scripts/reproduce_table.py "
+         f"--table 2 --scale mini {' '.join(args.argv)}`)".replace(" `)", "`)")), "",
         f"Machine: {json.dumps(system_info())}", "",
         "| attention | Table 2 cell | paper top-1 (ImageNet) | proxy top-1 % (mean ± std) | per seed | n | "
         "mean time s |", "|---|---|---|---|---|---|---|"]
@@ -321,8 +323,8 @@ def write_proxy2(records: list[dict], args) -> str:
     if failed:
         lines += ["", "Failed runs: " + "; ".join(f"{r['attn']} seed {r['seed']}: {r['error'][:100]}" for r in failed)]
     lines += ["", "## Ordering", "", *proxy2_ordering(stats), "",
-              "Plot: `table2_mini.png` (top-1 per seed with mean and std; training loss, mean over seeds). Raw "
-              "records (commands, metrics, loss curves, times): `table2_mini.json`."]
+              f"Plot: `{os.path.basename(args.out)}.png` (top-1 per seed with mean and std; training loss, mean over "
+              f"seeds). Raw records (commands, metrics, loss curves, times): `{os.path.basename(args.out)}.json`."]
     if args.notes:
         lines += ["", "## Reading", "", args.notes.strip()]
     stem = args.out
@@ -395,7 +397,13 @@ def main_proxy2(argv: list[str]) -> int:
     records = []
     if (args.resume or args.plot_only) and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
-            records = [r for r in json.load(f)["records"] if "error" not in r]
+            saved = json.load(f)
+        records = [r for r in saved["records"] if "error" not in r]
+        if args.plot_only:  # the table keeps the command line and the settings that ran it
+            args.argv = [a for a in saved.get("argv", args.argv) if a not in ("--resume", "--plot-only")]
+            ran = p.parse_args(args.argv)
+            for key in ("steps", "batch", "warmup", "jobs", "threads", "extra"):
+                setattr(args, key, getattr(ran, key))
     if not args.plot_only:
         done = {(r["attn"], r["seed"]) for r in records}
         todo = [(a, s) for s in args.seeds for a in args.attns if (a, s) not in done]
