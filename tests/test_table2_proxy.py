@@ -65,3 +65,27 @@ def test_make_reproduce_table2_mini_end_to_end(tmp_path):
     # --resume keeps the finished runs and runs nothing new
     assert rt.main([*argv[:-3], "--resume", "--no-analyze"]) == 0
     assert len(json.loads((tmp_path / "t2.json").read_text())["records"]) == 3
+
+
+def test_run_cell_composes_mini_overrides_and_reports_failures(monkeypatch):
+    """Other tables' mini cells go through the shared launcher with the table's proxy overrides."""
+    import argparse
+
+    seen = {}
+
+    def fake(overrides, threads=None, launcher=None):
+        seen["overrides"] = overrides
+        if "bad=1" in overrides:
+            return {"command": "x", "seconds": 1.0, "error": "boom", "error_tail": "Traceback\nboom"}
+        return {"command": "x", "seconds": 1.0, "metrics": {"loss": 0.5, "mse": 0.1}, "params_M": 0.2}
+
+    monkeypatch.setattr(rt, "run_training", fake)
+    args = argparse.Namespace(scale="mini", extra=["data.limit=8"], gpus=0, fid_ref=None)
+    res = rt.run_cell("3", "dit_s2_512_mhla", args)
+    assert res["cell"] == "dit_s2_512_mhla" and res["metrics"]["loss"] == 0.5
+    over = seen["overrides"]
+    assert over[0] == "experiment=table3/dit_s2_512_mhla" and "task=mnist_gen" in over
+    assert "model.mhla_num_blocks=16" in over and over[-1] == "data.limit=8"  # 512-px cells: 16x16 tokens, M = 16
+    args.extra = ["bad=1"]
+    res = rt.run_cell("2", "deit_t_mhla", args)
+    assert res["error"] == "boom" and "error_tail" not in res
