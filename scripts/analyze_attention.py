@@ -141,6 +141,7 @@ def capture_qk(model, x) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
 def own_attention_matrix(layer, q: torch.Tensor, k: torch.Tensor) -> tuple[str, torch.Tensor]:
     """``(kind, A [B, H, N, N])``: the layer's own effective attention matrix over its grid tokens (rows sum to 1)."""
     from mhla.layers import LinearAttention, MultiHeadLinearAttention  # noqa: PLC0415
+    from mhla.layouts import ceil_div  # noqa: PLC0415
     from mhla.ops.reference import mhla_attention_matrix  # noqa: PLC0415
 
     P = layer.num_prefix_tokens
@@ -150,7 +151,7 @@ def own_attention_matrix(layer, q: torch.Tensor, k: torch.Tensor) -> tuple[str, 
         fq, fk = layer.feature_map(q), layer.feature_map(k)
         N = q.shape[1]
         C = layer.block_size if causal else layer._layout_for(layer._grid_for(N, None)).block_size
-        n_blocks = -(-N // C)
+        n_blocks = ceil_div(N, C)
         mixing = layer.mixing(n_blocks).detach().double()
         return "mhla", mhla_attention_matrix(fq, fk, mixing, C, causal=causal, eps=0.0)
     if isinstance(layer, LinearAttention):

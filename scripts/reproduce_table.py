@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tasks.common.launch import mean_std, parse_final, run_parallel, run_training, train_loss_curve  # noqa: E402
+from tasks.common.launch import mean_std, parse_final, read_notes, run_parallel, run_training, train_loss_curve  # noqa: E402
 
 MINI_OVERRIDES = {
     # DeiT-T cells -> vit_mini (width 64, 2 heads); DeiT-S cells -> width 128, 4 heads. One MNIST epoch.
@@ -391,9 +391,7 @@ def main_proxy2(argv: list[str]) -> int:
     unknown = [a for a in args.attns if a not in PROXY2_ROWS]
     if unknown:
         p.error(f"unknown attentions {unknown}; choose from {', '.join(PROXY2_ROWS)}")
-    if args.notes.startswith("@"):
-        with open(args.notes[1:]) as f:
-            args.notes = f.read()
+    args.notes = read_notes(args.notes)
     records = []
     if (args.resume or args.plot_only) and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:

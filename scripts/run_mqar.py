@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tasks.common.launch import mean_std, run_parallel, run_training, train_loss_curve  # noqa: E402
+from tasks.common.launch import mean_std, read_notes, run_parallel, run_training, train_loss_curve  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
 
 # name -> Hydra overrides. "mhla" is the task's default rule (uniform init, clamp, optim.mixing_lr_scale=0.01);
@@ -229,9 +229,7 @@ def main(argv=None) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    if args.notes.startswith("@"):
-        with open(args.notes[1:]) as f:
-            args.notes = f.read()
+    args.notes = read_notes(args.notes)
     stem = args.out or os.path.join(ROOT, "results", "mqar" if args.scale == "full" else f"mqar_{args.scale}")
     results = []
     if (args.resume or args.plot_only) and os.path.exists(stem + ".json"):

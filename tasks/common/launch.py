@@ -98,3 +98,11 @@ def train_loss_curve(run_dir: str) -> list[tuple[int, float]]:
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def read_notes(notes: str) -> str:
+    """A ``--notes`` argument: the text itself, or the contents of the file named after a leading ``@``."""
+    if notes.startswith("@"):
+        with open(notes[1:]) as f:
+            return f.read()
+    return notes
