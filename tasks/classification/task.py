@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
 
+from tasks.common.config import ConfigError
 from tasks.common.trainer import Task
 
 
@@ -14,7 +15,23 @@ class ClassificationTask(Task):
     monitor = "top1"
     monitor_mode = "max"
 
+    def check_data(self) -> None:
+        """Start-of-run data checks, cheap (folder names only) and run before the model is built, so a bad data
+        root or class count fails in a second instead of after model building or at the first evaluation:
+        ImageNet-style folders (:func:`~tasks.classification.imagenet_data.check_image_folder`: train/ and val/
+        exist, same classes, >= 2 of them, ``model.num_classes`` of them); MNIST has 10 classes."""
+        data, n_cls = self.cfg.data, int(self.cfg.model.num_classes)
+        if data.name in ("imagenet", "imagefolder"):
+            from .imagenet_data import check_image_folder  # noqa: PLC0415
+
+            check_image_folder(data, n_cls)
+        elif data.name == "mnist" and n_cls != 10:
+            raise ConfigError(f"data=mnist has 10 classes but model.num_classes={n_cls}; set model.num_classes=10")
+        if n_cls < 2:
+            raise ConfigError(f"model.num_classes={n_cls}: classification needs at least 2 classes")
+
     def build_model(self) -> nn.Module:
+        self.check_data()
         kind = self.cfg.model.get("kind", "vit")
         if kind == "vit":
             from models.vit import build_vit  # noqa: PLC0415
@@ -36,6 +53,7 @@ class ClassificationTask(Task):
         return f"{self.cfg.model.name} with {self.cfg.attn.name} attention"
 
     def build_datasets(self):
+        self.check_data()
         data = self.cfg.data
         if data.name == "mnist":
             from .mnist_data import MNIST  # noqa: PLC0415
@@ -43,14 +61,12 @@ class ClassificationTask(Task):
             return (MNIST("train", pad_to=data.get("pad_to", 32), limit=data.get("limit")),
                     MNIST("test", pad_to=data.get("pad_to", 32), limit=data.get("eval_limit")))
         if data.name in ("imagenet", "imagefolder"):
-            from .imagenet_data import build_imagenet  # noqa: PLC0415
+            from .imagenet_data import build_imagenet, check_class_count  # noqa: PLC0415
 
             size = int(self.cfg.model.get("input_size") or self.cfg.model.img_size)
             train, val = build_imagenet(data, size, seed=int(self.cfg.get("seed", 0)))
-            if train.num_classes != int(self.cfg.model.num_classes):
-                raise ValueError(
-                    f"data.root has {train.num_classes} classes but model.num_classes={self.cfg.model.num_classes}; "
-                    f"set model.num_classes={train.num_classes}")
+            # again on what was loaded (format=hf labels only the class folders that hold images)
+            check_class_count(train.num_classes, int(self.cfg.model.num_classes), f"data.root={data.root}")
             return train, val
         raise ValueError(f"data.name={data.name!r} is not supported by the classification task")
 

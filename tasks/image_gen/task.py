@@ -35,6 +35,7 @@ class ImageGenTask(Task):
 
     # ----------------------------------------------------------------------------------- model
     def build_model(self) -> nn.Module:
+        self._check_data_root()  # before the model: a wrong data.root should not wait for the build
         kind = self.cfg.model.get("kind", "dit")
         if kind == "dig":  # DiG (models/dig.py): a DiT subclass with GLA / MHLA token mixers
             from models.dig import build_dig  # noqa: PLC0415
@@ -91,19 +92,38 @@ class ImageGenTask(Task):
             raise ValueError(f"model.input_size={self.cfg.model.input_size} but the data gives {want}x{want} inputs "
                              f"({pixels} px / {factor}); set model.input_size={want}")
 
+    def _check_data_root(self) -> None:
+        """Refuse a missing or empty ``data.root/train`` at start, unless a precomputed latent cache replaces it."""
+        data = self.cfg.data
+        if data.name not in ("imagenet", "imagefolder"):
+            return
+        if data.get("latents", "online") == "precompute":
+            cache = data.get("latent_cache") or os.path.join(str(data.root), f"latents_{data.image_size}")
+            if os.path.isfile(os.path.join(cache, "meta.json")):
+                return
+        from .data import check_image_folder_split  # noqa: PLC0415
+
+        check_image_folder_split(data.root, "train")
+
+    def _images(self, data, seed, flip: bool = True):
+        from .data import build_image_folder  # noqa: PLC0415
+
+        return build_image_folder(data.root, int(data.image_size), flip=flip, seed=seed,
+                                  skip_bad_images=bool(data.get("skip_bad_images", False)))
+
     def _image_folder(self, data, seed):
-        from .data import LatentDataset, build_image_folder  # noqa: PLC0415
+        from .data import LatentDataset  # noqa: PLC0415
 
         size = int(data.image_size)
         mode = data.get("latents", "online")
         if mode == "none":
             self._check_size(size, 1)
-            return build_image_folder(data.root, size, seed=seed), None
+            return self._images(data, seed), None
         if mode == "online":
             from .vae import downsample_factor  # noqa: PLC0415
 
             self._check_size(size, downsample_factor(self.vae("cpu")))
-            return build_image_folder(data.root, size, seed=seed), None
+            return self._images(data, seed), None
         if mode != "precompute":
             raise ValueError(f"data.latents must be none, online or precompute, got {mode!r}")
         cache = data.get("latent_cache") or os.path.join(data.root, f"latents_{size}")
@@ -116,11 +136,10 @@ class ImageGenTask(Task):
     def _precompute(self, data, cache, seed):
         from tasks.common.distributed import setup_distributed  # noqa: PLC0415
 
-        from .data import build_image_folder  # noqa: PLC0415
         from .vae import precompute_latents  # noqa: PLC0415
 
         info = setup_distributed(self.cfg.trainer.get("device", "auto"))
-        images = build_image_folder(data.root, int(data.image_size), flip=False, seed=seed)
+        images = self._images(data, seed, flip=False)
         precompute_latents(images, self.vae(info.device), cache, batch_size=int(data.get("encode_batch_size", 64)),
                            rank=info.rank, world_size=info.world_size, device=info.device, progress=info.is_main)
         barrier(info)
