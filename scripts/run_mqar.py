@@ -46,6 +46,9 @@ VARIANTS = {
     "mhla_clamp": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0"],
     "mhla_clamp_lr0.1": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=0.1"],
     "mhla_frozen": ["attn=mhla", "model.mixing_learnable=false"],
+    # the paper's clamp at the full lr, but the matrix waits half of the default 20-epoch run (3,120 steps)
+    "mhla_clamp_freeze": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0",
+                          "optim.mixing_freeze_steps=3120"],
     "mhla_locality": ["attn=mhla", "model.mixing_init=locality"],
     "mhla_locality_visible": ["attn=mhla", "model.mixing_init=locality_visible"],
     "mhla_identity": ["attn=mhla", "model.mixing_init=identity"],

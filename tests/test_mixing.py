@@ -313,3 +313,30 @@ def test_optimizer_gives_the_mixing_matrix_its_own_lr_and_decay():
     assert {g["lr"] for g in opt.param_groups} == {1e-3}
     with pytest.raises(ValueError, match="mixing_lr_scale"):
         build_optimizer(layer, OmegaConf.create({"lr": 1e-3, "weight_decay": 0.05, "mixing_lr_scale": -1}))
+
+
+def test_mixing_freeze_steps_holds_the_matrix_then_releases_it():
+    from omegaconf import OmegaConf
+
+    from mhla.layers import MultiHeadLinearAttention
+    from tasks.common.optim import build_optimizer, build_scheduler
+
+    torch.manual_seed(0)
+    layer = MultiHeadLinearAttention(16, 2, causal=True, block_size=4, mixing_init="uniform")
+    cfg = OmegaConf.create({"lr": 1e-2, "weight_decay": 0.05, "mixing_freeze_steps": 3})
+    opt = build_optimizer(layer, cfg)
+    sched = build_scheduler(opt, OmegaConf.create({"name": "constant"}), 10, 10)
+    x = torch.randn(2, 12, 16)
+    mix0, qkv0 = layer.mixing.raw.detach().clone(), layer.qkv.weight.detach().clone()
+    history = []
+    for _ in range(5):
+        opt.zero_grad()
+        layer(x).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        history.append(layer.mixing.raw.detach().clone())
+    assert not torch.equal(layer.qkv.weight, qkv0)  # the rest trains from step 0
+    assert all(torch.equal(h, mix0) for h in history[:3])  # the matrix waits 3 steps
+    assert not torch.equal(history[3], mix0)  # then moves
+    with pytest.raises(ValueError, match="mixing_freeze_steps"):
+        build_optimizer(layer, OmegaConf.create({"lr": 1e-3, "weight_decay": 0.0, "mixing_freeze_steps": -2}))

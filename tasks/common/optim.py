@@ -14,12 +14,14 @@ def is_mixing_param(name: str) -> bool:
 
 
 def param_groups(model: nn.Module, weight_decay: float, mixing_lr_scale: float = 1.0,
-                 mixing_weight_decay: float = 0.0) -> list[dict]:
+                 mixing_weight_decay: float = 0.0, mixing_freeze_steps: int = 0) -> list[dict]:
     """AdamW groups: weights with decay; biases, norms and position tables without; MHLA mixing on its own.
 
     The mixing-matrix group has learning rate ``mixing_lr_scale x`` the base lr and weight decay
     ``mixing_weight_decay`` (the group is left out when the model has no learnable mixing). Each group carries
-    ``lr_scale``, which :func:`build_optimizer` multiplies into its lr (the scheduler scales every group alike).
+    ``lr_scale``, which :func:`build_optimizer` multiplies into its lr (the scheduler scales every group alike),
+    and ``freeze_steps``: :func:`build_scheduler` holds that group's lr at 0 for its first ``freeze_steps`` steps
+    (``mixing_freeze_steps`` for the mixing group, 0 for the others).
     """
     decay, no_decay, mixing = [], [], []
     for name, p in model.named_parameters():
@@ -32,23 +34,28 @@ def param_groups(model: nn.Module, weight_decay: float, mixing_lr_scale: float =
         else:
             decay.append(p)
     groups = [
-        {"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
-        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
+        {"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0, "freeze_steps": 0},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0, "freeze_steps": 0},
     ]
     if mixing:
-        groups.append({"params": mixing, "weight_decay": mixing_weight_decay, "lr_scale": mixing_lr_scale})
+        groups.append({"params": mixing, "weight_decay": mixing_weight_decay, "lr_scale": mixing_lr_scale,
+                       "freeze_steps": mixing_freeze_steps})
     return groups
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    """``cfg``: name (adamw), lr, weight_decay, betas, eps, mixing_lr_scale, mixing_weight_decay."""
+    """``cfg``: name (adamw), lr, weight_decay, betas, eps, mixing_lr_scale, mixing_weight_decay,
+    mixing_freeze_steps (the mixing matrix's lr is 0 for that many steps, then follows the schedule)."""
     name = cfg.get("name", "adamw")
     if name != "adamw":
         raise ValueError(f"optim.name={name!r} is not supported; use adamw")
     scale = float(cfg.get("mixing_lr_scale", 1.0))
     if not scale >= 0:
         raise ValueError(f"optim.mixing_lr_scale must be >= 0, got {scale}")
-    groups = param_groups(model, cfg.weight_decay, scale, float(cfg.get("mixing_weight_decay", 0.0)))
+    freeze = cfg.get("mixing_freeze_steps", 0) or 0
+    if isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 0:
+        raise ValueError(f"optim.mixing_freeze_steps must be an integer >= 0, got {freeze!r}")
+    groups = param_groups(model, cfg.weight_decay, scale, float(cfg.get("mixing_weight_decay", 0.0)), freeze)
     for g in groups:
         g["lr"] = cfg.lr * g["lr_scale"]
     return torch.optim.AdamW(
@@ -68,7 +75,10 @@ def cosine_with_warmup(step: int, total: int, warmup: int, min_ratio: float) -> 
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int, steps_per_epoch: int):
-    """Per-step schedule. ``cfg``: name (cosine | constant), warmup_steps or warmup_epochs, min_lr_ratio."""
+    """Per-step schedule. ``cfg``: name (cosine | constant), warmup_steps or warmup_epochs, min_lr_ratio.
+
+    A group with ``freeze_steps`` (see :func:`param_groups`) gets lr 0 before that step and the schedule after it.
+    """
     name = cfg.get("name", "cosine")
     warmup = cfg.get("warmup_steps") or int(round(cfg.get("warmup_epochs", 0) * steps_per_epoch))
     warmup = min(warmup, max(0, total_steps - 1))
@@ -78,4 +88,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int, ste
         fn = lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0  # noqa: E731
     else:
         raise ValueError(f"sched.name={name!r} is not supported; use cosine or constant")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    fns = [fn if not g.get("freeze_steps") else _frozen_for(g["freeze_steps"], fn) for g in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fns)
+
+
+def _frozen_for(steps: int, fn):
+    """``fn`` with a multiplier of 0 for its first ``steps`` steps."""
+    return lambda s: 0.0 if s < steps else fn(s)
