@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.causal import causal_product
 from .chunk import (
     Geometry,
     bwd_block_grads,
@@ -39,7 +40,6 @@ from .chunk import (
     bwd_dv,
     fwd_block_summaries,
     fwd_output,
-    mix_summaries,
     mix_summaries_backward,
     mixing_3d,
     mixing_grad_like,
@@ -57,9 +57,29 @@ def _causal_coefficients(mix: torch.Tensor, first: int, NB: int):
     rows = torch.arange(first, first + NB, device=mix.device)
     cols = torch.arange(first + NB, device=mix.device)
     mask = cols[None, :] < rows[:, None]
-    coeff = mix[:, rows, : first + NB] * mask
+    coeff = torch.where(mask, mix[:, rows, : first + NB], 0.0)
     mdiag = mix[:, rows, rows].contiguous()
     return coeff, mask, mdiag
+
+
+def _mix_earlier(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None):
+    """``mix_summaries`` (:mod:`mhla.kernels.chunk`) for the causal coefficients: row ``i`` reads only the
+    blocks before it, even when a later summary is not finite (:func:`mhla.ops.causal.causal_product`,
+    without its host sync).
+
+    ``coeff [1 or H, NB, N]``, ``S_all [B, H, N, D, Dv]``, ``Z_all [B, H, N, D]`` or None ->
+    ``P [B*H, NB, D, Dv]``, ``Pz [B*H, NB, D]`` or None.
+    """
+    B, H, _, D, Dv = S_all.shape
+    NB = coeff.shape[1]
+
+    def mix(x):  # [B, H, N, ...] -> [B, H, NB, ...]
+        return torch.matmul(coeff, x.flatten(3)).view(B, H, NB, *x.shape[3:])
+
+    P = causal_product(mix, S_all, 2, strict=True, lazy=False).reshape(B * H, NB, D, Dv)
+    if Z_all is None:
+        return P, None
+    return P, causal_product(mix, Z_all, 2, strict=True, lazy=False).reshape(B * H, NB, D)
 
 
 class MHLACausalFunction(torch.autograd.Function):
@@ -98,7 +118,7 @@ class MHLACausalFunction(torch.autograd.Function):
         if first > 0:
             S_all = torch.cat([state_s.float(), S], dim=2)
             Z_all = torch.cat([state_z.float(), Z], dim=2) if store_z else None
-        P, Pz = mix_summaries(coeff, S_all, Z_all if normalize else None)
+        P, Pz = _mix_earlier(coeff, S_all, Z_all if normalize else None)
         o, den = fwd_output(q, k, v, P, Pz, R, Rz if normalize else None, mdiag, g, causal=True,
                             normalize=normalize, eps=eps, out_dtype=v.dtype)
         ctx.save_for_backward(q, k, v, o, coeff, mdiag, S_all, Z_all, P, Pz, R, Rz, den)
@@ -152,7 +172,7 @@ class MHLACausalFunction(torch.autograd.Function):
                 dm = dm.sum(0, keepdim=True)
             dmix = torch.zeros(ctx.mix_shape, device=q.device, dtype=torch.float32)
             rows = torch.arange(first, first + NB, device=q.device)
-            dmix[:, rows, : first + NB] = dcoeff * ctx.mask
+            dmix[:, rows, : first + NB] = torch.where(ctx.mask, dcoeff, 0.0)
             dmix[:, rows, rows] += dm
             dmixing = mixing_grad_like(dmix, *ctx.mixing_meta)
 
@@ -177,17 +197,19 @@ def mhla_causal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = Tr
                        state=None, keep_z: bool = False):
     """Causal MHLA on the Triton kernels (no input checks; see :func:`mhla.ops.mhla_attention`).
 
-    ``state``: None or ``(state_s, state_z, cur_s, cur_z, num_tokens)``. Returns ``(o, S, Z)`` as
-    :class:`MHLACausalFunction`.
+    ``q, k: [B, T, H, D]``, ``v: [B, T, H, Dv]``; ``state``: None or ``(state_s, state_z, cur_s, cur_z,
+    num_tokens)``. Returns ``(o, S, Z)`` as :class:`MHLACausalFunction`. When the call lies inside one block
+    the kernels tile only its ``T`` tokens, not the whole block (a block far longer than the call is cheap).
     """
-    if state is None:
-        args = (None, None, None, None, 0, 0)
-    else:
+    state_s = state_z = cur_s = cur_z = None
+    first = offset = 0
+    if state is not None:
         state_s, state_z, cur_s, cur_z, num_tokens = state
         first, offset = divmod(num_tokens, block_size)
-        args = (state_s, state_z, cur_s, cur_z, first, offset)
-    return MHLACausalFunction.apply(q, k, v, mixing, *args[:4], block_size, *args[4:], bool(normalize),
-                                    float(eps), bool(keep_z))
+    if offset + q.shape[1] <= block_size:  # one block: its earlier tokens are in cur_s, its later ones absent
+        block_size, offset = q.shape[1], 0
+    return MHLACausalFunction.apply(q, k, v, mixing, state_s, state_z, cur_s, cur_z, block_size, first,
+                                    offset, bool(normalize), float(eps), bool(keep_z))
 
 
 __all__ = ["MHLACausalFunction", "mhla_causal_triton"]

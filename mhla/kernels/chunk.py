@@ -20,6 +20,10 @@ where
 * non-causal MHLA: ``coeff = mixing`` (all blocks), ``m_i = 0`` (no R, no intra-chunk term);
 * causal MHLA:     ``coeff = strictly-lower part of mixing``, ``m_i = mixing[i, i]``.
 
+Causal outputs depend on the earlier tokens only, whatever the later ones hold: the masks are selects
+(``tl.where``), and the products that also run over masked terms (``tl.dot(A, v)`` inside a chunk, the mix
+``coeff @ S`` over the blocks) take the finite values only and mark the outputs a NaN / inf reaches.
+
 The M x M mix of the summaries (``P = coeff @ S``) is a batched torch matmul between the kernels: it is
 tiny (``M^2 D Dv`` per head) and a GEMM already. The kernels, with their grids:
 
@@ -267,8 +271,13 @@ def _fwd_output_kernel(
     if CAUSAL:
         causal_mask = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
         A = tl.where(causal_mask, A, 0.0)
-        vt = _load_tokens(v + _row_offset(i_b, i_h, T, H, Dv), t, valid, stride_v, i_v, Dv, BV)
-        acc += m * tl.dot(A, vt.to(tl.float32), input_precision=PREC)
+        vt = _load_tokens(v + _row_offset(i_b, i_h, T, H, Dv), t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
+        # The dot also multiplies the masked A[t, s] = 0 (s > t) by v_s, and 0 * nan = nan: use the finite
+        # values only, and put NaN at the rows t >= s of a non-finite v_s.
+        finite = tl.abs(vt) < float("inf")
+        acc += m * tl.dot(A, tl.where(finite, vt, 0.0), input_precision=PREC)
+        reached = tl.cumsum(tl.where(finite, 0, 1), axis=0) > 0
+        acc = tl.where(reached, float("nan"), acc)
         if NORMALIZE:
             dsum += m * tl.sum(A, axis=1)
     if NORMALIZE:

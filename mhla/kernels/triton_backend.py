@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.causal import MHLAState, _check_state, mhla_causal_torch
+from ..ops.causal import MHLAState, mhla_causal_torch
 from ..ops.noncausal import mhla_noncausal_torch
-from ..ops.validation import normalizer_mode
+from ..ops.validation import check_state, normalizer_mode
 from .causal import mhla_causal_triton
 from .noncausal import mhla_noncausal_triton
 from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES
@@ -90,7 +90,7 @@ def mhla_attention(
     state = None
     P = 0
     if initial_state is not None:
-        _check_state(initial_state, q, v, block_size)
+        check_state(initial_state, q, v, block_size)
         st = initial_state
         P = st.num_tokens
         state = (st.block_summaries, st.block_key_sums, st.current_summary, st.current_key_sum, P)

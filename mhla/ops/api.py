@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts import ceil_div
 from .causal import MHLAState, mhla_causal_torch
 from .noncausal import mhla_noncausal_torch
 from .reference import mhla_reference
-from .validation import check_block_size, check_mixing, check_qkv, normalizer_mode
+from .validation import check_block_size, check_causal, check_eps, check_mixing, check_qkv, normalizer_mode
 
 BACKENDS = ("auto", "torch", "reference", "triton")
 
@@ -74,22 +73,26 @@ def mhla_attention(
         normalize: ``True`` (paper: divide by ``q . z~ + eps``), ``False`` (no denominator; LM and video
             use an output RMSNorm instead), or ``"official"`` (the authors' release's vision normalizer,
             SPEC.md section 2; non-causal only).
-        eps: added to the denominator.
+        eps: a positive float added to the denominator.
         backend: ``"auto"``, ``"torch"``, ``"reference"`` or ``"triton"`` (module docstring).
         initial_state: causal only; continue after the tokens summarised in this state (chunked prefill).
         output_final_state: causal only; also return the state after these tokens.
     Returns:
         ``o: [B, T, H, Dv]`` with the dtype of ``v``; ``(o, state)`` when ``output_final_state``.
     Raises:
-        ValueError: on wrong ranks or shapes, ``T`` not a multiple of ``block_size`` (non-causal),
-            negative or too-small ``mixing``, or mismatched heads.
+        ValueError: on wrong ranks, shapes or dtypes, ``T`` not a multiple of ``block_size`` (non-causal),
+            negative, non-finite or too-small ``mixing``, mismatched heads, an ``eps`` that is not a
+            positive float, or an ``initial_state`` that does not fit the call (type, dtype, shapes).
     """
-    check_qkv(q, k, v)
-    check_block_size(block_size)
-    mode = normalizer_mode(normalize)
-    B, T, H, D = q.shape
     stateful = initial_state is not None or output_final_state
-    if not causal:
+    if causal:
+        mode = check_causal(q, k, v, mixing, block_size, normalize=normalize, eps=eps, state=initial_state)
+    else:
+        check_qkv(q, k, v)
+        check_block_size(block_size)
+        check_eps(eps)
+        mode = normalizer_mode(normalize)
+        T, H = q.shape[1], q.shape[2]
         if stateful:
             raise ValueError("initial_state / output_final_state are for causal=True only")
         if T % block_size:
@@ -98,11 +101,6 @@ def mhla_attention(
                 f"{T} tokens form {T / block_size:.2f} blocks. Pad the grid or choose a block that tiles it"
             )
         check_mixing(mixing, H, T // block_size, square_size=T // block_size)
-    else:
-        if mode == "official":
-            raise ValueError("normalize='official' is the release's non-causal vision normalizer only")
-        seen = initial_state.num_tokens if initial_state is not None else 0
-        check_mixing(mixing, H, ceil_div(seen + T, block_size))
 
     which = resolve_backend(backend, q, causal=causal)
     if which == "reference":

@@ -13,6 +13,9 @@ State (:class:`MHLAState`): the summaries of every *finished* block (each one is
 because every later block mixes them with its own row of coefficients), the running summary of the
 current block, and the number of tokens seen. Memory is O(T / C * D * Dv), cost per decoded token
 O(D * Dv), plus one re-mix O(i * D * Dv) at each block boundary (SPEC.md section 1).
+
+Causality holds whatever the values: a NaN or inf in token ``s`` reaches the outputs ``t >= s`` only. The
+masked terms of a causal sum are never multiplied in (``0 * nan`` is ``nan``); see :func:`causal_product`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..layouts import ceil_div
-from .validation import accumulation_dtype, check_mixing, normalizer_mode
+from .validation import accumulation_dtype, check_causal, check_mixing, check_state, normalizer_mode
 
 
 @dataclass
@@ -96,16 +99,27 @@ def init_state(
     )
 
 
-def _check_state(state: MHLAState, q: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
-    B, _, H, D = q.shape
-    if not isinstance(state, MHLAState):
-        raise ValueError(f"initial_state must be an MHLAState, got {type(state).__name__}")
-    if state.block_size != block_size:
-        raise ValueError(f"state was built with block_size {state.block_size}, call uses {block_size}")
-    want = (B, H, D, v.shape[-1])
-    got = tuple(state.current_summary.shape)
-    if got != want:
-        raise ValueError(f"state summary has shape {got}, expected [B, H, D, Dv] = {want}")
+def causal_product(product, x: torch.Tensor, dim: int, *, strict: bool = False, lazy: bool = True):
+    """``product(x)`` for a causal sum over the positions ``dim`` of ``x``, whatever ``x`` holds.
+
+    ``product`` is a dense matmul such as ``y_i = sum_j w_ij x_j`` with ``w_ij = 0`` for ``j > i`` (``j >= i``
+    when ``strict``), and its output positions are the last ``n`` positions of ``x``. The matmul also
+    multiplies the zero weights by the later ``x_j``, and ``0 * nan = nan``: a NaN or inf would reach every
+    earlier output. So the product runs on ``x`` with its non-finite entries set to 0, and the outputs that
+    read one (elementwise in the other dims) are set to NaN.
+
+    ``lazy``: first test whether ``x`` is finite through its sum (one reduction and a host sync; an
+    overflowing sum only takes the exact path) and then skip the masking.
+    """
+    if lazy and not torch.compiler.is_compiling() and torch.isfinite(x.detach().sum()):
+        return product(x)
+    finite = torch.isfinite(x)
+    count = (~finite).cumsum(dim, dtype=torch.int32)  # non-finite entries at positions <= i
+    if strict:
+        count = count - (~finite).int()
+    out = product(torch.where(finite, x, 0.0))
+    n = out.shape[dim]
+    return torch.where(count.narrow(dim, x.shape[dim] - n, n) > 0, float("nan"), out)
 
 
 def _mix_rows(mixing: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tensor:
@@ -114,9 +128,8 @@ def _mix_rows(mixing: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tens
     Returns ``[H or 1, len(rows), cols]`` with entry ``mixing[r, c]`` where ``c < r`` else 0.
     """
     mix = mixing if mixing.dim() == 3 else mixing.unsqueeze(0)
-    sub = mix[:, rows, :cols]
     keep = torch.arange(cols, device=mix.device).unsqueeze(0) < rows.unsqueeze(1)
-    return sub * keep
+    return torch.where(keep, mix[:, rows, :cols], 0.0)
 
 
 def mhla_causal_torch(
@@ -141,6 +154,10 @@ def mhla_causal_torch(
         output_final_state: also return the state after ``P + T`` tokens.
     Returns:
         ``o: [B, T, H, Dv]`` (dtype of v), or ``(o, state)`` when ``output_final_state``.
+
+    The work is O(T * min(C, T)) per head for the intra-block scores, whatever the block size ``C``: a block
+    longer than the chunk is not padded to its full length. No input checks beyond the state and the mixing
+    rows (:func:`mhla.ops.mhla_attention` validates).
     """
     mode = normalizer_mode(normalize)
     if mode == "official":
@@ -152,21 +169,34 @@ def mhla_causal_torch(
     if initial_state is None:
         state = init_state(B, H, D, Dv, C, device=q.device, dtype=acc)
     else:
-        _check_state(initial_state, q, v, C)
+        check_state(initial_state, q, v, C)
         state = initial_state
     P = state.num_tokens
     first_block, offset = divmod(P, C)
     total_blocks = ceil_div(P + T, C)
     check_mixing(mixing, H, total_blocks)
+    if offset and offset + T > C:
+        # The chunk starts inside a block and runs past it: finish that block first, so that below a chunk
+        # either starts on a block boundary or lies inside one block.
+        head = C - offset
+        kw = dict(normalize=mode, eps=eps)
+        o1, mid = mhla_causal_torch(q[:, :head], k[:, :head], v[:, :head], mixing, C, initial_state=state,
+                                    output_final_state=True, **kw)
+        rest = mhla_causal_torch(q[:, head:], k[:, head:], v[:, head:], mixing, C, initial_state=mid,
+                                 output_final_state=output_final_state, **kw)
+        if output_final_state:
+            return torch.cat([o1, rest[0]], dim=1), rest[1]
+        return torch.cat([o1, rest], dim=1)
 
-    # Lay the chunk out on whole blocks: `offset` empty slots in front (those tokens live in the state),
-    # zero padding behind. Zero keys and values contribute nothing to any summary.
+    # Lay the chunk out on `nb` blocks of L tokens, zero padding behind (zero keys and values contribute
+    # nothing to any summary). L = C, or just the T tokens when they all fall in one block: the work is
+    # O(T L) whatever the block size. The `offset` tokens of the first block seen before live in the state.
     nb = ceil_div(offset + T, C)
-    pad_back = nb * C - offset - T
+    L = C if nb > 1 else T
 
     def blocks(x):
-        x = torch.nn.functional.pad(x.to(acc), (0, 0, 0, 0, offset, pad_back))
-        return x.reshape(B, nb, C, H, x.shape[-1]).transpose(2, 3)  # [B, nb, H, C, d]
+        x = torch.nn.functional.pad(x.to(acc), (0, 0, 0, 0, 0, nb * L - T))
+        return x.reshape(B, nb, L, H, x.shape[-1]).transpose(2, 3)  # [B, nb, H, L, d]
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
     mix = mixing.to(acc)
@@ -187,22 +217,26 @@ def mhla_causal_torch(
     all_key_sums = torch.cat([state.block_key_sums.transpose(1, 2), chunk_key_sums], dim=1)
 
     # Inter-block term: every block reads the strictly earlier blocks through its row of the mixing.
-    coeff = _mix_rows(mix, rows, first_block + nb)  # [H or 1, nb, n_all]
-    prefix = torch.einsum("hij,bjhde->bihde", coeff.expand(H, -1, -1), all_summaries)
+    coeff = _mix_rows(mix, rows, first_block + nb).expand(H, -1, -1)  # [H, nb, n_all]
+
+    def mix_earlier(spec, x):  # x: [B, n_all, H, ...] -> [B, nb, H, ...], block i reads blocks j < i
+        return causal_product(lambda y: torch.einsum(spec, coeff, y), x, 1, strict=True)
+
+    prefix = mix_earlier("hij,bjhde->bihde", all_summaries)
     out = torch.einsum("bnhcd,bnhde->bnhce", qb, prefix)
 
     # Intra-block term, causal inside the block, scaled by the diagonal coefficient.
-    causal_mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    scores = torch.einsum("bnhcd,bnhsd->bnhcs", qb, kb).masked_fill(~causal_mask, 0.0)
-    diag_b = diag.view(1, nb, -1, 1)  # broadcast over [B, nb, H, C]
-    intra = torch.einsum("bnhcs,bnhse->bnhce", scores, vb)
+    causal_mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    scores = torch.where(causal_mask, torch.einsum("bnhcd,bnhsd->bnhcs", qb, kb), 0.0)
+    diag_b = diag.view(1, nb, -1, 1)  # broadcast over [B, nb, H, L]
+    intra = causal_product(lambda x: torch.einsum("bnhcs,bnhse->bnhce", scores, x), vb, 3)
     # Tokens of the first block that were consumed before this call live in the state's running sum.
     carried = torch.einsum("bhcd,bhde->bhce", qb[:, 0], state.current_summary)
     intra = torch.cat([intra[:, :1] + carried.unsqueeze(1), intra[:, 1:]], dim=1)
     out = out + diag_b.unsqueeze(-1) * intra
 
     if mode == "paper":
-        prefix_z = torch.einsum("hij,bjhd->bihd", coeff.expand(H, -1, -1), all_key_sums)
+        prefix_z = mix_earlier("hij,bjhd->bihd", all_key_sums)
         den = torch.einsum("bnhcd,bnhd->bnhc", qb, prefix_z)
         intra_z = scores.sum(-1)
         carried_z = torch.einsum("bhcd,bhd->bhc", qb[:, 0], state.current_key_sum)
@@ -210,7 +244,7 @@ def mhla_causal_torch(
         den = den + diag_b * intra_z
         out = out / (den.unsqueeze(-1) + eps)
 
-    o = out.transpose(2, 3).reshape(B, nb * C, H, Dv)[:, offset : offset + T].to(v.dtype)
+    o = out.transpose(2, 3).reshape(B, nb * L, H, Dv)[:, :T].to(v.dtype)
     if not output_final_state:
         return o
 
@@ -248,22 +282,25 @@ def mhla_decode_step(
     Args:
         q, k: ``[B, 1, H, D]``; v: ``[B, 1, H, Dv]``.
         mixing: ``[M, M]`` or ``[H, M, M]`` with at least ``state.current_block + 1`` rows.
-        state: the state after the tokens so far (from :func:`init_state` or a prefill).
+        state: the state after the tokens so far (from :func:`init_state` or a prefill), with summaries in
+            the accumulation dtype of ``q`` (fp32 for fp16 / bf16 / fp32, fp64 for fp64).
+        normalize, eps: as :func:`mhla.ops.mhla_attention` (``eps`` a positive float).
     Returns:
         ``(o: [B, 1, H, Dv], new_state)``. Cost O(D * Dv) per token, plus O(i * D * Dv) to re-mix the
         finished blocks when the token opens block ``i`` (then cached in the state).
     """
-    mode = normalizer_mode(normalize)
-    if mode == "official":
-        raise ValueError("normalize='official' is the release's non-causal vision normalizer only")
+    if not isinstance(state, MHLAState):
+        raise ValueError(
+            f"state must be an MHLAState (from init_state or a prefill's output_final_state=True), "
+            f"got {type(state).__name__}"
+        )
+    C = state.block_size
+    mode = check_causal(q, k, v, mixing, C, normalize=normalize, eps=eps, state=state)
     if q.shape[1] != 1:
         raise ValueError(f"mhla_decode_step takes one token (T = 1), got T = {q.shape[1]}")
-    C = state.block_size
-    _check_state(state, q, v, C)
-    B, _, H, D = q.shape
+    H = q.shape[2]
     acc = state.current_summary.dtype
     i = state.current_block
-    check_mixing(mixing, H, i + 1)
     mix = mixing.to(acc)
     mix_h = mix if mix.dim() == 3 else mix.unsqueeze(0)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..layouts import ceil_div
-from .validation import check_block_size, check_mixing, check_qkv, normalizer_mode
+from .causal import causal_product
+from .validation import check_block_size, check_eps, check_mixing, check_qkv, normalizer_mode
 
 
 def _per_head_mixing(mixing: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -45,9 +46,9 @@ def mhla_effective_weights(
     token_mix = mix[:, blocks][:, :, blocks]  # [H, T, T]
     scores = torch.einsum("bthd,bshd->bhts", q, k)
     weights = scores * token_mix.unsqueeze(0)
-    if causal:
+    if causal:  # a select, not a product: 0 * nan would carry a non-finite k_s to the queries t < s
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        weights = weights.masked_fill(~mask, 0.0)
+        weights = torch.where(mask, weights, 0.0)
     return weights
 
 
@@ -78,6 +79,9 @@ def mhla_reference(
 ) -> torch.Tensor:
     """MHLA from the dense definition (see the module docstring). Shapes as ``mhla_attention``.
 
+    Causal: output ``t`` depends on the tokens ``s <= t`` only, whatever their values (a NaN or inf in a
+    later ``k_s`` or ``v_s`` leaves it unchanged).
+
     ``normalize="official"`` reproduces the authors' release's vision normalizer (non-causal only): the
     denominator of query ``t`` (block ``i``, position ``w`` inside its block) is
     ``sum_j mixing[i, j] * (q_{j, w} . z_j) + eps``, where ``q_{j, w}`` is the query at the *same position
@@ -85,6 +89,7 @@ def mhla_reference(
     """
     check_qkv(q, k, v)
     check_block_size(block_size)
+    check_eps(eps)
     mode = normalizer_mode(normalize)
     B, T, H, D = q.shape
     nb = ceil_div(T, block_size)
@@ -92,7 +97,10 @@ def mhla_reference(
     if not causal and T % block_size:
         raise ValueError(f"non-causal MHLA needs T ({T}) to be a multiple of block_size ({block_size})")
     w = mhla_effective_weights(q, k, mixing, block_size, causal=causal)
-    out = torch.einsum("bhts,bshe->bthe", w, v)
+    if causal:  # W[t, s] = 0 for s > t, and 0 * nan = nan: see causal_product
+        out = causal_product(lambda x: torch.einsum("bhts,bshe->bthe", w, x), v, 1)
+    else:
+        out = torch.einsum("bhts,bshe->bthe", w, v)
     if mode == "paper":
         out = out / (w.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
     elif mode == "official":
