@@ -2,8 +2,10 @@
 """Evaluate a checkpoint written by train.py:  python eval.py ckpt=outputs/.../checkpoints/best.pt
 
 The run's resolved config is stored in the checkpoint; command-line overrides (e.g. ``data.root=...``,
-``data.eval_batch_size=...``, ``trainer.device=cuda``) are applied on top. Uses the EMA weights when the
-checkpoint has them (``use_ema=false`` for the raw weights). Prints ``final: top1=... top5=...``.
+``data.eval_batch_size=...``, ``trainer.device=cuda``) are applied on top, with Hydra's rule: a misspelled key
+is an error (``+key=value`` adds a key). Uses the EMA weights when the checkpoint has them (``use_ema=false``
+for the raw weights). Prints ``final: top1=... top5=...``. A file that is not a checkpoint of ``train.py`` gives
+"not a checkpoint of this project: PATH".
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool =
     ``overrides`` on top, its task, and the model with the EMA (``use_ema``) or raw weights, in eval mode."""
     from omegaconf import OmegaConf  # noqa: PLC0415
 
-    from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415
+    from tasks.common.checkpoint import load_run_checkpoint, model_weights  # noqa: PLC0415
+    from tasks.common.config import apply_overrides, check_eval_batch_size  # noqa: PLC0415
     from tasks.common.distributed import setup_distributed  # noqa: PLC0415
 
-    state = load_checkpoint(ckpt_path)
+    state = load_run_checkpoint(ckpt_path)
     cfg = OmegaConf.create(state["config"])
-    cfg.merge_with_dotlist(overrides or [])
+    apply_overrides(cfg, overrides or [])  # a misspelled key is an error, as in train.py
+    check_eval_batch_size(cfg)
     task = find_task_class(cfg.task.module)(cfg)
     info = setup_distributed(cfg.trainer.get("device", "auto"))
     model = task.build_model()
@@ -62,7 +66,7 @@ def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_
 
     cfg, task, model, info = load_run(ckpt_path, overrides, use_ema)
     _, eval_ds = task.build_datasets()
-    bs = int(cfg.data.get("eval_batch_size", cfg.data.batch_size))
+    bs = int(cfg.data.get("eval_batch_size") or cfg.data.batch_size)
     sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
                                drop_last=False)
     loader = DataLoader(eval_ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
@@ -80,7 +84,14 @@ def main(argv: list[str]) -> int:
         return 2
     use_ema = not any(a.lower() in ("use_ema=false", "use_ema=0") for a in argv)
     overrides = [a for a in argv if not a.startswith(("ckpt=", "use_ema="))]
-    metrics = evaluate_checkpoint(ckpt, overrides, use_ema)
+    from tasks.common.checkpoint import NotACheckpointError  # noqa: PLC0415
+    from tasks.common.config import ConfigError  # noqa: PLC0415
+
+    try:
+        metrics = evaluate_checkpoint(ckpt, overrides, use_ema)
+    except (ConfigError, NotACheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print("final: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
     return 0
 

@@ -3,6 +3,9 @@
 
 With no arguments it trains the embedded default (MNIST, a small ViT with MHLA, on the CPU). Configs live
 in ``configs/`` (Hydra); every run ends by printing its final metrics on one line: ``final: top1=...``.
+
+Resume: ``python train.py <same overrides> trainer.resume=<run folder>`` continues that run in its folder.
+Ctrl-C (SIGINT) and SIGTERM save ``last.pt`` at the step reached and exit with code 130 / 143.
 """
 
 from __future__ import annotations
@@ -18,16 +21,22 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tasks.common.config import register_resolvers  # noqa: E402  (light: no torch)
+
+register_resolvers()  # ${launch_id:} and ${resume_run_dir:...} in hydra.run.dir
+
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
     """Validate the composed config, then call the task's ``run(cfg, run_dir)``."""
     from tasks.common.config import validate_config  # noqa: PLC0415
+    from tasks.common.logger import run_log  # noqa: PLC0415
 
     validate_config(cfg)
     module = importlib.import_module(cfg.task.module)
     metrics = module.run(cfg, run_dir)
     line = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     print(f"final: {line}", flush=True)
+    run_log().info(f"final: {line}")
     return metrics
 
 
@@ -35,10 +44,15 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
 
+    from tasks.common.trainer import TrainingInterrupted  # noqa: PLC0415
+
     run_dir = HydraConfig.get().runtime.output_dir
     if cfg.get("print_config", False):
         print(OmegaConf.to_yaml(cfg, resolve=True))
-    metrics = run(cfg, run_dir)
+    try:
+        metrics = run(cfg, run_dir)
+    except TrainingInterrupted as e:  # SIGINT / SIGTERM: last.pt is saved; exit as the signal would (130 / 143)
+        sys.exit(e.exit_code)
     monitor = cfg.task.get("monitor")
     return metrics.get(monitor) if monitor else None
 

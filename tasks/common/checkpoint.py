@@ -1,8 +1,13 @@
-"""Checkpoints written atomically (temp file + rename), keeping ``last.pt`` and ``best.pt``."""
+"""Checkpoints written atomically (temp file + rename), keeping ``last.pt`` and ``best.pt``.
+
+:func:`load_run_checkpoint` reads a checkpoint of ``train.py`` and says "not a checkpoint of this project: PATH"
+for anything else (empty, text, foreign files); :func:`find_checkpoint` turns a run folder into its ``last.pt``.
+"""
 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -22,14 +27,54 @@ def atomic_save(obj, path: str | os.PathLike) -> None:
     atomic_write(path, write, fsync=True)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
+#: what every checkpoint that the trainer writes holds (it also holds optimizer, scheduler, rng, ...)
+RUN_CHECKPOINT_KEYS = ("model", "step", "config")
+
+
+class NotACheckpointError(ValueError):
+    """A file that is not a checkpoint written by ``train.py``."""
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu"):
+    """``torch.load`` of ``path``, with a clear error for a missing file or one that does not unpickle."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"checkpoint {path} does not exist; pass the path of a last.pt / best.pt written by train.py "
             f"(they live in <run_dir>/checkpoints/)"
         )
-    return torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except (EOFError, pickle.UnpicklingError, RuntimeError, ValueError, ImportError, AttributeError,
+            UnicodeDecodeError) as e:
+        reason = "an empty file" if path.stat().st_size == 0 else f"{type(e).__name__}: {e}"
+        raise NotACheckpointError(f"not a checkpoint of this project: {path} ({reason})") from None
+
+
+def load_run_checkpoint(path: str | os.PathLike, map_location="cpu", require: tuple[str, ...] = ()) -> dict:
+    """A checkpoint written by ``train.py`` (a dict with ``model``, ``step``, ``config`` and the keys in
+    ``require``, e.g. ``optimizer`` to resume); raises :class:`NotACheckpointError` for anything else."""
+    state = load_checkpoint(path, map_location=map_location)
+    keys = RUN_CHECKPOINT_KEYS + tuple(require)
+    missing = [k for k in keys if k not in state] if isinstance(state, dict) else None
+    if missing is None or missing:
+        what = f"a {type(state).__name__}" if missing is None else f"it has no {', '.join(missing)}"
+        raise NotACheckpointError(f"not a checkpoint of this project: {path} ({what}; train.py writes "
+                                  f"<run_dir>/checkpoints/last.pt and best.pt)")
+    return state
+
+
+def find_checkpoint(path: str | os.PathLike, which: str = "last") -> Path:
+    """``path`` if it is a file; ``<path>/checkpoints/<which>.pt`` for a run folder; ``<path>/<which>.pt`` for
+    its ``checkpoints/`` folder. Raises ``FileNotFoundError`` when there is none."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    for candidate in (path / "checkpoints" / f"{which}.pt", path / f"{which}.pt"):
+        if path.is_dir() and candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"no checkpoint at {path}: pass a run folder of train.py (it holds "
+                            f"checkpoints/{which}.pt) or a checkpoint file")
 
 
 def model_weights(state: dict, prefer: str = "ema") -> dict:
@@ -55,6 +100,14 @@ class CheckpointManager:
     @property
     def last_path(self) -> Path:
         return self.dir / "last.pt"
+
+    def remove_stale_temp_files(self) -> list[Path]:
+        """Delete the temp files (``.last.pt.<random>.tmp``, ``.best.pt.<random>.tmp``) that a save killed
+        mid-write left in this folder; returns them. Call before the run saves anything."""
+        stale = [p for name in ("last.pt", "best.pt") for p in self.dir.glob(f".{name}.*.tmp")]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return stale
 
     @property
     def best_path(self) -> Path:

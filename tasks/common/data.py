@@ -4,6 +4,10 @@
   and can skip the batches already consumed in the current epoch.
 * :class:`SeededDataset` seeds Python, NumPy and torch RNGs from ``(seed, epoch, index)`` around each
   sample's transform, so random augmentation does not depend on worker count or on where a run resumed.
+* :func:`loader_generator` gives each ``DataLoader`` its own generator seeded from ``(seed, epoch)``: without
+  one, every new loader iterator draws its workers' base seed from the global torch RNG, which then differs
+  between a resumed and an uninterrupted run (drop-path and dropout draw from it).
+* :class:`WorkerEpoch` carries ``set_epoch`` into persistent ``DataLoader`` workers.
 """
 
 from __future__ import annotations
@@ -109,3 +113,44 @@ class SeededDataset(Dataset):
         random.setstate(py_state)
         np.random.set_state(np_state)
         return out
+
+
+def loader_seed(seed: int, epoch: int) -> int:
+    """The seed of the ``DataLoader`` generator for ``epoch`` (distinct from the sampler's permutation seed)."""
+    return ((seed * 1_000_003 + epoch) * 7_919 + 17) % (2**63)
+
+
+def loader_generator(seed: int, epoch: int = 0) -> torch.Generator:
+    """A generator for ``DataLoader(generator=...)``, so that creating an iterator does not consume the global
+    torch RNG (it draws the workers' base seed from this one instead)."""
+    return torch.Generator().manual_seed(loader_seed(seed, epoch))
+
+
+class WorkerEpoch(Dataset):
+    """Wraps a dataset that has ``set_epoch`` so that the epoch reaches persistent ``DataLoader`` workers.
+
+    A worker holds its own copy of the dataset, made when it started; ``set_epoch`` in the main process does not
+    reach that copy. This wrapper keeps the epoch in a shared-memory tensor, and each worker calls
+    ``set_epoch`` on its copy when the value changed. Call ``set_epoch`` before iterating the loader for the
+    epoch (workers fetch nothing between epochs).
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self._shared_epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._applied = getattr(dataset, "epoch", None)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._shared_epoch.fill_(epoch)
+        self.dataset.set_epoch(epoch)
+        self._applied = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        epoch = int(self._shared_epoch)
+        if epoch != self._applied:  # in a worker: the main process moved to another epoch
+            self.dataset.set_epoch(epoch)
+            self._applied = epoch
+        return self.dataset[index]

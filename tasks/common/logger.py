@@ -1,14 +1,57 @@
-"""Run logging: stdout, a ``metrics.jsonl`` file in the run folder, and W&B (offline unless asked).
+"""Run logging: stdout, ``train.log`` and a ``metrics.jsonl`` file in the run folder, and W&B (offline unless
+asked).
 
 ``logger.name``: ``wandb`` or ``none``. ``logger.mode``: ``offline`` (default; sync later with
 ``wandb sync``), ``online`` (needs network and a login) or ``disabled``.
+
+``train.log`` (:func:`open_run_log`) gets the lines the trainer prints at start, a progress line every
+``trainer.log_every`` steps, the evaluations and the final line, through the Python logger ``mhla.run``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+
+RUN_LOG = "mhla.run"
+_FORMAT = "[%(asctime)s][%(levelname)s] - %(message)s"
+
+
+def run_log() -> logging.Logger:
+    """The logger whose records go to the current run's ``train.log`` (and nowhere else)."""
+    log = logging.getLogger(RUN_LOG)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # the trainer prints its own lines; Hydra's console handler would print them twice
+    return log
+
+
+def open_run_log(run_dir: str | os.PathLike) -> logging.Logger:
+    """Point :func:`run_log` at ``<run_dir>/train.log`` (appending). Under ``train.py`` Hydra already has a file
+    handler on that file, which is reused, so one handle writes it; otherwise a handler is added. The handler of
+    a previous run in this process is dropped."""
+    close_run_log()
+    log = run_log()
+    path = Path(run_dir).resolve() / "train.log"
+    handler = next((h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
+                    and Path(h.baseFilename).resolve() == path), None)
+    if handler is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        handler.mhla_owned = True  # ours to close
+    log.addHandler(handler)
+    return log
+
+
+def close_run_log() -> None:
+    """Detach the ``train.log`` handler (closing it unless it is Hydra's)."""
+    log = run_log()
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        if getattr(handler, "mhla_owned", False):
+            handler.close()
 
 
 class RunLogger:
@@ -58,10 +101,12 @@ class RunLogger:
             for k, v in metrics.items():
                 self.wandb_run.summary[k] = v
 
-    def finish(self) -> None:
+    def finish(self, exit_code: int | None = None) -> None:
+        """Close ``metrics.jsonl`` and finish the W&B run (``exit_code`` != 0 marks it failed / interrupted).
+        Safe to call twice."""
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
         if self.wandb_run is not None:
-            self.wandb_run.finish()
-            self.wandb_run = None
+            run, self.wandb_run = self.wandb_run, None
+            run.finish(exit_code=exit_code)

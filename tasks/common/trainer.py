@@ -4,12 +4,20 @@ A task supplies a :class:`Task` (model, datasets, loss, evaluation); :class:`Tra
 devices and ``torchrun`` (DDP, or FSDP with ``trainer.strategy=fsdp``), seeds, AdamW with a cosine
 schedule and warmup, gradient clipping, mixed precision (bf16 autocast on GPU), EMA, MHLA mixing-matrix
 projection after each optimizer step, progress bars, periodic evaluation, atomic checkpoints (``last.pt``
-and ``best.pt``) with exact resume, and logging (stdout, ``metrics.jsonl``, W&B offline by default).
+and ``best.pt``) with exact resume, and logging (stdout, ``train.log``, ``metrics.jsonl``, W&B offline by
+default).
 
 Exact resume: the checkpoint holds the model, optimizer, scheduler, EMA, RNG states and the step; the data
-order is a function of ``(seed, epoch)`` (:class:`~tasks.common.data.ResumableSampler`), and a resumed run
-skips the batches of the current epoch it already consumed. A resumed run therefore ends with the same
-parameters as an uninterrupted one (tested).
+order is a function of ``(seed, epoch)`` (:class:`~tasks.common.data.ResumableSampler`), each ``DataLoader`` has
+its own generator seeded from ``(seed, epoch)`` (so making an iterator does not consume the global RNG that
+drop-path uses), and a resumed run skips the batches of the current epoch it already consumed. A resumed run
+therefore ends with the same parameters, and logs the same losses, as an uninterrupted one (tested, with
+drop-path). ``trainer.resume``: ``auto`` (this run folder's ``last.pt`` if there is one), ``last`` (it must be
+there), or a run folder / checkpoint path.
+
+Interrupts: SIGINT (Ctrl-C) and SIGTERM (preemption) stop the run at the end of the current step (or
+evaluation): ``last.pt`` is saved, the logger is finished, and :class:`TrainingInterrupted` is raised, which
+``train.py`` turns into exit code 130 / 143. A second signal stops at once without saving.
 """
 
 from __future__ import annotations
@@ -17,18 +25,22 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from .checkpoint import CheckpointManager, load_checkpoint
-from .data import ResumableSampler
+from .checkpoint import CheckpointManager, find_checkpoint, load_run_checkpoint
+from .config import ConfigError, check_trainer
+from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
-from .logger import RunLogger
+from .logger import RunLogger, open_run_log, run_log
 from .optim import build_optimizer, build_scheduler
 from .utils import count_parameters, rng_state, seed_everything, set_rng_state, system_info
 
@@ -92,6 +104,111 @@ def _precision_context(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+class TrainingInterrupted(Exception):
+    """Training stopped by SIGINT / SIGTERM; ``last.pt`` holds the step reached. ``exit_code`` is the shell's
+    convention for a process ended by that signal (128 + its number: 130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum
+        saved = f"saved {checkpoint}" if checkpoint is not None else "nothing trained, nothing saved"
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: {saved}")
+
+
+class StopSignals:
+    """Within ``with StopSignals() as stop:``, SIGINT and SIGTERM set ``stop.signum`` instead of ending the
+    process, so the training loop can save and finish at the end of its step; a second signal raises
+    ``KeyboardInterrupt`` at once. Installed only from the main thread (elsewhere Python cannot)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without saving")
+        self.signum = signum  # no printing here: the handler may interrupt a print
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """``DataLoader`` worker start-up: ignore Ctrl-C (sent to the whole process group) and SIGTERM, so that a
+    worker does not die under the batch the main process is waiting for while the run stops and saves."""
+    for sig in StopSignals.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def plan_schedule(max_steps, max_epochs, steps_per_epoch: int) -> tuple[int, str | None]:
+    """The run's total optimizer steps, the smaller of ``max_steps`` and ``ceil(max_epochs x steps_per_epoch)``
+    (null: no limit), and a note when ``max_epochs`` cuts ``max_steps`` short (else None)."""
+    by_steps = int(max_steps) if max_steps is not None else None
+    by_epochs = int(math.ceil(float(max_epochs) * steps_per_epoch)) if max_epochs is not None else None
+    if by_steps is None and by_epochs is None:
+        raise ConfigError("set trainer.max_steps or trainer.max_epochs")
+    if by_steps is None or (by_epochs is not None and by_epochs < by_steps):
+        note = None if by_steps is None else (
+            f"NOTE: trainer.max_steps={by_steps} is capped by trainer.max_epochs={max_epochs} ({max_epochs} x "
+            f"{steps_per_epoch} steps per epoch = {by_epochs} steps); set trainer.max_epochs=null to train "
+            f"{by_steps} steps")
+        return by_epochs, note
+    return by_steps, None
+
+
+#: the settings a resumed run should share with its checkpoint, with the names the warnings use
+_RESUME_FACTS = {"global_batch": "global batch", "total_steps": "step total", "lr": "optim.lr", "seed": "seed"}
+_LEGACY_FACTS = {"batch_size": "data.batch_size", "lr": "optim.lr", "seed": "seed"}  # checkpoints without "run"
+
+
+def resume_mismatches(state: dict, facts: dict) -> list[str]:
+    """A warning for each of global batch, step total, lr and seed on which this run (``facts``) differs from
+    the checkpoint (``state["run"]``; for older checkpoints: batch size, lr and seed of their stored config)."""
+    saved, labels = state.get("run"), _RESUME_FACTS
+    if not saved:
+        config = state.get("config") or {}
+        saved = {"batch_size": (config.get("data") or {}).get("batch_size"),
+                 "lr": (config.get("optim") or {}).get("lr"), "seed": config.get("seed")}
+        labels = _LEGACY_FACTS
+    return [f"this run's {label} is {facts[key]} but the checkpoint's is {saved[key]}: the resumed run will not "
+            f"match an uninterrupted run"
+            for key, label in labels.items() if saved.get(key) is not None and saved[key] != facts[key]]
+
+
+@dataclass
+class _Run:
+    """What the training loop of one :meth:`Trainer.fit` works on."""
+
+    model: nn.Module
+    wrapped: nn.Module
+    ema: ModelEMA | None
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: torch.amp.GradScaler
+    ckpt: CheckpointManager
+    sampler: ResumableSampler
+    train_data: object  # the train dataset as the loader sees it (WorkerEpoch-wrapped with workers)
+    train_loader: DataLoader
+    eval_loader: DataLoader | None
+    seed: int
+    total: int
+    steps_per_epoch: int
+    facts: dict  # global_batch, batch_size, total_steps, lr, seed
+    step: int = 0
+    saved_step: int = -1  # the step of the last checkpoint saved (or loaded)
+    logger: RunLogger | None = None
+
+
 class Trainer:
     """Runs :class:`Task` training under ``cfg.trainer``, ``cfg.optim``, ``cfg.sched``, ``cfg.logger``."""
 
@@ -115,8 +232,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ set-up
     def _print(self, *args) -> None:
+        """Print on the main process, and write the line to ``train.log``."""
         if self.dist.is_main:
-            print(*args, flush=True)
+            msg = " ".join(str(a) for a in args)
+            print(msg, flush=True)
+            run_log().info(msg)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         strategy = self.tcfg.get("strategy", "ddp")
@@ -140,62 +260,160 @@ class Trainer:
                         use_orig_params=True)
         raise ValueError(f"trainer.strategy must be ddp or fsdp, got {strategy!r}")
 
-    def _loader(self, dataset, sampler, batch_size: int) -> DataLoader:
+    def _loader(self, dataset, sampler, batch_size: int, generator: torch.Generator) -> DataLoader:
+        """A loader with its own ``generator``; its workers stay alive across epochs and evaluations and leave
+        SIGINT / SIGTERM to the main process (which stops the run and then shuts them down)."""
         workers = int(self.tcfg.get("num_workers", 0))
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                           collate_fn=self.task.collate, pin_memory=self.device.type == "cuda",
-                          persistent_workers=False, drop_last=False)
+                          persistent_workers=workers > 0, drop_last=False, generator=generator,
+                          worker_init_fn=_ignore_stop_signals if workers > 0 else None)
 
-    # ------------------------------------------------------------------------------------- fit
-    def fit(self) -> dict:
-        cfg, tcfg = self.cfg, self.tcfg
-        seed = int(cfg.get("seed", 0))
-        seed_everything(seed)
-        model = self.task.build_model().to(self.device)
+    def _describe_model(self, model: nn.Module) -> int:
+        """Print the model line (parameters, and GMACs unless ``trainer.count_flops=false``); returns the
+        parameter count."""
         n_params = count_parameters(model)
         flops_msg = ""
         example = self.task.example_input(self.device)
-        if example is not None and self.dist.is_main and tcfg.get("count_flops", True):
+        if example is not None and self.dist.is_main and self.tcfg.get("count_flops", True):
             from .utils import count_flops  # noqa: PLC0415
 
             flops = count_flops(model, *example) if isinstance(example, tuple) else count_flops(model, example)
             flops_msg = (f", {flops / 2e9:.3f} GMACs per sample "
                          f"(torch.utils.flop_counter, matmul/conv only)")
         self._print(f"model: {self.task.describe_model(model)}: {n_params / 1e6:.3f}M params{flops_msg}")
+        return n_params
+
+    def _plan(self, n_train: int, sampler: ResumableSampler) -> int:
+        """Print the data and schedule lines (with the recipe-batch warning and the max_epochs cap note);
+        returns the total number of steps."""
+        cfg, bs, world = self.cfg, sampler.batch_size, self.dist.world_size
+        steps_per_epoch = sampler.batches_per_epoch
+        global_batch = bs * world
+        recipe_batch = cfg.task.get("global_batch")
+        self._print(f"data: {n_train} train samples, global batch {global_batch} "
+                    f"({bs} x {world} processes), {steps_per_epoch} steps per epoch")
+        if recipe_batch and int(recipe_batch) != global_batch:
+            self._print(f"WARNING: the recipe's global batch is {recipe_batch} but this run uses {global_batch}; "
+                        f"set data.batch_size={int(recipe_batch) // world} or scale optim.lr "
+                        f"(linear scaling: lr x {global_batch / int(recipe_batch):.3g})")
+        total, note = plan_schedule(self.tcfg.get("max_steps"), self.tcfg.get("max_epochs"), steps_per_epoch)
+        self._print(f"schedule: {total} steps ({total / steps_per_epoch:.3g} epochs)")
+        if note:
+            self._print(note)
+        return total
+
+    # ------------------------------------------------------------------------------------ resume
+    def _resume_path(self) -> Path | None:
+        """The checkpoint that ``trainer.resume`` names, or None to start fresh."""
+        resume = self.tcfg.get("resume")
+        if resume is None or resume is False or resume == "":
+            return None
+        own = self.run_dir / "checkpoints" / "last.pt"
+        if resume == "auto":
+            if own.exists():
+                return own
+            self._print(f"resume=auto: no checkpoint at {own}, starting fresh (to continue a run in another "
+                        f"folder, pass trainer.resume=<its run folder>)")
+            return None
+        if resume is True or resume == "last":
+            if not own.exists():
+                raise FileNotFoundError(
+                    f"trainer.resume={resume}: no checkpoint at {own}. Pass trainer.resume=<run folder or "
+                    f"checkpoint> to continue another run, or trainer.resume=auto to start fresh when there is "
+                    f"none")
+            return own
+        return find_checkpoint(resume)
+
+    def _load_resume(self, model: nn.Module, ckpt: CheckpointManager, facts: dict) -> dict | None:
+        """Load the weights of the checkpoint to resume into ``model`` (before wrapping, so full weights load
+        into the plain model) and return its state; warn about settings that changed; None to start fresh."""
+        path = self._resume_path()
+        if path is None:
+            if ckpt.last_path.exists():
+                self._print(f"WARNING: {ckpt.last_path} is left from an earlier run in this folder; this fresh run "
+                            f"overwrites it (trainer.resume=auto would continue it)")
+            return None
+        state = load_run_checkpoint(path, map_location=self.device, require=("optimizer", "scheduler", "rng"))
+        model.load_state_dict(state["model"])
+        step, total = int(state["step"]), facts["total_steps"]
+        self._print(f"resumed from {path} at step {step}")
+        for warning in resume_mismatches(state, facts):
+            self._print(f"WARNING: {warning}")
+        if step > total:
+            raise ConfigError(
+                f"the checkpoint {path} is at step {step}, past the end of this run's schedule ({total} steps at "
+                f"global batch {facts['global_batch']}): nothing to train. Resume with the settings of the "
+                f"interrupted run (data.batch_size, trainer.max_steps / max_epochs) or raise trainer.max_steps")
+        if step == total:
+            self._print(f"the checkpoint is at step {step}, the end of this run's schedule: nothing left to "
+                        f"train")
+        return state
+
+    def _restore(self, state: dict, run: _Run) -> None:
+        """Optimizer, scheduler, EMA, scaler, RNG and best metric from a checkpoint's ``state``."""
+        optim_state = state["optimizer"]
+        if type(run.wrapped).__name__ == "FullyShardedDataParallel":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
+
+            optim_state = FSDP.optim_state_dict_to_load(run.wrapped, run.optimizer, optim_state)
+        run.optimizer.load_state_dict(optim_state)
+        run.scheduler.load_state_dict(state["scheduler"])
+        if run.ema is not None and state.get("ema") is not None:
+            run.ema.load_state_dict(state["ema"])
+        if state.get("scaler"):
+            run.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)]
+                      if isinstance(state["rng"], list) else state["rng"])
+        run.ckpt.best = state.get("best_metric")
+        run.step = run.saved_step = int(state["step"])
+
+    # ------------------------------------------------------------------------------------- fit
+    def fit(self) -> dict:
+        """Train for the configured schedule (resuming if ``trainer.resume`` says so), evaluating and saving
+        checkpoints on the way. Returns the last evaluation's metrics plus the task's :meth:`Task.after_fit` ones.
+
+        Raises:
+            TrainingInterrupted: after SIGINT / SIGTERM, once ``last.pt`` is saved and the logger finished.
+        """
+        check_trainer(self.cfg)
+        if self.dist.is_main:
+            open_run_log(self.run_dir)
+        with StopSignals() as stop:
+            run = self._setup()
+            exit_code = 1
+            try:
+                metrics = self._fit(run, stop)
+                exit_code = 0
+            except TrainingInterrupted as e:
+                exit_code = e.exit_code
+                raise
+            finally:
+                run.logger.finish(exit_code=exit_code)
+        barrier(self.dist)
+        return metrics
+
+    def _setup(self) -> _Run:
+        """Model, data, schedule, optimizer, checkpoint manager, logger; the resumed state when resuming."""
+        cfg, tcfg = self.cfg, self.tcfg
+        seed = int(cfg.get("seed", 0))
+        seed_everything(seed)
+        model = self.task.build_model().to(self.device)
+        n_params = self._describe_model(model)
 
         train_ds, eval_ds = self.task.build_datasets()
         bs = int(cfg.data.batch_size)
         sampler = ResumableSampler(len(train_ds), bs, rank=self.dist.rank, world_size=self.dist.world_size,
                                    shuffle=True, seed=seed, repeats=int(cfg.data.get("repeated_aug", 1) or 1))
-        steps_per_epoch = sampler.batches_per_epoch
-        global_batch = bs * self.dist.world_size
-        recipe_batch = cfg.task.get("global_batch")
-        self._print(f"data: {len(train_ds)} train samples, global batch {global_batch} "
-                    f"({bs} x {self.dist.world_size} processes), {steps_per_epoch} steps per epoch")
-        if recipe_batch and int(recipe_batch) != global_batch:
-            self._print(f"WARNING: the recipe's global batch is {recipe_batch} but this run uses {global_batch}; "
-                        f"set data.batch_size={int(recipe_batch) // self.dist.world_size} or scale optim.lr "
-                        f"(linear scaling: lr x {global_batch / int(recipe_batch):.3g})")
-        max_steps = tcfg.get("max_steps")
-        max_epochs = tcfg.get("max_epochs")
-        if max_steps is None and max_epochs is None:
-            raise ValueError("set trainer.max_steps or trainer.max_epochs")
-        total = min(int(max_steps) if max_steps else math.inf,
-                    int(math.ceil(float(max_epochs) * steps_per_epoch)) if max_epochs else math.inf)
-        total = int(total)
+        total = self._plan(len(train_ds), sampler)
+        facts = {"global_batch": bs * self.dist.world_size, "batch_size": bs, "total_steps": total,
+                 "lr": float(cfg.optim.lr), "seed": seed}
 
-        # Resume: read the checkpoint before wrapping, so full (unsharded) weights load into the plain model.
-        state, step = None, 0
-        resume = tcfg.get("resume")
-        if resume:
-            path = self.run_dir / "checkpoints" / "last.pt" if resume in (True, "auto", "last") else Path(resume)
-            if resume == "auto" and not path.exists():
-                self._print(f"resume=auto: no checkpoint at {path}, starting fresh")
-            else:
-                state = load_checkpoint(path, map_location=self.device)
-                model.load_state_dict(state["model"])
-                step = int(state["step"])
-                self._print(f"resumed from {path} at step {step}")
+        ckpt = CheckpointManager(self.run_dir / "checkpoints", monitor=self.task.monitor,
+                                 mode=self.task.monitor_mode)
+        if self.dist.is_main and (stale := ckpt.remove_stale_temp_files()):
+            self._print(f"removed {len(stale)} temp file(s) left by an interrupted checkpoint save in {ckpt.dir}")
+        state = self._load_resume(model, ckpt, facts)
 
         ema = None
         if tcfg.get("ema", {}).get("enabled", False):
@@ -203,125 +421,181 @@ class Trainer:
         wrapped = self._wrap(model)
         self._wrapped = wrapped
         optimizer = build_optimizer(wrapped, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.sched, total, steps_per_epoch)
+        scheduler = build_scheduler(optimizer, cfg.sched, total, sampler.batches_per_epoch)
         scaler = torch.amp.GradScaler(enabled=self.precision == "fp16" and self.device.type == "cuda")
-        ckpt = CheckpointManager(self.run_dir / "checkpoints", monitor=self.task.monitor,
-                                 mode=self.task.monitor_mode)
-        if state is not None:
-            optim_state = state["optimizer"]
-            if type(wrapped).__name__ == "FullyShardedDataParallel":
-                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
 
-                optim_state = FSDP.optim_state_dict_to_load(wrapped, optimizer, optim_state)
-            optimizer.load_state_dict(optim_state)
-            scheduler.load_state_dict(state["scheduler"])
-            if ema is not None and state.get("ema") is not None:
-                ema.load_state_dict(state["ema"])
-            if state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-            set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)]
-                          if isinstance(state["rng"], list) else state["rng"])
-            ckpt.best = state.get("best_metric")
+        workers = int(tcfg.get("num_workers", 0))
+        train_data = WorkerEpoch(train_ds) if workers > 0 and hasattr(train_ds, "set_epoch") else train_ds
+        eval_loader = None
+        if eval_ds is not None:
+            eval_bs = int(cfg.data.get("eval_batch_size") or bs)
+            eval_sampler = ResumableSampler(len(eval_ds), eval_bs, rank=self.dist.rank,
+                                            world_size=self.dist.world_size, shuffle=False, drop_last=False)
+            eval_loader = self._loader(eval_ds, eval_sampler, eval_bs, loader_generator(seed))
+
+        run = _Run(model=model, wrapped=wrapped, ema=ema, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                   ckpt=ckpt, sampler=sampler, train_data=train_data,
+                   train_loader=self._loader(train_data, sampler, bs, loader_generator(seed)),
+                   eval_loader=eval_loader, seed=seed, total=total, steps_per_epoch=sampler.batches_per_epoch,
+                   facts=facts)
+        if state is not None:
+            self._restore(state, run)
             del state
 
         from omegaconf import OmegaConf  # noqa: PLC0415
 
         resolved = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-        logger = RunLogger(cfg.get("logger"), self.run_dir, resolved, system_info(), enabled=self.dist.is_main)
+        run.logger = RunLogger(cfg.get("logger"), self.run_dir, resolved, system_info(), enabled=self.dist.is_main)
         if self.dist.is_main:
-            logger.log({"params": n_params}, step)
+            run.logger.log({"params": n_params}, run.step)
+        return run
 
-        eval_loader = None
-        if eval_ds is not None:
-            eval_sampler = ResumableSampler(len(eval_ds), int(cfg.data.get("eval_batch_size", bs)),
-                                            rank=self.dist.rank, world_size=self.dist.world_size,
-                                            shuffle=False, drop_last=False)
-            eval_loader = self._loader(eval_ds, eval_sampler, eval_sampler.batch_size)
-
-        log_every = int(tcfg.get("log_every", 50))
-        eval_every = tcfg.get("eval_every_steps")
-        ckpt_every = tcfg.get("checkpoint_every_steps")
-        stop_after = tcfg.get("stop_after_steps")  # simulate an interruption (tests, preemptible jobs)
-        clip = tcfg.get("grad_clip")
-        progress = None
-        if self.dist.is_main and tcfg.get("progress_bar", True):
-            from tqdm.auto import tqdm  # noqa: PLC0415
-
-            progress = tqdm(total=total, initial=step, desc="train", dynamic_ncols=True)
-
-        metrics: dict = {}
-        t0 = time.time()
-        wrapped.train()
-        while step < total:
-            epoch, in_epoch = divmod(step, steps_per_epoch)
-            sampler.set_epoch(epoch, skip_batches=in_epoch)
-            if hasattr(train_ds, "set_epoch"):
-                train_ds.set_epoch(epoch)
-            for batch in self._loader(train_ds, sampler, bs):
-                batch = self.task.on_batch(batch, self.device)
-                with _precision_context(self.precision, self.device):
-                    loss, logs = self.task.training_loss(wrapped, batch)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower optim.lr or check data")
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                grad_norm = None
-                if clip:
-                    scaler.unscale_(optimizer)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), float(clip))
-                scaler.step(optimizer)
-                scaler.update()
-                scheduler.step()
-                project_mixing_(model)
-                if ema is not None:
-                    ema.update(model)
-                step += 1
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(loss=f"{loss.item():.4f}")
-                if step % log_every == 0 or step == total:
-                    rec = {"train/loss": all_reduce_mean(loss.detach(), self.dist).item(),
-                           "train/lr": scheduler.get_last_lr()[0], "epoch": step / steps_per_epoch,
-                           **{f"train/{k}": float(v) for k, v in logs.items()}}
-                    if grad_norm is not None:
-                        rec["train/grad_norm"] = float(grad_norm)
-                    logger.log(rec, step)
-                end_of_epoch = step % steps_per_epoch == 0
-                do_eval = eval_loader is not None and (
-                    (eval_every and step % int(eval_every) == 0)
-                    or (not eval_every and end_of_epoch) or step == total)
-                if do_eval:
-                    metrics = self._evaluate(model, ema, eval_loader)
-                    logger.log({f"eval/{k}": v for k, v in metrics.items()}, step)
-                    self._print(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-                    wrapped.train()
-                if (ckpt_every and step % int(ckpt_every) == 0) or end_of_epoch or step == total \
-                        or (stop_after and step >= int(stop_after)):
-                    self._save(ckpt, model, optimizer, scheduler, scaler, ema, step, metrics if do_eval else None)
-                if step >= total or (stop_after and step >= int(stop_after)):
-                    break
-            if stop_after and step >= int(stop_after):
-                break
-        if progress is not None:
-            progress.close()
+    def _fit(self, run: _Run, stop: StopSignals) -> dict:
+        """The training loop, then the final evaluation (when nothing was left to train) and ``after_fit``."""
+        start_step, t0 = run.step, time.time()
+        metrics = self._train(run, stop)
+        self.step = run.step
+        self.model, self.ema = run.model, run.ema  # after_fit may sample from them
+        signum = self._stop_agreed(stop)
+        if signum:
+            self._stop(run, signum)
+        if run.step == start_step and run.eval_loader is not None:  # resumed at the end of the schedule
+            metrics = self._evaluate(run)
         elapsed = time.time() - t0
         metrics = dict(metrics)
-        self.model, self.ema = model, ema  # after_fit may sample from them
         metrics.update(self.task.after_fit(self, metrics) or {})
         if self.dist.is_main:
-            logger.summary({**metrics, "train_time_s": elapsed, "steps": step})
-        logger.finish()
-        barrier(self.dist)
-        self.step = step
+            run.logger.summary({**metrics, "train_time_s": elapsed, "steps": run.step})
         return metrics
 
-    def _evaluate(self, model, ema, loader) -> dict:
-        target = ema.module if (ema is not None and self.tcfg.ema.get("evaluate", True)) else model
-        target.eval()
-        with _precision_context(self.precision, self.device):
-            return self.task.evaluate(target, loader, self.device, self.dist)
+    def _train(self, run: _Run, stop: StopSignals) -> dict:
+        """Steps until the end of the schedule, ``trainer.stop_after_steps`` or a stop signal; returns the last
+        evaluation's metrics."""
+        stop_after = self.tcfg.get("stop_after_steps")
+        progress = None
+        if self.dist.is_main and self.tcfg.get("progress_bar", True):
+            from tqdm.auto import tqdm  # noqa: PLC0415
 
-    def _save(self, ckpt, model, optimizer, scheduler, scaler, ema, step, metrics) -> None:
+            progress = tqdm(total=run.total, initial=run.step, desc="train", dynamic_ncols=True)
+        metrics: dict = {}
+        start = (run.step, time.time())
+        run.wrapped.train()
+        try:
+            while run.step < run.total and not self._stop_agreed(stop):
+                self._start_epoch(run)
+                for batch in run.train_loader:
+                    loss, logs, grad_norm = self._train_step(run, batch)
+                    run.step += 1
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix(loss=f"{loss.item():.4f}")
+                    metrics = self._after_step(run, loss, logs, grad_norm, start, metrics)
+                    if run.step >= run.total or (stop_after and run.step >= int(stop_after)) \
+                            or self._stop_agreed(stop):
+                        break
+                if stop_after and run.step >= int(stop_after):
+                    break
+        finally:
+            if progress is not None:
+                progress.close()
+        return metrics
+
+    def _start_epoch(self, run: _Run) -> None:
+        """Point the sampler, the dataset and the loader's generator at the epoch of ``run.step``."""
+        epoch, in_epoch = divmod(run.step, run.steps_per_epoch)
+        run.sampler.set_epoch(epoch, skip_batches=in_epoch)
+        if hasattr(run.train_data, "set_epoch"):
+            run.train_data.set_epoch(epoch)
+        run.train_loader.generator.manual_seed(loader_seed(run.seed, epoch))
+
+    def _train_step(self, run: _Run, batch) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """One optimizer step on ``batch``; returns the loss, the task's logs and the gradient norm (if clipped)."""
+        batch = self.task.on_batch(batch, self.device)
+        with _precision_context(self.precision, self.device):
+            loss, logs = self.task.training_loss(run.wrapped, batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {run.step}; lower optim.lr or check data")
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scaler.scale(loss).backward()
+        grad_norm = None
+        clip = self.tcfg.get("grad_clip")
+        if clip:
+            run.scaler.unscale_(run.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(run.wrapped.parameters(), float(clip))
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.scheduler.step()
+        project_mixing_(run.model)
+        if run.ema is not None:
+            run.ema.update(run.model)
+        return loss, logs, grad_norm
+
+    def _after_step(self, run: _Run, loss, logs: dict, grad_norm, start: tuple[int, float], metrics: dict) -> dict:
+        """Log, evaluate and save as the step's number says; returns the latest evaluation's metrics."""
+        tcfg, step = self.tcfg, run.step
+        if step % int(tcfg.get("log_every", 50)) == 0 or step == run.total:
+            rec = {"train/loss": all_reduce_mean(loss.detach(), self.dist).item(),
+                   "train/lr": run.scheduler.get_last_lr()[0], "epoch": step / run.steps_per_epoch,
+                   **{f"train/{k}": float(v) for k, v in logs.items()}}
+            if grad_norm is not None:
+                rec["train/grad_norm"] = float(grad_norm)
+            run.logger.log(rec, step)
+            if self.dist.is_main:
+                rate = (step - start[0]) / max(time.time() - start[1], 1e-9)
+                run_log().info(f"step {step}/{run.total} (epoch {rec['epoch']:.2f}): loss {rec['train/loss']:.4f}, "
+                               f"lr {rec['train/lr']:.3g}, {rate:.2f} steps/s")
+        end_of_epoch = step % run.steps_per_epoch == 0
+        eval_every = tcfg.get("eval_every_steps")
+        do_eval = run.eval_loader is not None and (
+            (eval_every and step % int(eval_every) == 0) or (not eval_every and end_of_epoch) or step == run.total)
+        if do_eval:
+            metrics = self._evaluate(run)
+            run.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step)
+            self._print(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            run.wrapped.train()
+        ckpt_every, stop_after = tcfg.get("checkpoint_every_steps"), tcfg.get("stop_after_steps")
+        if (ckpt_every and step % int(ckpt_every) == 0) or end_of_epoch or step == run.total \
+                or (stop_after and step >= int(stop_after)):
+            self._save(run, metrics if do_eval else None)
+        return metrics
+
+    # ------------------------------------------------------------------------------- interrupts
+    def _stop_agreed(self, stop: StopSignals) -> int | None:
+        """The stop signal if any process received one (all processes agree, so they stop at the same step and
+        save together); None to go on."""
+        signum = stop.signum or 0
+        if self.dist.enabled:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            flag = torch.tensor([signum], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signum = int(flag.item())
+        return signum or None
+
+    def _stop(self, run: _Run, signum: int) -> None:
+        """Save ``last.pt`` at the step reached (unless already saved there) and raise TrainingInterrupted."""
+        trained = run.step > 0
+        if trained and run.saved_step != run.step:
+            self._save(run, None)
+        name = signal.Signals(signum).name
+        where = run.ckpt.last_path if trained else None
+        self._print(f"{name} received: stopped at step {run.step}/{run.total}"
+                    + (f", saved {where}. Resume with the same command and trainer.resume={self.run_dir}"
+                       if where else ", nothing trained"))
+        raise TrainingInterrupted(signum, run.step, where)
+
+    # ------------------------------------------------------------------------------- evaluation, saving
+    def _evaluate(self, run: _Run) -> dict:
+        """Evaluate the EMA weights (``trainer.ema.evaluate``) or the model on the eval loader."""
+        ema = run.ema
+        target = ema.module if (ema is not None and self.tcfg.ema.get("evaluate", True)) else run.model
+        target.eval()
+        run.eval_loader.generator.manual_seed(loader_seed(run.seed, 0))  # the same for every evaluation
+        with _precision_context(self.precision, self.device):
+            return self.task.evaluate(target, run.eval_loader, self.device, self.dist)
+
+    def _save(self, run: _Run, metrics: dict | None) -> None:
+        """Write ``last.pt`` (and ``best.pt`` when ``metrics`` improved) from the main process."""
         rngs = rng_state()
         if self.dist.enabled:
             import torch.distributed as dist  # noqa: PLC0415
@@ -329,20 +603,22 @@ class Trainer:
             gathered = [None] * self.dist.world_size
             dist.all_gather_object(gathered, rngs)
             rngs = gathered
-        model_state, optim_state = self._full_state(model, optimizer)
+        model_state, optim_state = self._full_state(run.model, run.optimizer)
+        run.saved_step = run.step
         if not self.dist.is_main:
             return
         state = {
             "model": model_state,
             "optimizer": optim_state,
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "ema": ema.state_dict() if ema is not None else None,
-            "step": step,
+            "scheduler": run.scheduler.state_dict(),
+            "scaler": run.scaler.state_dict(),
+            "ema": run.ema.state_dict() if run.ema is not None else None,
+            "step": run.step,
             "rng": rngs,
             "config": self.cfg_container(),
+            "run": {k: run.facts[k] for k in _RESUME_FACTS},
         }
-        ckpt.save(state, metrics)
+        run.ckpt.save(state, metrics)
 
     def _full_state(self, model, optimizer):
         """Model and optimizer state dicts, gathered to full tensors on rank 0 under FSDP."""
