@@ -114,6 +114,30 @@ def test_nonfinite_token_reaches_no_earlier_output(backend, C, name, value, norm
     assert not torch.isfinite(got[:, pos]).all()  # the value is not dropped either
 
 
+@pytest.mark.parametrize("impl", ["chunked", "reference"])
+@pytest.mark.parametrize("C", [4, 5, 13, 64])
+@pytest.mark.parametrize("name", ["k", "v"])
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_linear_attention_nonfinite_token_reaches_no_earlier_output(impl, C, name, value, normalize):
+    from mhla.ops.linear import linear_attention  # noqa: PLC0415
+    from mhla.ops.reference import linear_attention_reference  # noqa: PLC0415
+
+    T, pos = 32, 20
+    q, k, v = rand_qkv(2, T, 2, 4, 3)
+    if impl == "chunked":
+        def run(q, k, v):
+            return linear_attention(q, k, v, causal=True, normalize=normalize, chunk_size=C)
+    else:
+        def run(q, k, v):
+            return linear_attention_reference(q, k, v, causal=True, normalize=normalize)
+    clean = run(q, k, v)
+    got = run(*poisoned(q, k, v, name, pos, value))
+    assert torch.isfinite(got[:, :pos]).all()
+    torch.testing.assert_close(got[:, :pos], clean[:, :pos], rtol=0, atol=1e-12)
+    assert not torch.isfinite(got[:, pos]).all()
+
+
 @pytest.mark.parametrize("C", [5, 8, 32])
 @pytest.mark.parametrize("name", ["k", "v"])
 @pytest.mark.parametrize("entry", [(), (0, 1)], ids=["token", "one-entry"])

@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from ..layouts import ceil_div
+from .causal import causal_product
 from .validation import accumulation_dtype, check_block_size, check_qkv, normalizer_mode
+
+
+def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``y_i = sum_{j < i} x_j`` along ``dim``, without the ``cumsum - x`` subtraction that lets a non-finite
+    ``x_i`` reach ``y_i``."""
+    shifted = torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), x.narrow(dim, 0, x.shape[dim] - 1)], dim)
+    return shifted.cumsum(dim)
 
 
 def linear_attention(
@@ -76,13 +84,15 @@ def linear_attention(
                 f"({(B, H, D, Dv)}, {(B, H, D)}), got ({tuple(s0.shape)}, {tuple(z0.shape)})"
             )
     summaries = torch.einsum("bnhcd,bnhce->bnhde", kb, vb)
-    prefix = summaries.cumsum(1) - summaries + s0.unsqueeze(1)  # exclusive prefix over chunks
+    prefix = exclusive_cumsum(summaries, 1) + s0.unsqueeze(1)
     mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     scores = torch.einsum("bnhcd,bnhsd->bnhcs", qb, kb).masked_fill(~mask, 0.0)
-    out = torch.einsum("bnhcd,bnhde->bnhce", qb, prefix) + torch.einsum("bnhcs,bnhse->bnhce", scores, vb)
+    # causal_product: a non-finite later value must not reach earlier outputs through 0 * nan
+    local = causal_product(lambda x: torch.einsum("bnhcs,bnhse->bnhce", scores, x), vb, 3)
+    out = torch.einsum("bnhcd,bnhde->bnhce", qb, prefix) + local
     key_sums = kb.sum(3)
     if mode == "paper":
-        prefix_z = key_sums.cumsum(1) - key_sums + z0.unsqueeze(1)
+        prefix_z = exclusive_cumsum(key_sums, 1) + z0.unsqueeze(1)
         den = torch.einsum("bnhcd,bnhd->bnhc", qb, prefix_z) + scores.sum(-1)
         out = out / (den.unsqueeze(-1) + eps)
     out = out.transpose(2, 3).reshape(B, n * C, H, Dv)[:, :T].to(v.dtype)

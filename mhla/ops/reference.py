@@ -130,7 +130,9 @@ def linear_attention_reference(
         T = q.shape[1]
         mask = torch.ones(T, k.shape[1], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, 0.0)
-    out = torch.einsum("bhts,bshe->bthe", scores, v)
+        out = causal_product(lambda x: torch.einsum("bhts,bshe->bthe", scores, x), v, 1)
+    else:
+        out = torch.einsum("bhts,bshe->bthe", scores, v)
     if normalize:
         out = out / (scores.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
     return out
