@@ -9,8 +9,18 @@ Structure (4 stages, conv layout ``[B, C, H, W]``): a stride-4 conv stem (4 conv
 ``x += CPE(x); x += g1 * Attn(LN(x)); x += g2 * FFN(LN(x))`` (CPE: depthwise 3x3; FFN: 1x1 conv, GELU, an inner
 residual depthwise 3x3, 1x1 conv, ratio 3.5; LayerScale init 1), conv3x3-s2 + BN downsampling, and a head
 1x1 conv -> BN -> Swish -> global average pool -> linear. The head width is 2048 (MAViT, whose parameter
-counts match the paper's MHLA-VLT: 16M / 27M). Attention layers get a 5 x 5 depthwise LePE on V (``cpe``),
-as RALA/MALA's wrappers do; their linear output gate and RoPE are left to the attention config.
+counts match the paper's MHLA-VLT: 16M / 27M; RAVLT uses 1024).
+
+Attention wrapper. The paper's MHLA-VLT "strictly follows" RALA, whose attention in every stage (linear stages 1-2
+and softmax stages 3-4) is ``proj((Y + LePE_5x5(V)) * O)`` with an output gate ``O = W_o x`` (BASELINES.md
+sections 3, 4, 12). ``rala`` / ``mala`` layers hold that wrapper themselves (mhla/baselines.py
+``_GatedRoPEBaseline``). For the other attentions the wrapper is built from the shared layer options
+(:data:`WRAPPER_DEFAULTS`): ``cpe`` with ``cpe_kernel: 5`` is the LePE (a depthwise 5 x 5 conv on V added to the
+attention output, as ``_GatedRoPEBaseline.lepe``) and ``gate`` the output gate. These are defaults: an attention
+config that sets them wins (the Hydra ``attn/*.yaml`` files set ``cpe: false``, so the Table 2b cells set the
+wrapper explicitly; the softmax stages, built here, always get the defaults). Differences left to ``mhla/``: the
+shared ``gate`` is GLA-style, ``RMSNorm(o) * swish(W_g x)``, not RALA's linear ``o * (W_o x + b)``
+(same parameter count up to ``C``), and the softmax stages have no 2-D RoPE.
 """
 
 from __future__ import annotations
@@ -20,6 +30,10 @@ import torch.nn as nn
 from timm.layers import DropPath
 
 from mhla.registry import build_attention
+
+# The RALA wrapper from the shared attention options, for attentions that do not hold it (see the module docstring).
+WRAPPER_DEFAULTS = {"cpe": True, "cpe_kernel": 5, "gate": True}
+OWN_WRAPPER = ("rala", "mala")  # LePE 5x5, linear output gate and 2-D RoPE inside the layer
 
 VLT_SPECS = {
     "t": dict(dims=(64, 128, 256, 512), depths=(2, 2, 6, 2), heads=(1, 2, 4, 8), drop_path=0.1),
@@ -85,8 +99,9 @@ class VLT(nn.Module):
         linear_attn = dict(linear_attn or {"name": "mhla"})
         softmax_attn = dict(softmax_attn or {"name": "softmax"})
         for cfg in (linear_attn, softmax_attn):
-            cfg.setdefault("cpe", True)
-            cfg.setdefault("cpe_kernel", 5)
+            if cfg.get("name") not in OWN_WRAPPER:
+                for key, value in WRAPPER_DEFAULTS.items():
+                    cfg.setdefault(key, value)
         if img_size % 32:
             raise ValueError(f"VLT needs an image size divisible by 32, got {img_size}")
         c0 = dims[0]

@@ -70,7 +70,7 @@ def test_score_dataset_rules():
     trec = m.score_dataset("trec", ["Human", "Location"], [["Human"], ["Human"]], [["Human", "Location"]] * 2)
     assert trec == 50.0
     with pytest.raises(KeyError):
-        m.score_dataset("dureader", ["x"], [["x"]])
+        m.score_dataset("no_such_dataset", ["x"], [["x"]])
 
 
 def test_configs_are_complete():

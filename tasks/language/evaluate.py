@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 from tasks.language.eval_ppl import EvalSettings, evaluate_lambada, evaluate_wikitext  # noqa: E402
 from tasks.language.lm_eval_adapter import HAVE_LM_EVAL, INSTALL_HELP, TABLE6_TASKS  # noqa: E402
-from tasks.language.longbench import TABLE8_TASKS, run_longbench  # noqa: E402
+from tasks.language.longbench import TABLE8_GROUPS, TABLE8_TASKS, run_longbench  # noqa: E402
 
 # lm-eval metric of each Table 6 column (acc_norm where the fla line of work reports it)
 TABLE6_COLUMNS = (("mmlu", "mmlu", "acc"), ("wino", "winogrande", "acc"), ("piqa", "piqa", "acc_norm"),
@@ -209,8 +209,10 @@ def reproduce_table8(args) -> str:
         rows.append([cell, paper.get("row", ""), _fmt(paper.get("longbench_avg")), _fmt(scores.get("average")),
                      status] + [_fmt(scores.get(t)) for t in TABLE8_TASKS])
         records.append({"cell": cell, "paper": paper, "ours": scores, "status": status})
-    notes = ["LongBench (SPEC.md Table 8), the 14 English non-synthetic tasks (see tasks/language/longbench.py for "
-             "why these 14), official prompts, greedy decoding, middle truncation to "
+    groups = "; ".join(f"{g}: " + ", ".join(f"{abbr} = {name}" for abbr, name in tasks)
+                       for g, tasks in TABLE8_GROUPS.items())
+    notes = [f"LongBench (SPEC.md Table 8), the paper's 14 tasks in its column order ({groups}), "
+             "official prompts, greedy decoding, middle truncation to "
              f"{args.max_length} tokens (prompt + generation), official metrics (re-implemented). A blank paper "
              "value: SPEC.md does not give it.", "",
              f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir} LONGBENCH={args.longbench}`"

@@ -12,12 +12,13 @@ official ``pred.py`` / ``eval.py`` (THUDM/LongBench, ``LongBench/`` folder):
   ``samsum`` a newline also stops generation; no chat template (base models);
 * score with :mod:`tasks.language.longbench_metrics` (:func:`~tasks.language.longbench_metrics.score_dataset`).
 
-Table 8's 14 tasks (:data:`TABLE8_TASKS`): the paper says "LongBench (14 tasks)" without listing them. The
-English LongBench has 16 datasets; the 14 are, we infer, the set used by the fla line of work the paper's LM code
-comes from (Gated DeltaNet's LongBench table: single-doc QA NarrativeQA, Qasper, MultiFieldQA-en; multi-doc QA
-HotpotQA, 2WikiMQA, MuSiQue; summarization GovReport, QMSum, MultiNews; few-shot TREC, TriviaQA, SAMSum; code LCC,
-RepoBench-P), i.e. the English tasks without the two synthetic ones (PassageCount, PassageRetrieval-en), which
-the runner also supports. The Chinese datasets are not supported (their metrics need jieba).
+Table 8's 14 tasks (:data:`TABLE8_TASKS`, in the paper's column order, grouped as in :data:`TABLE8_GROUPS`):
+Multi-Doc QA (2WM, HQA, Mus: 2wikimqa, hotpotqa, musique), Single-Doc QA (QQA, NQA: qasper, narrativeqa),
+Few-shot (SSM, TQA: samsum, triviaqa), Synthetic (PEN, PZH: passage_retrieval_en, passage_retrieval_zh),
+Summarization (QMS, GvR, MNs: qmsum, gov_report, multi_news) and Code (RBP, LCC: repobench-p, lcc). PZH is
+Chinese; LongBench scores it with ``retrieval_zh_score`` (the ``段落N`` id). The other Chinese datasets
+(multifieldqa_zh, dureader, vcsum, lsht) are supported too; their QA-F1 / ROUGE-L segment words with jieba, as
+LongBench does (:mod:`tasks.language.longbench_metrics`).
 
     python -m tasks.language.evaluate longbench --pretrained /ckpt/mhla-340m --data /data/LongBench/data \\
         --max-length 2048 --out results/longbench/mhla
@@ -33,7 +34,7 @@ from .eval_ppl import encode
 from .lm_eval_adapter import greedy_generate
 from .longbench_metrics import score_dataset
 
-# The official prompt templates (THUDM/LongBench, LongBench/config/dataset2prompt.json), English datasets.
+# The official prompt templates (THUDM/LongBench, LongBench/config/dataset2prompt.json).
 DATASET_PROMPT = {
     "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
     "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
@@ -49,6 +50,11 @@ DATASET_PROMPT = {
     "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
     "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",  # noqa: E501
     "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: ",  # noqa: E501
+    "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答：",  # noqa: E501
+    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
+    "vcsum": "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结：",
+    "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
+    "passage_retrieval_zh": "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是\"段落1\"，\"段落2\"等格式\n\n答案是：",  # noqa: E501
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
@@ -58,10 +64,19 @@ DATASET_MAXLEN = {
     "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "hotpotqa": 32, "2wikimqa": 32, "musique": 32,
     "gov_report": 512, "qmsum": 512, "multi_news": 512, "trec": 64, "triviaqa": 32, "samsum": 128,
     "passage_count": 32, "passage_retrieval_en": 32, "lcc": 64, "repobench-p": 64,
+    "multifieldqa_zh": 64, "dureader": 128, "vcsum": 512, "lsht": 64, "passage_retrieval_zh": 32,
 }
 
-TABLE8_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-                "multi_news", "trec", "triviaqa", "samsum", "lcc", "repobench-p")
+# Table 8's column groups and abbreviations (paper) -> LongBench dataset names, in the paper's column order.
+TABLE8_GROUPS = {
+    "Multi-Doc QA": (("2WM", "2wikimqa"), ("HQA", "hotpotqa"), ("Mus", "musique")),
+    "Single-Doc QA": (("QQA", "qasper"), ("NQA", "narrativeqa")),
+    "Few-shot": (("SSM", "samsum"), ("TQA", "triviaqa")),
+    "Synthetic": (("PEN", "passage_retrieval_en"), ("PZH", "passage_retrieval_zh")),
+    "Summarization": (("QMS", "qmsum"), ("GvR", "gov_report"), ("MNs", "multi_news")),
+    "Code": (("RBP", "repobench-p"), ("LCC", "lcc")),
+}
+TABLE8_TASKS = tuple(name for group in TABLE8_GROUPS.values() for _, name in group)
 
 DOWNLOAD_HELP = (
     "LongBench data is read from local files only: download data.zip of the Hugging Face dataset THUDM/LongBench "
@@ -131,7 +146,7 @@ def run_longbench(model, tokenizer, data_dir: str, datasets: Sequence[str] = TAB
     """
     unknown = [d for d in datasets if d not in DATASET_PROMPT]
     if unknown:
-        raise KeyError(f"unsupported LongBench datasets {unknown}; English ones: {sorted(DATASET_PROMPT)}")
+        raise KeyError(f"unsupported LongBench datasets {unknown}; supported: {sorted(DATASET_PROMPT)}")
     scores = {}
     for dataset in datasets:
         rows = load_longbench(data_dir, dataset, limit)

@@ -1,4 +1,5 @@
-"""LongBench's scoring functions (THUDM/LongBench ``metrics.py`` / ``eval.py``), re-implemented without new packages.
+"""LongBench's scoring functions (THUDM/LongBench ``metrics.py`` / ``eval.py``), re-implemented; the only package
+they need is jieba (Chinese word segmentation, imported when a Chinese QA / summarization dataset is scored).
 
 Per-dataset metric (``DATASET_METRIC``) and the scoring rule of ``eval.py`` (:func:`score_dataset`): a prediction
 scores the maximum of the metric over the reference answers; for ``trec``, ``triviaqa``, ``samsum`` (and
@@ -12,7 +13,12 @@ scores the maximum of the metric over the reference answers; for ``trec``, ``tri
   an empty prediction or reference scores 0 (``rouge`` raises, LongBench catches and returns 0).
 * ``classification``: the classes named in the prediction; a class contained in the (longer) gold class is
   dropped; score ``1 / #matches`` if the gold class is matched, else 0.
-* ``retrieval``: the numbers in the prediction; fraction equal to the gold ``Paragraph N`` id.
+* ``retrieval``: the numbers in the prediction; fraction equal to the gold ``Paragraph N`` id
+  (``passage_retrieval_zh``: the gold ``段落N`` id; no word segmentation, as in LongBench).
+* Chinese QA / summaries (``multifieldqa_zh``; ``dureader``, ``vcsum``): words from ``jieba.cut(text,
+  cut_all=False)`` (accurate mode); QA-F1 on the segmented words after :func:`normalize_zh_answer` (lower case,
+  English and Chinese punctuation and all whitespace removed, empty words dropped; no article removal); ROUGE-L
+  on the words joined by spaces.
 * ``count``: the numbers in the prediction; fraction equal to the gold count.
 * ``code_sim``: the first line of the prediction without `````, ``#`` or ``//``; similarity
   ``fuzz.ratio / 100`` = ``round(100 * 2 M / T) / 100`` with ``difflib.SequenceMatcher`` (``M`` matched characters,
@@ -50,6 +56,34 @@ def token_f1(prediction: Sequence[str], ground_truth: Sequence[str]) -> float:
 
 def qa_f1_score(prediction: str, ground_truth: str, **_) -> float:
     return token_f1(normalize_answer(prediction).split(), normalize_answer(ground_truth).split())
+
+
+# ------------------------------------------------------------------------------------------ Chinese
+
+# The Chinese punctuation LongBench's ``normalize_zh_answer`` removes (besides ``string.punctuation``).
+ZH_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+
+
+def zh_words(text: str) -> list[str]:
+    """jieba's accurate-mode segmentation (``jieba.cut(text, cut_all=False)``), LongBench's Chinese tokenizer."""
+    try:
+        import jieba  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - jieba is a dependency (pyproject.toml, requirements.lock)
+        raise ImportError("the Chinese LongBench metrics need jieba: pip install jieba") from e
+    jieba.setLogLevel(30)  # no "Building prefix dict ..." lines on every run
+    return list(jieba.cut(text, cut_all=False))
+
+
+def normalize_zh_answer(s: str) -> str:
+    """Lower case, remove English and Chinese punctuation, remove all whitespace (LongBench)."""
+    drop = set(string.punctuation + ZH_PUNCTUATION)
+    return "".join("".join(ch for ch in s.lower() if ch not in drop).split())
+
+
+def qa_f1_zh_score(prediction: str, ground_truth: str, **_) -> float:
+    pred = [w for w in (normalize_zh_answer(t) for t in zh_words(prediction)) if w]
+    gold = [w for w in (normalize_zh_answer(t) for t in zh_words(ground_truth)) if w]
+    return token_f1(pred, gold)
 
 
 # ------------------------------------------------------------------------------------------- ROUGE-L
@@ -107,6 +141,10 @@ def rouge_score(prediction: str, ground_truth: str, **_) -> float:
     return rouge_l(prediction, ground_truth)
 
 
+def rouge_zh_score(prediction: str, ground_truth: str, **_) -> float:
+    return rouge_l(" ".join(zh_words(prediction)), " ".join(zh_words(ground_truth)))
+
+
 # ------------------------------------------------------------------------------- class / retrieval / count
 
 
@@ -126,6 +164,13 @@ def retrieval_score(prediction: str, ground_truth: str, **_) -> float:
     gold = re.findall(r"Paragraph (\d+)", ground_truth)
     if not gold:
         raise ValueError(f"retrieval answer {ground_truth!r} names no 'Paragraph N'")
+    return _fraction_equal(prediction, gold[0])
+
+
+def retrieval_zh_score(prediction: str, ground_truth: str, **_) -> float:
+    gold = re.findall(r"段落(\d+)", ground_truth)
+    if not gold:
+        raise ValueError(f"retrieval answer {ground_truth!r} names no '段落N'")
     return _fraction_equal(prediction, gold[0])
 
 
@@ -160,8 +205,10 @@ DATASET_METRIC = {
     "multi_news": rouge_score, "trec": classification_score, "triviaqa": qa_f1_score, "samsum": rouge_score,
     "passage_count": count_score, "passage_retrieval_en": retrieval_score, "lcc": code_sim_score,
     "repobench-p": code_sim_score,
+    "multifieldqa_zh": qa_f1_zh_score, "dureader": rouge_zh_score, "vcsum": rouge_zh_score,
+    "lsht": classification_score, "passage_retrieval_zh": retrieval_zh_score,
 }
-"""The 16 English LongBench datasets (the Chinese ones, scored with jieba, are not supported)."""
+"""The 21 LongBench datasets: 16 English, 5 Chinese (jieba-segmented QA-F1 / ROUGE-L where LongBench uses it)."""
 
 FIRST_LINE_ONLY = ("trec", "triviaqa", "samsum", "lsht")
 
@@ -170,7 +217,7 @@ def score_dataset(dataset: str, predictions: Sequence[str], answers: Sequence[Se
                   all_classes: Sequence[Sequence[str] | None] | Sequence[str] | None = None) -> float:
     """LongBench's ``scorer``: ``100 x mean_i max_{gold in answers_i} metric(pred_i, gold)``, 2 decimals."""
     if dataset not in DATASET_METRIC:
-        raise KeyError(f"no English LongBench metric for {dataset!r}; known: {sorted(DATASET_METRIC)}")
+        raise KeyError(f"no LongBench metric for {dataset!r}; known: {sorted(DATASET_METRIC)}")
     if not predictions:
         raise ValueError(f"{dataset}: no predictions to score")
     metric = DATASET_METRIC[dataset]

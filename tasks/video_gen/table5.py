@@ -1,6 +1,14 @@
 """``make reproduce-table5``: run (or print) the Table 5 fine-tunes and sampling, write ``results/table5.md``.
 
     python -m tasks.video_gen.table5 --wan /data/Wan2.1-T2V-1.3B-Diffusers --data /data/videos [--run]
+    python -m tasks.video_gen.table5 --sample-pretrained wan_flash --wan /data/Wan2.1-T2V-1.3B-Diffusers \
+        --prompts prompts/vbench.txt          # an evaluation-only row: sample the pretrained weights
+
+Each row is its experiment config (``configs/experiment/table5/<row>.yaml``, composed with Hydra). A row with
+``task.finetune: false`` (FlashAttention: the paper evaluates the pretrained Wan2.1-T2V-1.3B, not fine-tuned) is
+evaluation-only: no ``train.py`` command, its videos are sampled from ``model.pretrained`` directly
+(:func:`sample_pretrained`). The other rows are fine-tuned, then sampled from their checkpoint
+(``tasks.video_gen.sample``). Every row samples with its config's ``sample.*`` settings (steps, CFG, shift, seed).
 
 Without ``--run`` (or without the weights / data) it prints the commands of each row. The table holds the
 paper's numbers, our measured per-step latency where a benchmark result exists
@@ -11,27 +19,103 @@ CPU result is listed separately), and marks the VBench columns as an external st
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
 import sys
 
-import yaml
+from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = ("wan_flash", "wan_linear", "wan_mhla", "wan_mhla_hybrid")
 BENCH_KEY = {"wan_flash": "softmax", "wan_linear": "linear", "wan_mhla": "mhla", "wan_mhla_hybrid": "mhla_hybrid"}
 
 
-def commands(row: str, wan: str, data: str, gpus: int, prompts: str) -> list[str]:
+CONFIGS = os.path.join(ROOT, "configs")
+SAMPLES = "results/video/samples"
+
+
+def row_config(row: str, overrides=()):
+    """The composed config of Table 5 row ``row`` (``experiment=table5/<row>`` plus ``overrides``)."""
+    from hydra import compose, initialize_config_dir  # noqa: PLC0415
+
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return compose(config_name="train", overrides=[f"experiment=table5/{row}", *overrides])
+
+
+def finetunes(cfg) -> bool:
+    """False for an evaluation-only row (``task.finetune: false``): sampled from the pretrained weights."""
+    return bool(cfg.task.get("finetune", True))
+
+
+def sample_settings(cfg) -> dict:
+    s = cfg.sample
+    return {"steps": int(s.num_steps), "cfg": float(s.guidance_scale), "shift": float(s.shift),
+            "seed": int(s.get("seed", 0))}
+
+
+def commands(row: str, wan: str, data: str, gpus: int, prompts: str, cfg=None) -> list[str]:
+    cfg = row_config(row) if cfg is None else cfg
+    if not finetunes(cfg):  # evaluation only: no fine-tuning, sample the pretrained weights
+        return [f"python -m tasks.video_gen.table5 --sample-pretrained {row} --wan {wan} --prompts {prompts} "
+                f"--samples-out {SAMPLES}"]
     launch = f"torchrun --nproc_per_node={gpus} train.py" if gpus > 1 else "python train.py"
     run_dir = f"outputs/table5/{row}"
+    flags = " ".join(f"--{k} {v}" for k, v in sample_settings(cfg).items())
     return [
         f"{launch} experiment=table5/{row} model.pretrained={wan} data.root={data} hydra.run.dir={run_dir}",
         f"python -m tasks.video_gen.sample --ckpt {run_dir}/checkpoints/last.pt --wan {wan} --prompts {prompts} "
-        f"--out results/video/samples",
+        f"{flags} --out {SAMPLES}",
     ]
+
+
+def read_prompts(prompts) -> list[str]:
+    """A list of prompts, or one ``.txt`` file with one prompt per line."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if len(prompts) == 1 and prompts[0].endswith(".txt"):
+        with open(prompts[0], encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise SystemExit("no prompts: pass --prompts 'a cat ...' or --prompts file.txt")
+    return prompts
+
+
+def sample_pretrained(row: str, wan: str | None, prompts, out: str = SAMPLES, *, overrides=(), device=None,
+                      dtype=None, batch_size: int = 1, progress: bool = True) -> str:
+    """Sample an evaluation-only row (``task.finetune: false``) from its pretrained weights, no training.
+
+    Writes ``<out>/<row>_steps<S>_cfg<G>_shift<s>_seed<n>/<index>_<prompt slug>.mp4`` / ``.gif`` and
+    ``prompts.txt``, the layout ``tasks.video_gen.sample`` writes for the fine-tuned rows (VBench reads it).
+    Returns that folder.
+    """
+    import torch  # noqa: PLC0415
+
+    from .media import save_gif, save_mp4  # noqa: PLC0415
+    from .sample import slug  # noqa: PLC0415
+    from .task import VideoGenTask  # noqa: PLC0415
+
+    cfg = row_config(row, [*overrides, *([f"model.pretrained={wan}"] if wan else [])])
+    if finetunes(cfg):
+        raise SystemExit(f"table5/{row} is fine-tuned (task.finetune=true): train it, then sample its checkpoint "
+                         "with python -m tasks.video_gen.sample")
+    prompts = read_prompts(prompts)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    task = VideoGenTask(cfg)
+    model = task.build_model().to(device, dtype).eval()
+    st = sample_settings(cfg)
+    folder = os.path.join(out, f"{row}_steps{st['steps']}_cfg{st['cfg']}_shift{st['shift']}_seed{st['seed']}")
+    videos = task.generate(model, prompts, device, num_steps=st["steps"], guidance_scale=st["cfg"],
+                           shift=st["shift"], seed=st["seed"], batch_size=batch_size, progress=progress)
+    fps = int(cfg.sample.get("fps", 16))
+    for i, (p, v) in enumerate(zip(prompts, videos)):
+        stem = os.path.join(folder, f"{i:04d}_{slug(p)}")
+        save_mp4(v, stem + ".mp4", fps=fps)
+        save_gif(v, stem + ".gif", fps=fps)
+    with open(os.path.join(folder, "prompts.txt"), "w", encoding="utf-8") as f:
+        f.write("\n".join(prompts) + "\n")
+    print(f"wrote {len(videos)} videos of {row} (pretrained, not fine-tuned) to {folder}")
+    return folder
 
 
 def load_bench(name: str):
@@ -43,14 +127,18 @@ def write_table(out: str) -> str:
     gpu, cpu = load_bench("video_wan1.3b_cuda.json"), load_bench("video_cpu_cpu.json")
     lines = ["# Table 5: Wan2.1-T2V-1.3B video generation (81 frames, 480 x 800, 31,500 tokens)", "",
              "Paper numbers beside ours. VBench (quality / semantic / total) is an EXTERNAL step: run VBench on the",
-             "sample folders written by `python -m tasks.video_gen.sample` (README, video generation section).",
+             "sample folders written by `python -m tasks.video_gen.sample` (fine-tuned rows) and",
+             "`python -m tasks.video_gen.table5 --sample-pretrained wan_flash` (README, video generation section).",
              "Fine-tuning needs the Wan2.1 weights and a video dataset on GPUs; neither was available here, so no",
              "VBench score of ours is reported.", "",
              "| attention | paper quality | paper semantic | paper total | paper latency (s) | ours VBench | "
              "ours step latency (ms, 1.3B, 31,500 tok) | ours speed-up | ours CPU scaled-down (ms) | CPU speed-up |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    trained = []
     for row in ROWS:
-        p = yaml.safe_load(open(os.path.join(ROOT, "configs", "experiment", "table5", f"{row}.yaml")))["paper"]
+        cfg = row_config(row)
+        p = OmegaConf.to_container(cfg.paper, resolve=True)
+        trained.append((p["row"], int(cfg.trainer.max_steps) if finetunes(cfg) else 0))
         key = BENCH_KEY[row]
         cells = []
         for b in (gpu, cpu):
@@ -60,7 +148,10 @@ def write_table(out: str) -> str:
                       if r else ["not measured", "-"])
         lines.append(f"| {p['row']} | {p['quality']} | {p['semantic']} | {p['total']} | {p['latency_s']} | external | "
                      + " | ".join(cells) + " |")
-    lines += ["", "Paper latency: end-to-end sampling (50 steps with CFG); ours: one transformer forward (batch 1,",
+    lines += ["", "Rows: " + "; ".join(f"{name}: fine-tuned {n} steps" if n else
+                                       f"{name}: the pretrained Wan2.1-T2V-1.3B, not fine-tuned (task.finetune=false)"
+                                       for name, n in trained) + ".",
+              "", "Paper latency: end-to-end sampling (50 steps with CFG); ours: one transformer forward (batch 1,",
               "no CFG), so compare ratios, not absolute values (paper: MHLA 166/81 = 2.05x, hybrid 1.61x)."]
     if gpu:
         lines.append(f"GPU benchmark: {gpu['device_name']}, {gpu['dtype']}, {gpu['tokens']} tokens.")
@@ -73,7 +164,7 @@ def write_table(out: str) -> str:
     return text
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wan", default=os.environ.get("WAN_PATH", ""), help="local Wan2.1-T2V-1.3B-Diffusers folder")
     ap.add_argument("--data", default=os.environ.get("VIDEO_DATA", ""), help="video folder (metadata.jsonl)")
@@ -81,7 +172,17 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--run", action="store_true", help="run the commands (else print them)")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "table5.md"))
-    args = ap.parse_args()
+    ap.add_argument("--sample-pretrained", metavar="ROW", default=None,
+                    help="sample an evaluation-only row (task.finetune=false) from --wan, then stop")
+    ap.add_argument("--samples-out", default=SAMPLES, help="--sample-pretrained: folder of the sample folders")
+    ap.add_argument("--batch-size", type=int, default=1)
+    args = ap.parse_args(argv)
+    if args.sample_pretrained:
+        if not (args.wan and os.path.isdir(args.wan)):
+            raise SystemExit("--sample-pretrained needs the Wan2.1 weights: --wan /path/to/Wan2.1-T2V-1.3B-Diffusers")
+        sample_pretrained(args.sample_pretrained, args.wan, args.prompts, args.samples_out,
+                          batch_size=args.batch_size)
+        return
     ready = bool(args.wan and os.path.isdir(args.wan) and args.data and os.path.isdir(args.data))
     if not ready:
         print("Wan2.1 weights (--wan / WAN_PATH) or video data (--data / VIDEO_DATA) missing: printing the commands. "

@@ -9,6 +9,8 @@ Two settings, one code path:
 Loss: velocity MSE (:mod:`tasks.common.flow_matching`), times ``shift(sigmoid(N(0, 1)))``; captions are
 dropped (replaced by the null prompt) with probability ``task.caption_dropout`` so CFG works at sampling.
 Evaluation: the same loss at fixed times and fixed noise (``eval/loss``, comparable across runs).
+``task.finetune: false`` marks an evaluation-only row (Table 5's FlashAttention: the pretrained Wan2.1, not
+fine-tuned): :meth:`VideoGenTask.build_datasets` refuses to train it and ``tasks.video_gen.table5`` only samples it.
 """
 
 from __future__ import annotations
@@ -65,7 +67,20 @@ class VideoGenTask(Task):
                 f"token grid {self.grid} = {math.prod(self.grid)} tokens")
 
     # -------------------------------------------------------------------------------------- data
+    @property
+    def finetune(self) -> bool:
+        """``task.finetune`` (default true); false: an evaluation-only row (Table 5's FlashAttention, the
+        pretrained Wan2.1 without fine-tuning), sampled by ``python -m tasks.video_gen.table5``, never trained."""
+        return bool(self.cfg.task.get("finetune", True))
+
     def build_datasets(self):
+        if not self.finetune:  # the trainer asks for data only to train: refuse before any step
+            from tasks.common.config import ConfigError  # noqa: PLC0415
+
+            raise ConfigError(
+                "task.finetune=false: this row is evaluation-only (the pretrained model, not fine-tuned); sample it "
+                "with `python -m tasks.video_gen.table5 --sample-pretrained <row> --wan <Wan2.1 folder>` instead of "
+                "train.py, or set task.finetune=true to fine-tune it")
         d = self.cfg.data
         if d.name == "moving_shapes":
             if int(d.height) != int(d.width):
