@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 SCALE ?= full
 EXTRA ?=
 
-.PHONY: install test test-fast bench bench-gpu analyze clean help reproduce-table2 reproduce-table13
+.PHONY: install test test-fast bench bench-gpu analyze clean help
 
 help:
 	@echo "make install   - create .venv with the pinned dependencies (requirements.lock) and mhla (editable)"
@@ -16,9 +16,32 @@ help:
 	@echo "make bench     - CPU op benchmarks -> results/bench/"
 	@echo "make bench-gpu - GPU tests + kernel benchmarks (bf16, B=8, H=16, D=64/128) -> results/bench/"
 	@echo "make analyze   - attention rank/entropy analysis (Fig. 3 measure) -> results/analysis/"
-	@echo "make reproduce-table2 [SCALE=mini] [EXTRA='data.root=/data/imagenet'] - Table 2 -> results/table2[_mini].md"
+	@echo "make test-fast - the test suite without the slow tests"
+	@echo "make mnist-gen / lm-mini - CPU smoke runs: class-conditional MNIST DiT / the MHLA language model"
+	@echo "make bench-generation / bench-video - LM decoding and video (Wan-shaped, CPU preset) benchmarks"
+	@echo "make clean     - remove .venv and build files"
+	@echo "make help      - this list"
+	@echo ""
+	@echo "Paper tables: one entry point each (scripts/reproduce_table.py --table N; --list shows them all)."
+	@echo "  Every target takes SCALE=full (default: the paper's recipe, GPUs) or SCALE=mini (CPU proxy, configs/scale/mini/)"
+	@echo "  and EXTRA='...' (Hydra overrides for every cell, e.g. data.root=/data/imagenet; Tables 5/6/8: their options)."
+	@echo "  SEEDS='0 1 2' runs every cell per seed (mean +- std); REF='256=ref256.npz 512=ref512.npz' gives FID references."
+	@echo "make reproduce-table2   [SCALE=mini] - Table 2, ImageNet classification -> results/table2[_mini].md"
 	@echo "    SCALE=mini: MNIST at 256 tokens, every attention x 3 seeds (~80 min on 2 cores) + Fig. 3 -> results/analysis/"
-	@echo "make reproduce-table3 [SCALE=mini] [EXTRA='data.root=... data.vae_path=...'] [REF=ref.npz] - Table 3a -> results/table3[_mini].md"
+	@echo "make reproduce-table3   [SCALE=mini] [REF=...] - Table 3a (same as reproduce-table3a) -> results/table3[_mini].md"
+	@echo "make reproduce-table3a  [SCALE=mini] [REF=...] - Table 3a, DiT/DiG FID -> results/table3[_mini].md"
+	@echo "make reproduce-table3b  EXTRA='model.pretrained=DiT-XL-2-256x256.pt ...' REF=256=... - Table 3b -> results/table3b.md"
+	@echo "make reproduce-table4   [SCALE=mini] EXTRA='model.pretrained=... task.data_root=...' - Table 4, SANA -> results/table4[_mini].md"
+	@echo "make reproduce-table5   WAN_PATH=... VIDEO_DATA=... [RUN=--run] - Table 5, Wan2.1 video -> results/table5.md"
+	@echo "make reproduce-table6   CKPT_DIR=... [WIKITEXT=... LAMBADA=...] - Table 6, 340M LMs -> results/table6.md"
+	@echo "make reproduce-table7a  [SCALE=mini] - Table 7a, DeiT-T mixing init sweep -> results/table7a[_mini].md"
+	@echo "make reproduce-table7b  [SCALE=mini] [REF=512=...] - Table 7b, DiT-S/2 512 px M = 4/16/64, FID + throughput"
+	@echo "make reproduce-table8   CKPT_DIR=... LONGBENCH=... - Table 8, LongBench -> results/table8.md"
+	@echo "make reproduce-table11  [SCALE=mini] [SEEDS='0 1 2'] - Table 11, three-seed runs -> results/table11[_mini].md"
+	@echo "make reproduce-table12  [SCALE=mini] [REF=256=...] - Table 12, DiT-S/2 CPE / gate -> results/table12[_mini].md"
+	@echo "make reproduce-table13  [SCALE=mini] - Table 13, DeiT-T at 384 / 512 px -> results/table13[_mini].md"
+	@echo "make reproduce-table14  [SCALE=mini] [EXTRA='--bench-batch 8'] - Table 14, DiT-S/2 latency across M -> results/table14[_mini].md"
+	@echo "make reproduce-mqar     [SCALE=mini|full|large] - MQAR, softmax vs linear vs MHLA -> results/mqar[_SCALE].md (alias: mqar)"
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,47 +74,65 @@ bench-gpu: $(VENV)/.installed
 analyze: $(VENV)/.installed
 	$(PY) scripts/analyze_attention.py
 
-reproduce-table2: $(VENV)/.installed
-	$(PY) scripts/reproduce_table.py --table 2 --scale $(SCALE) -- $(EXTRA)
-
-reproduce-table13: $(VENV)/.installed
-	$(PY) scripts/reproduce_table.py --table 13 --scale $(SCALE) -- $(EXTRA)
-
-# --- image generation
-.PHONY: reproduce-table3 reproduce-table12 mnist-gen
+# --- image generation, language, video: smoke runs and benchmarks
+.PHONY: mnist-gen lm-mini bench-generation bench-video
 mnist-gen: $(VENV)/.installed
 	$(PY) train.py task=mnist_gen
 
-# Table 3a (every DiT cell; full: 400k steps at batch 256 on all GPUs, then 50k samples -> FID against REF)
-reproduce-table3: $(VENV)/.installed
-	$(PY) scripts/reproduce_table.py --table 3 --scale $(SCALE) $(if $(REF),--fid-ref $(REF)) -- $(EXTRA)
-
-reproduce-table12: $(VENV)/.installed
-	$(PY) scripts/reproduce_table.py --table 12 --scale $(SCALE) $(if $(REF),--fid-ref $(REF)) -- $(EXTRA)
-
-# --- language
-.PHONY: lm-mini bench-generation
 lm-mini:
 	$(PY) train.py task=lm_mini
 bench-generation:
 	$(PY) scripts/bench_generation.py
-# Tables 6 / 8 evaluate trained models at $(CKPT_DIR)/<cell> (cells: configs/experiment/table6|8/*.yaml).
+
+# --- paper tables: one entry point each (scripts/reproduce_table.py; README "Paper tables")
+REF ?=
+SEEDS ?=
 CKPT_DIR ?= checkpoints/lm
 WIKITEXT ?=
 LAMBADA ?=
 LONGBENCH ?=
-.PHONY: reproduce-table6 reproduce-table8 mqar reproduce-mqar
-reproduce-table6: $(VENV)/.installed  ## CKPT_DIR=/ckpt [WIKITEXT=wiki.test.raw LAMBADA=lambada_test.jsonl]
-	$(PY) -m tasks.language.evaluate table6 --ckpt-dir $(CKPT_DIR) $(if $(WIKITEXT),--wikitext $(WIKITEXT)) $(if $(LAMBADA),--lambada $(LAMBADA)) $(EXTRA)
-reproduce-table8: $(VENV)/.installed  ## CKPT_DIR=/ckpt LONGBENCH=/data/LongBench/data
-	$(PY) -m tasks.language.evaluate table8 --ckpt-dir $(CKPT_DIR) $(if $(LONGBENCH),--longbench $(LONGBENCH)) $(EXTRA)
-mqar: reproduce-mqar
-reproduce-mqar: $(VENV)/.installed  ## [SCALE=mini|full|large] softmax vs linear vs MHLA on MQAR -> results/mqar[_SCALE].md + .png
-	$(PY) scripts/run_mqar.py --scale $(SCALE) $(EXTRA)
+WAN_PATH ?=
+VIDEO_DATA ?=
+RUN ?=
+REPRODUCE := $(PY) scripts/reproduce_table.py
+# options of the cell tables: scale, seeds, per-resolution FID references
+CELL_OPTS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(REF),--fid-ref $(REF))
+.PHONY: reproduce-table2 reproduce-table3 reproduce-table3a reproduce-table3b reproduce-table4 reproduce-table5 \
+	reproduce-table6 reproduce-table7a reproduce-table7b reproduce-table8 reproduce-table11 reproduce-table12 \
+	reproduce-table13 reproduce-table14 reproduce-mqar mqar
 
-# --- video generation
-reproduce-table5: $(VENV)/.installed  ## WAN_PATH=/data/Wan2.1-T2V-1.3B-Diffusers VIDEO_DATA=/data/videos [RUN=--run]
-	$(PY) -m tasks.video_gen.table5 $(RUN)
+# Table 2 (SCALE=mini: the seeded proxy, its own options in EXTRA, e.g. EXTRA='--resume')
+reproduce-table2: $(VENV)/.installed
+	$(REPRODUCE) --table 2 --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) -- $(EXTRA)
+reproduce-table3: reproduce-table3a
+reproduce-table3a: $(VENV)/.installed
+	$(REPRODUCE) --table 3a $(CELL_OPTS) -- $(EXTRA)
+reproduce-table3b: $(VENV)/.installed
+	$(REPRODUCE) --table 3b $(CELL_OPTS) -- $(EXTRA)
+reproduce-table4: $(VENV)/.installed
+	$(REPRODUCE) --table 4 $(CELL_OPTS) -- $(EXTRA)
+reproduce-table5: $(VENV)/.installed
+	$(REPRODUCE) --table 5 --scale $(SCALE) -- $(if $(WAN_PATH),--wan $(WAN_PATH)) $(if $(VIDEO_DATA),--data $(VIDEO_DATA)) $(RUN) $(EXTRA)
+# Tables 6 / 8 evaluate trained models at $(CKPT_DIR)/<cell> (cells: configs/experiment/table6|8/*.yaml).
+reproduce-table6: $(VENV)/.installed
+	$(REPRODUCE) --table 6 --scale $(SCALE) -- --ckpt-dir $(CKPT_DIR) $(if $(WIKITEXT),--wikitext $(WIKITEXT)) $(if $(LAMBADA),--lambada $(LAMBADA)) $(EXTRA)
+reproduce-table7a: $(VENV)/.installed
+	$(REPRODUCE) --table 7a $(CELL_OPTS) -- $(EXTRA)
+reproduce-table7b: $(VENV)/.installed
+	$(REPRODUCE) --table 7b $(CELL_OPTS) -- $(EXTRA)
+reproduce-table8: $(VENV)/.installed
+	$(REPRODUCE) --table 8 --scale $(SCALE) -- --ckpt-dir $(CKPT_DIR) $(if $(LONGBENCH),--longbench $(LONGBENCH)) $(EXTRA)
+reproduce-table11: $(VENV)/.installed
+	$(REPRODUCE) --table 11 $(CELL_OPTS) -- $(EXTRA)
+reproduce-table12: $(VENV)/.installed
+	$(REPRODUCE) --table 12 $(CELL_OPTS) -- $(EXTRA)
+reproduce-table13: $(VENV)/.installed
+	$(REPRODUCE) --table 13 $(CELL_OPTS) -- $(EXTRA)
+reproduce-table14: $(VENV)/.installed
+	$(REPRODUCE) --table 14 --scale $(SCALE) $(EXTRA)
+mqar: reproduce-mqar
+reproduce-mqar: $(VENV)/.installed
+	$(REPRODUCE) --table mqar --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) -- $(EXTRA)
 
 bench-video: $(VENV)/.installed
 	$(PY) scripts/bench_video.py --preset cpu

@@ -249,3 +249,19 @@ def test_image_gen_task_checks_the_root_before_the_model(tmp_path, monkeypatch, 
     make_tree(tmp_path, ["cat"], None)
     with pytest.raises(ModelBuilt):
         ImageGenTask(cfg).build_model()
+
+
+def test_table3b_finetune_refuses_to_start_without_the_released_checkpoint(tmp_path, monkeypatch):
+    import models.dit  # noqa: PLC0415
+    from tasks.image_gen.task import ImageGenTask  # noqa: PLC0415
+
+    def refuse(*args, **kwargs):
+        raise ModelBuilt
+
+    monkeypatch.setattr(models.dit, "build_dit", refuse)
+    make_tree(tmp_path, ["cat"], None)
+    base = ["experiment=table3b/dit_xl2_256_mhla_finetune", "logger=none", f"data.root={tmp_path}"]
+    with pytest.raises(ConfigError, match="model.pretrained=/path/to/DiT-XL-2-256x256.pt"):
+        ImageGenTask(make_cfg(base)).build_model()
+    with pytest.raises(ModelBuilt):
+        ImageGenTask(make_cfg([*base, f"model.pretrained={tmp_path}/DiT-XL-2-256x256.pt"])).build_model()

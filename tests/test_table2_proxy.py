@@ -75,7 +75,7 @@ def test_run_cell_composes_mini_overrides_and_reports_failures(monkeypatch):
 
     def fake(overrides, threads=None, launcher=None):
         seen["overrides"] = overrides
-        if "bad=1" in overrides:
+        if "data.limit=9" in overrides:  # the run fails
             return {"command": "x", "seconds": 1.0, "error": "boom", "error_tail": "Traceback\nboom"}
         return {"command": "x", "seconds": 1.0, "metrics": {"loss": 0.5, "mse": 0.1}, "params_M": 0.2}
 
@@ -84,8 +84,13 @@ def test_run_cell_composes_mini_overrides_and_reports_failures(monkeypatch):
     res = rt.run_cell("3", "dit_s2_512_mhla", args)
     assert res["cell"] == "dit_s2_512_mhla" and res["metrics"]["loss"] == 0.5
     over = seen["overrides"]
-    assert over[0] == "experiment=table3/dit_s2_512_mhla" and "task=mnist_gen" in over
-    assert "model.mhla_num_blocks=16" in over and over[-1] == "data.limit=8"  # 512-px cells: 16x16 tokens, M = 16
-    args.extra = ["bad=1"]
+    # the proxy comes from the config tree: 512-px cells -> configs/scale/mini/dit_s_512.yaml (16x16 tokens, M = 16)
+    assert over[0] == "experiment=table3/dit_s2_512_mhla" and "scale=mini/dit_s_512" in over
+    assert over[-1] == "data.limit=8"
+    args.extra = ["data.limit=9"]
     res = rt.run_cell("2", "deit_t_mhla", args)
     assert res["error"] == "boom" and "error_tail" not in res
+    seen.clear()
+    args.extra = ["no_such_key=1"]  # an override that does not compose is reported without starting a run
+    res = rt.run_cell("2", "deit_t_mhla", args)
+    assert "does not compose" in res["error"] and not seen

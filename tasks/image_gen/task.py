@@ -16,6 +16,7 @@ import time
 import torch
 import torch.nn as nn
 
+from tasks.common.config import ConfigError
 from tasks.common.distributed import barrier
 from tasks.common.trainer import Task
 
@@ -36,6 +37,11 @@ class ImageGenTask(Task):
     # ----------------------------------------------------------------------------------- model
     def build_model(self) -> nn.Module:
         self._check_data_root()  # before the model: a wrong data.root should not wait for the build
+        if self.cfg.model.get("require_pretrained") and not self.cfg.model.get("pretrained"):
+            raise ConfigError(
+                f"this experiment fine-tunes a released checkpoint: set model.pretrained=/path/to/DiT-XL-2-256x256.pt "
+                f"(download it from https://dl.fbaipublicfiles.com/DiT/models/); without it {self.cfg.model.name} "
+                f"would train from scratch")
         kind = self.cfg.model.get("kind", "dit")
         if kind == "dig":  # DiG (models/dig.py): a DiT subclass with GLA / MHLA token mixers
             from models.dig import build_dig  # noqa: PLC0415
