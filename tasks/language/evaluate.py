@@ -215,7 +215,8 @@ def reproduce_table8(args) -> str:
              "official prompts, greedy decoding, middle truncation to "
              f"{args.max_length} tokens (prompt + generation), official metrics (re-implemented). A blank paper "
              "value: SPEC.md does not give it.", "",
-             f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir} LONGBENCH={args.longbench}`"
+             f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir}"
+             + (f" LONGBENCH={args.longbench}`" if args.longbench else "` (no LONGBENCH data given)")
              + (f" (limit {args.limit} examples per task)" if args.limit else "")]
     return _write("8", header, rows, notes, records)
 
