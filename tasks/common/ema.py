@@ -9,7 +9,8 @@ import torch.nn as nn
 
 
 class ModelEMA(nn.Module):
-    """``ema = decay * ema + (1 - decay) * model`` for parameters; buffers are copied.
+    """``ema = decay * ema + (1 - decay) * model`` for parameters and floating-point buffers (as timm's model
+    EMA, which DeiT uses; constant buffers such as position tables stay constant), other buffers are copied.
 
     ``warmup``: use ``min(decay, (1 + step) / (10 + step))`` early on so the average is not dominated by
     the random initialisation in short runs.
@@ -36,5 +37,8 @@ class ModelEMA(nn.Module):
             p.lerp_(model_params[name].detach().to(p.dtype), 1.0 - d)
         model_buffers = dict(model.named_buffers())
         for name, b in self.module.named_buffers():
-            b.copy_(model_buffers[name])
+            if b.is_floating_point():
+                b.lerp_(model_buffers[name].detach().to(b.dtype), 1.0 - d)
+            else:
+                b.copy_(model_buffers[name])
         self.num_updates += 1
