@@ -25,6 +25,8 @@ from .feature_maps import get_feature_map
 from .layouts import BlockLayout, ceil_div, layout_1d
 from .mixing import MixingMatrix
 from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
+from .ops.validation import check_cu_seqlens
+from .ops.varlen import run_varlen, sequence_bounds, unbind_state
 from .registry import register_attention
 
 
@@ -35,6 +37,10 @@ class AttentionCache:
     ``attn``: the op's state (:class:`mhla.ops.MHLAState` for MHLA, ``(S, z)`` for linear attention,
     ``(k, v)`` for softmax); ``conv``: the last ``kernel - 1`` values ``[B, kernel - 1, inner]`` for a
     causal CPE.
+
+    After a variable-length call (``cu_seqlens``) both are *lists* of ``N`` per-sequence states, each of
+    batch 1 (sequences may have consumed different numbers of tokens); a list is how the layers tell the two
+    apart. A later variable-length call splits a batched cache into such a list.
     """
 
     attn: object = None
@@ -147,17 +153,42 @@ class AttentionBase(nn.Module):
             return layout.raster_to_block_major(self._apply_cpe(layout.block_major_to_raster(v), grid, cache))
         B, N, Cv = v.shape
         if isinstance(self.cpe, nn.Conv1d):
-            x = v.transpose(1, 2)
             if self.causal:
-                k = self.cpe_kernel - 1
-                past = cache.conv if (cache is not None and cache.conv is not None) else v.new_zeros(B, k, Cv)
-                full = torch.cat([past, v], dim=1)
+                out, past = self._causal_conv(v, cache.conv if cache is not None else None)
                 if cache is not None:
-                    cache.conv = full[:, -k:].detach() if k else full[:, :0]
-                x = full.transpose(1, 2)
-            return self.cpe(x).transpose(1, 2)
+                    cache.conv = past
+                return out
+            return self.cpe(v.transpose(1, 2)).transpose(1, 2)
         x = v.transpose(1, 2).reshape(B, Cv, *grid)
         return self.cpe(x).reshape(B, Cv, N).transpose(1, 2)
+
+    def _causal_conv(self, v: torch.Tensor, past: torch.Tensor | None):
+        """Causal 1-D CPE: ``v: [B, N, inner]`` after ``past: [B, kernel - 1, inner]`` (None: zeros) ->
+        ``(out [B, N, inner], the new past [B, kernel - 1, inner], detached)``."""
+        k = self.cpe_kernel - 1
+        if past is None:
+            past = v.new_zeros(v.shape[0], k, v.shape[2])
+        full = torch.cat([past, v], dim=1)
+        out = self.cpe(full.transpose(1, 2)).transpose(1, 2)
+        return out, (full[:, -k:].detach() if k else full[:, :0])
+
+    def _apply_cpe_varlen(self, v: torch.Tensor, cache: AttentionCache | None, cu_seqlens) -> torch.Tensor:
+        """Causal CPE on a packed batch ``v: [1, total_T, inner]``: each sequence convolved alone, after its
+        own past (``cache.conv``: a list of per-sequence pasts)."""
+        pasts = self._varlen_states(cache, "conv", cu_seqlens)
+
+        def op(v, past, final):
+            out, new_past = self._causal_conv(v, past)
+            return (out, new_past) if final else out
+
+        def empty():
+            return v.new_zeros(1, self.cpe_kernel - 1, v.shape[2])
+
+        if cache is None:
+            return run_varlen(op, (v,), cu_seqlens)
+        out, cache.conv = run_varlen(op, (v,), cu_seqlens, initial_state=pasts, output_final_state=True,
+                                     empty_state=empty)
+        return out
 
     # ---------------------------------------------------------------------------------- projections
     def _project(self, x: torch.Tensor):
@@ -211,6 +242,7 @@ class AttentionBase(nn.Module):
         *,
         grid_size=None,
         cache: AttentionCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x: [B, N, C]`` (prefix tokens first, then grid tokens in raster order) -> ``[B, N, C]``.
 
@@ -219,11 +251,16 @@ class AttentionBase(nn.Module):
             is_causal: timm's flag; must agree with the layer's ``causal``.
             grid_size: the token grid of this input when it differs from the one the layer was built for.
             cache: causal decoding / chunked prefill; updated in place (create with ``AttentionCache()``).
+            cu_seqlens: causal 1-D layers; ``x: [1, total_T, C]`` holds ``N`` sequences packed along the tokens
+                (``cu_seqlens: [N + 1]`` offsets, :mod:`mhla.ops.varlen`), each attended as if alone; the
+                cache then holds per-sequence states (:class:`AttentionCache`).
         """
         if is_causal and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False but called with is_causal=True")
         if cache is not None and not self.causal:
             raise ValueError("cache is for causal layers")
+        if cu_seqlens is not None:
+            return self._forward_varlen(x, attn_mask, cache, cu_seqlens)
         P = self.num_prefix_tokens
         grid = self._grid_for(x.shape[1] - P, grid_size)
         layout = self._block_layout(grid)
@@ -241,6 +278,36 @@ class AttentionBase(nn.Module):
         if layout is not None:
             y = torch.cat([y[:, :P], layout.block_major_to_raster(y[:, P:])], dim=1)
         return y
+
+    def _forward_varlen(self, x, attn_mask, cache: AttentionCache | None, cu_seqlens) -> torch.Tensor:
+        """:meth:`forward` on a packed batch ``x: [1, total_T, C]`` of ``N`` causal 1-D sequences."""
+        if not self.causal or self.num_prefix_tokens or (self.grid is not None and len(self.grid) != 1):
+            raise ValueError(f"{type(self).__name__}: cu_seqlens is for causal layers over 1-D sequences")
+        if attn_mask is not None:
+            raise ValueError("pass either attn_mask or cu_seqlens")
+        q, k, v = self._project(x)
+        check_cu_seqlens(cu_seqlens, q)
+        cpe_out = None
+        if self.cpe is not None:
+            cpe_out = self._apply_cpe_varlen(v.flatten(2), cache, cu_seqlens)
+        return self._finish(self._core_varlen(q, k, v, cache, cu_seqlens), x, cpe_out)
+
+    def _varlen_states(self, cache: AttentionCache | None, field: str, cu_seqlens) -> list | None:
+        """The per-sequence states ``cache.<field>`` (``"attn"`` or ``"conv"``) for a packed call with
+        ``cu_seqlens``: None when there are none yet, else a list of ``N`` (a batched cache is split)."""
+        state = getattr(cache, field) if cache is not None else None
+        if state is None:
+            return None
+        n = cu_seqlens.numel() - 1
+        states = state if isinstance(state, list) else unbind_state(state, n)
+        if len(states) != n:
+            raise ValueError(f"the cache holds {len(states)} sequences but cu_seqlens has {n}")
+        return states
+
+    def _core_varlen(self, q, k, v, cache, cu_seqlens):
+        """``_core`` on a packed batch: q, k ``[1, total_T, H, D]``, v ``[1, total_T, H, Dv]`` -> ``[1, total_T,
+        H, Dv]``, each sequence alone; updates ``cache`` (per-sequence lists) when given."""
+        raise ValueError(f"{type(self).__name__} does not support cu_seqlens")
 
     def _block_layout(self, grid):
         """The layout whose block-major order the layer works in (None: keep the input order)."""
@@ -385,6 +452,26 @@ class MultiHeadLinearAttention(AttentionBase):
                                        output_final_state=True)
         return o
 
+    def _core_varlen(self, q, k, v, cache, cu_seqlens):
+        q, k = self.feature_map(q), self.feature_map(k)
+        C = self.block_size
+        states = self._varlen_states(cache, "attn", cu_seqlens)
+        bounds = sequence_bounds(cu_seqlens)
+        seen = [s.num_tokens if s is not None else 0 for s in states] if states else [0] * len(bounds)
+        mixing = self.mixing(max(ceil_div(p + e - b, C) for p, (b, e) in zip(seen, bounds))).to(q.dtype)
+        kw = dict(normalize=self.normalize, eps=self.eps)
+        if cache is None:
+            return mhla_attention(q, k, v, mixing, C, causal=True, cu_seqlens=cu_seqlens, backend=self.backend,
+                                  **kw)
+        if states is not None and all(e - b == 1 and s is not None for (b, e), s in zip(bounds, states)):
+            # decoding: one token per sequence, each with its own cached prefix
+            o, cache.attn = run_varlen(lambda q, k, v, st, _: mhla_decode_step(q, k, v, mixing, st, **kw),
+                                       (q, k, v), cu_seqlens, initial_state=states, output_final_state=True)
+            return o
+        o, cache.attn = mhla_attention(q, k, v, mixing, C, causal=True, cu_seqlens=cu_seqlens, backend="torch",
+                                       initial_state=states, output_final_state=True, **kw)
+        return o
+
 
 @register_attention("linear")
 class LinearAttention(AttentionBase):
@@ -403,6 +490,15 @@ class LinearAttention(AttentionBase):
                                          initial_state=cache.attn, output_final_state=True)
         return o
 
+    def _core_varlen(self, q, k, v, cache, cu_seqlens):
+        q, k = self.feature_map(q), self.feature_map(k)
+        kw = dict(causal=True, normalize=self.normalize is not False, eps=self.eps, cu_seqlens=cu_seqlens)
+        if cache is None:
+            return linear_attention(q, k, v, **kw)
+        o, cache.attn = linear_attention(q, k, v, initial_state=self._varlen_states(cache, "attn", cu_seqlens),
+                                         output_final_state=True, **kw)
+        return o
+
 
 @register_attention("softmax")
 class SoftmaxAttention(AttentionBase):
@@ -418,13 +514,27 @@ class SoftmaxAttention(AttentionBase):
     def _core(self, q, k, v, grid, cache, attn_mask):
         if cache is None:
             return softmax_attention(q, k, v, causal=self.causal, attn_mask=attn_mask)
-        if cache.attn is not None:
-            k = torch.cat([cache.attn[0], k], dim=1)
-            v = torch.cat([cache.attn[1], v], dim=1)
-        cache.attn = (k, v)
+        o, cache.attn = self._attend_cached(q, k, v, cache.attn, attn_mask)
+        return o
+
+    @staticmethod
+    def _attend_cached(q, k, v, past, attn_mask=None):
+        """Causal attention of a chunk ``q, k, v: [B, T, H, *]`` after the cached ``past = (k, v)`` (or None)
+        -> ``(o [B, T, H, Dv], (k, v) with the chunk appended)``."""
+        if past is not None:
+            k = torch.cat([past[0], k], dim=1)
+            v = torch.cat([past[1], v], dim=1)
         Tq, Tk = q.shape[1], k.shape[1]
         if Tq == 1:
-            return softmax_attention(q, k, v, attn_mask=attn_mask)
+            return softmax_attention(q, k, v, attn_mask=attn_mask), (k, v)
         # Chunk after a prefix: query i sits at position Tk - Tq + i.
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
-        return softmax_attention(q, k, v, attn_mask=mask)
+        return softmax_attention(q, k, v, attn_mask=mask), (k, v)
+
+    def _core_varlen(self, q, k, v, cache, cu_seqlens):
+        if cache is None:
+            return softmax_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
+        o, cache.attn = run_varlen(lambda q, k, v, past, _: self._attend_cached(q, k, v, past), (q, k, v),
+                                   cu_seqlens, initial_state=self._varlen_states(cache, "attn", cu_seqlens),
+                                   output_final_state=True, empty_state=lambda: (k[:, :0], v[:, :0]))
+        return o

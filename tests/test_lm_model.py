@@ -145,13 +145,15 @@ def test_bad_config():
         MHLALMConfig(rope="sometimes")
 
 
-def test_padding_mask_is_rejected():
-    model = tiny("mhla")
+def test_padding_mask_leaves_the_real_tokens_unchanged():
+    """A left-padded row gives the logits of its real tokens alone (tests/test_lm_padding.py covers the rest)."""
+    model = tiny("mhla").double()
     x = torch.randint(0, 61, (2, 5))
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[0, 0] = 0
-    with pytest.raises(NotImplementedError, match="padding"):
-        model(x, attention_mask=mask)
+    padded = model(x, attention_mask=mask).logits
+    alone = model(x[:1, 1:]).logits
+    torch.testing.assert_close(padded[0, 1:], alone[0], rtol=1e-10, atol=1e-10)
 
 
 def test_logits_to_keep_bool_mask_selects_positions():

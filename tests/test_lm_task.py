@@ -171,3 +171,28 @@ def test_attn_keys_an_lm_would_ignore_are_refused(task):
     if task == "mqar":  # the model builder itself refuses (train.py and eval.py go through it)
         with pytest.raises(ValueError, match="model.mixing_param"):
             build_mqar_model(_cfg("task=mqar", "attn=mhla", "attn.mixing_param=softplus"))
+
+
+def test_reset_at_doc_boundary_reaches_the_model(tmp_path):
+    """data.reset_at_doc_boundary=true: the loss is computed with the documents' cu_seqlens (and differs from the
+    packed loss); the Llama baseline, which cannot take them, is refused."""
+    from tasks.language.task import LanguageModelingTask as LMTask
+
+    corpus = _write_corpus(tmp_path)
+    base = ["task=lm_mini", "logger=none", "data=text_local", f"data.path={corpus}",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300", "data.val_fraction=0.2",
+            "data.seq_len=256", "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_heads=2"]
+    losses = {}
+    for reset in (False, True):
+        task = LMTask(_cfg(*base, f"data.reset_at_doc_boundary={str(reset).lower()}"))
+        torch.manual_seed(0)
+        model = task.build_model().double()
+        train, _ = task.build_datasets()
+        batch = torch.stack([train[i] for i in range(2)])
+        eos = task.data()[2].eos_token_id
+        assert (batch == eos).any()  # 120-word documents: a 256-token window crosses a boundary
+        losses[reset] = task.training_loss(model, batch)[0].item()
+        assert ("cu_seqlens" in task._packed(batch)) is reset
+    assert losses[True] != losses[False]
+    with pytest.raises(ValueError, match="reset_at_doc_boundary"):
+        LMTask(_cfg(*base, "model=lm_mini_llama", "attn=softmax", "data.reset_at_doc_boundary=true")).build_model()

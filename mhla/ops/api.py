@@ -11,10 +11,23 @@ from __future__ import annotations
 
 import torch
 
-from .causal import MHLAState, mhla_causal_torch
+from ..layouts import ceil_div
+from .causal import MHLAState, init_state, mhla_causal_torch
 from .noncausal import mhla_noncausal_torch
 from .reference import mhla_reference
-from .validation import check_block_size, check_causal, check_eps, check_mixing, check_qkv, normalizer_mode
+from .validation import (
+    accumulation_dtype,
+    check_block_size,
+    check_causal,
+    check_cu_seqlens,
+    check_eps,
+    check_mixing,
+    check_qkv,
+    check_state,
+    check_varlen_states,
+    normalizer_mode,
+)
+from .varlen import run_varlen, unbind_state
 
 BACKENDS = ("auto", "torch", "reference", "triton")
 
@@ -56,8 +69,9 @@ def mhla_attention(
     normalize=True,
     eps: float = 1e-6,
     backend: str = "auto",
-    initial_state: MHLAState | None = None,
+    initial_state: MHLAState | list | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Multi-Head Linear Attention (token-level heads), SPEC.md section 1.
 
@@ -77,13 +91,29 @@ def mhla_attention(
         backend: ``"auto"``, ``"torch"``, ``"reference"`` or ``"triton"`` (module docstring).
         initial_state: causal only; continue after the tokens summarised in this state (chunked prefill).
         output_final_state: causal only; also return the state after these tokens.
+        cu_seqlens: causal only; a packed batch of ``N`` variable-length sequences in flash-linear-attention's
+            convention (:mod:`mhla.ops.varlen`): ``q, k: [1, total_T, H, D]``, ``v: [1, total_T, H, Dv]``,
+            ``cu_seqlens: [N + 1]`` int32/int64 (0 first, ``total_T`` last, non-decreasing; sequence ``n`` is
+            tokens ``cu_seqlens[n]:cu_seqlens[n + 1]``, possibly empty). Every sequence is computed as if
+            alone: its blocks start at its own first token, and ``mixing`` needs ``ceil(L_n / C)`` rows for
+            the longest (counting its state's tokens). States are per sequence: ``initial_state`` is a list
+            of ``N`` :class:`MHLAState` of batch 1 (None entries start empty; a single ``MHLAState`` of batch
+            ``N``, all sequences after the same tokens, is split), and ``output_final_state`` returns a list
+            of ``N`` :class:`MHLAState` of batch 1 (an empty sequence keeps its initial state).
     Returns:
-        ``o: [B, T, H, Dv]`` with the dtype of ``v``; ``(o, state)`` when ``output_final_state``.
+        ``o: [B, T, H, Dv]`` with the dtype of ``v``; ``(o, state)`` when ``output_final_state``
+        (``[1, total_T, H, Dv]`` and a list of ``N`` states with ``cu_seqlens``).
     Raises:
         ValueError: on wrong ranks, shapes or dtypes, ``T`` not a multiple of ``block_size`` (non-causal),
             negative, non-finite or too-small ``mixing``, mismatched heads, an ``eps`` that is not a
-            positive float, or an ``initial_state`` that does not fit the call (type, dtype, shapes).
+            positive float, an ``initial_state`` that does not fit the call (type, dtype, shapes), or a bad
+            ``cu_seqlens`` (dtype, shape, offsets, batch other than 1, non-causal call).
     """
+    if cu_seqlens is not None:
+        if not causal:
+            raise ValueError("cu_seqlens (variable-length sequences) is for causal=True only")
+        return _mhla_varlen(q, k, v, mixing, block_size, cu_seqlens, normalize=normalize, eps=eps,
+                            backend=backend, initial_state=initial_state, output_final_state=output_final_state)
     stateful = initial_state is not None or output_final_state
     if causal:
         mode = check_causal(q, k, v, mixing, block_size, normalize=normalize, eps=eps, state=initial_state)
@@ -103,25 +133,60 @@ def mhla_attention(
         check_mixing(mixing, H, T // block_size, square_size=T // block_size)
 
     which = resolve_backend(backend, q, causal=causal)
-    if which == "reference":
-        if stateful:
-            raise ValueError("the reference backend has no state; use backend='torch'")
-        return mhla_reference(q, k, v, mixing, block_size, causal=causal, normalize=mode, eps=eps)
-    if which == "triton":
-        return _triton_backend().mhla_attention(
-            q, k, v, mixing, block_size, causal=causal, normalize=mode, eps=eps,
-            initial_state=initial_state, output_final_state=output_final_state,
-        )
+    if which == "reference" and stateful:
+        raise ValueError("the reference backend has no state; use backend='torch'")
     if causal:
-        return mhla_causal_torch(
-            q,
-            k,
-            v,
-            mixing,
-            block_size,
-            normalize=mode,
-            eps=eps,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-        )
+        return _causal_op(which, mixing, block_size, mode, eps)(q, k, v, initial_state, output_final_state)
+    if which == "reference":
+        return mhla_reference(q, k, v, mixing, block_size, causal=False, normalize=mode, eps=eps)
+    if which == "triton":
+        return _triton_backend().mhla_attention(q, k, v, mixing, block_size, causal=False, normalize=mode, eps=eps)
     return mhla_noncausal_torch(q, k, v, mixing, block_size, normalize=mode, eps=eps)
+
+
+def _causal_op(which: str, mixing: torch.Tensor, block_size: int, mode: str, eps: float):
+    """The causal form on backend ``which`` as ``op(q, k, v, initial_state, output_final_state)``."""
+    if which == "reference":
+        return lambda q, k, v, _state, _final: mhla_reference(q, k, v, mixing, block_size, causal=True,
+                                                              normalize=mode, eps=eps)
+    if which == "triton":
+        fn = _triton_backend().mhla_attention
+        return lambda q, k, v, state, final: fn(q, k, v, mixing, block_size, causal=True, normalize=mode, eps=eps,
+                                                initial_state=state, output_final_state=final)
+    return lambda q, k, v, state, final: mhla_causal_torch(q, k, v, mixing, block_size, normalize=mode, eps=eps,
+                                                           initial_state=state, output_final_state=final)
+
+
+def _mhla_varlen(q, k, v, mixing, block_size, cu_seqlens, *, normalize, eps, backend, initial_state,
+                 output_final_state):
+    """``mhla_attention(causal=True, cu_seqlens=...)``: validate, then run every sequence as if alone
+    (:func:`mhla.ops.varlen.run_varlen`). Shapes as :func:`mhla_attention`."""
+    check_qkv(q, k, v)
+    check_block_size(block_size)
+    eps = check_eps(eps)
+    mode = normalizer_mode(normalize)
+    if mode == "official":
+        raise ValueError("normalize='official' is the release's non-causal vision normalizer only")
+    lengths = check_cu_seqlens(cu_seqlens, q)
+    if isinstance(initial_state, MHLAState):  # one batched state: every sequence after the same tokens
+        initial_state = unbind_state(initial_state, len(lengths))
+    states = check_varlen_states(initial_state, len(lengths))
+    seen = [0] * len(lengths)
+    for n, state in enumerate(states or []):
+        if state is not None:
+            try:
+                check_state(state, q[:, :1], v[:, :1], block_size)  # batch 1, heads, dims, dtype, block size
+            except ValueError as err:
+                raise ValueError(f"initial_state[{n}]: {err}") from None
+            seen[n] = state.num_tokens
+    check_mixing(mixing, q.shape[2], max(ceil_div(p + n, block_size) for p, n in zip(seen, lengths)))
+    which = resolve_backend(backend, q, causal=True)
+    if which == "reference" and (states is not None or output_final_state):
+        raise ValueError("the reference backend has no state; use backend='torch'")
+    H, D, Dv = q.shape[2], q.shape[3], v.shape[3]
+
+    def empty_state():
+        return init_state(1, H, D, Dv, block_size, device=q.device, dtype=accumulation_dtype(q.dtype))
+
+    return run_varlen(_causal_op(which, mixing, block_size, mode, eps), (q, k, v), cu_seqlens,
+                      initial_state=states, output_final_state=output_final_state, empty_state=empty_state)

@@ -42,6 +42,9 @@ class MHLAState:
         prefix_summary / prefix_key_sum: cache of ``sum_{b<i} mixing[i, b] S_b`` (and z) for the current
             block ``i``, filled by :func:`mhla_decode_step` at a block boundary. It assumes the mixing
             matrix does not change during decoding; :func:`mhla_causal_torch` never reads it.
+
+    Variable-length calls (``mhla_attention(..., cu_seqlens=...)``) take and return one state per sequence: a
+    list of ``N`` ``MHLAState`` of batch 1, since the sequences may have consumed different numbers of tokens.
     """
 
     block_summaries: torch.Tensor

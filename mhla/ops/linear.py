@@ -10,7 +10,15 @@ import torch.nn.functional as F
 
 from ..layouts import ceil_div
 from .causal import causal_product
-from .validation import accumulation_dtype, check_block_size, check_qkv, normalizer_mode
+from .validation import (
+    accumulation_dtype,
+    check_block_size,
+    check_cu_seqlens,
+    check_qkv,
+    check_varlen_states,
+    normalizer_mode,
+)
+from .varlen import run_varlen
 
 
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -29,8 +37,9 @@ def linear_attention(
     normalize: bool = True,
     eps: float = 1e-6,
     chunk_size: int = 64,
-    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | list | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Linear attention ``o_t = q_t^T sum_s k_s v_s^T / (q_t . sum_s k_s + eps)`` (s <= t when causal).
 
@@ -41,11 +50,29 @@ def linear_attention(
         initial_state: causal only; ``(S, z)`` with ``S: [B, H, D, Dv]`` and ``z: [B, H, D]``, the sums over
             the tokens before this call (chunked prefill / decoding).
         output_final_state: causal only; also return ``(S, z)`` after these tokens.
+        cu_seqlens: causal only; ``[N + 1]`` offsets of ``N`` sequences packed as ``[1, total_T, ...]``
+            (:mod:`mhla.ops.varlen`), each computed as if alone. States are then per sequence: a list of
+            ``N`` ``(S [1, H, D, Dv], z [1, H, D])`` (None entries start empty), in and out.
     Returns:
         ``[B, Tq, H, Dv]`` in the dtype of ``v`` (and the state when ``output_final_state``). Summaries
         accumulate in fp32 for half inputs.
     """
     check_qkv(q, k, v, same_length=causal)
+    if cu_seqlens is not None:
+        if not causal:
+            raise ValueError("cu_seqlens (variable-length sequences) is for causal=True only")
+        states = check_varlen_states(initial_state, len(check_cu_seqlens(cu_seqlens, q)))
+        H, D, Dv, acc = q.shape[2], q.shape[3], v.shape[3], accumulation_dtype(q.dtype)
+
+        def op(q, k, v, state, final):
+            return linear_attention(q, k, v, causal=True, normalize=normalize, eps=eps, chunk_size=chunk_size,
+                                    initial_state=state, output_final_state=final)
+
+        def empty_state():
+            return (q.new_zeros(1, H, D, Dv, dtype=acc), q.new_zeros(1, H, D, dtype=acc))
+
+        return run_varlen(op, (q, k, v), cu_seqlens, initial_state=states, output_final_state=output_final_state,
+                          empty_state=empty_state)
     if not causal and (initial_state is not None or output_final_state):
         raise ValueError("initial_state / output_final_state are for causal=True only")
     mode = normalizer_mode(normalize)
@@ -110,16 +137,29 @@ def softmax_attention(
     scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
     Args:
         q: ``[B, Tq, H, D]``, k: ``[B, T, H, D]``, v: ``[B, T, H, Dv]`` (raw, not feature-mapped).
         scale: defaults to ``D ** -0.5``.
+        cu_seqlens: causal only, without ``attn_mask``; ``[N + 1]`` offsets of ``N`` sequences packed as
+            ``[1, total_T, ...]`` (:mod:`mhla.ops.varlen`): every query reads the keys of its own sequence.
     Returns:
         ``[B, Tq, H, Dv]``. On CUDA, SDPA picks FlashAttention / memory-efficient kernels when it can.
     """
     check_qkv(q, k, v, same_length=False)
+    if cu_seqlens is not None:
+        if not causal or attn_mask is not None:
+            raise ValueError("cu_seqlens (variable-length sequences) is for causal=True without attn_mask")
+        check_qkv(q, k, v)
+        check_cu_seqlens(cu_seqlens, q)
+
+        def op(q, k, v, _state, _final):
+            return softmax_attention(q, k, v, causal=True, scale=scale, dropout_p=dropout_p)
+
+        return run_varlen(op, (q, k, v), cu_seqlens)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),

@@ -181,3 +181,48 @@ def check_mixing(
                 f"mixing must be nonnegative (min entry {mixing.min().item():.3g}); "
                 "use MixingMatrix, whose parameterization keeps it nonnegative"
             )
+
+
+def check_cu_seqlens(cu_seqlens, q: torch.Tensor) -> list[int]:
+    """Check ``cu_seqlens`` of a packed (variable-length) call on ``q: [1, total_T, H, D]``.
+
+    ``cu_seqlens``: ``[N + 1]`` int32 / int64 tensor, 0 first, ``total_T`` last, non-decreasing (sequence
+    ``n`` is tokens ``cu_seqlens[n]:cu_seqlens[n + 1]``; empty sequences are allowed), as in
+    flash-linear-attention. Returns the ``N`` sequence lengths (a host list).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of sequence offsets (0, ..., total_T), "
+            f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}"
+        )
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"with cu_seqlens, q, k, v must be [1, total_T, H, D] (the sequences concatenated along the tokens, "
+            f"as in flash-linear-attention), got batch {q.shape[0]}; flatten the batch first"
+        )
+    cu = cu_seqlens.tolist()
+    total = q.shape[1]
+    if cu[0] != 0 or cu[-1] != total:
+        raise ValueError(f"cu_seqlens must start at 0 and end at total_T = {total}, got {cu[0]} ... {cu[-1]}")
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if min(lengths) < 0:
+        bad = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[bad]} then {cu[bad + 1]} at index {bad}")
+    return lengths
+
+
+def check_varlen_states(states, num_seqs: int) -> list | None:
+    """Per-sequence initial states of a packed call: None, or a list / tuple of ``num_seqs`` entries (each a
+    state of batch 1, or None for a sequence that starts empty). Returns a list, or None."""
+    if states is None:
+        return None
+    if not isinstance(states, (list, tuple)):
+        raise ValueError(
+            f"with cu_seqlens, initial_state must be a list of N = {num_seqs} per-sequence states (batch 1 each, "
+            f"None for an empty start), got {type(states).__name__}"
+        )
+    if len(states) != num_seqs:
+        raise ValueError(f"cu_seqlens has {num_seqs} sequences but initial_state holds {len(states)} states")
+    return list(states)

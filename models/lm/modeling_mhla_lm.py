@@ -11,6 +11,13 @@ prompt is prefilled in one chunked call; each new token is one ``mhla_decode_ste
 cache equal those without it (tests), at any length: there is no position cap (mixing coefficients beyond the
 learned ``max_learned_blocks`` rows extend by relative distance, RoPE is computed on the fly).
 
+Padding and packed documents (:class:`PackedBatch`): a 2-D ``attention_mask`` with zeros (left or right
+padding, as ``generate()`` and tokenizers make them) or ``cu_seqlens`` (documents packed in a row) turns the
+call into one variable-length call (:mod:`mhla.ops.varlen`): the real tokens of every row / document are
+packed into ``[1, total, C]`` and attended as if alone (MHLA chunks start at each sequence's first token,
+RoPE positions count its real tokens only), so pad tokens change nothing, and the outputs at pad positions
+are zeros. The cache then holds one state per sequence (:class:`mhla.layers.AttentionCache`).
+
 Shapes: ``input_ids [B, T]`` -> ``logits [B, T, vocab]``; attention works in ``[B, T, H, D]``.
 """
 
@@ -29,6 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from mhla.feature_maps import get_feature_map
 from mhla.layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
 from mhla.mixing import MixingMatrix
+from mhla.ops.varlen import token_index
 from mhla.rope import apply_rope, rope_and_feature_map
 
 from .configuration_mhla_lm import MHLALMConfig
@@ -69,11 +77,13 @@ class _LMAttentionMixin:
         q, k, _, _ = rope_and_feature_map(q, k, self.lm_feature_map, rot, self.lm_rope)
         return q, k, v
 
-    def forward_lm(self, x, rope_tables, cache: AttentionCache | None):
-        """``x [B, T, C]``, rotary tables for the T positions, optional decode cache -> ``[B, T, C]``."""
+    def forward_lm(self, x, rope_tables, cache: AttentionCache | None, cu_seqlens: torch.Tensor | None = None):
+        """``x [B, T, C]``, rotary tables for the T positions, optional decode cache -> ``[B, T, C]``.
+
+        ``cu_seqlens``: ``x`` is a packed batch ``[1, total, C]`` of sequences at these offsets."""
         self._rope_tables = rope_tables
         try:
-            return self.forward(x, cache=cache)
+            return self.forward(x, cache=cache, cu_seqlens=cu_seqlens)
         finally:
             self._rope_tables = None
 
@@ -131,7 +141,12 @@ def _map_tensors(obj, fn):
 
 
 class MHLALMCacheLayer(CacheLayerMixin):
-    """One layer's decode state: ``state`` (:class:`mhla.layers.AttentionCache`) and the tokens seen."""
+    """One layer's decode state: ``state`` (:class:`mhla.layers.AttentionCache`) and the tokens seen.
+
+    ``seen``: the columns consumed (padding included; what transformers counts). ``seq_seen``: after a padded or
+    packed call, the real tokens consumed by each of the ``N`` sequences (``[N]``), and ``state`` then holds
+    per-sequence lists; None before (every row has consumed ``seen`` tokens).
+    """
 
     is_compileable = False
     is_croppable = False
@@ -141,6 +156,7 @@ class MHLALMCacheLayer(CacheLayerMixin):
         super().__init__()
         self.state = AttentionCache()
         self.seen = 0
+        self.seq_seen: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:  # state is created by the layer itself
         self.is_initialized = True
@@ -164,18 +180,32 @@ class MHLALMCacheLayer(CacheLayerMixin):
         pass
 
     def reset(self) -> None:
-        self.state, self.seen = AttentionCache(), 0
+        self.state, self.seen, self.seq_seen = AttentionCache(), 0, None
 
     def _map(self, fn) -> None:
         self.state = AttentionCache(attn=_map_tensors(self.state.attn, fn), conv=_map_tensors(self.state.conv, fn))
 
+    def _reindex(self, rows: torch.Tensor) -> None:
+        """Per-sequence cache: keep the sequences ``rows`` (int indices, repeats allowed), in that order."""
+        rows = rows.tolist()
+        pick = lambda states: [states[i] for i in rows] if isinstance(states, list) else states  # noqa: E731
+        self.state = AttentionCache(attn=pick(self.state.attn), conv=pick(self.state.conv))
+        self.seq_seen = self.seq_seen[rows]
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.seq_seen is not None:
+            return self._reindex(beam_idx)
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.seq_seen is not None:
+            return self._reindex(torch.arange(len(self.seq_seen)).repeat_interleave(repeats))
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.seq_seen is not None:
+            rows = torch.arange(len(self.seq_seen))[torch.as_tensor(indices, device="cpu")]
+            return self._reindex(rows)
         self._map(lambda t: t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -193,10 +223,91 @@ class MHLALMCache(Cache):
     def layer_state(self, layer_idx: int) -> AttentionCache:
         return self.layers[layer_idx].state
 
-    def advance(self, num_tokens: int) -> None:
-        """Record that every layer consumed ``num_tokens`` more tokens (called once per forward)."""
+    def advance(self, num_tokens: int, seq_lengths: torch.Tensor | None = None) -> None:
+        """Record that every layer consumed ``num_tokens`` more columns (called once per forward), and, for a
+        padded / packed call, ``seq_lengths [N]`` more real tokens per sequence."""
+        if seq_lengths is not None:
+            seq_seen = self.sequence_seen(len(seq_lengths), seq_lengths.device) + seq_lengths
         for layer in self.layers:
             layer.seen += num_tokens
+            if seq_lengths is not None:
+                layer.seq_seen = seq_seen
+
+    def sequence_seen(self, num_seqs: int, device=None) -> torch.Tensor:
+        """Real tokens consumed by each of ``num_seqs`` sequences, ``[N]`` (int64)."""
+        seq_seen = self.layers[0].seq_seen
+        if seq_seen is None:  # no padded call yet: every row consumed the same tokens
+            return torch.full((num_seqs,), self.get_seq_length(), dtype=torch.long, device=device)
+        if len(seq_seen) != num_seqs:
+            raise ValueError(f"the cache holds {len(seq_seen)} sequences but this call has {num_seqs}")
+        return seq_seen.to(device)
+
+    @property
+    def is_per_sequence(self) -> bool:
+        """True after a padded or packed call: the layers hold one state per sequence."""
+        return self.layers[0].seq_seen is not None
+
+
+# ---------------------------------------------------------------------------------- padding, packing
+@dataclasses.dataclass
+class PackedBatch:
+    """How a ``[B, T]`` batch maps onto one variable-length call over ``[1, total, ...]``.
+
+    Attributes:
+        keep: ``[B, T]`` bool, the real tokens (packed in row-major order), or None: every token, the rows
+            flattened (documents packed with ``cu_seqlens``).
+        cu_seqlens: ``[N + 1]`` int32 offsets of the packed sequences (:mod:`mhla.ops.varlen`).
+        shape: ``(B, T)``.
+    """
+
+    keep: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "PackedBatch":
+        """One sequence per row: its tokens where ``mask [B, T]`` is nonzero (left, right or any padding)."""
+        keep = mask.bool()
+        counts = keep.sum(1)
+        return cls(keep, torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int(), tuple(keep.shape))
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, batch: int, length: int) -> "PackedBatch":
+        """Documents packed in ``[batch, length]`` rows: ``cu_seqlens`` over the ``batch * length`` flattened
+        tokens, including every row start ``b * length`` (no document crosses a row)."""
+        if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32,
+                                                                                                 torch.int64):
+            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of document offsets")
+        cu = cu_seqlens.tolist()
+        missing = sorted(set(range(0, batch * length, length)) - set(cu))
+        if cu[0] != 0 or cu[-1] != batch * length or any(b < a for a, b in zip(cu[:-1], cu[1:])) or missing:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing offsets over the {batch} x {length} flattened tokens: 0 first, "
+                f"{batch * length} last, every row start included (missing: {missing[:4]}); got {cu[:8]}...")
+        return cls(None, cu_seqlens.int(), (batch, length))
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, ...]`` -> ``[1, total, ...]``."""
+        return (x.flatten(0, 1) if self.keep is None else x[self.keep]).unsqueeze(0)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, total, ...]`` -> ``[B, T, ...]``, zeros at the pad positions."""
+        if self.keep is None:
+            return x.reshape(*self.shape, *x.shape[2:])
+        keep = self.keep.view(*self.shape, *([1] * (x.dim() - 2)))
+        return x.new_zeros(*self.shape, *x.shape[2:]).masked_scatter(keep, x[0])
+
+    def positions(self, position_ids: torch.Tensor | None, seen: torch.Tensor) -> torch.Tensor:
+        """RoPE positions of the packed tokens, ``[1, total]``: ``position_ids`` (``[B, T]`` or ``[1, T]``)
+        at the real tokens, or else each token's index in its sequence after ``seen [N]`` earlier tokens."""
+        if position_ids is not None:
+            return self.pack(position_ids.expand(*self.shape))
+        seq, pos = token_index(self.cu_seqlens)
+        return (pos + seen[seq]).unsqueeze(0)
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -222,8 +333,10 @@ class MHLALMBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, h: torch.Tensor, rope_tables, cache: AttentionCache | None) -> torch.Tensor:
-        h = h + self.attn.forward_lm(self.attn_norm(h), rope_tables, cache)
+    def forward(self, h: torch.Tensor, rope_tables, cache: AttentionCache | None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``h [B, T, C]`` (or ``[1, total, C]`` packed at ``cu_seqlens``) -> same shape."""
+        h = h + self.attn.forward_lm(self.attn_norm(h), rope_tables, cache, cu_seqlens)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -265,14 +378,23 @@ class MHLALMModel(MHLALMPreTrainedModel):
         past_key_values: MHLALMCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """``input_ids [B, T]`` -> ``last_hidden_state [B, T, C]``.
+
+        Args:
+            attention_mask: ``[B, T]`` or ``[B, past + T]`` (transformers' convention), 1 for real tokens and 0
+                for padding (left, right or anywhere): the pad tokens are dropped and every row is run alone
+                (:class:`PackedBatch`); their hidden states are zeros.
+            position_ids: RoPE positions ``[B, T]`` / ``[1, T]``; default: the count of earlier real tokens
+                of the sequence (within its document with ``cu_seqlens``).
+            cu_seqlens: ``[N + 1]`` offsets of documents packed in the rows, over the ``B * T`` flattened
+                tokens and including every row start ``b * T`` (e.g. ``tasks.language.data.doc_cu_seqlens``):
+                each document is run alone (states reset at its first token).
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise NotImplementedError(
-                "padding masks are not supported: linear-attention states would absorb the pad tokens; "
-                "batch prompts of equal length (or generate one prompt at a time)")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = h.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -283,6 +405,10 @@ class MHLALMModel(MHLALMPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = MHLALMCache(self.config)
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        packed = self._packed_batch(attention_mask, cu_seqlens, B, T, h.device, past_key_values)
+        if packed is not None:
+            h = self._forward_packed(h, packed, position_ids, past_key_values)
+            return BaseModelOutputWithPast(last_hidden_state=h, past_key_values=past_key_values)
         rope_tables = None
         if self.config.rope != "none":
             if position_ids is None:
@@ -294,6 +420,47 @@ class MHLALMModel(MHLALMPreTrainedModel):
         if past_key_values is not None:
             past_key_values.advance(T)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=past_key_values)
+
+    @staticmethod
+    def _packed_batch(attention_mask, cu_seqlens, B: int, T: int, device,
+                      cache: MHLALMCache | None) -> PackedBatch | None:
+        """The variable-length form of this call, or None for a plain ``[B, T]`` call (no padding, no documents,
+        and a cache without per-sequence states)."""
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if mask is not None and (mask.shape[0] != B or mask.shape[1] < T):
+            raise ValueError(
+                f"attention_mask {tuple(mask.shape)} must be [B, T] or [B, past + T] for inputs [{B}, {T}]")
+        per_sequence = cache is not None and cache.is_per_sequence
+        if cu_seqlens is not None:
+            if mask is not None and not bool(mask.all()):
+                raise ValueError("pass either a padding attention_mask or cu_seqlens (packed documents), not both")
+            return PackedBatch.from_cu_seqlens(cu_seqlens, B, T)
+        if mask is None:
+            return PackedBatch.from_mask(torch.ones(B, T, dtype=torch.bool, device=device)) if per_sequence else None
+        new = mask[:, -T:]
+        if per_sequence or not bool(new.all()):
+            return PackedBatch.from_mask(new)
+        if not bool(mask.all()):
+            raise ValueError("attention_mask has padding in the past tokens, but the cache was filled without it; "
+                             "pass the same mask to every call (generate() does)")
+        return None
+
+    def _forward_packed(self, h, packed: PackedBatch, position_ids, cache: MHLALMCache | None) -> torch.Tensor:
+        """The layers over the packed real tokens ``[1, total, C]`` of ``h [B, T, C]``; returns the final
+        hidden states ``[B, T, C]`` (zeros at pad positions) and advances the cache per sequence."""
+        lengths = packed.cu_seqlens.diff().long()
+        x = packed.pack(h)
+        rope_tables = None
+        if self.config.rope != "none":
+            seen = cache.sequence_seen(packed.num_seqs, h.device) if cache is not None else lengths * 0
+            positions = packed.positions(position_ids, seen)
+            rope_tables = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        for i, block in enumerate(self.layers):
+            state = cache.layer_state(i) if cache is not None else None
+            x = block(x, rope_tables, state, packed.cu_seqlens)
+        if cache is not None:
+            cache.advance(packed.shape[1], lengths)
+        return packed.unpack(self.norm(x))
 
 
 class MHLALMForCausalLM(MHLALMPreTrainedModel, GenerationMixin):
@@ -338,9 +505,12 @@ class MHLALMForCausalLM(MHLALMPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cu_seqlens: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """``labels [B, T]`` are the inputs themselves (shifted inside; -100 is ignored).
+        """``labels [B, T]`` are the inputs themselves (shifted inside; -100 is ignored). ``attention_mask``
+        (padding) and ``cu_seqlens`` (packed documents): see :meth:`MHLALMModel.forward`; set the labels of
+        pad tokens to -100 yourself.
 
         ``logits_to_keep``: ``n > 0`` keeps the last ``n`` positions, an index tensor those positions, and a
         bool ``[B, T]`` mask gives logits ``[P, V]`` at its ``P`` True positions (MQAR's query positions).
@@ -348,7 +518,8 @@ class MHLALMForCausalLM(MHLALMPreTrainedModel, GenerationMixin):
         if labels is not None and use_cache is None:
             use_cache = False
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         cu_seqlens=cu_seqlens)
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             h = h[:, -logits_to_keep:]

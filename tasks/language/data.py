@@ -16,6 +16,15 @@ the order in which files are listed), tokenized once with a progress bar into a 
 ``uint32`` token file (EOS between documents) cached under ``data.cache_dir``, and read back as a memory map:
 :class:`PackedTokens` serves consecutive non-overlapping windows of ``seq_len`` tokens.
 
+Packing and document boundaries (``data.reset_at_doc_boundary``, default ``false``): a window holds the end of
+one document, EOS, and the start of the next. By default the model reads it as one sequence, so the recurrent
+state (and softmax attention) runs across the EOS into the next document. That is the paper's recipe: it trains
+with flame / flash-linear-attention, which packs documents into fixed windows and passes no ``cu_seqlens``
+unless its ``varlen`` mode is asked for (off by default), so its linear-attention states are not reset between
+documents. With ``true``, :func:`packed_forward_kwargs` gives the model ``cu_seqlens`` (:func:`doc_cu_seqlens`):
+every document in a window starts from an empty state (MHLA chunks start at its first token, RoPE at
+position 0), as if it were alone; the token after an EOS still predicts the next document's first token.
+
 Tokenizers: ``data.tokenizer=bpe`` trains a byte-level BPE (``tokenizers``) on the training documents and
 caches it (lm_mini); any other value is a local path for ``AutoTokenizer.from_pretrained`` (the paper's
 recipe: the Llama 32k tokenizer).
@@ -274,6 +283,29 @@ class PackedTokens(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         s = i * self.seq_len
         return torch.from_numpy(self.tokens[s:s + self.seq_len].astype(np.int64))
+
+
+def doc_cu_seqlens(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Document offsets of a packed batch, for ``model(input_ids, cu_seqlens=...)``.
+
+    ``input_ids [B, T]`` (windows of documents joined by EOS) -> ``cu_seqlens [N + 1]`` (int32) over the
+    ``B * T`` flattened tokens: a document starts at every row start and after every EOS (the EOS ends its
+    document), and no document crosses a row.
+    """
+    B, T = input_ids.shape
+    starts = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
+    starts[:, 0] = True
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    offsets = starts.flatten().nonzero().squeeze(1)
+    return torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)
+
+
+def packed_forward_kwargs(data_cfg, input_ids: torch.Tensor, eos_id: int) -> dict:
+    """Extra model inputs for a packed batch ``input_ids [B, T]``: ``{"cu_seqlens": ...}`` with
+    ``data.reset_at_doc_boundary=true`` (documents attended alone), else ``{}`` (module docstring)."""
+    if not data_cfg.get("reset_at_doc_boundary", False):
+        return {}
+    return {"cu_seqlens": doc_cu_seqlens(input_ids, eos_id)}
 
 
 def unigram_perplexity(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tasks.common.config import ConfigError
 from tasks.common.trainer import Task
 
 
@@ -100,7 +101,17 @@ class LanguageModelingTask(Task):
     def build_model(self) -> nn.Module:
         _, _, tok, _ = self.data()
         check_lm_attn_keys(self.cfg)
+        arch = self.cfg.model.get("arch", "mhla_lm")
+        if self.cfg.data.get("reset_at_doc_boundary", False) and arch != "mhla_lm":
+            raise ConfigError(f"data.reset_at_doc_boundary=true needs our LM (model.arch=mhla_lm, which takes "
+                              f"cu_seqlens); model.arch={arch} does not: set data.reset_at_doc_boundary=false")
         return build_lm(self.cfg.model, self.cfg.attn.name, len(tok), tok.eos_token_id)
+
+    def _packed(self, batch) -> dict:
+        """``cu_seqlens`` of the documents in a packed batch when ``data.reset_at_doc_boundary`` (else ``{}``)."""
+        from .data import packed_forward_kwargs  # noqa: PLC0415
+
+        return packed_forward_kwargs(self.cfg.data, batch, self.data()[2].eos_token_id)
 
     def describe_model(self, model: nn.Module) -> str:
         return f"{self.cfg.model.name} ({self.cfg.model.get('arch', 'mhla_lm')}) with {self.cfg.attn.name} attention"
@@ -116,7 +127,7 @@ class LanguageModelingTask(Task):
         return None  # FLOPs of an LM: 6 x params x tokens; the counter cannot pass input_ids cleanly
 
     def training_loss(self, model, batch):
-        return model(input_ids=batch, labels=batch, use_cache=False).loss, {}
+        return model(input_ids=batch, labels=batch, use_cache=False, **self._packed(batch)).loss, {}
 
     @torch.no_grad()
     def evaluate(self, model, loader, device, dist_info) -> dict:
@@ -124,7 +135,7 @@ class LanguageModelingTask(Task):
         count = torch.zeros((), device=device, dtype=torch.float64)
         for x in loader:
             x = x.to(device)
-            logits = model(input_ids=x, use_cache=False).logits.float()
+            logits = model(input_ids=x, use_cache=False, **self._packed(x)).logits.float()
             nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum").double()
             count += x[:, 1:].numel()
         if dist_info.enabled:
