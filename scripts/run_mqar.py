@@ -49,6 +49,9 @@ VARIANTS = {
     # the paper's clamp at the full lr, but the matrix waits half of the default 20-epoch run (3,120 steps)
     "mhla_clamp_freeze": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0",
                           "optim.mixing_freeze_steps=3120"],
+    # ... the same after 1,000 frozen steps (past the early phase in which the full-lr matrix takes the shortcut)
+    "mhla_clamp_freeze1k": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0",
+                            "optim.mixing_freeze_steps=1000"],
     "mhla_locality": ["attn=mhla", "model.mixing_init=locality"],
     "mhla_locality_visible": ["attn=mhla", "model.mixing_init=locality_visible"],
     "mhla_identity": ["attn=mhla", "model.mixing_init=identity"],
