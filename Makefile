@@ -33,7 +33,7 @@ help:
 	@echo "make reproduce-table3b  EXTRA='model.pretrained=DiT-XL-2-256x256.pt ...' REF=256=... - Table 3b -> results/table3b.md"
 	@echo "make reproduce-table4   [SCALE=mini] EXTRA='model.pretrained=... task.data_root=...' - Table 4, SANA -> results/table4[_mini].md"
 	@echo "make reproduce-table5   WAN_PATH=... VIDEO_DATA=... [RUN=--run] - Table 5, Wan2.1 video -> results/table5.md"
-	@echo "make reproduce-table6   CKPT_DIR=... [WIKITEXT=... LAMBADA=...] - Table 6, 340M LMs -> results/table6.md"
+	@echo "make reproduce-table6   CKPT_DIR=... [LM_EVAL_DATA=...] - Table 6, 340M LMs, lm-evaluation-harness -> results/table6.md"
 	@echo "make reproduce-table7a  [SCALE=mini] - Table 7a, DeiT-T mixing init sweep -> results/table7a[_mini].md"
 	@echo "make reproduce-table7b  [SCALE=mini] [REF=512=...] - Table 7b, DiT-S/2 512 px M = 4/16/64, FID + throughput"
 	@echo "make reproduce-table8   CKPT_DIR=... LONGBENCH=... - Table 8, LongBench -> results/table8.md"
@@ -88,6 +88,7 @@ bench-generation:
 REF ?=
 SEEDS ?=
 CKPT_DIR ?= checkpoints/lm
+LM_EVAL_DATA ?=
 WIKITEXT ?=
 LAMBADA ?=
 LONGBENCH ?=
@@ -115,7 +116,7 @@ reproduce-table5: $(VENV)/.installed
 	$(REPRODUCE) --table 5 --scale $(SCALE) -- $(if $(WAN_PATH),--wan $(WAN_PATH)) $(if $(VIDEO_DATA),--data $(VIDEO_DATA)) $(RUN) $(EXTRA)
 # Tables 6 / 8 evaluate trained models at $(CKPT_DIR)/<cell> (cells: configs/experiment/table6|8/*.yaml).
 reproduce-table6: $(VENV)/.installed
-	$(REPRODUCE) --table 6 --scale $(SCALE) -- --ckpt-dir $(CKPT_DIR) $(if $(WIKITEXT),--wikitext $(WIKITEXT)) $(if $(LAMBADA),--lambada $(LAMBADA)) $(EXTRA)
+	$(REPRODUCE) --table 6 --scale $(SCALE) -- --ckpt-dir $(CKPT_DIR) $(if $(LM_EVAL_DATA),--lm-eval-data $(LM_EVAL_DATA)) $(if $(WIKITEXT),--wikitext $(WIKITEXT)) $(if $(LAMBADA),--lambada $(LAMBADA)) $(EXTRA)
 reproduce-table7a: $(VENV)/.installed
 	$(REPRODUCE) --table 7a $(CELL_OPTS) -- $(EXTRA)
 reproduce-table7b: $(VENV)/.installed

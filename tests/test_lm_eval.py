@@ -147,7 +147,7 @@ def test_loglikelihood_equals_sum_of_token_logprobs(name, model):
     out = lm.loglikelihood(reqs)
     for req, (ll, greedy) in zip(reqs, out):
         ctx, cont = req.args
-        ctx_ids = tok.encode(ctx) if ctx else [tok.eos_token_id]
+        ctx_ids = tok.encode(ctx) if ctx else [tok.bos_token_id]   # empty context: the prefix token (BOS)
         ids = ctx_ids + tok.encode(cont)
         lp = direct_logprobs(model, ids)[-len(tok.encode(cont)):]
         assert ll == pytest.approx(lp.sum().item(), abs=1e-4), name
@@ -177,7 +177,7 @@ def test_rolling_loglikelihood_matches_direct_chunks(name, model):
     lm = MHLAEvalLM(model=model, tokenizer=tok, max_length=16, device="cpu")
     (ll,) = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])
     ids = tok.encode(text)
-    expected = direct_logprobs(model, [tok.eos_token_id] + ids[:16]).sum().item()   # first chunk: EOS prefix
+    expected = direct_logprobs(model, [tok.bos_token_id] + ids[:16]).sum().item()   # first chunk: BOS prefix
     for start in range(16, len(ids), 16):                                          # disjoint later chunks
         window = ids[max(0, min(start + 16, len(ids)) - 17):min(start + 16, len(ids))]
         n = min(start + 16, len(ids)) - start
@@ -233,7 +233,7 @@ def test_wikitext_and_lambada_files_end_to_end(tmp_path):
     (tmp_path / "wiki.test.raw").write_text(raw)
     w = evaluate_wikitext(model, tok, str(tmp_path / "wiki.test.raw"), EvalSettings(max_len=16))
     pages = split_wikitext_pages(raw)
-    lls = [eval_ppl.rolling_loglikelihood(model, [tok.encode(wikitext_detokenize(p))], prefix_token=2,
+    lls = [eval_ppl.rolling_loglikelihood(model, [tok.encode(wikitext_detokenize(p))], prefix_token=1,
                                           max_len=16)[0][0] for p in pages]
     n_words = sum(len(re.split(r"\s+", p)) for p in pages)
     assert w["docs"] == 2 and w["words"] == n_words

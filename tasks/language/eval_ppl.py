@@ -7,8 +7,9 @@ Scoring follows lm-evaluation-harness exactly, so the numbers are comparable wit
 
 * **Rolling log-likelihood** (:func:`rolling_windows`, lm-eval's ``get_rolling_token_windows``): a document
   of ``n`` tokens is scored in windows of the model's context ``max_len``. The first window predicts tokens
-  ``0 .. max_len-1`` from ``[prefix] + tokens[:max_len-1]`` (``prefix`` = EOS/BOS token, so the first token is
-  predicted too); each later window predicts the next ``max_len - context_len + 1`` tokens, conditioned on
+  ``0 .. max_len-1`` from ``[prefix] + tokens[:max_len-1]`` (``prefix`` = the tokenizer's BOS token, else its
+  EOS token: lm-eval's ``prefix_token_id``; so the first token is predicted too); each later window predicts
+  the next ``max_len - context_len + 1`` tokens, conditioned on
   the ``max_len`` tokens before them. ``context_len=1`` (lm-eval's default) gives **non-overlapping chunks**:
   every token is predicted exactly once and sees only the tokens of its own chunk. ``context_len > 1`` gives a
   sliding window (every predicted token sees at least ``context_len - 1`` earlier tokens).
@@ -75,21 +76,58 @@ def model_max_length(model, default: int = 2048) -> int:
     return default
 
 
-def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids)
+def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    out = model(input_ids, **kwargs)
     return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
+
+
+def pad_batch(rows: Sequence[Sequence[int]], pad_id: int = 0, side: str = "right"
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(input_ids [B, W], attention_mask, position_ids)`` of token rows padded to the longest one.
+
+    ``attention_mask`` (1 = token, 0 = padding) is ``None`` when no row is padded. ``position_ids`` (the count of
+    earlier real tokens; 0 on padding) is given for left padding only, where it differs from ``arange``; our LM
+    computes the same positions from the mask itself, Hugging Face models with absolute or rotary positions
+    need them.
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[i, sl] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, sl] = 1
+    if bool(mask.all()):
+        return ids, None, None
+    pos = (mask.cumsum(-1) - 1).clamp(min=0) if side == "left" else None
+    return ids, mask, pos
 
 
 @torch.no_grad()
 def score_continuations(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, max_len: int,
-                        batch_size: int = 8, device=None) -> list[tuple[float, bool, int]]:
+                        batch_size: int = 8, device=None, padding_side: str = "right",
+                        pad_id: int = 0) -> list[tuple[float, bool, int]]:
     """Log-likelihood of each ``continuation`` given its ``context`` (lm-eval's ``loglikelihood``).
 
     ``context + continuation`` is cut from the left to ``max_len + 1`` tokens; the model reads all but the last
     token. Returns ``(sum of log p(continuation tokens), is_greedy, n_tokens)`` per pair, where ``is_greedy``
-    says every continuation token is the argmax of its position. Batches right-pad with token 0 (padding after
-    the scored positions cannot change them in a causal model). The continuation must be non-empty and at most
-    ``max_len`` tokens.
+    says every continuation token is the argmax of its position. The continuation must be non-empty and at
+    most ``max_len`` tokens.
+
+    Batches (longest first, as lm-eval orders them) are padded with ``pad_id`` and the model gets the 2-D
+    ``attention_mask`` of the padding. ``padding_side="right"`` (default, what lm-eval's HF model does): the
+    padding comes after every scored position, so in a causal model it cannot change a score even if the model
+    ignored the mask. ``"left"``: rows end together; the scores then rely on the model's mask (and
+    ``position_ids``) handling, which ours implements exactly (each row is run alone); the tests check both
+    sides against one sequence at a time.
     """
     if device is None:
         device = next(model.parameters()).device
@@ -111,31 +149,35 @@ def score_continuations(model, pairs: Sequence[tuple[Sequence[int], Sequence[int
     model.eval()
     for b in range(0, len(prepared), batch_size):
         chunk = prepared[b:b + batch_size]
-        width = max(len(inp) for _, inp, _ in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        for r, (_, inp, _) in enumerate(chunk):
-            ids[r, :len(inp)] = torch.tensor(inp)
-        logp = F.log_softmax(_logits(model, ids.to(device)).float(), dim=-1)
+        ids, mask, pos = pad_batch([inp for _, inp, _ in chunk], pad_id, padding_side)
+        width = ids.shape[1]
+        logits = _logits(model, ids.to(device), None if mask is None else mask.to(device),
+                         None if pos is None else pos.to(device))
+        logp = F.log_softmax(logits.float(), dim=-1)
         for r, (i, inp, cont) in enumerate(chunk):
             n = len(cont)
-            pos = logp[r, len(inp) - n:len(inp)]                     # [n, V] predicts cont
-            target = torch.tensor(cont, device=pos.device)
-            ll = pos.gather(-1, target[:, None]).squeeze(-1).sum().item()
-            greedy = bool((pos.argmax(-1) == target).all().item())
+            end = width if padding_side == "left" else len(inp)   # one past the last real input
+            pos_r = logp[r, end - n:end]                           # [n, V] predicts cont
+            target = torch.tensor(cont, device=pos_r.device)
+            ll = pos_r.gather(-1, target[:, None]).squeeze(-1).sum().item()
+            greedy = bool((pos_r.argmax(-1) == target).all().item())
             results[i] = (ll, greedy, n)
     model.train(was_training)
     return results
 
 
 def rolling_loglikelihood(model, docs_tokens: Sequence[Sequence[int]], *, prefix_token: int, max_len: int,
-                          context_len: int = 1, batch_size: int = 8, device=None) -> list[tuple[float, int]]:
-    """Total log-likelihood and token count of each document (lm-eval's ``loglikelihood_rolling``)."""
+                          context_len: int = 1, batch_size: int = 8, device=None,
+                          padding_side: str = "right") -> list[tuple[float, int]]:
+    """Total log-likelihood and token count of each document (lm-eval's ``loglikelihood_rolling``): the windows
+    of every document are scored together, in batches of ``batch_size``."""
     pairs, owner = [], []
     for d, toks in enumerate(docs_tokens):
         for ctx, cont in rolling_windows(toks, prefix_token, max_len, context_len):
             pairs.append((ctx, cont))
             owner.append(d)
-    scores = score_continuations(model, pairs, max_len=max_len, batch_size=batch_size, device=device)
+    scores = score_continuations(model, pairs, max_len=max_len, batch_size=batch_size, device=device,
+                                 padding_side=padding_side)
     out = [[0.0, 0] for _ in docs_tokens]
     for d, (ll, _, n) in zip(owner, scores):
         out[d][0] += ll
@@ -272,7 +314,7 @@ def load_lambada(path: str) -> list[str]:
 class EvalSettings:
     """``max_len``: model context (``None``: from the model config). ``context_len``: 1 = lm-eval's
     non-overlapping chunks, > 1 = sliding window. ``prefix_token``: token that precedes each document
-    (``None``: the tokenizer's EOS, then BOS)."""
+    (``None``: :func:`prefix_token_id`, the tokenizer's BOS, else EOS, as lm-eval)."""
 
     max_len: int | None = None
     context_len: int = 1
@@ -281,14 +323,18 @@ class EvalSettings:
     limit: int | None = None
 
 
-def _prefix(tokenizer, settings: EvalSettings) -> int:
-    if settings.prefix_token is not None:
-        return int(settings.prefix_token)
-    for name in ("eos_token_id", "bos_token_id"):
+def prefix_token_id(tokenizer) -> int:
+    """lm-eval's ``prefix_token_id`` (every 0.4.x version of its HF model): the token that conditions the first
+    window of a rolling document and an empty context: the tokenizer's BOS token, else its EOS token."""
+    for name in ("bos_token_id", "eos_token_id"):
         v = getattr(tokenizer, name, None)
         if isinstance(v, int):
             return v
-    raise ValueError("the tokenizer has no EOS/BOS token; pass EvalSettings(prefix_token=...)")
+    raise ValueError("the tokenizer has neither a BOS nor an EOS token; pass EvalSettings(prefix_token=...)")
+
+
+def _prefix(tokenizer, settings: EvalSettings) -> int:
+    return int(settings.prefix_token) if settings.prefix_token is not None else prefix_token_id(tokenizer)
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -308,6 +354,19 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     whole = encode(tokenizer, context + continuation)
     ctx = encode(tokenizer, context)
     return ctx, whole[len(ctx):]
+
+
+def request_tokens(tokenizer, context: str, continuation: str, prefix: int) -> tuple[list[int], list[int]]:
+    """Token ids of one ``loglikelihood`` request as lm-eval 0.4 makes them: :func:`encode_pair`; an empty
+    context becomes ``[prefix]``, or the continuation's first token when that token is the prefix itself
+    (then the rest of the continuation is scored)."""
+    if context == "":
+        cont = encode(tokenizer, continuation)
+        if len(cont) > 1 and cont[0] == prefix:
+            return cont[:1], cont[1:]
+        return [prefix], cont
+    ctx, cont = encode_pair(tokenizer, context, continuation)
+    return ctx or [prefix], cont   # a whitespace-only context: the prefix conditions the continuation
 
 
 def evaluate_documents(model, tokenizer, docs: Iterable[str], settings: EvalSettings | None = None,
@@ -338,7 +397,7 @@ def evaluate_wikitext(model, tokenizer, path: str, settings: EvalSettings | None
 
 def lambada_split(text: str) -> tuple[str, str]:
     """lm-eval's ``lambada_openai``: context = everything before the last space, target = `` `` + last word."""
-    ctx, last = text.rsplit(" ", 1)
+    ctx, _, last = text.rpartition(" ")   # one word: empty context (lm-eval's template gives "" too)
     return ctx, " " + last
 
 
@@ -349,10 +408,8 @@ def evaluate_lambada(model, tokenizer, path_or_texts, settings: EvalSettings | N
     if settings.limit:
         texts = texts[: settings.limit]
     max_len = settings.max_len or model_max_length(model)
-    pairs = []
-    for t in texts:
-        ctx, cont = encode_pair(tokenizer, *lambada_split(t))
-        pairs.append((ctx or [_prefix(tokenizer, settings)], cont))
+    prefix = _prefix(tokenizer, settings)
+    pairs = [request_tokens(tokenizer, *lambada_split(t), prefix) for t in texts]
     res = score_continuations(model, pairs, max_len=max_len, batch_size=settings.batch_size)
     lls = [r[0] for r in res]
     return {"acc": sum(r[1] for r in res) / len(res), "ppl": math.exp(-sum(lls) / len(lls)), "docs": len(res),

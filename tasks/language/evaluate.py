@@ -3,7 +3,7 @@
     python -m tasks.language.evaluate ppl --model PATH --wikitext /data/wikitext-103-raw/wiki.test.raw \\
         --lambada /data/lambada/lambada_test.jsonl
     python -m tasks.language.evaluate longbench --model PATH --data /data/LongBench/data [--tasks ...]
-    python -m tasks.language.evaluate table6 --ckpt-dir /ckpt [--wikitext ...] [--lambada ...]   # results/table6.md
+    python -m tasks.language.evaluate table6 --ckpt-dir /ckpt [--lm-eval-data /data/lm_eval]     # results/table6.md
     python -m tasks.language.evaluate table8 --ckpt-dir /ckpt --longbench /data/LongBench/data   # results/table8.md
 
 ``--model PATH`` is a ``save_pretrained`` folder (``config.json`` + weights; tokenizer files there or
@@ -13,6 +13,13 @@ from the config stored in the checkpoint, the tokenizer comes from ``--tokenizer
 looked up at ``<ckpt-dir>/<cell>``; a cell without a model, or without the data, is written as such, never with
 an invented number. Baselines trained with flash-linear-attention (GLA, Mamba, Mamba2, GDN) load through
 ``AutoModelForCausalLM`` once ``fla`` is importable.
+
+Table 6 runs lm-evaluation-harness (``lm_eval``, installed by ``make install``) through our adapter
+(:mod:`tasks.language.lm_eval_adapter`, zero-shot, the harness's default metrics and conventions) for every cell
+whose model exists; its datasets come from local copies of the dataset repositories (``--lm-eval-data DIR``,
+``DIR/cais/mmlu`` ...) or from a Hugging Face cache (``HF_HOME`` with ``HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1``).
+The raw harness output of each cell is written to ``<out>/<cell>/lm_eval_results.json``. Without ``lm_eval`` it
+falls back to our own scorer for the two perplexities (``--wikitext`` / ``--lambada`` files).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tasks.language.eval_ppl import EvalSettings, evaluate_lambada, evaluate_wikitext  # noqa: E402
-from tasks.language.lm_eval_adapter import HAVE_LM_EVAL, INSTALL_HELP, TABLE6_TASKS  # noqa: E402
+from tasks.language.lm_eval_adapter import HAVE_LM_EVAL, INSTALL_HELP, TABLE6_TASKS, run_lm_eval  # noqa: E402
 from tasks.language.longbench import TABLE8_GROUPS, TABLE8_TASKS, run_longbench  # noqa: E402
 
 # lm-eval metric of each Table 6 column (acc_norm where the fla line of work reports it)
@@ -109,23 +116,37 @@ def table_cells(table: str) -> list[tuple[str, dict]]:
     return out
 
 
-def _lm_eval_table6(model_path: str, tokenizer: str | None, out_dir: str, batch_size: int, device: str) -> dict:
-    """Run the harness on Table 6's tasks; returns ``{column: value}``."""
-    import lm_eval  # noqa: PLC0415
-
+def _lm_eval_table6(model_path: str, tokenizer: str | None, out_dir: str, batch_size: int, device: str,
+                    data_root: str | None = None, limit: int | None = None, max_length: int | None = None) -> dict:
+    """Run the harness on Table 6's tasks (:data:`TABLE6_TASKS`); returns ``{column: value}`` for the tasks it
+    ran. ``data_root``: local copies of the tasks' dataset repositories (``lm_eval_adapter.local_datasets``)."""
     from tasks.language.lm_eval_adapter import MHLAEvalLM  # noqa: PLC0415
 
     model, tok = load_model(model_path, tokenizer, device)
-    lm = MHLAEvalLM(model=model, tokenizer=tok, batch_size=batch_size, device=device)
-    res = lm_eval.simple_evaluate(model=lm, tasks=list(TABLE6_TASKS), batch_size=batch_size)["results"]
+    lm = MHLAEvalLM(model=model, tokenizer=tok, batch_size=batch_size, device=device, max_length=max_length)
+    out = run_lm_eval(lm, list(TABLE6_TASKS), data_root=data_root, limit=limit)
+    res = out["results"]
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "lm_eval_results.json"), "w") as f:
-        json.dump(res, f, indent=2, default=str)
+        json.dump({"results": res, "versions": out.get("versions"), "n-shot": out.get("n-shot"),
+                   "config": out.get("config"), "lm_eval": _lm_eval_version(), "limit": limit}, f, indent=2,
+                  default=str)
     row = {col: 100 * res[task][f"{metric},none"] for col, task, metric in TABLE6_COLUMNS if task in res}
-    row["wiki_ppl"] = res["wikitext"]["word_perplexity,none"]
-    row["lambada_ppl"] = res["lambada_openai"]["perplexity,none"]
-    row["lambada_acc"] = 100 * res["lambada_openai"]["acc,none"]
+    if "wikitext" in res:
+        row["wiki_ppl"] = res["wikitext"]["word_perplexity,none"]
+    if "lambada_openai" in res:
+        row["lambada_ppl"] = res["lambada_openai"]["perplexity,none"]
+        row["lambada_acc"] = 100 * res["lambada_openai"]["acc,none"]
     return row
+
+
+def _lm_eval_version() -> str | None:
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        return version("lm_eval")
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _write(table: str, header: list[str], rows: list[list[str]], notes: list[str], records: list[dict]) -> str:
@@ -162,7 +183,8 @@ def reproduce_table6(args) -> str:
             try:
                 if HAVE_LM_EVAL:
                     ours = _lm_eval_table6(path, args.tokenizer, os.path.join(args.out, cell), args.batch_size,
-                                           args.device)
+                                           args.device, data_root=args.lm_eval_data, limit=args.limit,
+                                           max_length=args.max_length)
                     avg = [ours[c] for c in COMMONSENSE if c in ours]
                     ours["avg"] = sum(avg) / len(avg) if len(avg) == len(COMMONSENSE) else None
                 else:
@@ -182,8 +204,11 @@ def reproduce_table6(args) -> str:
     notes = ["340M language models (SPEC.md Table 6). Accuracies in %, `avg` = mean of the six commonsense columns "
              "(Wino, PIQA, ARC-c, OBQA, ARC-e, BoolQ); Wiki ppl = lm-eval `wikitext` word perplexity; LAMBADA ppl "
              "= `lambada_openai` perplexity. A `paper` row is blank where SPEC.md does not give the number.",
-             "", f"Command: `make reproduce-table6 CKPT_DIR={args.ckpt_dir}`"
-             + (" (lm-evaluation-harness)" if HAVE_LM_EVAL else " (lm_eval not installed: see below)")]
+             "", f"Command: `make reproduce-table6 CKPT_DIR={args.ckpt_dir}"
+             + (f" LM_EVAL_DATA={args.lm_eval_data}" if args.lm_eval_data else "") + "`"
+             + (f" (lm-evaluation-harness {_lm_eval_version()}, zero-shot"
+                + (f", limit {args.limit} examples per task" if args.limit else "") + ")"
+                if HAVE_LM_EVAL else " (lm_eval not installed: see below)")]
     if not HAVE_LM_EVAL:
         notes += ["", "To fill the accuracy columns:", "", "```", INSTALL_HELP, "```"]
     return _write("6", header, rows, notes, records)
@@ -213,7 +238,7 @@ def reproduce_table8(args) -> str:
                        for g, tasks in TABLE8_GROUPS.items())
     notes = [f"LongBench (SPEC.md Table 8), the paper's 14 tasks in its column order ({groups}), "
              "official prompts, greedy decoding, middle truncation to "
-             f"{args.max_length} tokens (prompt + generation), official metrics (re-implemented). A blank paper "
+             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). A blank paper "
              "value: SPEC.md does not give it.", "",
              f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir}"
              + (f" LONGBENCH={args.longbench}`" if args.longbench else "` (no LONGBENCH data given)")
@@ -241,7 +266,11 @@ def main(argv=None) -> int:
             s.add_argument("--lambada", default=None, help="lambada_test.jsonl")
             s.add_argument("--context-len", type=int, default=1, help="1: lm-eval's disjoint windows; >1: sliding")
             s.add_argument("--max-length", type=int, default=None)
-            s.add_argument("--limit", type=int, default=None)
+            s.add_argument("--limit", type=int, default=None, help="documents / examples per task (smoke runs)")
+        if name == "table6":
+            s.add_argument("--lm-eval-data", default=os.environ.get("LM_EVAL_DATA") or None,
+                           help="folder with local copies of the tasks' dataset repositories, DIR/<org>/<name> "
+                                "(default: $LM_EVAL_DATA; else the Hugging Face cache, offline)")
         if name in ("longbench", "table8"):
             s.add_argument("--data" if name == "longbench" else "--longbench", default=None,
                            help="folder with the official LongBench <dataset>.jsonl files")

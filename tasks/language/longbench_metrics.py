@@ -1,5 +1,7 @@
-"""LongBench's scoring functions (THUDM/LongBench ``metrics.py`` / ``eval.py``), re-implemented; the only package
-they need is jieba (Chinese word segmentation, imported when a Chinese QA / summarization dataset is scored).
+"""LongBench's scoring functions (THUDM/LongBench ``metrics.py`` / ``eval.py``) with the packages LongBench uses:
+``rouge`` (ROUGE-L), ``fuzzywuzzy`` (code similarity) and ``jieba`` (Chinese words), so the scores equal the
+official script's by construction; the remaining functions are a few lines each and follow the official ones
+line by line, including their quirks (below).
 
 Per-dataset metric (``DATASET_METRIC``) and the scoring rule of ``eval.py`` (:func:`score_dataset`): a prediction
 scores the maximum of the metric over the reference answers; for ``trec``, ``triviaqa``, ``samsum`` (and
@@ -8,11 +10,18 @@ scores the maximum of the metric over the reference answers; for ``trec``, ``tri
 
 * ``qa_f1``: SQuAD-style token F1 after normalization (lower case, drop punctuation, drop the articles
   a/an/the, collapse whitespace).
-* ``rouge_l``: ROUGE-L F as the ``rouge`` package (pltrdy/rouge, ``Rouge().get_scores``) that LongBench calls
-  computes it: summary-level union LCS over ``.``-split sentences, on distinct words (see :func:`rouge_l`);
-  an empty prediction or reference scores 0 (``rouge`` raises, LongBench catches and returns 0).
-* ``classification``: the classes named in the prediction; a class contained in the (longer) gold class is
-  dropped; score ``1 / #matches`` if the gold class is matched, else 0.
+* ``rouge_l``: ``Rouge().get_scores([pred], [ref], avg=True)["rouge-l"]["f"]`` of the ``rouge`` package
+  (pltrdy/rouge 1.0.1: summary-level union LCS over ``.``-split sentences, on distinct words, case-sensitive);
+  any exception scores 0, as LongBench's bare ``except``: an empty (or ``.``-only) prediction or reference, and
+  a sentence pair long enough (about 1,000 words together) for the package's recursive LCS traceback to exceed
+  Python's recursion limit (``RecursionError``; the exact length depends on the call depth, a few frames).
+* ``classification``: the classes named in the prediction (substring test); then, **as LongBench does**, the
+  matched classes that are a proper part of the gold class are removed *while iterating over the same list*,
+  so a match right after a removed one is skipped and stays; score ``1 / #matches`` if the gold class is among
+  the matches, else 0 (LongBench's fallback to the most similar class is unreachable: it tests
+  ``em_match_list != 0``, a list against an int, which is always true). :func:`classification_score` reproduces
+  this (scores comparable with published LongBench numbers); :func:`classification_score_intended` drops every
+  such class (what the loop means to do), for reference only.
 * ``retrieval``: the numbers in the prediction; fraction equal to the gold ``Paragraph N`` id
   (``passage_retrieval_zh``: the gold ``段落N`` id; no word segmentation, as in LongBench).
 * Chinese QA / summaries (``multifieldqa_zh``; ``dureader``, ``vcsum``): words from ``jieba.cut(text,
@@ -21,9 +30,13 @@ scores the maximum of the metric over the reference answers; for ``trec``, ``tri
   on the words joined by spaces.
 * ``count``: the numbers in the prediction; fraction equal to the gold count.
 * ``code_sim``: the first line of the prediction without `````, ``#`` or ``//``; similarity
-  ``fuzz.ratio / 100`` = ``round(100 * 2 M / T) / 100`` with ``difflib.SequenceMatcher`` (``M`` matched characters,
-  ``T`` total length), which is what ``fuzzywuzzy``'s ``ratio`` computes on its pure-Python path (with
-  python-Levenshtein installed fuzzywuzzy uses a Levenshtein-based ratio that can differ slightly).
+  ``fuzzywuzzy.fuzz.ratio / 100``. LongBench installs ``fuzzywuzzy`` without ``python-Levenshtein``, so
+  ``ratio`` is ``round(100 * difflib.SequenceMatcher(None, a, b).ratio())`` (equal strings: 100, one empty
+  string: 0); with python-Levenshtein installed fuzzywuzzy switches to a Levenshtein ratio that can differ, so
+  requirements.lock leaves it out (:data:`FUZZ_PURE_PYTHON` says which path is active).
+
+Where :func:`score_dataset` differs from ``eval.py``: each row is scored with its own ``all_classes`` (``eval.py``
+passes the last row's to every row; in the official files every row of a dataset has the same list).
 """
 
 from __future__ import annotations
@@ -31,8 +44,18 @@ from __future__ import annotations
 import difflib
 import re
 import string
+import warnings
 from collections import Counter
 from collections.abc import Sequence
+
+from rouge import Rouge
+
+with warnings.catch_warnings():  # fuzzywuzzy warns that python-Levenshtein is absent: LongBench's setting
+    warnings.simplefilter("ignore", UserWarning)
+    from fuzzywuzzy import fuzz
+
+FUZZ_PURE_PYTHON = fuzz.SequenceMatcher is difflib.SequenceMatcher
+"""True when fuzzywuzzy scores with difflib (no python-Levenshtein), as in LongBench's environment."""
 
 # ------------------------------------------------------------------------------------------- QA F1
 
@@ -88,53 +111,15 @@ def qa_f1_zh_score(prediction: str, ground_truth: str, **_) -> float:
 
 # ------------------------------------------------------------------------------------------- ROUGE-L
 
-
-def _lcs_words(x: Sequence[str], y: Sequence[str]) -> set[str]:
-    """The words of one longest common subsequence of ``x`` and ``y`` (as a set), traced back with the ``rouge``
-    package's tie-break (move up only when the cell above is strictly larger)."""
-    table = [[0] * (len(y) + 1) for _ in range(len(x) + 1)]
-    for i, a in enumerate(x, 1):
-        row, prev = table[i], table[i - 1]
-        for j, b in enumerate(y, 1):
-            row[j] = prev[j - 1] + 1 if a == b else max(prev[j], row[j - 1])
-    i, j, words = len(x), len(y), set()
-    while i > 0 and j > 0:
-        if x[i - 1] == y[j - 1]:
-            words.add(x[i - 1])
-            i, j = i - 1, j - 1
-        elif table[i - 1][j] > table[i][j - 1]:
-            i -= 1
-        else:
-            j -= 1
-    return words
-
-
-def _rouge_sentences(text: str) -> list[list[str]]:
-    """``rouge``'s split: pieces between ``.`` (non-empty before whitespace cleanup), words split on one space."""
-    return [" ".join(piece.split()).split(" ") for piece in text.split(".") if len(piece) > 0]
+_ROUGE = Rouge()
 
 
 def rouge_l(prediction: str, ground_truth: str) -> float:
-    """ROUGE-L F of the ``rouge`` package (``Rouge().get_scores(pred, ref)["rouge-l"]["f"]``, summary level).
-
-    Sentences are split on ``.``; ``m`` / ``n`` = number of *distinct* words of the reference / prediction; the
-    overlap is the number of distinct words in the union of the LCS of every (reference sentence, prediction
-    sentence) pair; ``R = overlap / m``, ``P = overlap / n``, ``F = 2 P R / (P + R + 1e-8)``. An empty (or
-    whitespace-only) prediction or reference scores 0 (the package raises and LongBench returns 0).
-    """
-    if not prediction.strip() or not ground_truth.strip():
+    """ROUGE-L F of the ``rouge`` package as LongBench calls it; 0 when the package raises (module docstring)."""
+    try:
+        return float(_ROUGE.get_scores([prediction], [ground_truth], avg=True)["rouge-l"]["f"])
+    except Exception:  # noqa: BLE001 - LongBench's bare except: empty texts, RecursionError on very long sentences
         return 0.0
-    hyp, ref = _rouge_sentences(prediction), _rouge_sentences(ground_truth)
-    if not hyp or not ref:
-        return 0.0
-    m = len({w for s in ref for w in s})
-    n = len({w for s in hyp for w in s})
-    union: set[str] = set()
-    for r in ref:
-        for h in hyp:
-            union |= _lcs_words(r, h)
-    recall, precision = len(union) / m, len(union) / n
-    return 2.0 * precision * recall / (precision + recall + 1e-8)
 
 
 def rouge_score(prediction: str, ground_truth: str, **_) -> float:
@@ -148,10 +133,29 @@ def rouge_zh_score(prediction: str, ground_truth: str, **_) -> float:
 # ------------------------------------------------------------------------------- class / retrieval / count
 
 
+def _matched_classes(prediction: str, all_classes: Sequence[str]) -> list[str]:
+    return [c for c in all_classes if c in prediction]
+
+
 def classification_score(prediction: str, ground_truth: str, all_classes: Sequence[str] = (), **_) -> float:
-    matches = [c for c in all_classes if c in prediction]
-    # a matched class that is a proper part of the gold class (e.g. "Ent" in "Entity") does not count against it
-    matches = [c for c in matches if not (c in ground_truth and c != ground_truth)]
+    """LongBench's ``classification_score``, quirk included (module docstring): classes that are a proper part
+    of the gold class are removed from the matches while the matches are being iterated, so the match that
+    follows each removed one is not examined."""
+    matches = _matched_classes(prediction, all_classes)
+    i = 0                       # the position a Python list iterator keeps
+    while i < len(matches):
+        c = matches[i]
+        if c in ground_truth and c != ground_truth:
+            matches.remove(c)   # list.remove (first equal item): the next item shifts into position i ...
+        i += 1                  # ... and the iterator moves on all the same, so that item is never examined
+    return 1.0 / len(matches) if ground_truth in matches else 0.0
+
+
+def classification_score_intended(prediction: str, ground_truth: str, all_classes: Sequence[str] = (),
+                                  **_) -> float:
+    """What LongBench's loop means to compute: *every* matched class that is a proper part of the gold class is
+    dropped. Not used for scoring (it differs from the published numbers); kept to document the quirk."""
+    matches = [c for c in _matched_classes(prediction, all_classes) if not (c in ground_truth and c != ground_truth)]
     return 1.0 / len(matches) if ground_truth in matches else 0.0
 
 
@@ -182,10 +186,8 @@ def count_score(prediction: str, ground_truth: str, **_) -> float:
 
 
 def fuzz_ratio(a: str, b: str) -> int:
-    """``fuzzywuzzy.fuzz.ratio``: ``round(100 * SequenceMatcher(None, a, b).ratio())``; 0 if either is empty."""
-    if not a or not b:
-        return 0
-    return int(round(100 * difflib.SequenceMatcher(None, a, b).ratio()))
+    """``fuzzywuzzy.fuzz.ratio`` (LongBench's code similarity, 0..100)."""
+    return int(fuzz.ratio(a, b))
 
 
 def code_sim_score(prediction: str, ground_truth: str, **_) -> float:
