@@ -62,7 +62,7 @@ def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_
     from torch.utils.data import DataLoader  # noqa: PLC0415
 
     from tasks.common.data import ResumableSampler  # noqa: PLC0415
-    from tasks.common.trainer import _precision_context  # noqa: PLC0415
+    from tasks.common.trainer import _precision_context, cap_num_workers  # noqa: PLC0415
 
     cfg, task, model, info = load_run(ckpt_path, overrides, use_ema)
     _, eval_ds = task.build_datasets()
@@ -70,7 +70,7 @@ def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_
     sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
                                drop_last=False)
     loader = DataLoader(eval_ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
-                        num_workers=int(cfg.trainer.get("num_workers", 0)))
+                        num_workers=cap_num_workers(int(cfg.trainer.get("num_workers", 0)))[0])
     precision = cfg.trainer.get("precision", "auto")
     precision = ("bf16" if info.device.type == "cuda" else "fp32") if precision == "auto" else precision
     with _precision_context(precision, info.device):

@@ -2,6 +2,9 @@
 
 :func:`load_run_checkpoint` reads a checkpoint of ``train.py`` and says "not a checkpoint of this project: PATH"
 for anything else (empty, text, foreign files); :func:`find_checkpoint` turns a run folder into its ``last.pt``.
+
+Besides :data:`RUN_CHECKPOINT_KEYS`, the trainer's checkpoints hold the optimizer, scheduler, EMA, RNG states, the
+run's facts (``run``) and ``wandb_run_id`` (the W&B run to continue on resume; None without W&B).
 """
 
 from __future__ import annotations

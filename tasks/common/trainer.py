@@ -15,6 +15,15 @@ therefore ends with the same parameters, and logs the same losses, as an uninter
 drop-path). ``trainer.resume``: ``auto`` (this run folder's ``last.pt`` if there is one), ``last`` (it must be
 there), or a run folder / checkpoint path.
 
+Logging: each record goes with the same keys to ``metrics.jsonl``, W&B and the text lines
+(:mod:`tasks.common.logger`); with W&B, a heatmap of every learnable MHLA mixing matrix at each evaluation
+(``mixing/<layer>``) and the :class:`~tasks.common.logger.Media` that a task's ``evaluate`` (``eval/<name>``)
+or ``after_fit`` (``final/<name>``) returns. Checkpoints hold the W&B run id, so a resumed run continues the
+same W&B run.
+
+Data-loader workers: ``trainer.num_workers`` is capped to the CPUs this process may use
+(:func:`cap_num_workers`), with one line saying so.
+
 Interrupts: SIGINT (Ctrl-C) and SIGTERM (preemption) stop the run at the end of the current step (or
 evaluation): ``last.pt`` is saved, the logger is finished, and :class:`TrainingInterrupted` is raised, which
 ``train.py`` turns into exit code 130 / 143. A second signal stops at once without saving.
@@ -40,7 +49,7 @@ from .config import ConfigError, check_trainer
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
-from .logger import RunLogger, open_run_log, run_log
+from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
 from .utils import count_parameters, rng_state, seed_everything, set_rng_state, system_info
 
@@ -86,7 +95,8 @@ class Task:
         return type(model).__name__
 
     def after_fit(self, trainer: "Trainer", metrics: dict) -> dict:
-        """Hook for task-specific end-of-run work (sample grids, ...). Returns extra metrics."""
+        """Hook for task-specific end-of-run work (sample grids, ...). Returns extra metrics, and
+        :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``."""
         return {}
 
 
@@ -95,6 +105,47 @@ def project_mixing_(model: nn.Module) -> None:
     for m in model.modules():
         if hasattr(m, "project_") and callable(m.project_) and m is not model:
             m.project_()
+
+
+@torch.no_grad()
+def mixing_matrices(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The effective learnable mixing matrix of every MHLA layer of ``model`` (``[M, M]`` or ``[H, M, M]``,
+    float32 on the CPU), by the name of the layer that holds it (``blocks.0.attn``). Frozen matrices are left
+    out, and so are matrices that are not whole here (sharded by FSDP)."""
+    from mhla.mixing import MixingMatrix  # noqa: PLC0415
+
+    out = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, MixingMatrix) or not m.learnable:
+            continue
+        if m.raw.dim() in (2, 3) and tuple(m.raw.shape[-2:]) == (m.num_blocks, m.num_blocks):
+            out[name.rpartition(".")[0] or name] = m().detach().float().cpu()  # the attention layer's name
+    return out
+
+
+def mixing_heatmaps(model: nn.Module, step: int) -> dict[str, Media]:
+    """``{"mixing/<layer>": Media}``: a heatmap image of each of :func:`mixing_matrices`."""
+    return {f"mixing/{name}": Media(heatmap_image(w.numpy(), f"{name} mixing matrix, step {step}"),
+                                    caption=f"step {step}")
+            for name, w in mixing_matrices(model).items()}
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else the CPU count): the
+    number that PyTorch's DataLoader compares ``num_workers`` with."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def cap_num_workers(requested: int) -> tuple[int, str | None]:
+    """``(workers, note)``: ``requested`` data-loader workers, at most :func:`available_cpus` (more only make
+    PyTorch warn and the workers compete for the cores), and a line saying so when capped (else None)."""
+    cpus = available_cpus()
+    if requested <= cpus:
+        return requested, None
+    return cpus, (f"data loader: trainer.num_workers={requested} capped to {cpus}, the CPUs available to this "
+                  f"process")
 
 
 def _precision_context(precision: str, device: torch.device):
@@ -225,6 +276,9 @@ class Trainer:
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"trainer.precision must be auto, fp32, bf16 or fp16, got {precision!r}")
         self.precision = precision
+        requested = self.tcfg.get("num_workers", 0)  # not an int >= 0: check_trainer says so when fit() starts
+        requested = requested if isinstance(requested, int) and requested > 0 else 0
+        self.num_workers, self._workers_note = cap_num_workers(requested)
         if self.device.type == "cuda":  # TF32 matmuls/convs in fp32 (DiT's and DiG's scripts turn them on)
             tf32 = bool(self.tcfg.get("tf32", False))
             torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -263,7 +317,7 @@ class Trainer:
     def _loader(self, dataset, sampler, batch_size: int, generator: torch.Generator) -> DataLoader:
         """A loader with its own ``generator``; its workers stay alive across epochs and evaluations and leave
         SIGINT / SIGTERM to the main process (which stops the run and then shuts them down)."""
-        workers = int(self.tcfg.get("num_workers", 0))
+        workers = self.num_workers
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                           collate_fn=self.task.collate, pin_memory=self.device.type == "cuda",
                           persistent_workers=workers > 0, drop_last=False, generator=generator,
@@ -424,7 +478,9 @@ class Trainer:
         scheduler = build_scheduler(optimizer, cfg.sched, total, sampler.batches_per_epoch)
         scaler = torch.amp.GradScaler(enabled=self.precision == "fp16" and self.device.type == "cuda")
 
-        workers = int(tcfg.get("num_workers", 0))
+        if self._workers_note:
+            self._print(self._workers_note)
+        workers = self.num_workers
         train_data = WorkerEpoch(train_ds) if workers > 0 and hasattr(train_ds, "set_epoch") else train_ds
         eval_loader = None
         if eval_ds is not None:
@@ -438,17 +494,29 @@ class Trainer:
                    train_loader=self._loader(train_data, sampler, bs, loader_generator(seed)),
                    eval_loader=eval_loader, seed=seed, total=total, steps_per_epoch=sampler.batches_per_epoch,
                    facts=facts)
-        if state is not None:
+        resumed, wandb_id = state is not None, None
+        if resumed:
             self._restore(state, run)
+            wandb_id = state.get("wandb_run_id")
             del state
-
-        from omegaconf import OmegaConf  # noqa: PLC0415
-
-        resolved = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-        run.logger = RunLogger(cfg.get("logger"), self.run_dir, resolved, system_info(), enabled=self.dist.is_main)
-        if self.dist.is_main:
+        run.logger = self._start_logger(wandb_id)
+        if self.dist.is_main and not resumed:  # a resumed run logged it when it started
             run.logger.log({"params": n_params}, run.step)
         return run
+
+    def _start_logger(self, resume_id: str | None) -> RunLogger:
+        """The run's logger; with W&B it continues the run ``resume_id`` (from the checkpoint resumed) and
+        prints one line naming the W&B run."""
+        from omegaconf import OmegaConf  # noqa: PLC0415
+
+        cfg = self.cfg
+        resolved = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+        logger = RunLogger(cfg.get("logger"), self.run_dir, resolved, system_info(), enabled=self.dist.is_main,
+                           resume_id=resume_id)
+        if logger.run_id is not None:
+            again = " (continued: the id stored in the checkpoint)" if logger.run_id == resume_id else ""
+            self._print(f"W&B run {logger.run_id}{again}, mode {logger.mode}, files in {self.run_dir / 'wandb'}")
+        return logger
 
     def _fit(self, run: _Run, stop: StopSignals) -> dict:
         """The training loop, then the final evaluation (when nothing was left to train) and ``after_fit``."""
@@ -462,10 +530,11 @@ class Trainer:
         if run.step == start_step and run.eval_loader is not None:  # resumed at the end of the schedule
             metrics = self._evaluate(run)
         elapsed = time.time() - t0
-        metrics = dict(metrics)
-        metrics.update(self.task.after_fit(self, metrics) or {})
+        extra, media = split_media(self.task.after_fit(self, dict(metrics)) or {})
+        metrics = {**metrics, **extra}
         if self.dist.is_main:
-            run.logger.summary({**metrics, "train_time_s": elapsed, "steps": run.step})
+            run.logger.log_media({f"final/{k}": m for k, m in media.items()}, run.step)
+            run.logger.summary({**metrics, "train_time_s": elapsed, "steps": run.step}, run.step)
         return metrics
 
     def _train(self, run: _Run, stop: StopSignals) -> dict:
@@ -539,19 +608,20 @@ class Trainer:
                    **{f"train/{k}": float(v) for k, v in logs.items()}}
             if grad_norm is not None:
                 rec["train/grad_norm"] = float(grad_norm)
-            run.logger.log(rec, step)
+            rec = run.logger.log(rec, step)
             if self.dist.is_main:
                 rate = (step - start[0]) / max(time.time() - start[1], 1e-9)
-                run_log().info(f"step {step}/{run.total} (epoch {rec['epoch']:.2f}): loss {rec['train/loss']:.4f}, "
-                               f"lr {rec['train/lr']:.3g}, {rate:.2f} steps/s")
+                train = {k: v for k, v in rec.items() if k != "epoch"}
+                run_log().info(f"step {step}/{run.total} (epoch {rec['epoch']:.2f}): "
+                               f"{format_metrics(train, 'train/')}, {rate:.2f} steps/s")
         end_of_epoch = step % run.steps_per_epoch == 0
         eval_every = tcfg.get("eval_every_steps")
         do_eval = run.eval_loader is not None and (
             (eval_every and step % int(eval_every) == 0) or (not eval_every and end_of_epoch) or step == run.total)
         if do_eval:
             metrics = self._evaluate(run)
-            run.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step)
-            self._print(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            rec = run.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step)
+            self._print(f"step {step}: {format_metrics(rec, 'eval/')}")
             run.wrapped.train()
         ckpt_every, stop_after = tcfg.get("checkpoint_every_steps"), tcfg.get("stop_after_steps")
         if (ckpt_every and step % int(ckpt_every) == 0) or end_of_epoch or step == run.total \
@@ -586,13 +656,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- evaluation, saving
     def _evaluate(self, run: _Run) -> dict:
-        """Evaluate the EMA weights (``trainer.ema.evaluate``) or the model on the eval loader."""
+        """Evaluate the EMA weights (``trainer.ema.evaluate``) or the model on the eval loader; returns the
+        scalar metrics, after logging the media (the task's, as ``eval/<name>``, and the mixing heatmaps)."""
         ema = run.ema
         target = ema.module if (ema is not None and self.tcfg.ema.get("evaluate", True)) else run.model
         target.eval()
         run.eval_loader.generator.manual_seed(loader_seed(run.seed, 0))  # the same for every evaluation
         with _precision_context(self.precision, self.device):
-            return self.task.evaluate(target, run.eval_loader, self.device, self.dist)
+            metrics, media = split_media(self.task.evaluate(target, run.eval_loader, self.device, self.dist))
+        if run.logger is not None and run.logger.logs_media:
+            media = {**{f"eval/{k}": m for k, m in media.items()}, **mixing_heatmaps(target, run.step)}
+            run.logger.log_media(media, run.step)
+        return metrics
 
     def _save(self, run: _Run, metrics: dict | None) -> None:
         """Write ``last.pt`` (and ``best.pt`` when ``metrics`` improved) from the main process."""
@@ -617,6 +692,7 @@ class Trainer:
             "rng": rngs,
             "config": self.cfg_container(),
             "run": {k: run.facts[k] for k in _RESUME_FACTS},
+            "wandb_run_id": run.logger.run_id if run.logger is not None else None,
         }
         run.ckpt.save(state, metrics)
 

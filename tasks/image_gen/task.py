@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from tasks.common.config import ConfigError
 from tasks.common.distributed import barrier
+from tasks.common.logger import Media
 from tasks.common.trainer import Task
 
 from .diffusion import create_diffusion
@@ -206,6 +207,8 @@ class ImageGenTask(Task):
                         prediction=self.diffusion.prediction, progress=True)
         path = save_grid(imgs.cpu(), os.path.join(str(trainer.run_dir), "samples.png"), nrow=per,
                          upscale=int(s.get("upscale", 1)))
-        print(f"sample grid ({n_cls} classes x {per}, {s.get('method', 'ddpm')} {s.get('steps', 250)} steps, "
-              f"cfg {s.get('cfg_scale', 1.0)}): {path}", flush=True)
-        return {"sample_s": time.time() - t0}
+        what = (f"{n_cls} classes x {per}, {s.get('method', 'ddpm')} {s.get('steps', 250)} steps, "
+                f"cfg {s.get('cfg_scale', 1.0)}")
+        print(f"sample grid ({what}): {path}", flush=True)
+        grid = Media(path, "image", caption=f"one row per class: {what}")
+        return {"sample_s": time.time() - t0, "samples": grid}

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from tasks.common import flow_matching as fm
+from tasks.common.logger import Media
 from tasks.common.trainer import Task
 
 from .data import VOCAB, MovingShapes, VideoFolder, caption_ids
@@ -238,4 +239,4 @@ class VideoGenTask(Task):
         (run / "samples.txt").write_text("\n".join(prompts) + "\n")
         print(f"samples: {gif}" + (f", {mp4}" if mp4 else "") + f" ({len(prompts)} prompts, left to right: "
               f"{'; '.join(prompts)})", flush=True)
-        return {}
+        return {"samples": Media(gif, "video", caption=f"left to right: {'; '.join(prompts)}")}
