@@ -55,6 +55,18 @@ def _as_tuple(x, n: int):
     return tuple(int(v) for v in x)
 
 
+def gate_kind(gate) -> str | None:
+    """The output gate named by a layer's ``gate`` option: ``None`` (off), ``"swish"`` or ``"linear"``."""
+    if gate in (False, None, "none"):
+        return None
+    if gate is True or gate == "swish":
+        return "swish"
+    if gate == "linear":
+        return "linear"
+    raise ValueError(f"gate must be false, true / 'swish' (RMSNorm(o) * swish(W_g x)) or 'linear' ((o + cpe) * "
+                     f"(W_o x + b), RALA's), got {gate!r}")
+
+
 class AttentionBase(nn.Module):
     """Projections and options shared by the attention layers (the three here and :mod:`mhla.baselines`).
 
@@ -68,8 +80,9 @@ class AttentionBase(nn.Module):
         feature_map: name in :data:`mhla.feature_maps.FEATURE_MAPS` (linear attention and MHLA).
         normalize: ``True`` / ``False`` / ``"official"`` (see :func:`mhla.mhla_attention`).
         cpe: add a depthwise convolution of V on the token grid (kernel ``cpe_kernel``) to the output.
-        gate: output gate ``RMSNorm(o) * swish(W_g x)`` (GLA-style). out_norm: RMSNorm on ``o`` without a
-            gate (the paper's LM / video setting with ``normalize=False``).
+        gate: output gate. ``True`` / ``"swish"``: ``RMSNorm(o) * swish(W_g x)`` (GLA-style); ``"linear"``:
+            ``(o + cpe) * (W_o x + b)`` without a norm (RALA's wrapper, used by VLT). out_norm: RMSNorm on ``o``
+            without a gate (the paper's LM / video setting with ``normalize=False``).
         attn_drop, proj_drop: dropout on the attention output / after the output projection.
         grid, block, num_blocks, block_size, num_prefix_tokens: token layout (used by MHLA; CPE uses
             ``grid``). Without ``grid`` the tokens form a 1-D sequence.
@@ -93,7 +106,7 @@ class AttentionBase(nn.Module):
         eps: float = 1e-6,
         cpe: bool = False,
         cpe_kernel: int = 3,
-        gate: bool = False,
+        gate: bool | str = False,
         out_norm: bool = False,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
@@ -134,8 +147,11 @@ class AttentionBase(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm else nn.Identity()
         self.cpe = self._make_cpe(v_inner, cpe_kernel, dd) if cpe else None
         self.cpe_kernel = cpe_kernel
-        self.gate = nn.Linear(dim, v_inner, bias=False, **dd) if gate else None
-        self.out_norm = nn.RMSNorm(self.value_dim, eps=1e-6, **dd) if (gate or out_norm) else None
+        self.gate_kind = gate_kind(gate)
+        linear_gate = self.gate_kind == "linear"
+        self.gate = nn.Linear(dim, v_inner, bias=linear_gate, **dd) if self.gate_kind else None
+        swish_gate = self.gate_kind == "swish"
+        self.out_norm = nn.RMSNorm(self.value_dim, eps=1e-6, **dd) if (swish_gate or out_norm) else None
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(v_inner, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -227,8 +243,10 @@ class AttentionBase(nn.Module):
         o = o.reshape(B, N, -1)
         if cpe_out is not None:
             o = o + cpe_out
-        if self.gate is not None:
+        if self.gate_kind == "swish":
             o = o * F.silu(self.gate(x))
+        elif self.gate_kind == "linear":
+            o = o * self.gate(x)
         return self.proj_drop(self.proj(o))
 
     def _core(self, q, k, v, grid, cache):  # pragma: no cover - abstract

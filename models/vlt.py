@@ -18,9 +18,8 @@ sections 3, 4, 12). ``rala`` / ``mala`` layers hold that wrapper themselves (mhl
 (:data:`WRAPPER_DEFAULTS`): ``cpe`` with ``cpe_kernel: 5`` is the LePE (a depthwise 5 x 5 conv on V added to the
 attention output, as ``_GatedRoPEBaseline.lepe``) and ``gate`` the output gate. These are defaults: an attention
 config that sets them wins (the Hydra ``attn/*.yaml`` files set ``cpe: false``, so the Table 2b cells set the
-wrapper explicitly; the softmax stages, built here, always get the defaults). Differences left to ``mhla/``: the
-shared ``gate`` is GLA-style, ``RMSNorm(o) * swish(W_g x)``, not RALA's linear ``o * (W_o x + b)``
-(same parameter count up to ``C``), and the softmax stages have no 2-D RoPE.
+wrapper explicitly; the softmax stages, built here, always get the defaults). ``gate: linear`` is RALA's linear
+gate ``(o + LePE(V)) * (W_o x + b)``. One difference is left: the softmax stages have no 2-D RoPE.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from timm.layers import DropPath
 from mhla.registry import build_attention
 
 # The RALA wrapper from the shared attention options, for attentions that do not hold it (see the module docstring).
-WRAPPER_DEFAULTS = {"cpe": True, "cpe_kernel": 5, "gate": True}
+WRAPPER_DEFAULTS = {"cpe": True, "cpe_kernel": 5, "gate": "linear"}
 OWN_WRAPPER = ("rala", "mala")  # LePE 5x5, linear output gate and 2-D RoPE inside the layer
 
 VLT_SPECS = {

@@ -121,14 +121,14 @@ def test_vlt_mhla_cells_have_rala_wrapper_and_paper_params(cell, paper_m):
     from mhla.layers import MultiHeadLinearAttention, SoftmaxAttention
 
     cfg, model = build_cell(cell)
-    assert cfg.attn.cpe is True and cfg.attn.cpe_kernel == 5 and cfg.attn.gate is True
+    assert cfg.attn.cpe is True and cfg.attn.cpe_kernel == 5 and cfg.attn.gate == "linear"
     for s, stage in enumerate(model.stages):
         for block in stage:
             attn = block.attn
             assert isinstance(attn, MultiHeadLinearAttention if s < 2 else SoftmaxAttention)
             assert attn.cpe is not None and attn.cpe.kernel_size == (5, 5)  # LePE 5x5 on V
             assert attn.cpe.groups == attn.cpe.in_channels  # depthwise
-            assert attn.gate is not None  # output gate
+            assert attn.gate_kind == "linear" and attn.gate.bias is not None and attn.out_norm is None  # RALA's
     # paper: MHLA-VLT-T 16M, MHLA-VLT-S 27M (before the wrapper: 15.5M / 25.3M)
     assert round(n_params(model)) == paper_m
 

@@ -156,3 +156,22 @@ def test_timm_style_construction_kwargs():
         LinearAttention(32, 4, scale_norm=True)
     with pytest.raises(ValueError, match="is_causal"):
         layer(torch.randn(1, 16, 32), is_causal=True)
+
+
+def test_linear_gate_is_ralas_wrapper():
+    """gate="linear": out = proj((o + cpe) * (W_o x + b)), no output norm; gate=True stays GLA-style."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from mhla.layers import MultiHeadLinearAttention  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    layer = MultiHeadLinearAttention(16, 2, grid=(4, 4), num_blocks=4, cpe=True, cpe_kernel=5, gate="linear").double()
+    assert layer.out_norm is None and layer.gate.bias is not None
+    x = torch.randn(2, 16, 16, dtype=torch.float64)
+    o = torch.randn(2, 16, 2, 8, dtype=torch.float64)
+    cpe_out = torch.randn(2, 16, 16, dtype=torch.float64)
+    want = layer.proj((o.reshape(2, 16, 16) + cpe_out) * F.linear(x, layer.gate.weight, layer.gate.bias))
+    torch.testing.assert_close(layer._finish(o, x, cpe_out), want)
+    assert MultiHeadLinearAttention(16, 2, num_blocks=4, gate=True).gate_kind == "swish"
+    with pytest.raises(ValueError, match="gate must be"):
+        MultiHeadLinearAttention(16, 2, num_blocks=4, gate="sigmoid")
