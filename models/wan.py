@@ -29,6 +29,8 @@ from collections.abc import Mapping
 
 import torch.nn as nn
 
+from .weights import MissingWeightsError, require_local_weights  # noqa: F401  (MissingWeightsError: re-exported)
+
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B (diffusers' conversion script; BASELINES.md section 9).
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -41,18 +43,12 @@ VAE_STRIDE = (4, 8, 8)
 TRANSFORMER_KEYS = tuple(WAN_1_3B)
 
 
-class MissingWeightsError(FileNotFoundError):
-    """A local weights folder is missing; the message says what to download and where to put it."""
-
-
 def check_weights_dir(path, component: str | None = None) -> str:
     """``path`` (and ``path/component``) must exist; else :class:`MissingWeightsError` naming the HF repo."""
     where = os.path.join(path, component) if (path and component) else path
-    if not path or not os.path.isdir(where):
-        raise MissingWeightsError(
-            f"Wan2.1 weights not found at {where!r}. Nothing is downloaded at run time: download "
-            f"{HF_REPO} (e.g. `huggingface-cli download {HF_REPO} --local-dir /data/Wan2.1-T2V-1.3B-Diffusers`) "
-            f"and pass model.pretrained=/data/Wan2.1-T2V-1.3B-Diffusers. Expected layout: {', '.join(LAYOUT)}")
+    require_local_weights(where, what="Wan2.1 weights", repo=HF_REPO, option="model.pretrained={dir}",
+                          example_dir="/data/Wan2.1-T2V-1.3B-Diffusers", marker=None,
+                          contents="expected layout: " + ", ".join(LAYOUT))
     return where
 
 

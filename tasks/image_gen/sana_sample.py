@@ -59,6 +59,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from mhla.layouts import ceil_div  # noqa: E402
+from models.weights import require_local_weights  # noqa: E402
 
 DC_AE_REPO = "mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers"
 CLIP_REPO = "openai/clip-vit-large-patch14"
@@ -252,13 +253,10 @@ def sample_latents(model, text: torch.Tensor, *, mask: torch.Tensor | None = Non
 # ------------------------------------------------------------------------------------------- decoders
 def load_dcae(path: str | None, device="cpu", dtype=torch.float32):
     """diffusers' ``AutoencoderDC`` (DC-AE f32c32 for SANA-0.6B) from a LOCAL folder, frozen, in eval mode."""
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(
-            f"DC-AE weights not found at {path!r}. SANA-0.6B decodes with DC-AE f32c32: download {DC_AE_REPO} "
-            f"once on a machine with internet access (e.g. `huggingface-cli download {DC_AE_REPO} --local-dir "
-            f"/models/dc-ae-f32c32-sana-1.0-diffusers`), copy the folder (config.json + "
-            f"diffusion_pytorch_model.safetensors) here and pass --vae /models/dc-ae-f32c32-sana-1.0-diffusers "
-            f"(or --pipeline <Sana_600M_1024px_diffusers>, whose vae/ subfolder is used)")
+    require_local_weights(path, what="DC-AE weights (SANA-0.6B decodes with DC-AE f32c32)", repo=DC_AE_REPO,
+                          option="--vae {dir} (or --pipeline <Sana_600M_1024px_diffusers>, whose vae/ is used)",
+                          example_dir="/models/dc-ae-f32c32-sana-1.0-diffusers",
+                          contents="config.json + diffusion_pytorch_model.safetensors")
     from diffusers import AutoencoderDC  # noqa: PLC0415
 
     vae = AutoencoderDC.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
@@ -432,12 +430,9 @@ class RandomPrompts(FilePrompts):
 def load_pipeline(path: str, transformer, device="cpu", text_dtype=None):
     """``SanaPipeline.from_pretrained(path, transformer=<our model>, local_files_only=True)``: the Gemma-2
     tokenizer / text encoder and DC-AE of a LOCAL diffusers SANA folder around our (MHLA) transformer."""
-    if not path or not os.path.isfile(os.path.join(path, "model_index.json")):
-        raise FileNotFoundError(
-            f"diffusers SANA pipeline folder {path!r} not found (it needs model_index.json, text_encoder/, "
-            f"tokenizer/, vae/). Download {PIPELINE_REPO} once on a machine with internet access (e.g. "
-            f"`huggingface-cli download {PIPELINE_REPO} --local-dir /models/Sana_600M_1024px_diffusers`), copy it "
-            f"here and pass --pipeline /models/Sana_600M_1024px_diffusers")
+    require_local_weights(path, what="diffusers SANA pipeline folder", repo=PIPELINE_REPO, option="--pipeline {dir}",
+                          example_dir="/models/Sana_600M_1024px_diffusers", marker="model_index.json",
+                          contents="model_index.json, text_encoder/, tokenizer/, vae/")
     from diffusers import SanaPipeline  # noqa: PLC0415
 
     if text_dtype is None:
@@ -623,12 +618,9 @@ def finalize(run: SampleRun, prompts, s: dict) -> dict:
 def load_clip_score(path: str | None, device="cpu"):
     """torchmetrics' ``CLIPScore`` (``max(100 * mean cos(image, text), 0)``) on a LOCAL CLIP folder; captions
     longer than CLIP's 77 tokens are truncated by the tokenizer (end-of-text token kept)."""
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(
-            f"CLIP model not found at {path!r}. The CLIP score uses {CLIP_REPO}: download it once on a machine "
-            f"with internet access (e.g. `huggingface-cli download {CLIP_REPO} --local-dir "
-            f"/models/clip-vit-large-patch14`), copy the folder (config.json, weights, tokenizer and "
-            f"preprocessor files) here and pass --clip /models/clip-vit-large-patch14")
+    require_local_weights(path, what=f"CLIP model (the CLIP score uses {CLIP_REPO})", repo=CLIP_REPO,
+                          option="--clip {dir}", example_dir="/models/clip-vit-large-patch14",
+                          contents="config.json, weights, tokenizer and preprocessor files")
     from torchmetrics.multimodal.clip_score import CLIPScore  # noqa: PLC0415
     from transformers import CLIPModel, CLIPProcessor  # noqa: PLC0415
 

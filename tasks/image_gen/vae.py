@@ -13,6 +13,7 @@ import os
 import numpy as np
 import torch
 
+from models.weights import require_local_weights
 from tasks.common.fileio import atomic_write
 
 SD_VAE_SCALE = 0.18215
@@ -20,12 +21,9 @@ SD_VAE_SCALE = 0.18215
 
 def load_vae(path: str | None, device="cpu"):
     """``AutoencoderKL.from_pretrained(path)`` in eval mode; a clear error when the weights are missing."""
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(
-            f"VAE weights not found at data.vae_path={path!r}. Download stabilityai/sd-vae-ft-ema (or "
-            f"sd-vae-ft-mse) from the Hugging Face hub once, e.g. `huggingface-cli download "
-            f"stabilityai/sd-vae-ft-ema --local-dir /models/sd-vae-ft-ema`, then pass "
-            f"data.vae_path=/models/sd-vae-ft-ema (a folder with config.json and diffusion_pytorch_model.*)")
+    require_local_weights(path, what="VAE weights", repo="stabilityai/sd-vae-ft-ema (or sd-vae-ft-mse)",
+                          option="data.vae_path={dir}", example_dir="/models/sd-vae-ft-ema",
+                          contents="config.json and diffusion_pytorch_model.*")
     from diffusers import AutoencoderKL  # noqa: PLC0415
 
     vae = AutoencoderKL.from_pretrained(path).to(device).eval()
