@@ -1,0 +1,348 @@
+"""Length extrapolation of trained ``task=lm_mini`` language models: per-position perplexity beyond the
+training length, and (for MHLA) the extension rules of the causal mixing matrix past its learned rows.
+
+Each run (``name=run_dir`` or ``name=run_dir/checkpoints/last.pt``) is loaded with ``eval.load_run``. The
+held-out text is the LM data's validation split (the packed token file: validation documents joined by EOS),
+cut into consecutive windows of ``L`` tokens for every evaluation length ``L``. The loss of each target
+position is averaged over the windows and then over position buckets.
+
+MHLA rows past the learned ``M = max_learned_blocks`` ones follow an *extension rule*. The rules compared here
+are applied to the same checkpoint (no retraining) by patching :meth:`mhla.mixing.MixingMatrix.forward` while
+the model is evaluated (the library default stays the relative-distance rule). With ``L`` the learned
+``[M, M]`` matrix, ``i >= M`` the query block, ``b <= i`` the key block, ``d = i - b``:
+
+    relative     (library default) W[i, b] = L[M-1, M-1-d] for d <= M-1, else L[M-1, 0] (every far block).
+    last_row     W[i, b] = L[M-1, min(b, M-1)]: the last learned row in absolute columns; blocks past M-1 take
+                 its diagonal coefficient.
+    uniform_far  as relative inside the window d <= M-1; the far blocks (d > M-1) share ONE far coefficient
+                 L[M-1, 0] uniformly (each gets L[M-1, 0] / (i - M + 1)), so the row mass stays bounded.
+    window       as relative inside the window; far blocks get 0 (sliding window of M blocks).
+    mass_matched the relative rule rescaled so each extended row sums to the last learned row's sum.
+
+Usage:
+    python scripts/length_extrapolation.py mhla=outputs/lenx/mhla linear=outputs/lenx/linear \\
+        softmax=outputs/lenx/softmax --lengths 256 512 1024 2048 4096 --out results/language/length_extrapolation
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+RULES = ("relative", "last_row", "uniform_far", "window", "mass_matched")
+BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+# ------------------------------------------------------------------------------------ extension rules
+def extend_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> torch.Tensor:
+    """``[..., n, n]`` causal mixing for ``n`` blocks from the learned ``w [..., M, M]`` (lower-triangular)."""
+    if rule not in RULES:
+        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(RULES)}")
+    M = w.shape[-1]
+    if n <= M:
+        return w[..., :n, :n]
+    dev = w.device
+    i = torch.arange(n, device=dev).unsqueeze(1)
+    b = torch.arange(n, device=dev).unsqueeze(0)
+    visible = (b <= i).to(w.dtype)
+    learned = i < M
+    rows = torch.where(learned, i, M - 1).expand(n, n)
+    if rule == "last_row":
+        return w[..., rows, b.clamp(max=M - 1).expand(n, n)] * visible
+    cols = torch.where(learned, b.clamp(max=M - 1), (M - 1 - (i - b)).clamp(0, M - 1))
+    W = w[..., rows, cols] * visible
+    far = (~learned) & ((i - b) > M - 1)
+    if rule == "window":
+        W = W.masked_fill(far, 0.0)
+    elif rule == "uniform_far":
+        nfar = (i - M + 1).clamp(min=1).to(w.dtype)
+        W = torch.where(far, W / nfar, W)
+    elif rule == "mass_matched":
+        target = w[..., M - 1, :].sum(-1)[..., None, None]
+        rowsum = W.sum(-1, keepdim=True).clamp_min(1e-12)
+        W = torch.where(learned, W, W * target / rowsum)
+    return W
+
+
+@contextlib.contextmanager
+def extension_rule(rule: str):
+    """Within the block, every causal ``MixingMatrix`` extends past its learned rows by ``rule``."""
+    from mhla.mixing import MixingMatrix  # noqa: PLC0415
+
+    if rule not in RULES:
+        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(RULES)}")
+    original = MixingMatrix.forward
+
+    def forward(self, num_blocks=None):
+        n = self.num_blocks if num_blocks is None else int(num_blocks)
+        if rule == "relative" or not self.causal or n <= self.num_blocks:
+            return original(self, num_blocks)
+        return extend_mixing(self.learned(), n, rule)
+
+    MixingMatrix.forward = forward
+    try:
+        yield
+    finally:
+        MixingMatrix.forward = original
+
+
+# -------------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def per_position_loss(model, tokens: np.ndarray, length: int, tokens_per_batch: int = 8192,
+                      max_windows: int | None = None) -> tuple[np.ndarray, int]:
+    """Mean next-token loss at each target position ``1..length-1`` over consecutive windows of ``tokens``.
+
+    Returns ``(loss [length - 1], windows)``; entry ``p`` is the loss of predicting token ``p + 1``.
+    """
+    n_win = len(tokens) // length
+    if max_windows is not None:
+        n_win = min(n_win, max_windows)
+    if n_win < 1:
+        raise ValueError(f"{len(tokens)} tokens hold no window of {length}")
+    x_all = torch.from_numpy(np.asarray(tokens[:n_win * length]).astype(np.int64)).view(n_win, length)
+    bs = max(1, tokens_per_batch // length)
+    total = torch.zeros(length - 1, dtype=torch.float64)
+    device = next(model.parameters()).device
+    for s in range(0, n_win, bs):
+        x = x_all[s:s + bs].to(device)
+        logits = model(x, use_cache=False).logits[:, :-1].float()
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none")
+        total += loss.view(x.shape[0], length - 1).sum(0).double().cpu()
+    return (total / n_win).numpy(), n_win
+
+
+def bucket_ppl(loss: np.ndarray, edges=BUCKET_EDGES) -> dict:
+    """``{"a-b": ppl}`` over target positions ``[a, b)`` (target position = index + 1)."""
+    pos = np.arange(1, len(loss) + 1)
+    out = {}
+    for a, b in zip(edges[:-1], edges[1:]):
+        m = (pos >= a) & (pos < b)
+        if m.any():
+            out[f"{a}-{b}"] = float(math.exp(loss[m].mean()))
+    return out
+
+
+def fine_buckets(loss: np.ndarray, width: int) -> tuple[list[float], list[float]]:
+    """Bucket centres and perplexities over ``width``-token position buckets (for the plot)."""
+    xs, ys = [], []
+    for a in range(0, len(loss), width):
+        seg = loss[a:a + width]
+        xs.append(a + 1 + (len(seg) - 1) / 2)
+        ys.append(float(math.exp(seg.mean())))
+    return xs, ys
+
+
+def resolve_checkpoint(path: str) -> str:
+    if os.path.isdir(path):
+        path = os.path.join(path, "checkpoints", "last.pt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return path
+
+
+def mixing_summary(model) -> list[dict]:
+    """Per MHLA layer: the learned matrix, how far it moved from its init, the last learned row."""
+    from mhla.mixing import MixingMatrix  # noqa: PLC0415
+
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, MixingMatrix):
+            with torch.no_grad():
+                w = m.learned().float().cpu()
+                init = m.initial_raw().float()
+                init = (init.clamp(0, m.max_value) if m.parameterization == "clamp" else
+                        torch.nn.functional.softplus(init) if m.parameterization == "softplus" else init.exp())
+                init = init.tril() if m.causal else init
+            out.append({"module": name, "M": m.num_blocks, "init": m.init, "param": m.parameterization,
+                        "max_abs_change_from_init": float((w - init).abs().max()),
+                        "last_row": [round(float(v), 4) for v in w.reshape(-1, m.num_blocks, m.num_blocks)[0, -1]],
+                        "last_row_sum": float(w.reshape(-1, m.num_blocks, m.num_blocks)[0, -1].sum())})
+    return out
+
+
+def graft_into_mhla(model, linear_ckpt: str) -> None:
+    """Load a linear-attention run's weights into an MHLA model of the same shape and reset every mixing
+    matrix to its init (causal uniform ``1/(i+1)``): inside the learned size this IS the linear model (the
+    output RMSNorm removes the per-row scale), past it the extension rule decides which blocks are mixed."""
+    from mhla.mixing import MixingMatrix  # noqa: PLC0415
+    from tasks.common.checkpoint import load_run_checkpoint, model_weights  # noqa: PLC0415
+
+    missing, unexpected = model.load_state_dict(model_weights(load_run_checkpoint(linear_ckpt), "ema"), strict=False)
+    if unexpected or any("mixing" not in k for k in missing):
+        raise ValueError(f"{linear_ckpt} does not fit this MHLA model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MixingMatrix):
+                m.raw.copy_(m.initial_raw().to(m.raw))
+
+
+def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_batch: int,
+                  max_windows: int | None, log=print) -> dict:
+    from eval import load_run  # noqa: PLC0415
+
+    results = {"runs": {}, "curves": {}, "mixing": {}}
+    for name, path in runs.items():
+        graft = None
+        if "+" in path:  # "mhla_run+linear_run": MHLA architecture, the linear run's weights, mixing at its init
+            path, graft = path.split("+", 1)
+        ckpt = resolve_checkpoint(path)
+        cfg, task, model, _ = load_run(ckpt, ["trainer.device=cpu"])
+        if graft is not None:
+            graft_into_mhla(model, resolve_checkpoint(graft))
+        _, val_ds = task.build_datasets()
+        tokens = np.asarray(val_ds.tokens)
+        attn = str(cfg.attn.name)
+        info = {"checkpoint": ckpt if graft is None else f"{ckpt} + weights of {resolve_checkpoint(graft)}",
+                "attn": attn if graft is None else "linear weights in MHLA (mixing at init)", "train_seq_len": int(cfg.data.seq_len),
+                "block_size": int(cfg.model.block_size), "val_tokens": int(len(tokens))}
+        run_rules = rules if attn == "mhla" else ["-"]
+        if attn == "mhla":
+            results["mixing"][name] = mixing_summary(model)
+        for rule in run_rules:
+            key = name if rule == "-" else f"{name}/{rule}"
+            results["curves"][key] = {}
+            ctx = extension_rule(rule) if rule != "-" else contextlib.nullcontext()
+            with ctx:
+                for L in lengths:
+                    t0 = time.time()
+                    loss, n_win = per_position_loss(model, tokens, L, tokens_per_batch, max_windows)
+                    ent = {"windows": n_win, "ppl": float(math.exp(loss.mean())), "buckets": bucket_ppl(loss),
+                           "loss": [round(float(v), 5) for v in loss], "seconds": round(time.time() - t0, 1)}
+                    results["curves"][key][str(L)] = ent
+                    log(f"{key:24s} L={L:5d} windows={n_win:4d} ppl={ent['ppl']:9.2f} "
+                        f"buckets={ {k: round(v, 1) for k, v in ent['buckets'].items()} } ({ent['seconds']} s)")
+        results["runs"][name] = info
+    return results
+
+
+# ---------------------------------------------------------------------------------------- reports
+def write_plot(results: dict, path: str, width: int = 256, length: int = 4096) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for key, by_len in results["curves"].items():
+        L = str(length) if str(length) in by_len else max(by_len, key=int)
+        xs, ys = fine_buckets(np.asarray(by_len[L]["loss"]), width)
+        ax.plot(xs, ys, label=f"{key} (L={L})", lw=1.4, ls="-" if "/" not in key or key.endswith("/relative") else "--")
+    train_len = max(r["train_seq_len"] for r in results["runs"].values())
+    ax.axvline(train_len, color="gray", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"token position ({width}-token buckets)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"Per-position validation perplexity, trained at {train_len} tokens")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(results: dict, command: str, header: dict, notes: str = "") -> str:
+    lines = ["# Length extrapolation (lm_mini-sized models, trained at 256 tokens)", "",
+             f"Command: `{command}`", ""] + [f"- part: `{p_['command']}` ({p_['seconds']} s)" for p_ in
+                                              results.get("parts", [])] + ["",
+             "Machine: " + ", ".join(f"{k}={v}" for k, v in header.items()), ""]
+    for name, info in results["runs"].items():
+        lines.append(f"- `{name}`: {info['attn']}, trained at {info['train_seq_len']} tokens, block size "
+                     f"{info['block_size']}, checkpoint `{info['checkpoint']}`, {info['val_tokens']:,} validation tokens")
+    buckets = [f"{a}-{b}" for a, b in zip(BUCKET_EDGES[:-1], BUCKET_EDGES[1:])]
+    all_lengths = sorted({int(L) for by in results["curves"].values() for L in by})
+    for L in [x for x in all_lengths if x >= 2048] or all_lengths[-1:]:
+        keys = [k for k, by in results["curves"].items() if str(L) in by]
+        used = [b for b in buckets if any(b in results["curves"][k][str(L)]["buckets"] for k in keys)]
+        wins = sorted({results["curves"][k][str(L)]["windows"] for k in keys})
+        lines += ["", f"## Perplexity per position bucket at L = {L} ({'/'.join(map(str, wins))} windows)", "",
+                  "| model / rule | " + " | ".join(used) + " |", "|---|" + "---|" * len(used)]
+        for k in keys:
+            e = results["curves"][k][str(L)]
+            lines.append(f"| {k} | " + " | ".join(f"{e['buckets'][b]:.1f}" if b in e["buckets"] else ""
+                                                    for b in used) + " |")
+    lengths = sorted({int(L) for by in results["curves"].values() for L in by})
+    lines += ["", "## Whole-window perplexity by evaluation length", "",
+              "| model / rule | " + " | ".join(str(L) for L in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for key, by_len in results["curves"].items():
+        lines.append(f"| {key} | " + " | ".join(f"{by_len[str(L)]['ppl']:.1f}" if str(L) in by_len else ""
+                                                for L in lengths) + " |")
+    if results.get("mixing"):
+        lines += ["", "## Learned MHLA mixing matrices", ""]
+        for name, layers in results["mixing"].items():
+            for lay in layers:
+                lines.append(f"- `{name}` {lay['module']}: M={lay['M']}, init={lay['init']}, param={lay['param']}, "
+                             f"max |W - init| = {lay['max_abs_change_from_init']:.4f}, last learned row "
+                             f"{lay['last_row']} (sum {lay['last_row_sum']:.3f})")
+    if notes:
+        lines += ["", notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="name=run_dir (or name=path/to/last.pt)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    p.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
+    p.add_argument("--tokens-per-batch", type=int, default=8192)
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--out", default="results/language/length_extrapolation",
+                   help="writes <out>.json, <out>.md, <out>.png")
+    p.add_argument("--notes", default="", help="a file whose text is appended to the markdown (the reading)")
+    p.add_argument("--compact-json", action="store_true",
+                   help="store 32-position bucket means of the losses instead of every position")
+    p.add_argument("--merge", action="store_true",
+                   help="the positional arguments are .json files of earlier runs of this script (evaluated in "
+                        "parallel processes): merge them and write the report, without evaluating")
+    args = p.parse_args(argv)
+    from tasks.common.utils import system_info  # noqa: PLC0415
+
+    header = system_info("cpu")
+    command = "python scripts/length_extrapolation.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.merge:
+        results = {"runs": {}, "curves": {}, "mixing": {}, "parts": []}
+        for path in args.runs:
+            with open(path) as f:
+                part = json.load(f)
+            for k in ("runs", "curves", "mixing"):
+                results[k].update(part.get(k, {}))
+            results["parts"].append({"json": path, "command": part.get("command"), "seconds": part.get("seconds")})
+        results["seconds"] = sum(p_["seconds"] or 0 for p_ in results["parts"])
+    else:
+        runs = dict(r.split("=", 1) for r in args.runs)
+        t0 = time.time()
+        results = evaluate_runs(runs, args.lengths, args.rules, args.tokens_per_batch, args.max_windows)
+        results["seconds"] = round(time.time() - t0, 1)
+    results["command"], results["system"] = command, header
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    write_plot(results, args.out + ".png")
+    if args.compact_json:  # per-position losses -> 32-token bucket means (the full curves are large)
+        for by_len in results["curves"].values():
+            for e in by_len.values():
+                if "loss" in e:
+                    loss = np.asarray(e.pop("loss"))
+                    e["loss_per_32_positions"] = [round(float(loss[a:a + 32].mean()), 4) for a in range(0, len(loss), 32)]
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f)
+    notes = open(args.notes).read() if args.notes and os.path.exists(args.notes) else ""
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(results, command, header, notes))
+    print(f"wrote {args.out}.md / .json / .png ({results['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
