@@ -198,6 +198,9 @@ class MixingMatrix(nn.Module):
             size (with ``clamp`` an entry of ``1/(i+1)`` moves by about ``lr`` in absolute terms, so small
             entries random-walk to the 0 bound; see ``results/mqar/``).
         max_value: upper clip of the clamp parameterization (the paper clips to (0, 1)).
+        extension: causal only: how rows past the learned ``M`` are built, one of :data:`EXTENSION_RULES`
+            (:func:`extend_causal_mixing`; default ``"relative"``). A plain attribute: it can be changed on a
+            trained model (``scripts/length_extrapolation.py`` compares the rules on one checkpoint).
     """
 
     def __init__(
@@ -212,8 +215,12 @@ class MixingMatrix(nn.Module):
         parameterization: str = "clamp",
         max_value: float = 1.0,
         init_kwargs: dict | None = None,
+        extension: str = "relative",
     ):
         super().__init__()
+        if extension not in EXTENSION_RULES:
+            raise ValueError(f"extension must be one of {', '.join(EXTENSION_RULES)}, got {extension!r}")
+        self.extension = extension
         self._check_args(num_blocks, num_heads, parameterization, max_value, init_kwargs)
         num_blocks = operator.index(num_blocks)
         num_heads = None if num_heads is None else operator.index(num_heads)
@@ -301,8 +308,9 @@ class MixingMatrix(nn.Module):
         Returns ``[n, n]`` (shared) or ``[H, n, n]`` (per head); lower-triangular when causal.
 
         ``n <= M``: the top-left ``n x n`` corner of the learned matrix ``L``. ``n > M`` (causal only;
-        non-causal layers have exactly one row per block) uses the *relative-distance rule*: rows past the
-        learned ones repeat the last learned row by relative distance,
+        non-causal layers have exactly one row per block) extends by ``self.extension``
+        (:func:`extend_causal_mixing`); the default *relative-distance rule* repeats the last learned row by
+        relative distance,
 
             W[i, b] = L[i, b]                      i < M (learned rows)
             W[i, b] = L[M-1, M-1 - (i - b)]        i >= M, 0 <= i - b <= M-1
@@ -325,8 +333,7 @@ class MixingMatrix(nn.Module):
                 f"this layer was built for M = {M} blocks, asked for {n}; non-causal MHLA needs one learned "
                 f"row per block (rebuild the layer for the new block grid)"
             )
-        rows, cols, visible = _extension_indices(n, M, w.device)
-        return w[..., rows, cols] * visible.to(w.dtype)
+        return extend_causal_mixing(w, n, self.extension)
 
     def extra_repr(self) -> str:
         heads = "shared" if self.num_heads is None else f"per_head={self.num_heads}"
@@ -343,6 +350,44 @@ def _is_int(x) -> bool:
     except TypeError:
         return False
     return True
+
+
+EXTENSION_RULES = ("relative", "last_row", "window", "uniform_far", "mass_matched")
+
+
+def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> torch.Tensor:
+    """``[..., n, n]`` causal mixing for ``n > M`` blocks from the learned lower-triangular ``w [..., M, M]``.
+
+    Rows ``i < M`` are the learned rows. Rows ``i >= M`` by ``rule`` (``d = i - b``, the distance in blocks):
+
+        relative      W[i, b] = L[M-1, M-1-d] for d <= M-1, and L[M-1, 0] for every farther block (default)
+        last_row      W[i, b] = L[M-1, min(b, M-1)] (absolute columns of the last learned row)
+        window        as relative for d <= M-1, 0 farther back (a sliding window of M blocks)
+        uniform_far   as relative for d <= M-1; the farther blocks SHARE one L[M-1, 0] (each gets 1/count)
+        mass_matched  relative, each row rescaled to the last learned row's total
+
+    Measured on lm_mini (``results/language/length_extrapolation.md``): ``relative`` lets the far past's share
+    grow with position and perplexity roughly doubles by 8k tokens; ``window`` / ``uniform_far`` stay flat.
+    """
+    if rule not in EXTENSION_RULES:
+        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
+    M = w.shape[-1]
+    i = torch.arange(n, device=w.device).unsqueeze(1)
+    b = torch.arange(n, device=w.device).unsqueeze(0)
+    rows, cols, visible = _extension_indices(n, M, w.device)
+    if rule == "last_row":
+        cols = b.clamp(max=M - 1).expand(n, n)
+    W = w[..., rows, cols] * visible.to(w.dtype)
+    learned = i < M
+    far = (~learned) & ((i - b) > M - 1)
+    if rule == "window":
+        W = W.masked_fill(far, 0.0)
+    elif rule == "uniform_far":
+        W = torch.where(far, W / (i - M + 1).clamp(min=1).to(w.dtype), W)
+    elif rule == "mass_matched":
+        target = w[..., M - 1, :].sum(-1)[..., None, None]
+        W = torch.where(learned, W, W * target / W.sum(-1, keepdim=True).clamp_min(1e-12))
+    return W
 
 
 def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

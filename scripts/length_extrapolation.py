@@ -7,8 +7,9 @@ cut into consecutive windows of ``L`` tokens for every evaluation length ``L``. 
 position is averaged over the windows and then over position buckets.
 
 MHLA rows past the learned ``M = max_learned_blocks`` ones follow an *extension rule*. The rules compared here
-are applied to the same checkpoint (no retraining) by patching :meth:`mhla.mixing.MixingMatrix.forward` while
-the model is evaluated (the library default stays the relative-distance rule). With ``L`` the learned
+are applied to the same checkpoint (no retraining) by setting every ``MixingMatrix``'s ``extension`` option
+(:func:`mhla.mixing.extend_causal_mixing`) while the model is evaluated (the library default stays the
+relative-distance rule). With ``L`` the learned
 ``[M, M]`` matrix, ``i >= M`` the query block, ``b <= i`` the key block, ``d = i - b``:
 
     relative     (library default) W[i, b] = L[M-1, M-1-d] for d <= M-1, else L[M-1, 0] (every far block).
@@ -42,61 +43,32 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-RULES = ("relative", "last_row", "uniform_far", "window", "mass_matched")
+from mhla.mixing import EXTENSION_RULES, extend_causal_mixing  # noqa: E402
+
+RULES = EXTENSION_RULES
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 # ------------------------------------------------------------------------------------ extension rules
-def extend_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> torch.Tensor:
-    """``[..., n, n]`` causal mixing for ``n`` blocks from the learned ``w [..., M, M]`` (lower-triangular)."""
-    if rule not in RULES:
-        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(RULES)}")
-    M = w.shape[-1]
-    if n <= M:
-        return w[..., :n, :n]
-    dev = w.device
-    i = torch.arange(n, device=dev).unsqueeze(1)
-    b = torch.arange(n, device=dev).unsqueeze(0)
-    visible = (b <= i).to(w.dtype)
-    learned = i < M
-    rows = torch.where(learned, i, M - 1).expand(n, n)
-    if rule == "last_row":
-        return w[..., rows, b.clamp(max=M - 1).expand(n, n)] * visible
-    cols = torch.where(learned, b.clamp(max=M - 1), (M - 1 - (i - b)).clamp(0, M - 1))
-    W = w[..., rows, cols] * visible
-    far = (~learned) & ((i - b) > M - 1)
-    if rule == "window":
-        W = W.masked_fill(far, 0.0)
-    elif rule == "uniform_far":
-        nfar = (i - M + 1).clamp(min=1).to(w.dtype)
-        W = torch.where(far, W / nfar, W)
-    elif rule == "mass_matched":
-        target = w[..., M - 1, :].sum(-1)[..., None, None]
-        rowsum = W.sum(-1, keepdim=True).clamp_min(1e-12)
-        W = torch.where(learned, W, W * target / rowsum)
-    return W
+extend_mixing = extend_causal_mixing  # the library's rules (mhla.mixing.EXTENSION_RULES)
 
 
 @contextlib.contextmanager
-def extension_rule(rule: str):
-    """Within the block, every causal ``MixingMatrix`` extends past its learned rows by ``rule``."""
+def extension_rule(model, rule: str):
+    """Within the block, every causal ``MixingMatrix`` of ``model`` extends past its learned rows by ``rule``."""
     from mhla.mixing import MixingMatrix  # noqa: PLC0415
 
     if rule not in RULES:
         raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(RULES)}")
-    original = MixingMatrix.forward
-
-    def forward(self, num_blocks=None):
-        n = self.num_blocks if num_blocks is None else int(num_blocks)
-        if rule == "relative" or not self.causal or n <= self.num_blocks:
-            return original(self, num_blocks)
-        return extend_mixing(self.learned(), n, rule)
-
-    MixingMatrix.forward = forward
+    mats = [m for m in model.modules() if isinstance(m, MixingMatrix)]
+    saved = [m.extension for m in mats]
+    for m in mats:
+        m.extension = rule
     try:
         yield
     finally:
-        MixingMatrix.forward = original
+        for m, old in zip(mats, saved):
+            m.extension = old
 
 
 # -------------------------------------------------------------------------------------- evaluation
@@ -214,7 +186,7 @@ def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_b
         for rule in run_rules:
             key = name if rule == "-" else f"{name}/{rule}"
             results["curves"][key] = {}
-            ctx = extension_rule(rule) if rule != "-" else contextlib.nullcontext()
+            ctx = extension_rule(model, rule) if rule != "-" else contextlib.nullcontext()
             with ctx:
                 for L in lengths:
                     t0 = time.time()

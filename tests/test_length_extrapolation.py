@@ -38,9 +38,9 @@ def test_extension_rules_and_per_position_loss(tmp_path):
         W = le.extend_mixing(L, n, rule)
         assert W.shape == (n, n) and torch.equal(W.triu(1), torch.zeros(n, n))
         assert torch.allclose(W[:M, :M], L)
-        with le.extension_rule(rule):
+        with le.extension_rule(mix, rule):
             assert torch.allclose(mix(n).detach(), W)
-    assert torch.allclose(mix(n).detach(), le.extend_mixing(L, n, "relative"))  # patch undone
+    assert mix.extension == "relative" and torch.allclose(mix(n).detach(), le.extend_mixing(L, n, "relative"))
     i = n - 1
     far = slice(0, i - (M - 1))
     assert torch.all(le.extend_mixing(L, n, "window")[i, far] == 0)
@@ -55,7 +55,7 @@ def test_extension_rules_and_per_position_loss(tmp_path):
                        block_size=4, max_position_embeddings=16)
     model = MHLALMForCausalLM(cfg).eval()
     tokens = np.random.default_rng(0).integers(0, 64, size=200).astype(np.uint16)
-    with le.extension_rule("uniform_far"):
+    with le.extension_rule(model, "uniform_far"):
         loss, n_win = le.per_position_loss(model, tokens, 48, tokens_per_batch=96)
     assert loss.shape == (47,) and n_win == 4 and np.isfinite(loss).all()
     b = le.bucket_ppl(loss, edges=(0, 16, 48))

@@ -340,3 +340,27 @@ def test_mixing_freeze_steps_holds_the_matrix_then_releases_it():
     assert not torch.equal(history[3], mix0)  # then moves
     with pytest.raises(ValueError, match="mixing_freeze_steps"):
         build_optimizer(layer, OmegaConf.create({"lr": 1e-3, "weight_decay": 0.0, "mixing_freeze_steps": -2}))
+
+
+def test_extension_rule_is_an_option_and_relative_stays_the_default():
+    from mhla.mixing import EXTENSION_RULES, extend_causal_mixing  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    mix = MixingMatrix(4, init="uniform", causal=True)
+    with torch.no_grad():
+        mix.raw.uniform_(0.1, 0.9)
+    L = mix.learned().detach()
+    relative = mix(10).detach()
+    assert torch.equal(relative[9, :6], L[3, 0].expand(6))  # far blocks: the farthest learned coefficient
+    for rule in EXTENSION_RULES:
+        windowed = MixingMatrix(4, init="uniform", causal=True, extension=rule)
+        windowed.load_state_dict(mix.state_dict())
+        W = windowed(10).detach()
+        assert torch.equal(W, extend_causal_mixing(L, 10, rule)) and torch.equal(W.triu(1), torch.zeros(10, 10))
+        assert torch.equal(W[:4, :4], L)
+        if rule in ("relative", "window", "uniform_far"):
+            assert torch.equal(W[9, 6:], relative[9, 6:])  # they differ only beyond the learned window
+    assert torch.equal(MixingMatrix(4, init="uniform", causal=True, extension="window").__call__(10)[9, :6],
+                       torch.zeros(6))
+    with pytest.raises(ValueError, match="extension"):
+        MixingMatrix(4, causal=True, extension="nope")
