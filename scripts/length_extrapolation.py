@@ -43,23 +43,19 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mhla.mixing import EXTENSION_RULES, extend_causal_mixing  # noqa: E402
+from mhla.mixing import EXTENSION_RULES  # noqa: E402
 
-RULES = EXTENSION_RULES
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 # ------------------------------------------------------------------------------------ extension rules
-extend_mixing = extend_causal_mixing  # the library's rules (mhla.mixing.EXTENSION_RULES)
-
-
 @contextlib.contextmanager
 def extension_rule(model, rule: str):
     """Within the block, every causal ``MixingMatrix`` of ``model`` extends past its learned rows by ``rule``."""
     from mhla.mixing import MixingMatrix  # noqa: PLC0415
 
-    if rule not in RULES:
-        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(RULES)}")
+    if rule not in EXTENSION_RULES:
+        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
     mats = [m for m in model.modules() if isinstance(m, MixingMatrix)]
     saved = [m.extension for m in mats]
     for m in mats:
@@ -268,7 +264,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="name=run_dir (or name=path/to/last.pt)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    p.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
+    p.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), choices=EXTENSION_RULES)
     p.add_argument("--tokens-per-batch", type=int, default=8192)
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--out", default="results/language/length_extrapolation",

@@ -41,3 +41,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def trainer_loaders(monkeypatch):
+    """The DataLoaders the shared trainer builds during the test, in order (a spy on ``Trainer._loader``)."""
+    from tasks.common.trainer import Trainer  # noqa: PLC0415
+
+    loaders = []
+    make = Trainer._loader
+
+    def spy(self, *args, **kwargs):
+        loaders.append(make(self, *args, **kwargs))
+        return loaders[-1]
+
+    monkeypatch.setattr(Trainer, "_loader", spy)
+    return loaders

@@ -22,7 +22,7 @@ def _script():
 
 def test_extension_rules_and_per_position_loss(tmp_path):
     le = _script()
-    from mhla.mixing import MixingMatrix
+    from mhla.mixing import EXTENSION_RULES, MixingMatrix, extend_causal_mixing
     from models.lm.configuration_mhla_lm import MHLALMConfig
     from models.lm.modeling_mhla_lm import MHLALMForCausalLM
 
@@ -33,22 +33,22 @@ def test_extension_rules_and_per_position_loss(tmp_path):
         mix.raw.uniform_(0.1, 0.9)
     L = mix.learned().detach()
     # relative: identical to the library rule; every rule keeps the learned corner and causality
-    assert torch.allclose(le.extend_mixing(L, n, "relative"), mix(n).detach())
-    for rule in le.RULES:
-        W = le.extend_mixing(L, n, rule)
+    assert torch.allclose(extend_causal_mixing(L, n, "relative"), mix(n).detach())
+    for rule in EXTENSION_RULES:
+        W = extend_causal_mixing(L, n, rule)
         assert W.shape == (n, n) and torch.equal(W.triu(1), torch.zeros(n, n))
         assert torch.allclose(W[:M, :M], L)
         with le.extension_rule(mix, rule):
             assert torch.allclose(mix(n).detach(), W)
-    assert mix.extension == "relative" and torch.allclose(mix(n).detach(), le.extend_mixing(L, n, "relative"))
+    assert mix.extension == "relative" and torch.allclose(mix(n).detach(), extend_causal_mixing(L, n, "relative"))
     i = n - 1
     far = slice(0, i - (M - 1))
-    assert torch.all(le.extend_mixing(L, n, "window")[i, far] == 0)
-    assert torch.isclose(le.extend_mixing(L, n, "uniform_far")[i, far].sum(), L[M - 1, 0])
-    assert torch.allclose(le.extend_mixing(L, n, "last_row")[i, :M], L[M - 1])
-    assert torch.isclose(le.extend_mixing(L, n, "mass_matched")[i].sum(), L[M - 1].sum())
+    assert torch.all(extend_causal_mixing(L, n, "window")[i, far] == 0)
+    assert torch.isclose(extend_causal_mixing(L, n, "uniform_far")[i, far].sum(), L[M - 1, 0])
+    assert torch.allclose(extend_causal_mixing(L, n, "last_row")[i, :M], L[M - 1])
+    assert torch.isclose(extend_causal_mixing(L, n, "mass_matched")[i].sum(), L[M - 1].sum())
     with pytest.raises(ValueError):
-        le.extend_mixing(L, n, "nope")
+        extend_causal_mixing(L, n, "nope")
 
     # per-position loss on a tiny MHLA LM, under a rule, past the learned size
     cfg = MHLALMConfig(attn_type="mhla", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=2,

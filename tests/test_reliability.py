@@ -289,19 +289,11 @@ def test_eval_and_resume_on_a_file_that_is_not_a_checkpoint(tmp_path, kind):
 
 
 # ------------------------------------------------------------------------------------------ load
-def test_workers_persist_and_see_each_epoch(tmp_path, monkeypatch):
+def test_workers_persist_and_see_each_epoch(tmp_path, trainer_loaders):
     """With workers, loaders keep them across epochs and evaluations; set_epoch reaches the workers' copy."""
     from tasks.common.data import WorkerEpoch  # noqa: PLC0415
-    from tasks.common.trainer import Trainer  # noqa: PLC0415
 
-    loaders = []
-    make = Trainer._loader
-
-    def spy(self, *args, **kwargs):
-        loaders.append(make(self, *args, **kwargs))
-        return loaders[-1]
-
-    monkeypatch.setattr(Trainer, "_loader", spy)
+    loaders = trainer_loaders
     run(TINY + ["trainer.max_steps=10", "trainer.num_workers=1"], tmp_path)  # 2 epochs, 2 evaluations
     assert len(loaders) == 2 and all(dl.persistent_workers for dl in loaders)
 

@@ -269,17 +269,10 @@ def test_every_task_config_gets_at_most_the_cpus(tmp_path, task):
 
 
 @pytest.mark.parametrize("workers", [None, 8])
-def test_no_worker_warning_and_the_cap_applies(tmp_path, monkeypatch, capsys, workers):
+def test_no_worker_warning_and_the_cap_applies(tmp_path, capsys, trainer_loaders, workers):
     """The default config, and 8 workers asked for (as the ImageNet recipes do) on this machine: no PyTorch
     warning about workers; the loaders get at most the CPUs, with one line saying so when capped."""
-    loaders = []
-    make = Trainer._loader
-
-    def spy(self, *args, **kwargs):
-        loaders.append(make(self, *args, **kwargs))
-        return loaders[-1]
-
-    monkeypatch.setattr(Trainer, "_loader", spy)
+    loaders = trainer_loaders
     extra = [] if workers is None else [f"trainer.num_workers={workers}"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

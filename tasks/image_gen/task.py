@@ -105,12 +105,16 @@ class ImageGenTask(Task):
         if data.name not in ("imagenet", "imagefolder"):
             return
         if data.get("latents", "online") == "precompute":
-            cache = data.get("latent_cache") or os.path.join(str(data.root), f"latents_{data.image_size}")
-            if os.path.isfile(os.path.join(cache, "meta.json")):
+            if os.path.isfile(os.path.join(self._latent_cache(data), "meta.json")):
                 return
         from .data import check_image_folder_split  # noqa: PLC0415
 
         check_image_folder_split(data.root, "train")
+
+    @staticmethod
+    def _latent_cache(data) -> str:
+        """Where ``data.latents=precompute`` keeps the latents (``data.latent_cache``, default ``<root>/latents_<size>``)."""
+        return data.get("latent_cache") or os.path.join(str(data.root), f"latents_{int(data.image_size)}")
 
     def _images(self, data, seed, flip: bool = True):
         from .data import build_image_folder  # noqa: PLC0415
@@ -133,7 +137,7 @@ class ImageGenTask(Task):
             return self._images(data, seed), None
         if mode != "precompute":
             raise ValueError(f"data.latents must be none, online or precompute, got {mode!r}")
-        cache = data.get("latent_cache") or os.path.join(data.root, f"latents_{size}")
+        cache = self._latent_cache(data)
         if not os.path.isfile(os.path.join(cache, "meta.json")):
             self._precompute(data, cache, seed)
         ds = LatentDataset(cache, seed=seed)
