@@ -11,7 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from tasks.common.flow_matching import flow_matching_loss
-from tasks.image_gen import sana_sample as ss
+from tasks.image_gen.sana_prompts import load_negative
+from tasks.image_gen.sana_sampling import make_velocity
 from tasks.image_gen.sana_task import LatentFolder, SanaFinetuneTask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,8 +82,8 @@ def test_mask_reaches_the_transformer_as_in_the_sampler(tmp_path, model):
     unmasked[1][0, 1] += 10.0
     torch.testing.assert_close(fixed_loss(task, model, masked), base, rtol=1e-6, atol=1e-7)
     assert abs(float(fixed_loss(task, model, unmasked)) - float(base)) > 1e-5
-    # the same call as the sampler's velocity (tasks.image_gen.sana_sample.make_velocity)
-    velocity = ss.make_velocity(model)
+    # the same call as the sampler's velocity (tasks.image_gen.sana_sampling.make_velocity)
+    velocity = make_velocity(model)
     x0, text, mask = batch
     ref = flow_matching_loss(lambda xt, tt: velocity(xt, tt, (text, mask)), x0, shift=4.0, distribution="logit_normal",
                              generator=torch.Generator().manual_seed(0))
@@ -166,5 +167,5 @@ def test_unconditional_fallback_is_one_zero_token_and_warns_for_a_real_root(tmp_
     assert t.abs().sum() == 0 and m.tolist() == [[1] + [0] * 7] * 2
     assert "warning" not in capsys.readouterr().out
     # the sampler's zeros negative is the same unconditional branch
-    zt, zm = ss.load_negative("zeros", D)
+    zt, zm = load_negative("zeros", D)
     assert torch.equal(zt, nt) and zm is None

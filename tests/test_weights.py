@@ -20,7 +20,8 @@ def test_missing_weights_say_what_to_download_and_how_to_pass_it(tmp_path):
 
 def test_every_loader_of_released_weights_uses_it(tmp_path):
     from models.wan import check_weights_dir  # noqa: PLC0415
-    from tasks.image_gen.sana_sample import load_clip_score, load_dcae  # noqa: PLC0415
+    from tasks.image_gen.sana_decode import load_dcae  # noqa: PLC0415
+    from tasks.image_gen.sana_metrics import load_clip_score  # noqa: PLC0415
     from tasks.image_gen.vae import load_vae  # noqa: PLC0415
 
     for load, repo in ((load_vae, "sd-vae-ft-ema"), (load_dcae, "dc-ae"), (load_clip_score, "clip-vit"),

@@ -15,7 +15,7 @@ Captions: ``text [L, D]`` with an optional ``mask [L]`` (1 = token, 0 = padding;
 transformer as ``encoder_attention_mask [B, L]`` as the sampler does; a batch pads shorter captions with masked-out
 zeros. Caption dropout (``task.caption_dropout``, SANA's 0.1): during training each sample's caption is replaced,
 with that probability, by the unconditional embedding that classifier-free guidance uses at sampling time
-(:mod:`tasks.image_gen.sana_sample`): ``<data_root>/negative.pt`` (``{"text": [L', D], "mask": [L']}``, the
+(:mod:`tasks.image_gen.sana_prompts`): ``<data_root>/negative.pt`` (``{"text": [L', D], "mask": [L']}``, the
 caption encoder's embedding of ``""``, as ``sana_sample --encode-to`` writes it), or, with generated data or when
 the data root has no ``negative.pt`` (a one-line warning), a single all-zero token ``[1, D]`` with mask ``[1]``
 (the sampler's ``--negative zeros`` / ``--random-prompts`` branch). The draws use torch's global RNG (the trainer
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from tasks.common.trainer import Task
-from tasks.image_gen.sana_sample import NEGATIVE_FILE, load_negative, stack_captions
+from tasks.image_gen.sana_prompts import NEGATIVE_FILE, load_negative, stack_captions
 
 
 class LatentFolder(torch.utils.data.Dataset):
@@ -102,7 +102,7 @@ class SanaFinetuneTask(Task):
         model = build_sana(self.cfg.model, self.cfg.attn)
         if OmegaConf.is_config(self.cfg):
             # Record the transformer's own config with the run (checkpoints save the run config), so the sampler
-            # (tasks.image_gen.sana_sample) rebuilds the same architecture without the pretrained folder.
+            # (tasks.image_gen.sana_checkpoint) rebuilds the same architecture without the pretrained folder.
             arch = {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.config.items()
                     if not k.startswith("_")}
             with open_dict(self.cfg):
@@ -121,7 +121,7 @@ class SanaFinetuneTask(Task):
 
     def negative_caption(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The unconditional caption ``(text [L', D], mask [L'] long)`` that caption dropout substitutes:
-        ``<data_root>/negative.pt`` (:func:`tasks.image_gen.sana_sample.load_negative`), else one zero token
+        ``<data_root>/negative.pt`` (:func:`tasks.image_gen.sana_prompts.load_negative`), else one zero token
         ``[1, D]`` with mask ``[1]`` (generated data, or a data root without ``negative.pt``: a warning)."""
         if getattr(self, "_negative", None) is not None and self._negative[0].shape[-1] == dim:
             return self._negative
