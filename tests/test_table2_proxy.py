@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import reproduce_table as rt  # noqa: E402
+from scripts.tables import proxy2, registry, runner  # noqa: E402
 
 
 def _rec(attn, seed, top1):
@@ -21,24 +22,24 @@ def _rec(attn, seed, top1):
 def test_stats_and_ordering_on_hand_records():
     recs = [_rec("mhla", 0, 0.97), _rec("mhla", 1, 0.95), _rec("softmax", 0, 0.94), _rec("softmax", 1, 0.94),
             _rec("linear", 0, 0.90), _rec("linear", 1, 0.92), {"attn": "mala", "seed": 0, "error": "boom"}]
-    stats = rt.proxy2_stats(recs)
+    stats = proxy2.proxy2_stats(recs)
     assert set(stats) == {"mhla", "softmax", "linear"}  # failed runs do not count
     mean, std, n, accs = stats["mhla"]
     assert (round(mean, 6), n, accs) == (96.0, 2, pytest.approx([97.0, 95.0]))
     assert std == pytest.approx(2 ** 0.5)
-    lines = rt.proxy2_ordering(stats)
+    lines = proxy2.proxy2_ordering(stats)
     assert "**holds**" in lines[0]
     assert "MHLA - softmax: +2.00 pp (+2.0 pooled std)" in lines[1]  # pooled std sqrt((2 + 0) / 2) = 1
     stats["linear"] = (95.0, 0.0, 2, [95.0, 95.0])
-    assert "**does not hold**" in rt.proxy2_ordering(stats)[0]
-    assert "needs" in rt.proxy2_ordering({"mhla": stats["mhla"]})[0]
+    assert "**does not hold**" in proxy2.proxy2_ordering(stats)[0]
+    assert "needs" in proxy2.proxy2_ordering({"mhla": stats["mhla"]})[0]
 
 
 def test_proxy_rows_name_real_table2_cells_and_cover_every_attention():
-    cells = dict(rt.cells("2"))
-    assert all(cell in cells for cell in rt.PROXY2_ROWS.values())
+    cells = dict(registry.cells("2"))
+    assert all(cell in cells for cell in proxy2.PROXY2_ROWS.values())
     attns = {c.split("_", 2)[-1] for c in cells if c.startswith("deit_")}
-    assert attns == set(rt.PROXY2_ROWS)
+    assert attns == set(proxy2.PROXY2_ROWS)
 
 
 def test_make_reproduce_table2_mini_end_to_end(tmp_path):
@@ -79,18 +80,18 @@ def test_run_cell_composes_mini_overrides_and_reports_failures(monkeypatch):
             return {"command": "x", "seconds": 1.0, "error": "boom", "error_tail": "Traceback\nboom"}
         return {"command": "x", "seconds": 1.0, "metrics": {"loss": 0.5, "mse": 0.1}, "params_M": 0.2}
 
-    monkeypatch.setattr(rt, "run_training", fake)
+    monkeypatch.setattr(runner, "run_training", fake)
     args = argparse.Namespace(scale="mini", extra=["data.limit=8"], gpus=0, fid_ref=None)
-    res = rt.run_cell("3", "dit_s2_512_mhla", args)
+    res = runner.run_cell("3", "dit_s2_512_mhla", args)
     assert res["cell"] == "dit_s2_512_mhla" and res["metrics"]["loss"] == 0.5
     over = seen["overrides"]
     # the proxy comes from the config tree: 512-px cells -> configs/scale/mini/dit_s_512.yaml (16x16 tokens, M = 16)
     assert over[0] == "experiment=table3/dit_s2_512_mhla" and "scale=mini/dit_s_512" in over
     assert over[-1] == "data.limit=8"
     args.extra = ["data.limit=9"]
-    res = rt.run_cell("2", "deit_t_mhla", args)
+    res = runner.run_cell("2", "deit_t_mhla", args)
     assert res["error"] == "boom" and "error_tail" not in res
     seen.clear()
     args.extra = ["no_such_key=1"]  # an override that does not compose is reported without starting a run
-    res = rt.run_cell("2", "deit_t_mhla", args)
+    res = runner.run_cell("2", "deit_t_mhla", args)
     assert "does not compose" in res["error"] and not seen

