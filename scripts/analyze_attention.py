@@ -41,6 +41,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from tasks.common.checkpoint import find_checkpoint  # noqa: E402
+
 PAPER = {"source": "MHLA paper Fig. 3, trained DeiT-T (not comparable with synthetic inputs)",
          "linear": {"rank": 58.4, "entropy": 5.12}, "softmax": {"rank": 254.8, "entropy": 4.13},
          "mhla": {"rank": 233.4, "entropy": 4.06}}
@@ -167,22 +169,11 @@ def own_attention_matrix(layer, q: torch.Tensor, k: torch.Tensor) -> tuple[str, 
     return "softmax", torch.softmax(scores, dim=-1)
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A run directory (its ``checkpoints/last.pt``) or a ``.pt`` file."""
-    if os.path.isdir(path):
-        for name in ("last.pt", "best.pt"):
-            cand = os.path.join(path, "checkpoints", name)
-            if os.path.isfile(cand):
-                return cand
-        raise FileNotFoundError(f"{path} has no checkpoints/last.pt or best.pt: pass a run directory of train.py")
-    return path
-
-
 def analyze_checkpoint(path: str, batch: int, rtol: float) -> dict:
     """Rank and entropy of every attention layer of the trained model at ``path`` on ``batch`` eval inputs."""
     from eval import load_run  # noqa: PLC0415  (train.py's sibling; pulls in the task stack)
 
-    ckpt = resolve_checkpoint(path)
+    ckpt = str(find_checkpoint(path))
     cfg, task, model, info = load_run(ckpt, ["trainer.device=cpu"])
     _, eval_ds = task.build_datasets()
     samples = [eval_ds[i] for i in range(min(batch, len(eval_ds)))]

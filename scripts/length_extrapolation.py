@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mhla.mixing import EXTENSION_RULES  # noqa: E402
+from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -113,14 +114,6 @@ def fine_buckets(loss: np.ndarray, width: int) -> tuple[list[float], list[float]
     return xs, ys
 
 
-def resolve_checkpoint(path: str) -> str:
-    if os.path.isdir(path):
-        path = os.path.join(path, "checkpoints", "last.pt")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    return path
-
-
 def mixing_summary(model) -> list[dict]:
     """Per MHLA layer: the learned matrix, how far it moved from its init, the last learned row."""
     from mhla.mixing import MixingMatrix  # noqa: PLC0415
@@ -166,14 +159,14 @@ def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_b
         graft = None
         if "+" in path:  # "mhla_run+linear_run": MHLA architecture, the linear run's weights, mixing at its init
             path, graft = path.split("+", 1)
-        ckpt = resolve_checkpoint(path)
+        ckpt = str(find_checkpoint(path))
         cfg, task, model, _ = load_run(ckpt, ["trainer.device=cpu"])
         if graft is not None:
-            graft_into_mhla(model, resolve_checkpoint(graft))
+            graft_into_mhla(model, find_checkpoint(graft))
         _, val_ds = task.build_datasets()
         tokens = np.asarray(val_ds.tokens)
         attn = str(cfg.attn.name)
-        info = {"checkpoint": ckpt if graft is None else f"{ckpt} + weights of {resolve_checkpoint(graft)}",
+        info = {"checkpoint": ckpt if graft is None else f"{ckpt} + weights of {find_checkpoint(graft)}",
                 "attn": attn if graft is None else "linear weights in MHLA (mixing at init)", "train_seq_len": int(cfg.data.seq_len),
                 "block_size": int(cfg.model.block_size), "val_tokens": int(len(tokens))}
         run_rules = rules if attn == "mhla" else ["-"]
