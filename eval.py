@@ -6,6 +6,11 @@ The run's resolved config is stored in the checkpoint; command-line overrides (e
 is an error (``+key=value`` adds a key). Uses the EMA weights when the checkpoint has them (``use_ema=false``
 for the raw weights). Prints ``final: top1=... top5=...``. A file that is not a checkpoint of ``train.py`` gives
 "not a checkpoint of this project: PATH".
+
+The task is the class the stored config names in ``task.target``, picked as ``train.py`` picks it
+(:func:`tasks.common.trainer.task_class`). Checkpoints written before that key name their task by
+``task.module`` only: :data:`tasks.common.trainer.LEGACY_TASK_MODULES` maps those; else pass
+``+task.target=...``.
 """
 
 from __future__ import annotations
@@ -18,39 +23,23 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def find_task_class(module_name: str) -> type:
-    """The Task subclass of a run: the one defined in ``task.module`` itself (MQAR, SANA fine-tuning), else the
-    one of its package's ``task`` module (``tasks.classification.train`` -> ``ClassificationTask``)."""
-    import importlib  # noqa: PLC0415
-
-    from tasks.common.trainer import Task  # noqa: PLC0415
-
-    for name in (module_name, module_name.rsplit(".", 1)[0] + ".task"):
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        found = [obj for obj in vars(mod).values() if isinstance(obj, type) and issubclass(obj, Task)
-                 and obj is not Task and obj.__module__ == mod.__name__]
-        if found:
-            return found[0]
-    raise ValueError(f"no Task subclass in {module_name} or its package's task module")
-
-
 def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True):
     """``(cfg, task, model, dist_info)`` of a ``train.py`` checkpoint: the run's stored config with
-    ``overrides`` on top, its task, and the model with the EMA (``use_ema``) or raw weights, in eval mode."""
+    ``overrides`` on top, its task (the class ``task.target`` names, as in ``train.py``:
+    :func:`tasks.common.trainer.task_class`), and the model with the EMA (``use_ema``) or raw weights, in eval
+    mode."""
     from omegaconf import OmegaConf  # noqa: PLC0415
 
     from tasks.common.checkpoint import load_run_checkpoint, model_weights  # noqa: PLC0415
     from tasks.common.config import apply_overrides, check_eval_batch_size  # noqa: PLC0415
     from tasks.common.distributed import setup_distributed  # noqa: PLC0415
+    from tasks.common.trainer import task_class  # noqa: PLC0415
 
     state = load_run_checkpoint(ckpt_path)
     cfg = OmegaConf.create(state["config"])
     apply_overrides(cfg, overrides or [])  # a misspelled key is an error, as in train.py
     check_eval_batch_size(cfg)
-    task = find_task_class(cfg.task.module)(cfg)
+    task = task_class(cfg)(cfg)
     info = setup_distributed(cfg.trainer.get("device", "auto"))
     model = task.build_model()
     model.load_state_dict(model_weights(state, "ema" if use_ema else "model"))

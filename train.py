@@ -10,7 +10,6 @@ Ctrl-C (SIGINT) and SIGTERM save ``last.pt`` at the step reached and exit with c
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -27,13 +26,13 @@ register_resolvers()  # ${launch_id:} and ${resume_run_dir:...} in hydra.run.dir
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
-    """Validate the composed config, then call the task's ``run(cfg, run_dir)``."""
+    """Validate the composed config, then train the Task class it names (``task.target``) with the Trainer."""
     from tasks.common.config import validate_config  # noqa: PLC0415
     from tasks.common.logger import run_log  # noqa: PLC0415
+    from tasks.common.trainer import Trainer, task_class  # noqa: PLC0415
 
     validate_config(cfg)
-    module = importlib.import_module(cfg.task.module)
-    metrics = module.run(cfg, run_dir)
+    metrics = Trainer(cfg, task_class(cfg)(cfg), run_dir).fit()
     line = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     print(f"final: {line}", flush=True)
     run_log().info(f"final: {line}")

@@ -95,7 +95,7 @@ class FocusedLinearAttention(_GridBaseline):
         self.dwc = nn.Conv2d(self.value_dim, self.value_dim, dwc_kernel, padding=dwc_kernel // 2,
                              groups=self.value_dim)
 
-    def _core(self, q, k, v, grid, cache, attn_mask):
+    def _core(self, q, k, v, x, grid, cache, attn_mask):
         B, N, H, D = q.shape
         if N != self.positional_encoding.shape[1]:
             raise ValueError(f"FocusedLinearAttention was built for {self.positional_encoding.shape[1]} tokens")
@@ -130,16 +130,8 @@ class InLineAttention(_GridBaseline):
             nn.GELU(),
             nn.Conv1d(c, 9 * c, 1, groups=num_heads),
         )
-        self._x_mean = None
 
-    def forward(self, x, attn_mask=None, is_causal=False, *, grid_size=None, cache=None):
-        self._x_mean = x.mean(1)  # [B, C]: input of the residual kernel MLP
-        try:
-            return super().forward(x, attn_mask, is_causal, grid_size=grid_size, cache=cache)
-        finally:
-            self._x_mean = None
-
-    def _core(self, q, k, v, grid, cache, attn_mask):
+    def _core(self, q, k, v, x, grid, cache, attn_mask):
         B, N, H, D = q.shape
         q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
         s = D**-0.5
@@ -147,7 +139,7 @@ class InLineAttention(_GridBaseline):
         qk_bar = torch.einsum("bnhd,bhd->bnh", q, k.mean(1)) * s
         out = torch.einsum("bnhd,bhde->bnhe", q, kv) + (1 - qk_bar).unsqueeze(-1) * vf.mean(1, keepdim=True)
         c = H * v.shape[-1]
-        kernels = self.residual(self._x_mean.unsqueeze(-1)).reshape(B * c, 1, 3, 3)
+        kernels = self.residual(x.mean(1).unsqueeze(-1)).reshape(B * c, 1, 3, 3)  # from the mean token [B, C]
         vg = v.reshape(B, N, c).transpose(1, 2).reshape(1, B * c, *grid)
         local = F.conv2d(vg, kernels.to(vg.dtype), padding=1, groups=B * c)
         local = local.reshape(B, c, N).transpose(1, 2).reshape(B, N, H, -1)
@@ -165,14 +157,6 @@ class _GatedRoPEBaseline(_GridBaseline):
         self.rope = rope
         self.lepe = nn.Conv2d(c, c, lepe_kernel, padding=lepe_kernel // 2, groups=c)
         self.out_gate = nn.Linear(dim, c)
-        self._x = None
-
-    def forward(self, x, attn_mask=None, is_causal=False, *, grid_size=None, cache=None):
-        self._x = x
-        try:
-            return super().forward(x, attn_mask, is_causal, grid_size=grid_size, cache=cache)
-        finally:
-            self._x = None
 
     def _rotate(self, q, k, grid):
         if not self.rope:
@@ -181,10 +165,11 @@ class _GatedRoPEBaseline(_GridBaseline):
         cos, sin = cos[:, None], sin[:, None]  # [N, 1, d]
         return apply_rope(q, cos, sin, interleaved=True), apply_rope(k, cos, sin, interleaved=True)
 
-    def _wrap(self, y, v, grid):
+    def _wrap(self, y, v, x, grid):
+        """``(y + LePE(v)) * W_o x``: y, v ``[B, N, H, Dv]``, input ``x: [B, N, C]`` -> ``[B, N, H, Dv]``."""
         B, N, H, Dv = v.shape
         local = self._depthwise_on_grid(self.lepe, v.reshape(B, N, H * Dv), grid).reshape(B, N, H, Dv)
-        gate = self.out_gate(self._x).reshape(B, N, H, Dv)
+        gate = self.out_gate(x).reshape(B, N, H, Dv)
         return ((y + _acc(local)) * _acc(gate)).to(v.dtype)
 
 
@@ -193,7 +178,7 @@ class MagnitudeAwareLinearAttention(_GatedRoPEBaseline):
     """MALA (BASELINES.md section 3): ``Y_i = rho(q_i) kv (1 + 1/(z_i + 1e-6)) - z_i vbar`` with
     ``z_i = phi(q_i) . mean_j phi(k_j) d^-1/2`` (un-rotated) and ``kv = sum_j rho(phi(k_j))^T v_j d^-1/2 / N``."""
 
-    def _core(self, q, k, v, grid, cache, attn_mask):
+    def _core(self, q, k, v, x, grid, cache, attn_mask):
         B, N, H, D = q.shape
         q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
         s = D**-0.5
@@ -202,7 +187,7 @@ class MagnitudeAwareLinearAttention(_GatedRoPEBaseline):
         kv = torch.einsum("bnhd,bnhe->bhde", kr, vf) * (s / N)
         y = torch.einsum("bnhd,bhde->bnhe", qr, kv) * (1 + 1 / (z + 1e-6)).unsqueeze(-1)
         y = y - z.unsqueeze(-1) * vf.mean(1, keepdim=True)
-        return self._wrap(y, v, grid)
+        return self._wrap(y, v, x, grid)
 
 
 @register_attention("rala")
@@ -210,7 +195,7 @@ class RankAugmentedLinearAttention(_GatedRoPEBaseline):
     """RALA (BASELINES.md section 4): token weights ``alpha = softmax_j(mean(phi(q)) . phi(k_j) d^-1/2)``,
     ``k~_j = N alpha_j phi(k_j)``, ``Y_i = rho(phi(q_i)) [sum_j rho(k~_j)^T v_j / N] / (phi(q_i) . mean_j k~_j + 1e-6)``."""
 
-    def _core(self, q, k, v, grid, cache, attn_mask):
+    def _core(self, q, k, v, x, grid, cache, attn_mask):
         B, N, H, D = q.shape
         q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
         alpha = torch.softmax(torch.einsum("bhd,bnhd->bhn", q.mean(1), k) * D**-0.5, dim=-1)
@@ -219,4 +204,4 @@ class RankAugmentedLinearAttention(_GatedRoPEBaseline):
         qr, ktr = self._rotate(q, kt, grid)
         kv = torch.einsum("bnhd,bnhe->bhde", ktr, vf) / N
         y = torch.einsum("bnhd,bhde->bnhe", qr, kv) * z.unsqueeze(-1)
-        return self._wrap(y, v, grid)
+        return self._wrap(y, v, x, grid)

@@ -207,8 +207,13 @@ class AttentionBase(nn.Module):
         return out
 
     # ---------------------------------------------------------------------------------- projections
-    def _project(self, x: torch.Tensor):
-        """``x: [B, N, C]`` -> q, k ``[B, N, H, D]`` (normed, not feature-mapped), v ``[B, N, H, Dv]``."""
+    def _project(self, x: torch.Tensor, rope_tables=None):
+        """``x: [B, N, C]`` -> q, k ``[B, N, H, D]`` (normed, not feature-mapped), v ``[B, N, H, Dv]``.
+
+        ``rope_tables``: rotary tables of the N tokens, for subclasses that rotate q and k here (the LM's
+        attention, :mod:`models.lm.modeling_mhla_lm`); these layers take none."""
+        if rope_tables is not None:
+            raise ValueError(f"{type(self).__name__} does not apply rope_tables")
         B, N, _ = x.shape
         H, D, Dv = self.num_heads, self.head_dim, self.value_dim
         q, k, v = self.qkv(x).split([H * D, H * D, H * Dv], dim=-1)
@@ -249,7 +254,13 @@ class AttentionBase(nn.Module):
             o = o * self.gate(x)
         return self.proj_drop(self.proj(o))
 
-    def _core(self, q, k, v, grid, cache):  # pragma: no cover - abstract
+    def _core(self, q, k, v, x, grid, cache, attn_mask):  # pragma: no cover - abstract
+        """The attention: q, k ``[B, N, H, D]`` (:meth:`_project`), v ``[B, N, H, Dv]`` -> ``[B, N, H, Dv]``.
+
+        ``x: [B, N, C]``: the layer input, in the token order of q, k, v (block-major when the layer has a
+        block layout), for layers whose attention reads it (InLine's kernel MLP, MALA / RALA's output gate);
+        ``grid``: the token grid; ``cache``: the decode state, updated in place (causal layers; else None);
+        ``attn_mask``: the mask of :meth:`forward` (softmax only; the linear layers refuse one)."""
         raise NotImplementedError
 
     def forward(
@@ -261,6 +272,7 @@ class AttentionBase(nn.Module):
         grid_size=None,
         cache: AttentionCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        rope_tables=None,
     ) -> torch.Tensor:
         """``x: [B, N, C]`` (prefix tokens first, then grid tokens in raster order) -> ``[B, N, C]``.
 
@@ -272,38 +284,40 @@ class AttentionBase(nn.Module):
             cu_seqlens: causal 1-D layers; ``x: [1, total_T, C]`` holds ``N`` sequences packed along the tokens
                 (``cu_seqlens: [N + 1]`` offsets, :mod:`mhla.ops.varlen`), each attended as if alone; the
                 cache then holds per-sequence states (:class:`AttentionCache`).
+            rope_tables: rotary tables of the tokens of ``x``, passed to :meth:`_project` (only layers that
+                rotate q and k take them: the LM's attention, :mod:`models.lm.modeling_mhla_lm`).
         """
         if is_causal and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False but called with is_causal=True")
         if cache is not None and not self.causal:
             raise ValueError("cache is for causal layers")
         if cu_seqlens is not None:
-            return self._forward_varlen(x, attn_mask, cache, cu_seqlens)
+            return self._forward_varlen(x, attn_mask, cache, cu_seqlens, rope_tables)
         P = self.num_prefix_tokens
         grid = self._grid_for(x.shape[1] - P, grid_size)
         layout = self._block_layout(grid)
         if layout is not None:  # work in block-major order: every op but the attention is per token
             x = torch.cat([x[:, :P], layout.raster_to_block_major(x[:, P:])], dim=1)
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, rope_tables)
         cpe_out = None
         if self.cpe is not None:
             vg = v[:, P:].reshape(x.shape[0], -1, self.num_heads * self.value_dim)
             cpe_out = self._apply_cpe(vg, grid, cache, layout)
             if P:
                 cpe_out = torch.cat([cpe_out.new_zeros(x.shape[0], P, cpe_out.shape[-1]), cpe_out], dim=1)
-        o = self._core(q, k, v, grid, cache, attn_mask)
+        o = self._core(q, k, v, x, grid, cache, attn_mask)
         y = self._finish(o, x, cpe_out)
         if layout is not None:
             y = torch.cat([y[:, :P], layout.block_major_to_raster(y[:, P:])], dim=1)
         return y
 
-    def _forward_varlen(self, x, attn_mask, cache: AttentionCache | None, cu_seqlens) -> torch.Tensor:
+    def _forward_varlen(self, x, attn_mask, cache: AttentionCache | None, cu_seqlens, rope_tables):
         """:meth:`forward` on a packed batch ``x: [1, total_T, C]`` of ``N`` causal 1-D sequences."""
         if not self.causal or self.num_prefix_tokens or (self.grid is not None and len(self.grid) != 1):
             raise ValueError(f"{type(self).__name__}: cu_seqlens is for causal layers over 1-D sequences")
         if attn_mask is not None:
             raise ValueError("pass either attn_mask or cu_seqlens")
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, rope_tables)
         check_cu_seqlens(cu_seqlens, q)
         cpe_out = None
         if self.cpe is not None:
@@ -435,7 +449,7 @@ class MultiHeadLinearAttention(AttentionBase):
             )
         return lay
 
-    def _core(self, q, k, v, grid, cache, attn_mask):
+    def _core(self, q, k, v, x, grid, cache, attn_mask):
         if attn_mask is not None:
             raise ValueError("MultiHeadLinearAttention does not take attn_mask")
         phi = self.feature_map
@@ -495,7 +509,7 @@ class MultiHeadLinearAttention(AttentionBase):
 class LinearAttention(AttentionBase):
     """Plain (normalized) linear attention with the shared constructor: one global summary per head."""
 
-    def _core(self, q, k, v, grid, cache, attn_mask):
+    def _core(self, q, k, v, x, grid, cache, attn_mask):
         if attn_mask is not None:
             raise ValueError("LinearAttention does not take attn_mask")
         q, k = self.feature_map(q), self.feature_map(k)
@@ -529,7 +543,7 @@ class SoftmaxAttention(AttentionBase):
         kwargs.pop("feature_map", None)
         super().__init__(dim, num_heads, feature_map="identity", **kwargs)
 
-    def _core(self, q, k, v, grid, cache, attn_mask):
+    def _core(self, q, k, v, x, grid, cache, attn_mask):
         if cache is None:
             return softmax_attention(q, k, v, causal=self.causal, attn_mask=attn_mask)
         o, cache.attn = self._attend_cached(q, k, v, cache.attn, attn_mask)

@@ -134,7 +134,7 @@ def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     assert "(n=2)" in md and "does not count" in md  # 2 steps cannot solve MQAR: the cell is flagged
     assert "model.mixing_param=clamp" in md
     assert (tmp_path / "grid.png").stat().st_size > 1000 and (tmp_path / "grid_curves.png").stat().st_size > 1000
-    # eval.py finds MQARTask (defined in task.module itself) and reproduces the run's final accuracy
+    # eval.py builds MQARTask (task.target of the stored config) and reproduces the run's final accuracy
     sys.path.insert(0, ROOT)
     from eval import evaluate_checkpoint
 

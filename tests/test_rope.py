@@ -175,10 +175,8 @@ def lm_and_adapter(kind: str, placement: str, normalize: bool):
     x = torch.randn(2, T, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     cos, sin = rope_cos_sin(torch.arange(T), D, cfg.rope_theta, torch.float64)  # half-split [T, 1, D]
     with torch.no_grad():
-        layer._rope_tables = (cos, sin)
-        q, k, v = layer._project(x)  # the LM's placement
-        o_lm = layer._core(q, k, v, None, None, None)
-        layer._rope_tables = None
+        q, k, v = layer._project(x, (cos, sin))  # the LM's placement
+        o_lm = layer._core(q, k, v, x, None, None, None)
         q0, k0, v0 = super(_LMAttentionMixin, layer)._project(x)  # raw projections, no phi, no rotation
     # the adapter takes interleaved pairs (Wan's tables, [1, N, 1, D]): the same rotation on permuted channels
     perm = torch.stack([torch.arange(D // 2), torch.arange(D // 2) + D // 2], dim=-1).flatten()

@@ -60,32 +60,25 @@ class _LMAttentionMixin:
     The layer is built with ``feature_map="identity"`` so its ``_core`` sees the final q, k; this mixin
     applies phi and the rotation in the configured order (:func:`mhla.rope.rope_and_feature_map`; the layer's
     normaliser, when ``normalize=True``, sees the same q, k as the numerator: see :mod:`mhla.rope`).
-    ``forward_lm`` passes the rotary tables.
+    The rotary tables come with each call: ``layer(x, cache=..., cu_seqlens=..., rope_tables=(cos, sin))``
+    (:meth:`mhla.layers.AttentionBase.forward` hands them to ``_project``).
     """
 
     def setup_lm(self, feature_map: str | None, rope: str) -> None:
         self.lm_feature_map = get_feature_map(feature_map) if feature_map else None
         self.lm_rope = rope
-        self._rope_tables = None
 
-    def _project(self, x):
+    def _project(self, x, rope_tables=None):
+        """``x [B, T, C]`` -> q, k ``[B, T, H, D]`` (normed, rotated, feature-mapped), v ``[B, T, H, Dv]``.
+
+        ``rope_tables``: half-split ``(cos, sin)`` of the T positions (:func:`rope_cos_sin`); None: none."""
         q, k, v = super()._project(x)
         rot = None
-        if self._rope_tables is not None:
-            cos, sin = self._rope_tables  # half-split tables from rope_cos_sin
+        if rope_tables is not None:
+            cos, sin = rope_tables
             rot = lambda t: apply_rope(t, cos, sin)  # noqa: E731
         q, k, _, _ = rope_and_feature_map(q, k, self.lm_feature_map, rot, self.lm_rope)
         return q, k, v
-
-    def forward_lm(self, x, rope_tables, cache: AttentionCache | None, cu_seqlens: torch.Tensor | None = None):
-        """``x [B, T, C]``, rotary tables for the T positions, optional decode cache -> ``[B, T, C]``.
-
-        ``cu_seqlens``: ``x`` is a packed batch ``[1, total, C]`` of sequences at these offsets."""
-        self._rope_tables = rope_tables
-        try:
-            return self.forward(x, cache=cache, cu_seqlens=cu_seqlens)
-        finally:
-            self._rope_tables = None
 
 
 class LMMultiHeadLinearAttention(_LMAttentionMixin, MultiHeadLinearAttention):
@@ -336,7 +329,7 @@ class MHLALMBlock(nn.Module):
     def forward(self, h: torch.Tensor, rope_tables, cache: AttentionCache | None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """``h [B, T, C]`` (or ``[1, total, C]`` packed at ``cu_seqlens``) -> same shape."""
-        h = h + self.attn.forward_lm(self.attn_norm(h), rope_tables, cache, cu_seqlens)
+        h = h + self.attn(self.attn_norm(h), cache=cache, cu_seqlens=cu_seqlens, rope_tables=rope_tables)
         return h + self.mlp(self.mlp_norm(h))
 
 

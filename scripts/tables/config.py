@@ -44,7 +44,7 @@ def cell_info(cell: Cell) -> dict:
     """What the runner needs from the cell's full-scale config: its model choice, kind, resolution and M."""
     cfg, choices = compose(cell.overrides)
     blocks = cfg.get("attn", {}).get("num_blocks") if cfg.get("attn", {}).get("name") == "mhla" else None
-    return {"model": choices.get("model"), "kind": cell_kind(str(cfg.task.get("module", ""))),
+    return {"model": choices.get("model"), "kind": cell_kind(str(cfg.task.get("target", ""))),
             "image_size": cfg.data.get("image_size"), "num_blocks": blocks}
 
 

@@ -32,6 +32,7 @@ evaluation): ``last.pt`` is saved, the logger is finished, and :class:`TrainingI
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 import signal
@@ -98,6 +99,44 @@ class Task:
         """Hook for task-specific end-of-run work (sample grids, ...). Returns extra metrics, and
         :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``."""
         return {}
+
+
+# ``task.module`` of the configs from before ``task.target`` (checkpoints of then store it) -> its Task class
+LEGACY_TASK_MODULES = {
+    "tasks.classification.train": "tasks.classification.task.ClassificationTask",
+    "tasks.image_gen.train": "tasks.image_gen.task.ImageGenTask",
+    "tasks.image_gen.sana_task": "tasks.image_gen.sana_task.SanaFinetuneTask",
+    "tasks.language.train": "tasks.language.task.LanguageModelingTask",
+    "tasks.language.mqar": "tasks.language.mqar.MQARTask",
+    "tasks.video_gen.train": "tasks.video_gen.task.VideoGenTask",
+}
+
+
+def task_class(cfg) -> type[Task]:
+    """The :class:`Task` subclass a run's config names in ``task.target`` (e.g.
+    ``tasks.classification.task.ClassificationTask``; every ``configs/task/*.yaml`` sets it).
+
+    ``train.py`` builds its run from it and ``eval.py`` a checkpoint's (from the config stored in it), so both
+    pick the same class. A config without ``task.target`` (a checkpoint written before the key existed) falls
+    back on its ``task.module`` through :data:`LEGACY_TASK_MODULES`; anything else is a :class:`ConfigError`.
+    """
+    target = cfg.task.get("target") or LEGACY_TASK_MODULES.get(cfg.task.get("module"))
+    if not target:
+        raise ConfigError(
+            f"the config names no task class: no task.target, and task.module={cfg.task.get('module')} is "
+            f"not one of {sorted(LEGACY_TASK_MODULES)}; pass +task.target=<module>.<Task subclass>, e.g. "
+            "+task.target=tasks.classification.task.ClassificationTask")
+    module_name, _, name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name, None) if module_name else None
+    except ModuleNotFoundError as e:
+        if not (e.name and module_name.startswith(e.name)):
+            raise  # the module exists but one of its own imports is missing
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"task.target={target} is not a Task subclass (module.ClassName, e.g. "
+                          "tasks.classification.task.ClassificationTask)")
+    return cls
 
 
 def project_mixing_(model: nn.Module) -> None:
@@ -325,7 +364,9 @@ class Trainer:
 
     def _describe_model(self, model: nn.Module) -> int:
         """Print the model line (parameters, and GMACs unless ``trainer.count_flops=false``); returns the
-        parameter count."""
+        parameter count. A task with the optional hook ``paper_flops(model, device) -> (FLOPs, words, words for
+        the example's count) | None`` (:meth:`~tasks.classification.task.ClassificationTask.paper_flops`: DeiT
+        zero-pads 224 px to 256 px) also gets the count at the paper's resolution."""
         n_params = count_parameters(model)
         flops_msg = ""
         example = self.task.example_input(self.device)
@@ -333,8 +374,15 @@ class Trainer:
             from .utils import count_flops  # noqa: PLC0415
 
             flops = count_flops(model, *example) if isinstance(example, tuple) else count_flops(model, example)
-            flops_msg = (f", {flops / 2e9:.3f} GMACs per sample "
-                         f"(torch.utils.flop_counter, matmul/conv only)")
+            counter = "torch.utils.flop_counter: matmuls, convs and attention; elementwise ops not counted"
+            paper_hook = getattr(self.task, "paper_flops", None)
+            paper = paper_hook(model, self.device) if paper_hook is not None else None
+            if paper is None:
+                flops_msg = f", {flops / 2e9:.3f} GMACs per sample ({counter})"
+            else:
+                paper_flops, paper_words, run_words = paper
+                flops_msg = (f", GMACs per sample ({counter}): {flops / 2e9:.3f} {run_words}, "
+                             f"{paper_flops / 2e9:.3f} {paper_words}")
         self._print(f"model: {self.task.describe_model(model)}: {n_params / 1e6:.3f}M params{flops_msg}")
         return n_params
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from mhla.mixing import MixingMatrix
-from tasks.common.trainer import Task, Trainer
+from tasks.common.trainer import Task
 from tasks.language.task import check_lm_attn_keys
 
 
@@ -207,6 +207,3 @@ class MQARTask(Task):
             dist.all_reduce(tot)
         return {"acc": (tot[1] / tot[2]).item(), "loss": (tot[0] / tot[2]).item(), **mixing_shares(model)}
 
-
-def run(cfg, run_dir) -> dict:
-    return Trainer(cfg, MQARTask(cfg), run_dir).fit()
