@@ -96,6 +96,59 @@ class ClassificationTask(Task):
         size = int(m.get("input_size") or m.img_size)
         return torch.zeros(1, int(m.get("in_chans", 3)), size, size, device=device)
 
+    def paper_flops(self, model, device) -> tuple[int, str, str] | None:
+        """The trainer's optional FLOP hook: when the model zero-pads its input internally (DeiT:
+        ``model.pad_to=256`` for 224 px inputs, so :meth:`example_input` is counted at 256 tokens, while the papers
+        quote 224 px, 196 tokens), ``(FLOPs at the input size unpadded, words for that count, words for the
+        padded count)``; else None.
+
+        Counted (:func:`~tasks.common.utils.count_flops`) on the same model built without the padding. When that
+        model cannot be built (MHLA: M = 16 blocks do not tile a 14 x 14 grid), the count is scaled instead, and
+        the words say so: at a fixed block count every FLOP of these ViTs is affine in the token count ``N``
+        (per-token projections, MLPs, convs and block summaries, plus the N-free head and M x M mixing), so the
+        counts of the unpadded model at half (else twice) the padded size and of ``model`` at the padded size
+        give the one at ``N`` exactly. The extra models are built with the global RNG state restored after."""
+        m = self.cfg.model
+        if m.get("kind", "vit") != "vit" or not m.get("pad_to"):
+            return None
+        size, padded, patch = int(m.get("input_size") or m.img_size), int(m.pad_to), int(m.patch_size)
+        if size == padded or size % patch:
+            return None
+        from omegaconf import OmegaConf  # noqa: PLC0415
+
+        from models.vit import build_vit  # noqa: PLC0415
+        from tasks.common.utils import count_flops  # noqa: PLC0415
+
+        in_chans = int(m.get("in_chans", 3))
+
+        def tokens(px: int) -> int:
+            return (px // patch) ** 2
+
+        def unpadded_flops(px: int) -> int:
+            cfg = OmegaConf.merge(m, {"img_size": px, "input_size": px, "pad_to": None})
+            with torch.random.fork_rng(devices=[]):  # the run's RNG stream stays as without this count
+                net = build_vit(cfg, self.cfg.attn).to(device)
+            return count_flops(net, torch.zeros(1, in_chans, px, px, device=device))
+
+        n = tokens(size)
+        run_words = f"at {size} px zero-padded to {padded} px ({tokens(padded)} tokens)"
+        try:
+            return unpadded_flops(size), f"at {size} px unpadded as in the paper ({n} tokens)", run_words
+        except ValueError as err:  # the attention cannot run the unpadded grid (MHLA's blocks)
+            reason = str(err).split(";")[0]
+        full = count_flops(model, torch.zeros(1, in_chans, padded, padded, device=device))
+        for other in (padded // 2, 2 * padded):
+            try:
+                f_other = unpadded_flops(other)
+            except ValueError:
+                continue
+            n_other, n_full = tokens(other), tokens(padded)
+            flops = round(f_other + (full - f_other) * (n - n_other) / (n_full - n_other))
+            return flops, (f"at {size} px unpadded as in the paper ({n} tokens; scaled affinely in the token "
+                           f"count from {other} and {padded} px, as this model cannot run unpadded: {reason})"), \
+                run_words
+        raise ValueError(f"cannot count FLOPs at the paper's {size} px ({reason}); set trainer.count_flops=false")
+
     def training_loss(self, model, batch):
         x, y = batch
         logits = model(x)

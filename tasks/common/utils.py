@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import platform
 import random
@@ -77,14 +79,110 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# SDPA kernels whose FLOPs ``torch.utils.flop_counter`` (torch 2.x) has no formula for, so it counts them as 0:
+# the CPU kernel (what ``F.scaled_dot_product_attention`` runs on CPU unless it falls back to its math path,
+# e.g. for Dv != Dqk or training-mode dropout), MPS' math kernel and the out-of-tree ("overrideable") fused kernel. Forward ops take ``(query, key, value, ...)``,
+# backward ops ``(grad_out, query, key, value, ...)``. torch's own formulas cover the CUDA kernels (flash,
+# memory-efficient, cuDNN) and flex_attention; the math fallback decomposes into ``bmm`` and is counted as such.
+SDPA_FORWARD_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_attention_math_for_mps",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
+SDPA_BACKWARD_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_fused_attention_overrideable_backward",
+)
+
+
+def _sdpa_dims(query, key, value) -> tuple[int, int, int, int, int]:
+    """``(batch x query heads, Lq, Lk, Dqk, Dv)`` from SDPA's ``[..., L, E]`` shapes (GQA's fewer key / value
+    heads are broadcast to the query heads, as the kernels do)."""
+    return math.prod(query[:-2]), query[-2], key[-2], query[-1], value[-1]
+
+
+def sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """Forward FLOPs of softmax attention from the shapes of q, k, v: the two matmuls ``Q K^T`` and ``P V``,
+    ``2 * B * H * Lq * Lk * (Dqk + Dv)``, what ``softmax(q @ k.transpose(-2, -1)) @ v`` counts and what torch
+    counts for the CUDA kernels. A causal or masked call counts the full ``Lq x Lk`` scores, as torch does."""
+    bh, lq, lk, d, dv = _sdpa_dims(query, key, value)
+    return 2 * bh * lq * lk * (d + dv)
+
+
+def sdpa_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """Backward FLOPs of a fused SDPA kernel, torch's convention for the CUDA kernels: the scores recomputed
+    (``Q K^T``) and the four gradient matmuls (``dO V^T``, ``P^T dO``, ``dS K``, ``dS^T Q``),
+    ``2 * B * H * Lq * Lk * (3 Dqk + 2 Dv)``; i.e. the explicit math's backward plus one ``Q K^T``."""
+    bh, lq, lk, d, dv = _sdpa_dims(query, key, value)
+    return 2 * bh * lq * lk * (3 * d + 2 * dv)
+
+
+def sdpa_flop_formulas() -> dict:
+    """``custom_mapping`` for ``FlopCounterMode``: :data:`SDPA_FORWARD_OPS` / :data:`SDPA_BACKWARD_OPS` (those
+    this torch has, and has no formula for) -> :func:`sdpa_flops` / :func:`sdpa_backward_flops`. Keys are
+    ``OpOverloadPacket`` s (``torch.ops.aten.<name>``), the counter's keys."""
+    from torch.utils.flop_counter import flop_registry  # noqa: PLC0415
+
+    mapping = {}
+    for names, formula in ((SDPA_FORWARD_OPS, sdpa_flops), (SDPA_BACKWARD_OPS, sdpa_backward_flops)):
+        for name in names:
+            op = getattr(torch.ops.aten, name, None)
+            if op is not None and op not in flop_registry:
+                mapping[op] = formula
+    return mapping
+
+
+def _is_mhla_attention(obj) -> bool:
+    """An attention layer or diffusers processor of this package (they pick their op backend by ``backend``)."""
+    from mhla.layers import AttentionBase  # noqa: PLC0415
+
+    return isinstance(obj, AttentionBase) or type(obj).__module__.split(".")[0] == "mhla"
+
+
+@contextlib.contextmanager
+def torch_attention_backend(model: nn.Module):
+    """Run this package's attention layers (and diffusers processors) in ``model`` on the ``"torch"`` op backend
+    instead of ``"auto"`` / ``"triton"``, restored on exit: Triton kernels run outside PyTorch's dispatcher, so
+    a FLOP counter sees none of their work, while the torch path does the same matmuls as aten ops."""
+    changed = []
+    for module in model.modules():
+        for obj in (module, getattr(module, "processor", None)):
+            if obj is not None and getattr(obj, "backend", None) in ("auto", "triton") and _is_mhla_attention(obj):
+                changed.append((obj, obj.backend))
+                obj.backend = "torch"
+    try:
+        yield
+    finally:
+        for obj, backend in changed:
+            obj.backend = backend
+
+
 def count_flops(model: nn.Module, *inputs, **kwargs) -> int:
-    """Forward FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` (counts matmuls/convs as 2 x MACs;
-    elementwise ops are not counted). Papers usually quote MACs ("FLOPs" from fvcore) = this / 2."""
+    """Forward FLOPs of ``model(*inputs, **kwargs)`` (eval mode, no grad) with ``torch.utils.flop_counter``.
+
+    Counted (2 FLOPs per multiply-add): matmuls (``mm``, ``bmm``, ``addmm``, ``baddbmm``, so ``nn.Linear``,
+    ``@`` and ``einsum`` too), convolutions, and softmax attention through SDPA: torch's formulas on CUDA, and
+    :func:`sdpa_flop_formulas` for the CPU kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
+    which torch counts as 0), MPS and the overrideable kernel, all ``2 B H Lq Lk (Dqk + Dv)``, the count of the
+    explicit ``softmax(q k^T) v``. Not counted: elementwise ops, reductions and normalizations (softmax, norms,
+    feature maps, activations, RoPE, MHLA's normalizer division, ``k.sum``), pooling, and anything that runs
+    outside PyTorch's dispatcher (Triton kernels, custom CUDA extensions).
+
+    The attentions of :func:`mhla.registry.list_attentions` are all seen: softmax (SDPA, above); mhla (the
+    torch backend's ``matmul`` s: block summaries, the M x M mixing, the query products); linear, focused,
+    inline, mala and rala (``einsum`` s, plus their convs / linears). MHLA's Triton kernels would be invisible,
+    so the count runs those layers on the torch backend (:func:`torch_attention_backend`; same matmuls).
+    Causal attention is counted in full (no halving for the mask), as torch does.
+
+    Papers usually quote MACs ("FLOPs" from fvcore) = this / 2."""
     from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
 
     was_training = model.training
     model.eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(*inputs, **kwargs)
-    model.train(was_training)
+    try:
+        with torch.no_grad(), torch_attention_backend(model), \
+                FlopCounterMode(display=False, custom_mapping=sdpa_flop_formulas()) as counter:
+            model(*inputs, **kwargs)
+    finally:
+        model.train(was_training)
     return int(counter.get_total_flops())
