@@ -8,7 +8,9 @@ imported from :mod:`models.dit`) with a different block (BASELINES.md section 5)
   ``log a_t = logsigmoid(x W1 W2 + b) / 16`` (``W1: C x 16``, ``W2: 16 x d_k``); the causal recurrence
   ``S_t = diag(a_t) S_{t-1} + k_t^T v_t``, ``o_t = (q_t / sqrt(d_k)) S_t``; output ``W_o(RMSNorm_head(o) * swish(x W_g))``.
   :func:`gla_chunked` is the fast form (chunks of ``L`` tokens; pairwise gate ratios inside a chunk, a state
-  between chunks), :func:`gla_recurrent` the token-by-token reference it is tested against.
+  between chunks), :func:`gla_recurrent` the token-by-token reference it is tested against. On CUDA, when
+  flash-linear-attention imports, :func:`gla` runs fla's Triton kernel ``fla.ops.gla.chunk_gla`` instead
+  (:func:`gla_fla`; ``backend="auto" | "torch" | "fla"``, see :func:`resolve_gla_backend`).
 * MLP: SwiGLU with ``256 * ceil(floor(8C/3) / 256)`` hidden units (1024 at C = 384), no biases.
 * SREM: the scan direction cycles row-major forward, row-major backward, column-major forward, column-major
   backward over blocks ``i % 4`` (the release reverses the sequence after every block and transposes after every
@@ -29,6 +31,9 @@ the identity-initialised conv is kept (``dwconv``), as the paper does not say ot
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,6 +44,7 @@ from models.dit import DiT, modulate
 
 DIG_SIZES = {"DiG-S": (12, 384, 6), "DiG-B": (12, 768, 12), "DiG-L": (24, 1024, 16), "DiG-XL": (28, 1152, 18)}
 SCAN_DIRECTIONS = ("row", "row_rev", "col", "col_rev")
+GLA_BACKENDS = ("auto", "torch", "fla")
 
 
 # ------------------------------------------------------------------------------------------- GLA ops
@@ -100,17 +106,94 @@ def gla_chunked(q, k, v, log_a, chunk: int = 16, scale: float | None = None):
     return o.to(dtype)
 
 
+@functools.cache
+def _fla_chunk_gla():
+    """``fla.ops.gla.chunk_gla``, or None when flash-linear-attention does not import here (cached: asked once)."""
+    from models.lm.baselines import fla_available  # noqa: PLC0415 (imports transformers; only asked on demand)
+
+    if not fla_available():
+        return None
+    try:
+        from fla.ops.gla import chunk_gla  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - fla raises more than ImportError without a GPU / Triton
+        return None
+    return chunk_gla
+
+
+def resolve_gla_backend(backend: str, q: torch.Tensor) -> str:
+    """The backend ``backend`` means for inputs like ``q``: ``"torch"`` (:func:`gla_chunked`) or ``"fla"``
+    (:func:`gla_fla`).
+
+    ``"auto"``: ``"fla"`` for CUDA tensors when fla imports, else ``"torch"`` (CPU inputs never import fla).
+    ``"fla"``: raises ImportError when fla does not import, and ValueError for non-CUDA inputs unless
+    ``TRITON_INTERPRET=1`` (Triton's CPU interpreter; a debugging path: fla 0.6.0 under triton 3.8 also needs the
+    two shims in ``tests/test_dig_fla.py``, and it is slow).
+    """
+    if backend not in GLA_BACKENDS:
+        raise ValueError(f"GLA backend must be one of {GLA_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "fla" if q.is_cuda and _fla_chunk_gla() is not None else "torch"
+    if _fla_chunk_gla() is None:
+        raise ImportError(
+            "GLA backend='fla' needs flash-linear-attention (fla.ops.gla.chunk_gla; Triton, a GPU): pip install "
+            "flash-linear-attention, or use backend='torch' / 'auto'")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"GLA backend='fla' runs fla's Triton kernels on CUDA tensors; got tensors on {q.device}. Move them to "
+            "the GPU or use backend='torch' / 'auto' (or TRITON_INTERPRET=1, set before import, for Triton's CPU "
+            "interpreter)")
+    return "fla"
+
+
+def gla_fla(q, k, v, log_a, scale: float | None = None):
+    """GLA by flash-linear-attention's chunked Triton kernel; same inputs / output as :func:`gla_recurrent`.
+
+    The mapping onto ``fla.ops.gla.chunk_gla(q, k, v, g, scale=None, initial_state=None,
+    output_final_state=False, ...) -> (o, final_state)`` (fla 0.6.0) is the identity:
+
+    * layout: fla's default is ours, time-major ``[B, T, H, K]`` for ``q, k, g`` and ``[B, T, H, V]`` for ``v``
+      and ``o`` (no head-first transpose; fla makes the inputs contiguous);
+    * gate: fla's ``g`` is the per-key log forget gate, ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t``, i.e. our
+      ``log_a`` (``logsigmoid(.) / 16``, ``<= 0``) as it is;
+    * scale: ``o_t = (scale * q_t) S_t`` with the same default ``K^-1/2``;
+    * no initial state, no final state (``final_state`` is None); fla picks its own chunk length
+      (``min(64, max(16, next_pow2(T)))``), so :func:`gla_chunked`'s ``chunk`` does not apply;
+    * any ``T`` (fla masks the last chunk); fp32 / fp16 / bf16 with fp32 accumulation; output cast to
+      ``q.dtype`` (fla returns ``v``'s dtype).
+    """
+    chunk_gla = _fla_chunk_gla()
+    if chunk_gla is None:
+        raise ImportError("gla_fla needs flash-linear-attention: pip install flash-linear-attention")
+    o, _ = chunk_gla(q, k, v, log_a, scale=scale, initial_state=None, output_final_state=False)
+    return o.to(q.dtype)
+
+
+def gla(q, k, v, log_a, chunk: int = 16, scale: float | None = None, backend: str = "auto"):
+    """GLA (same inputs / output as :func:`gla_recurrent`) on the backend :func:`resolve_gla_backend` picks:
+    fla's ``chunk_gla`` on CUDA when fla imports, else :func:`gla_chunked` (``chunk``: its chunk length)."""
+    if resolve_gla_backend(backend, q) == "fla":
+        return gla_fla(q, k, v, log_a, scale=scale)
+    return gla_chunked(q, k, v, log_a, chunk, scale=scale)
+
+
 class GatedLinearAttention(nn.Module):
     """GLA as DiG uses it (fla's ``GatedLinearAttention`` with ``expand_k=0.5, expand_v=1``, gate rank 16,
     gate normaliser 16, ``swish`` output gate, per-head RMSNorm).
 
     ``forward(x: [B, N, C]) -> [B, N, C]``; causal over the given token order. ``chunk``: chunk length of
-    :func:`gla_chunked`; ``mode="recurrent"`` uses the token loop (tests).
+    :func:`gla_chunked`; ``mode="recurrent"`` uses the token loop (tests). ``backend``: ``"auto"`` (fla's
+    ``chunk_gla`` for CUDA inputs when fla imports, else torch), ``"torch"`` or ``"fla"`` (:func:`gla`);
+    :meth:`resolved_backend` says which one a given input runs on.
     """
 
     def __init__(self, dim: int, num_heads: int, expand_k: float = 0.5, expand_v: float = 1.0, gate_rank: int = 16,
-                 gate_norm: float = 16.0, chunk: int = 16, mode: str = "chunk"):
+                 gate_norm: float = 16.0, chunk: int = 16, mode: str = "chunk", backend: str = "auto"):
         super().__init__()
+        if backend not in GLA_BACKENDS:
+            raise ValueError(f"GLA backend must be one of {GLA_BACKENDS}, got {backend!r}")
+        self.backend = backend
         self.key_dim, self.value_dim = int(dim * expand_k), int(dim * expand_v)
         if self.key_dim % num_heads or self.value_dim % num_heads:
             raise ValueError(f"GLA: key dim {self.key_dim} / value dim {self.value_dim} not divisible by {num_heads}")
@@ -132,6 +215,13 @@ class GatedLinearAttention(nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, chunk={self.chunk}, mode={self.mode!r}, backend={self.backend!r}"
+
+    def resolved_backend(self, x: torch.Tensor) -> str:
+        """``"recurrent"``, ``"torch"`` or ``"fla"``: what :meth:`forward` runs for an input like ``x``."""
+        return "recurrent" if self.mode == "recurrent" else resolve_gla_backend(self.backend, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
         H = self.num_heads
@@ -142,7 +232,7 @@ class GatedLinearAttention(nn.Module):
         if self.mode == "recurrent":
             o = gla_recurrent(q, k, v, log_a)
         else:
-            o = gla_chunked(q, k, v, log_a, self.chunk)
+            o = gla(q, k, v, log_a, self.chunk, backend=self.backend)
         o = self.g_norm(o).reshape(B, N, -1) * F.silu(self.g_proj(x))
         return self.o_proj(o)
 
@@ -179,13 +269,14 @@ class DiGBlock(nn.Module):
     """
 
     def __init__(self, hidden: int, num_heads: int, grid: tuple[int, int], index: int, token_mixer: str = "gla",
-                 attn_cfg=None, scan: bool = True, dwconv: bool = True, gla_chunk: int = 16):
+                 attn_cfg=None, scan: bool = True, dwconv: bool = True, gla_chunk: int = 16,
+                 gla_backend: str = "auto"):
         super().__init__()
         self.grid = grid
         self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
         self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
         if token_mixer == "gla":
-            self.attn = GatedLinearAttention(hidden, num_heads, chunk=gla_chunk)
+            self.attn = GatedLinearAttention(hidden, num_heads, chunk=gla_chunk, backend=gla_backend)
         elif token_mixer == "attn":
             self.attn = build_attention(attn_cfg, hidden, num_heads, grid=grid, qkv_bias=True)
         else:
@@ -218,16 +309,18 @@ class DiG(DiT):
 
     Args (beyond DiT's): ``token_mixer`` ``"gla"`` (DiG) or ``"attn"`` (the ``attn`` config, e.g. MHLA);
     ``scan`` the SREM direction cycle (GLA only; needs ``depth % 4 == 0`` to end in raster order in the release,
-    here the state is always kept in raster order); ``dwconv`` the SREM conv; ``gla_chunk`` GLA chunk length.
+    here the state is always kept in raster order); ``dwconv`` the SREM conv; ``gla_chunk`` GLA chunk length
+    (torch backend); ``gla_backend`` ``"auto"`` | ``"torch"`` | ``"fla"`` (:class:`GatedLinearAttention`).
     """
 
     def __init__(self, *, depth: int = 12, hidden_size: int = 384, num_heads: int = 6, token_mixer: str = "gla",
-                 scan: bool = True, dwconv: bool = True, gla_chunk: int = 16, attn=None, **dit_kwargs):
+                 scan: bool = True, dwconv: bool = True, gla_chunk: int = 16, gla_backend: str = "auto", attn=None,
+                 **dit_kwargs):
         super().__init__(depth=0, hidden_size=hidden_size, num_heads=num_heads, attn=attn or {"name": "softmax"},
                          **dit_kwargs)
         self.token_mixer = token_mixer
         self.blocks = nn.ModuleList(
-            DiGBlock(hidden_size, num_heads, self.grid, i, token_mixer, attn, scan, dwconv, gla_chunk)
+            DiGBlock(hidden_size, num_heads, self.grid, i, token_mixer, attn, scan, dwconv, gla_chunk, gla_backend)
             for i in range(depth))
         self.initialize_weights()
 
@@ -246,8 +339,8 @@ class DiG(DiT):
 
 def build_dig(model_cfg, attn_cfg) -> DiG:
     """Build from a model config (``kind: dig``; ``variant`` DiG-S ... or explicit ``depth`` / ``hidden_size`` /
-    ``num_heads``; ``token_mixer``, ``scan``, ``dwconv``, ``gla_chunk`` and DiT's keys) and an attention config
-    (used when ``token_mixer == "attn"``)."""
+    ``num_heads``; ``token_mixer``, ``scan``, ``dwconv``, ``gla_chunk``, ``gla_backend`` and DiT's keys) and an
+    attention config (used when ``token_mixer == "attn"``)."""
     from omegaconf import OmegaConf  # noqa: PLC0415
 
     attn = OmegaConf.to_container(attn_cfg, resolve=True) if OmegaConf.is_config(attn_cfg) else dict(attn_cfg or {})
@@ -255,7 +348,8 @@ def build_dig(model_cfg, attn_cfg) -> DiG:
     return DiG(depth=int(model_cfg.get("depth") or depth), hidden_size=int(model_cfg.get("hidden_size") or hidden),
                num_heads=int(model_cfg.get("num_heads") or heads), token_mixer=str(model_cfg.get("token_mixer", "gla")),
                scan=bool(model_cfg.get("scan", True)), dwconv=bool(model_cfg.get("dwconv", True)),
-               gla_chunk=int(model_cfg.get("gla_chunk", 16)), attn=attn,
+               gla_chunk=int(model_cfg.get("gla_chunk", 16)),
+               gla_backend=str(model_cfg.get("gla_backend", "auto")), attn=attn,
                input_size=int(model_cfg.input_size), patch_size=int(model_cfg.patch_size),
                in_channels=int(model_cfg.get("in_channels", 4)),
                class_dropout_prob=float(model_cfg.get("class_dropout_prob", 0.1)),
