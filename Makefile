@@ -19,6 +19,7 @@ help:
 	@echo "make test-fast - the test suite without the slow tests"
 	@echo "make mnist-gen / lm-mini - CPU smoke runs: class-conditional MNIST DiT / the MHLA language model"
 	@echo "make bench-generation / bench-video - LM decoding and video (Wan-shaped, CPU preset) benchmarks"
+	@echo "make plots     - redraw the committed benchmark and table plots (<stem>.png) from their .json; runs nothing"
 	@echo "make clean     - remove .venv and build files"
 	@echo "make help      - this list"
 	@echo ""
@@ -137,6 +138,16 @@ reproduce-mqar: $(VENV)/.installed
 
 bench-video: $(VENV)/.installed
 	$(PY) scripts/bench_video.py --preset cpu
+
+# Every writer draws its plot with its table; --plot-only redraws one from the committed .json alone.
+.PHONY: plots
+plots: $(VENV)/.installed
+	$(PY) scripts/bench_ops.py --plot-only
+	$(PY) scripts/bench_models.py --plot-only
+	$(PY) scripts/bench_generation.py --plot-only
+	$(PY) scripts/bench_video.py --plot-only --preset cpu --device cpu
+	$(REPRODUCE) --table 3a --scale mini --plot-only
+	$(PY) -m tasks.video_gen.table5 --plot-only
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

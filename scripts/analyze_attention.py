@@ -42,6 +42,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
+from tasks.common.plots import pyplot, save_figure  # noqa: E402
 
 PAPER = {"source": "MHLA paper Fig. 3, trained DeiT-T (not comparable with synthetic inputs)",
          "linear": {"rank": 58.4, "entropy": 5.12}, "softmax": {"rank": 254.8, "entropy": 4.13},
@@ -197,10 +198,7 @@ def analyze_checkpoint(path: str, batch: int, rtol: float) -> dict:
 
 
 def plot_trained(models: list[dict], path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     attns = list(dict.fromkeys(m["attention"] for m in models))  # one colour per attention, one line per run
@@ -218,9 +216,7 @@ def plot_trained(models: list[dict], path: str) -> None:
     for ax in axes:
         ax.set_xlabel("layer")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main_trained(args, argv) -> int:
@@ -290,10 +286,7 @@ def _system_info() -> dict:
 
 
 def plot(results: dict, mats: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = pyplot()
 
     names = ["softmax", "linear", "mhla"]
     fig, axes = plt.subplots(1, 5, figsize=(20, 4))
@@ -305,9 +298,7 @@ def plot(results: dict, mats: dict, path: str) -> None:
         ax.imshow(mats[n][0, 0].float().numpy(), cmap="viridis")
         ax.set_title(f"{n}: head 0")
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
 
 
 def main(argv=None) -> int:

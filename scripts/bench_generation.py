@@ -8,7 +8,8 @@ of a fresh child process per measurement) and the cache size after decoding.
 
     python scripts/bench_generation.py                      # CPU, small model, L = 1k, 4k, 16k
     python scripts/bench_generation.py --device cuda --preset 340m --contexts 2048 8192 32768
-Writes results/bench/generation_<device>.json and .md with a machine header.
+Writes results/bench/generation_<device>.json and .md with a machine header, and .png (each measure against L per
+attention, log-log; ``--plot-only`` redraws it from the .json).
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ def write_results(rows, header, args, dtype, argv) -> str:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"generation_{args.device}")
     cmd = "python scripts/bench_generation.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    data = {"machine": header, "preset": args.preset, "model": PRESETS[args.preset], "dtype": dtype,
+            "command": cmd.strip(), "rows": rows}
     with open(stem + ".json", "w") as f:
-        json.dump({"machine": header, "preset": args.preset, "model": PRESETS[args.preset], "dtype": dtype,
-                   "command": cmd.strip(), "rows": rows}, f, indent=2)
+        json.dump(data, f, indent=2)
     lines = [f"# Greedy generation: prefill L tokens, decode {args.new_tokens} ({args.device}, {dtype})", "",
              f"Command: `{cmd.strip()}`", "",
              "Machine: " + ", ".join(f"{k}={v}" for k, v in header.items()), "",
@@ -116,9 +118,34 @@ def write_results(rows, header, args, dtype, argv) -> str:
             continue
         lines.append(f"| {r['context']} | {r['attn']} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | "
                      f"{r['decode_ms_per_token']:.1f} | {r['peak_mem_mib']:.0f} | {r['cache_mib']:.2f} |")
+    lines += ["", f"Plot: `{os.path.basename(stem)}.png` (prefill time, decode time per token, peak memory and "
+                  "cache size against the context L per attention, log-log; redraw from the .json with "
+                  "`--plot-only`)."]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    plot_generation(data, stem + ".png")
     return stem
+
+
+def plot_generation(data: dict, path: str) -> str:
+    """Prefill s, decode ms/token, peak MiB and cache MiB against the context L, one line per attention."""
+    from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure  # noqa: PLC0415
+
+    rows = [r for r in data["rows"] if "error" not in r]
+    colors = colors_for(r["attn"] for r in data["rows"])
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4), squeeze=False)
+    for ax, (key, label) in zip(axes[0], (("prefill_s", "prefill s"), ("decode_ms_per_token", "decode ms / token"),
+                                          ("peak_mem_mib", "peak memory MiB"), ("cache_mib", "cache MiB"))):
+        series: dict = {}
+        for r in rows:
+            series.setdefault(r["attn"], []).append((r["context"], r.get(key)))
+        loglog_lines(ax, series, "context L (tokens)", label, label, colors)
+    model = data.get("model", {})
+    fig.suptitle(f"Greedy generation, preset {data.get('preset')} ({model.get('num_hidden_layers', '?')} layers x "
+                 f"{model.get('hidden_size', '?')}), {data.get('machine', {}).get('device', '')} {data.get('dtype')}",
+                 fontsize=11)
+    return save_figure(fig, path)
 
 
 def main(argv=None):
@@ -131,7 +158,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--attns", nargs="+", default=["mhla", "softmax", "linear"])
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench"))
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw <out>/generation_<device>.png from its .json; measure nothing")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        stem = os.path.join(args.out, f"generation_{args.device}")
+        with open(stem + ".json") as f:
+            print(f"wrote {plot_generation(json.load(f), stem + '.png')}")
+        return
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     from tasks.common.utils import system_info  # noqa: PLC0415
 
@@ -149,7 +183,7 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
             stem = write_results(rows, header, args, dtype, argv)  # after every row: partial runs leave a file
-    print(f"wrote {stem}.json and {stem}.md")
+    print(f"wrote {stem}.json, .md and .png")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Timing: one warm-up call, then the median of ``--repeats`` calls (CPU wall clock
 A case whose estimated time (from the same model / attention at the previous resolution, scaled by the token
 count, squared for softmax) exceeds ``--max-case-s`` is skipped and listed with the estimate.
 Writes ``results/bench/models_<device>.json`` and ``.md`` with a machine header (and the CPU load, since on a
-shared machine other processes inflate wall-clock times).
+shared machine other processes inflate wall-clock times), and ``.png`` (time against N per attention, log-log;
+``--plot-only`` redraws it from the ``.json``).
 
 The paper's claim (SPEC.md): at 512 px MHLA has about 2x the throughput of self-attention and is on par with
 linear attention (Table 7b: DiT-S/2 512 px, 435 img/s for M = 16 on their GPU).
@@ -228,6 +229,8 @@ def parse_args(argv=None):
     ap.add_argument("--note", default="", help="free text stored in the header (e.g. 'ran under load')")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "results", "bench"))
     ap.add_argument("--out-name", default=None, help="file stem (default models_<device>)")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw <out-dir>/<stem>.png from its .json; measure nothing")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.resolutions, args.repeats = ["DiT-S/2"], [64], 2
@@ -244,15 +247,61 @@ def main(argv=None) -> int:
         bench_video.main(argv[:i] + argv[i + 2:])
         return 0
     args = parse_args(argv)
-    data = run(args)
-    os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, args.out_name or f"models_{args.device}")
+    if args.plot_only:
+        with open(stem + ".json") as f:
+            print(f"wrote {plot_models(json.load(f), stem + '.png')}")
+        return 0
+    write_results(run(args), stem)
+    print(f"wrote {stem}.json, .md and .png")
+    return 0
+
+
+def write_results(data: dict, stem: str) -> str:
+    """``<stem>.json`` (``data``), ``.md`` (:func:`to_markdown`) and ``.png`` (:func:`plot_models`)."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=1)
     with open(stem + ".md", "w") as f:
-        f.write(to_markdown(data))
-    print(f"wrote {stem}.json and {stem}.md")
-    return 0
+        f.write(to_markdown(data) + f"\nPlot: `{os.path.basename(stem)}.png` (seconds per call against the "
+                "token count N per attention, one panel per model and mode, log-log; skipped cases left out; "
+                "redraw from the .json with `--plot-only`).\n")
+    plot_models(data, stem + ".png")
+    return stem
+
+
+def plot_models(data: dict, path: str) -> str:
+    """Seconds per call against N, one line per attention, a panel per (model, mode); log-log."""
+    from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure  # noqa: PLC0415
+
+    rows = data["results"]
+    every = list(dict.fromkeys((r["model"], r["mode"]) for r in rows))
+    measured = {(r["model"], r["mode"]) for r in rows if r.get("sec") is not None}
+    panels = [p for p in every if p in measured] or every[:1]  # a panel with nothing measured says so in the title
+    unmeasured = [f"{m} {mode}" for m, mode in every if (m, mode) not in measured]
+    colors = colors_for(r["attn"] for r in rows)
+    plt = pyplot()
+    cols = min(len(panels), 2) or 1
+    nrows = max(1, -(-len(panels) // cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
+    ticks = {r["n_tokens"]: f"{r['n_tokens']}\n({r['res']} px)" for r in rows}
+    for ax, (model, mode) in zip(axes.flat, panels):
+        mine = [r for r in rows if (r["model"], r["mode"]) == (model, mode)]
+        series: dict = {}
+        for r in mine:
+            series.setdefault(r["attn"], []).append((r["n_tokens"], r.get("sec")))
+        skipped = sum(r.get("sec") is None for r in mine)
+        loglog_lines(ax, series, "tokens N", f"seconds per {'denoising' if mode == 'fwd' else 'training'} step",
+                     f"{model}, {mode}" + (f" ({skipped} of {len(mine)} cases skipped: estimated too slow)"
+                                           if skipped else ""), colors, xticks=ticks)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    h = data["header"]
+    fig.suptitle(f"DiT time per call on {h.get('gpu') or h.get('cpu', '')} ({h.get('device')}), batch "
+                 f"{h.get('batch')}, {h.get('precision')}" + ("\nevery case skipped (estimated too slow): "
+                                                             + ", ".join(unmeasured) if unmeasured else ""),
+                 fontsize=11)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

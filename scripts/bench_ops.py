@@ -14,7 +14,8 @@ Each case runs in a fresh subprocess. Time: median (and p25-p75) over repeated r
 clock with ``time.perf_counter`` on CPU; CUDA events on GPU). Memory: on CPU the growth of the process's peak
 RSS (``ru_maxrss``) over the fwd+bwd runs, relative to the RSS after the inputs were made; on GPU
 ``torch.cuda.max_memory_allocated`` minus the inputs. Cases whose estimated time exceeds ``--max-case-s``
-are skipped and marked with the estimate. Writes ``results/bench/ops_<device>.json`` and ``.md``.
+are skipped and marked with the estimate. Writes ``results/bench/ops_<device>.json``, ``.md`` and ``.png`` (time
+and memory against T per op, log-log); ``--plot-only`` redraws the ``.png`` from the ``.json``.
 """
 
 from __future__ import annotations
@@ -353,6 +354,8 @@ def parse_args(argv=None):
     p.add_argument("--ops", nargs="+", choices=sorted(set(OPS[True])), default=None,
                    help="only these ops (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--plot-only", action="store_true",
+                   help="redraw <out-dir>/<stem>.png from the .json these options name; measure nothing")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: op,causal,T -> run one case, print JSON
     args = p.parse_args(argv)
     if args.quick:
@@ -378,6 +381,11 @@ def main(argv=None) -> int:
     if args.case:
         op, causal, T = args.case.split(",")
         print(json.dumps(run_case(op, causal == "1", int(T), args)))
+        return 0
+    if args.plot_only:
+        stem = os.path.join(args.out_dir, out_stem(args))
+        with open(stem + ".json") as f:
+            print(f"wrote {plot_ops(json.load(f), stem + '.png')}")
         return 0
     from tasks.common.utils import system_info  # noqa: PLC0415
 
@@ -435,20 +443,62 @@ def main(argv=None) -> int:
                       f"fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  peak {rec['peak_mem_mb']:8.1f} MB"
                       + (f"  WARNING: other processes used {busy:.0%} of the CPUs" if busy > BUSY_WARN
                          else ""), flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
     command = "python scripts/bench_ops.py " + " ".join(passthrough)
-    settings = {k: v for k, v in vars(args).items() if k not in ("case", "out_dir")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("case", "out_dir", "plot_only")}
     out = {"header": header, "command": command, "settings": settings, "release_loop_max_abs_diff": equiv,
            "time_method": TIME_METHOD, "memory_method": MEMORY_METHOD,
            "records": records}
-    stem = f"ops_{args.device}" + ("_quick" if args.quick else "")
-    stem += "_" + "-".join(args.ops) if args.ops else ""
-    with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
-        json.dump(out, f, indent=2)
-    with open(os.path.join(args.out_dir, stem + ".md"), "w") as f:
-        f.write(to_markdown(header, records, command, equiv) + "\n")
-    print(f"wrote {os.path.join(args.out_dir, stem + '.json')} and .md")
+    stem = write_results(os.path.join(args.out_dir, out_stem(args)), out)
+    print(f"wrote {stem}.json, .md and .png")
     return 0
+
+
+def out_stem(args) -> str:
+    """``ops_<device>[_quick][_<op>-<op>...]``: the file name (without extension) of this run's results."""
+    stem = f"ops_{args.device}" + ("_quick" if args.quick else "")
+    return stem + ("_" + "-".join(args.ops) if args.ops else "")
+
+
+def write_results(stem: str, out: dict) -> str:
+    """``<stem>.json`` (``out``), ``.md`` (its tables) and ``.png`` (:func:`plot_ops`); returns ``stem``."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(out, f, indent=2)
+    md = to_markdown(out["header"], out["records"], out["command"], out["release_loop_max_abs_diff"])
+    with open(stem + ".md", "w") as f:
+        f.write(md + f"\nPlot: `{os.path.basename(stem)}.png` ({PLOT_NOTE}).\n")
+    plot_ops(out, stem + ".png")
+    return stem
+
+
+OP_LABELS = {"mhla": "MHLA", "mhla_torch": "MHLA (torch path)", "linear": "linear", "fla_linear": "linear (fla)",
+             "sdpa": "SDPA (softmax)", "release_loop": "MHLA, release's loop"}
+PLOT_NOTE = ("fwd, fwd+bwd time and peak memory against T per op, log-log; non-causal above, causal below; "
+             "skipped cases left out; redraw from the .json with `--plot-only`")
+
+
+def plot_ops(out: dict, path: str) -> str:
+    """Time (fwd, fwd+bwd) and peak memory against T, one line per op, log-log: non-causal and causal rows."""
+    from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure  # noqa: PLC0415
+
+    recs = [r for r in out["records"] if not r.get("skipped")]
+    colors = colors_for(OP_LABELS.get(r["op"], r["op"]) for r in out["records"])
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5), squeeze=False)
+    cols = (("fwd_ms", "forward ms"), ("fwdbwd_ms", "forward + backward ms"), ("peak_mem_mb", "peak memory MB"))
+    for row, causal in enumerate((False, True)):
+        for ax, (key, label) in zip(axes[row], cols):
+            series: dict = {}
+            for r in recs:
+                if r["causal"] == causal:
+                    series.setdefault(OP_LABELS.get(r["op"], r["op"]), []).append((r["T"], r.get(key)))
+            loglog_lines(ax, series, "sequence length T", label,
+                         f"{'causal' if causal else 'non-causal'}: {label}", colors)
+    s, h = out.get("settings", {}), out["header"]
+    fig.suptitle(f"Attention ops on {h.get('gpu') or h.get('cpu', h.get('device', ''))} ({h.get('device')}): "
+                 f"B={s.get('batch', '?')}, H={s.get('heads', '?')}, D={s.get('dim', '?')}, {s.get('dtype', '')}",
+                 fontsize=11)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ random weights (latency does not depend on them), text context 512 tokens.
     python scripts/bench_video.py --preset wan1.3b --device cuda     # 21 x 30 x 50 = 31,500 tokens, bf16
     python scripts/bench_video.py --preset cpu                       # scaled down, fp32, a few minutes
 
-Writes ``results/bench/video_<preset>_<device>.json`` and ``.md``. The paper (Table 5) reports end-to-end
+Writes ``results/bench/video_<preset>_<device>.json``, ``.md`` and ``.png`` (``video_cpu.*`` for the ``cpu``
+preset on the CPU; ``--plot-only`` redraws the ``.png`` from the ``.json``). The paper (Table 5) reports end-to-end
 sampling latency of 166 s (FlashAttention) vs 81 s (MHLA) vs 103 s (hybrid) for 50 steps with CFG; the
 per-step ratio measured here is the comparable number (VAE and text encoder excluded).
 """
@@ -86,7 +87,14 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench"))
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw the .png of --preset / --device from its .json in --out; measure nothing")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        stem = os.path.join(args.out, out_name(args.preset, torch.device(args.device).type))
+        with open(stem + ".json") as f:
+            print(f"wrote {plot_video(json.load(f), stem + '.png')}")
+        return
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
@@ -104,27 +112,69 @@ def main(argv=None) -> None:
         r = bench_variant(preset, v, device, dtype, warmup, iters)
         results[v] = r
         print(f"  {v:12s} {r['median_s'] * 1e3:10.1f} ms / step (min {r['min_s'] * 1e3:.1f})", flush=True)
-    base = results.get("softmax", {}).get("median_s")
     machine = system_info(str(device))
     # device_name / threads / torch: flat keys tasks/video_gen/table5.py reads; "machine": the full header
     info = {"preset": args.preset, "device": str(device), "device_name": machine.get("gpu", "cpu"),
             "threads": machine["torch_threads"], "dtype": str(dtype), "tokens": tokens, "grid": grid,
             "blocks": preset["blocks"], "layers": arch["num_layers"], "torch": machine["torch"],
-            "machine": machine, "results": results}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"video_{args.preset}_{device.type}")
+            "warmup": warmup, "iters": iters, "machine": machine, "results": results}
+    stem = write_results(info, os.path.join(args.out, out_name(args.preset, device.type)))
+    print(f"wrote {stem}.json, .md and .png")
+
+
+def out_name(preset: str, device: str) -> str:
+    """``video_<preset>_<device>``, or ``video_<preset>`` where the preset already names the device (``cpu``)."""
+    return f"video_{preset}" if preset == device else f"video_{preset}_{device}"
+
+
+def write_results(info: dict, stem: str) -> str:
+    """``<stem>.json`` (``info``), ``.md`` (ms per step and speed-up per attention), ``.png`` (:func:`plot_video`)."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump(info, f, indent=2)
-    lines = [f"# One denoising step, Wan2.1-shaped transformer ({args.preset})", "",
-             f"{info['device_name']}, {dtype}, {tokens} tokens (grid {grid}), {arch['num_layers']} layers, "
-             f"MHLA blocks {preset['blocks']}, batch 1, median of {iters} after {warmup} warm-up.", "",
+    results = info["results"]
+    base = results.get("softmax", {}).get("median_s")
+    lines = [f"# One denoising step, Wan2.1-shaped transformer ({info['preset']})", "",
+             f"{info['device_name']}, {info['dtype']}, {info['tokens']} tokens (grid {tuple(info['grid'])}), "
+             f"{info['layers']} layers, MHLA blocks {tuple(info['blocks'])}, batch 1, median of "
+             f"{info.get('iters', '?')} after {info.get('warmup', '?')} warm-up.", "",
              "| attention | ms / step | speed-up vs softmax |", "|---|---|---|"]
     for v, r in results.items():
         sp = f"{base / r['median_s']:.2f}x" if base else "-"
         lines.append(f"| {v} | {r['median_s'] * 1e3:.1f} | {sp} |")
+    lines += ["", f"Plot: `{os.path.basename(stem)}.png` (ms per step per attention, speed-up over softmax above "
+                  "each bar; peak memory where measured; redraw from the .json with `--plot-only`)."]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json / .md")
+    plot_video(info, stem + ".png")
+    return stem
+
+
+def plot_video(info: dict, path: str) -> str:
+    """Bars of ms per step per attention (the speed-up over softmax above each), and peak GiB where recorded."""
+    from tasks.common.plots import colors_for, grouped_bars, pyplot, save_figure  # noqa: PLC0415
+
+    results = info["results"]
+    base = results.get("softmax", {}).get("median_s")
+    mem = {v: r["peak_mem_gib"] for v, r in results.items() if r.get("peak_mem_gib")}
+    colors = colors_for(results)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2 if mem else 1, figsize=(11 if mem else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    group = [f"{info['tokens']} tokens"]
+    grouped_bars(ax, group, {v: {group[0]: r["median_s"] * 1e3} for v, r in results.items()}, "ms / step",
+                 "one denoising step (median)", colors)
+    ax.margins(y=0.1)
+    if base:
+        for patch, r in zip(ax.patches, results.values()):
+            ax.annotate(f"{base / r['median_s']:.2f}x", (patch.get_x() + patch.get_width() / 2, patch.get_height()),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    if mem:
+        grouped_bars(axes[0][1], group, {v: {group[0]: g} for v, g in mem.items()}, "peak GiB", "peak memory",
+                     colors)
+    fig.suptitle(f"Wan2.1-shaped transformer ({info['preset']}): {info['layers']} layers, {info['device_name']}, "
+                 f"{info['dtype']}", fontsize=10)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

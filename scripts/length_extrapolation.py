@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from mhla.mixing import EXTENSION_RULES  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
+from tasks.common.plots import pyplot, save_figure  # noqa: E402
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -191,10 +192,7 @@ def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_b
 
 # ---------------------------------------------------------------------------------------- reports
 def write_plot(results: dict, path: str, width: int = 256, length: int = 4096) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for key, by_len in results["curves"].items():
@@ -210,9 +208,7 @@ def write_plot(results: dict, path: str, width: int = 256, length: int = 4096) -
     ax.set_title(f"Per-position validation perplexity, trained at {train_len} tokens")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def markdown(results: dict, command: str, header: dict, notes: str = "") -> str:

@@ -34,7 +34,8 @@ Each table goes to ``results/table<id>[_mini].md`` (and ``.json``) with the pape
 command and the machine. A table whose cells do not exist yet is reported as such (exit 2); nothing is run.
 ``--only CELL ...`` reruns some cells and keeps the others' saved results; ``--jobs N`` runs N at a time; an
 interrupted full-scale cell continues from its run folder (``outputs/table<id>/<cell>``) with
-``-- trainer.resume=auto``.
+``-- trainer.resume=auto``. ``--plot-only`` redraws a cell table's plot (``results/<table>[_mini].png``: the
+paper's number and ours per cell) from its ``.json`` without running anything.
 """
 
 # This file is the command line only; the package scripts/tables/ does the work (its __init__ lists the modules).
@@ -49,7 +50,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from scripts.eval_fid import parse_fid_refs  # noqa: E402
-from scripts.tables import builders, proxy2, registry  # noqa: E402
+from scripts.tables import builders, figures, proxy2, registry  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -83,6 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--bench-only", action="store_true", help="Table 7b: measure throughput only, no training")
     p.add_argument("--no-bench", action="store_true", help="Table 7b: skip the throughput benchmark")
     p.add_argument("--results-dir", default=os.path.join(ROOT, "results"), help="where results/<table>.md go")
+    p.add_argument("--plot-only", action="store_true",
+                   help="cell tables: redraw results/<table>[_mini].png from its .json, run nothing (Tables 5 and "
+                        "mqar: pass it after --, to their entry point)")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every cell (e.g. data.root=...); for "
                                             "Tables 5 / 6 / 8 / mqar, the arguments of their entry point")
     args = p.parse_args(argv)
@@ -100,6 +104,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"--fid-ref refused: {e}", file=sys.stderr)
         return 2
+    if args.plot_only and spec.kind == "cells":
+        return figures.redraw(spec, args)
     if spec.kind == "delegate":
         return builders.run_delegate(spec, args)
     if spec.kind == "bench":

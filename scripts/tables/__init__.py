@@ -11,6 +11,8 @@ one job per module:
 * :mod:`.benchmark` - DiT forward time across M (Table 14, Table 7b's throughput).
 * :mod:`.writers` - ``results/<table>[_mini].md`` and ``.json``: the paper's numbers beside ours, and reading
   the saved rows back (``--only``).
+* :mod:`.figures` - ``results/<table>[_mini].png``: the paper's number and ours per cell as grouped bars
+  (``--plot-only`` redraws it from the ``.json``).
 * :mod:`.builders` - one table end to end, per family: cells (with seeds and ``--only``), bench, delegate.
 * :mod:`.proxy2` - Table 2's seeded CPU proxy (``--table 2 --scale mini``), its table and plot.
 

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 
 from scripts import analyze_attention
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training, train_loss_curve
+from tasks.common.plots import pyplot, save_figure
 from tasks.common.utils import system_info
 
 from . import registry
@@ -134,10 +135,7 @@ def write_proxy2(records: list[dict], args) -> str:
 
 
 def plot_proxy2(records: list[dict], stats: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415  (matplotlib only where a plot is drawn)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = pyplot()
 
     attns = [a for a in PROXY2_ROWS if a in stats]
     if not attns:
@@ -160,9 +158,7 @@ def plot_proxy2(records: list[dict], stats: dict, path: str) -> None:
     axes[1].set_xlabel("step")
     axes[1].set_title("training loss (mean over seeds)")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main_proxy2(argv: list[str]) -> int:

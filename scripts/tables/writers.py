@@ -1,6 +1,6 @@
 """The results files: ``<results dir>/<table>[_mini].md`` with the paper's numbers beside ours (mean ± std
-with seeds), the command and the machine, and ``.json`` with the rows; the benchmark's table; reading saved
-rows back (:func:`previous_rows`, for ``--only``)."""
+with seeds), the command and the machine, ``.json`` with the rows and ``.png`` (:mod:`.figures`); the
+benchmark's table; reading saved rows back (:func:`previous_rows`, for ``--only``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from tasks.common.fileio import atomic_write
 from tasks.common.utils import system_info
 
-from . import registry
+from . import figures, registry
 from .registry import BENCH, ROOT, Cell, Table
 
 
@@ -142,8 +142,13 @@ def write_table(table: str, args, rows: list[tuple[Cell, dict]], bench: dict | N
     if bench:
         lines += ["", "## Throughput across M (scripts/bench_models.py timing)", ""]
         lines += bench_lines(spec.bench, bench) if "rows" in bench else [f"Benchmark failed: {bench.get('error')}"]
-    return save_table(spec, args, lines, [{"cell": c.name, "paper": c.paper, "overrides": c.overrides, **r}
-                                          for c, r in rows], bench)
+    saved = [{"cell": c.name, "paper": c.paper, "overrides": c.overrides, **r} for c, r in rows]
+    stem = stem_path(spec, args)
+    if figures.metric_key(saved, figures.OURS_ORDER, "metrics"):
+        lines += ["", f"Plot: `{os.path.basename(stem)}.png` ({figures.plot_note(spec.id, mini)})."]
+    md = save_table(spec, args, lines, saved, bench)
+    figures.plot_table(spec.id, saved, stem + ".png", mini=mini)
+    return md
 
 
 def save_table(spec: Table, args, lines: list[str], rows: list[dict], bench: dict | None = None) -> str:

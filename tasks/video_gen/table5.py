@@ -13,7 +13,8 @@ evaluation-only: no ``train.py`` command, its videos are sampled from ``model.pr
 Without ``--run`` (or without the weights / data) it prints the commands of each row. The table holds the
 paper's numbers, our measured per-step latency where a benchmark result exists
 (``results/bench/video_wan1.3b_cuda.json`` from ``scripts/bench_video.py --preset wan1.3b``; the scaled-down
-CPU result is listed separately), and marks the VBench columns as an external step (README).
+CPU result, ``results/bench/video_cpu.json``, is listed separately), and marks the VBench columns as an
+external step (README). ``results/table5.png`` sets the latency ratios side by side (``--plot-only`` redraws it).
 """
 
 from __future__ import annotations
@@ -123,8 +124,19 @@ def load_bench(name: str):
     return json.load(open(path)) if os.path.isfile(path) else None
 
 
+def paper_rows() -> list[tuple[str, dict, int]]:
+    """``(row, paper numbers, fine-tuning steps or 0)`` per Table 5 row, from its experiment config."""
+    out = []
+    for row in ROWS:
+        cfg = row_config(row)
+        out.append((row, OmegaConf.to_container(cfg.paper, resolve=True),
+                    int(cfg.trainer.max_steps) if finetunes(cfg) else 0))
+    return out
+
+
 def write_table(out: str) -> str:
-    gpu, cpu = load_bench("video_wan1.3b_cuda.json"), load_bench("video_cpu_cpu.json")
+    gpu, cpu = load_bench("video_wan1.3b_cuda.json"), load_bench("video_cpu.json")
+    rows = paper_rows()
     lines = ["# Table 5: Wan2.1-T2V-1.3B video generation (81 frames, 480 x 800, 31,500 tokens)", "",
              "Paper numbers beside ours. VBench (quality / semantic / total) is an EXTERNAL step: run VBench on the",
              "sample folders written by `python -m tasks.video_gen.sample` (fine-tuned rows) and",
@@ -134,11 +146,7 @@ def write_table(out: str) -> str:
              "| attention | paper quality | paper semantic | paper total | paper latency (s) | ours VBench | "
              "ours step latency (ms, 1.3B, 31,500 tok) | ours speed-up | ours CPU scaled-down (ms) | CPU speed-up |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    trained = []
-    for row in ROWS:
-        cfg = row_config(row)
-        p = OmegaConf.to_container(cfg.paper, resolve=True)
-        trained.append((p["row"], int(cfg.trainer.max_steps) if finetunes(cfg) else 0))
+    for row, p, _ in rows:
         key = BENCH_KEY[row]
         cells = []
         for b in (gpu, cpu):
@@ -148,9 +156,9 @@ def write_table(out: str) -> str:
                       if r else ["not measured", "-"])
         lines.append(f"| {p['row']} | {p['quality']} | {p['semantic']} | {p['total']} | {p['latency_s']} | external | "
                      + " | ".join(cells) + " |")
-    lines += ["", "Rows: " + "; ".join(f"{name}: fine-tuned {n} steps" if n else
-                                       f"{name}: the pretrained Wan2.1-T2V-1.3B, not fine-tuned (task.finetune=false)"
-                                       for name, n in trained) + ".",
+    lines += ["", "Rows: " + "; ".join(f"{p['row']}: fine-tuned {n} steps" if n else
+                                       f"{p['row']}: the pretrained Wan2.1-T2V-1.3B, not fine-tuned "
+                                       "(task.finetune=false)" for _, p, n in rows) + ".",
               "", "Paper latency: end-to-end sampling (50 steps with CFG); ours: one transformer forward (batch 1,",
               "no CFG), so compare ratios, not absolute values (paper: MHLA 166/81 = 2.05x, hybrid 1.61x)."]
     if gpu:
@@ -158,10 +166,46 @@ def write_table(out: str) -> str:
     if cpu:
         lines.append(f"CPU benchmark (scaled down, `--preset cpu`): {cpu['tokens']} tokens, {cpu['layers']} layers, "
                      f"{cpu['threads']} threads, measured on a shared, loaded 2-core machine.")
+    png = os.path.splitext(out)[0] + ".png"
+    if gpu or cpu:
+        lines += ["", f"Plot: `{os.path.basename(png)}` (speed-up over FlashAttention / softmax per attention: the "
+                      "paper's sampling latency beside our per-step latency; redraw with `python -m "
+                      "tasks.video_gen.table5 --plot-only`)."]
     text = "\n".join(lines) + "\n"
     with open(out, "w") as f:
         f.write(text)
+    plot_table5(rows, gpu, cpu, png)
     return text
+
+
+def plot_table5(rows: list[tuple[str, dict, int]], gpu: dict | None, cpu: dict | None, path: str) -> str | None:
+    """Speed-up over the first row (FlashAttention / softmax) per attention, as grouped bars: the paper's
+    end-to-end sampling latency, then ours per step (GPU at the paper's size, the scaled-down CPU model) where
+    measured. Nothing is drawn (None) when no benchmark of ours exists: the paper's ratios alone need no plot."""
+    from tasks.common.plots import grouped_bars, pyplot, save_figure  # noqa: PLC0415
+
+    if not (gpu or cpu):
+        return None
+    groups, series = ["paper: sampling\n(50 steps, CFG)"], {}
+    for _, p, _ in rows:
+        series.setdefault(p["row"], {})[groups[0]] = rows[0][1]["latency_s"] / p["latency_s"]
+    for name, b in (("ours: one step, 1.3B\n31,500 tokens (GPU)", gpu),
+                    (f"ours: one step, scaled down\n{(cpu or {}).get('tokens')} tokens (CPU)", cpu)):
+        base = (b or {}).get("results", {}).get("softmax")
+        if not base:
+            continue
+        groups.append(name)
+        for row, p, _ in rows:
+            r = b["results"].get(BENCH_KEY[row])
+            if r:
+                series[p["row"]][name] = base["median_s"] / r["median_s"]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(3 + 2.6 * len(groups), 4.2))
+    grouped_bars(ax, groups, series, "speed-up over FlashAttention / softmax", "Table 5: latency ratios (higher "
+                 "is faster)", annotate="{:.2f}x", legend="outside")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.margins(y=0.12)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> None:
@@ -176,7 +220,14 @@ def main(argv=None) -> None:
                     help="sample an evaluation-only row (task.finetune=false) from --wan, then stop")
     ap.add_argument("--samples-out", default=SAMPLES, help="--sample-pretrained: folder of the sample folders")
     ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw the plot beside --out (.png) from the paper's numbers and results/bench/video_*.json")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        png = plot_table5(paper_rows(), load_bench("video_wan1.3b_cuda.json"), load_bench("video_cpu.json"),
+                          os.path.splitext(args.out)[0] + ".png")
+        print(f"wrote {png}" if png else "no benchmark of ours in results/bench: no plot")
+        return
     if args.sample_pretrained:
         if not (args.wan and os.path.isdir(args.wan)):
             raise SystemExit("--sample-pretrained needs the Wan2.1 weights: --wan /path/to/Wan2.1-T2V-1.3B-Diffusers")
