@@ -51,6 +51,7 @@ def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_
     from torch.utils.data import DataLoader  # noqa: PLC0415
 
     from tasks.common.data import ResumableSampler  # noqa: PLC0415
+    from tasks.common.progress import ProgressLoader  # noqa: PLC0415
     from tasks.common.trainer import _precision_context, cap_num_workers  # noqa: PLC0415
 
     cfg, task, model, info = load_run(ckpt_path, overrides, use_ema)
@@ -63,7 +64,7 @@ def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_
     precision = cfg.trainer.get("precision", "auto")
     precision = ("bf16" if info.device.type == "cuda" else "fp32") if precision == "auto" else precision
     with _precision_context(precision, info.device):
-        return task.evaluate(model, loader, info.device, info)
+        return task.evaluate(model, ProgressLoader(loader, "eval", enabled=info.is_main), info.device, info)
 
 
 def main(argv: list[str]) -> int:

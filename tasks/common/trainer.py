@@ -52,6 +52,7 @@ from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
+from .progress import ProgressLoader
 from .utils import count_parameters, rng_state, seed_everything, set_rng_state, system_info
 
 
@@ -711,7 +712,9 @@ class Trainer:
         target.eval()
         run.eval_loader.generator.manual_seed(loader_seed(run.seed, 0))  # the same for every evaluation
         with _precision_context(self.precision, self.device):
-            metrics, media = split_media(self.task.evaluate(target, run.eval_loader, self.device, self.dist))
+            loader = ProgressLoader(run.eval_loader, f"eval @ step {run.step}",
+                                    enabled=self.dist.is_main and self.tcfg.get("progress_bar", True))
+            metrics, media = split_media(self.task.evaluate(target, loader, self.device, self.dist))
         if run.logger is not None and run.logger.logs_media:
             media = {**{f"eval/{k}": m for k, m in media.items()}, **mixing_heatmaps(target, run.step)}
             run.logger.log_media(media, run.step)
