@@ -55,6 +55,11 @@ VARIANTS = {
     "mhla_locality": ["attn=mhla", "model.mixing_init=locality"],
     "mhla_locality_visible": ["attn=mhla", "model.mixing_init=locality_visible"],
     "mhla_identity": ["attn=mhla", "model.mixing_init=identity"],
+    # a short causal conv (kernel 4, fla's ShortConvolution) on q, k, v: the token shift that the recall circuit
+    # needs and that linear attention cannot do sharply by itself (GLA / Gated DeltaNet have it by default)
+    "softmax_conv": ["attn=softmax", "model.short_conv=4"],
+    "linear_conv": ["attn=linear", "model.short_conv=4"],
+    "mhla_conv": ["attn=mhla", "model.short_conv=4"],
 }
 
 # Grids by scale: cells (NxK), variants, seeds, epochs of the task's 20k training examples (312 steps each).

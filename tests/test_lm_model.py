@@ -168,3 +168,39 @@ def test_logits_to_keep_bool_mask_selects_positions():
         kept = model(x, use_cache=False, logits_to_keep=mask).logits
     assert kept.shape == (3, 61)
     torch.testing.assert_close(kept, full[mask])
+
+
+@pytest.mark.parametrize("attn_type", ATTNS)
+def test_short_conv_is_causal_and_mixes_the_previous_tokens(attn_type):
+    """model.short_conv=K: token t's q, k, v see tokens t-K+1..t (a later token changes nothing before it; the
+    token K positions back does not reach t through the conv, only through attention)."""
+    model = tiny(attn_type, short_conv=4).train()
+    conv = model.model.layers[0].attn.short_conv
+    assert conv.kernel_size == (4,) and conv.groups == conv.in_channels == 2 * (8 + 8 + 16)  # q|k|v of 2 heads
+    x = torch.randint(0, 61, (2, 13))
+    x2 = x.clone()
+    x2[:, 9] = (x2[:, 9] + 1) % 61
+    with torch.no_grad():
+        a, b = model(x, use_cache=False).logits, model(x2, use_cache=False).logits
+    assert torch.equal(a[:, :9], b[:, :9]) and not torch.allclose(a[:, 9:], b[:, 9:])
+    # the conv alone on q, k, v: an impulse at t reaches t..t+3 only
+    layer = model.model.layers[0].attn
+    q = torch.zeros(1, 8, 2, 8)  # [B, T, H, D]: key dim 0.5 x 32 over 2 heads
+    q[0, 2] = 1.0
+    qo, ko, vo = layer._apply_short_conv(q, q.clone(), torch.zeros(1, 8, 2, 16))
+    reached = qo.abs().sum(dim=(0, 2, 3)) > 0
+    assert reached.tolist() == [False, False, True, True, True, True, False, False]
+    out = model(x, labels=x)
+    out.loss.backward()
+    assert conv.weight.grad is not None and conv.weight.grad.abs().sum() > 0
+
+
+def test_short_conv_refuses_cached_and_packed_calls():
+    model = tiny("mhla", short_conv=4)
+    with pytest.raises(NotImplementedError, match="short_conv"):
+        model(torch.randint(0, 61, (1, 5)), use_cache=True)
+    with pytest.raises(NotImplementedError, match="short_conv"):
+        model(torch.randint(0, 61, (2, 5)), attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]),
+              use_cache=False)
+    with pytest.raises(ValueError, match="short_conv"):
+        MHLALMConfig(short_conv=-1)

@@ -62,6 +62,11 @@ class MHLALMConfig(PretrainedConfig):
         output_gate: GLA-style ``RMSNorm(o) * swish(W_g x)``. rope, rope_theta: rotary embedding placement.
         mixing_init, mixing_per_head, mixing_param, mixing_learnable: see :class:`mhla.mixing.MixingMatrix`.
         qk_norm: RMSNorm per head on q and k. cpe / cpe_kernel: causal depthwise conv on V (off).
+        short_conv: kernel of a causal depthwise conv + SiLU on the projected q, k and v (fla's
+            ``ShortConvolution``, ``conv_size=4`` in GLA / Gated DeltaNet; 0: off, the paper's LM). It lets a
+            layer copy the previous tokens into each position, which linear attention cannot do sharply.
+            Training and full-sequence evaluation only: cached decoding and packed (``cu_seqlens`` / padded)
+            calls raise NotImplementedError.
         rms_norm_eps, initializer_range, tie_word_embeddings: as in Llama.
         attn_backend: op backend (``"auto"`` | ``"torch"`` | ``"triton"`` | ``"reference"``).
     """
@@ -94,6 +99,7 @@ class MHLALMConfig(PretrainedConfig):
         qk_norm: bool = False,
         cpe: bool = False,
         cpe_kernel: int = 3,
+        short_conv: int = 0,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
         attn_backend: str = "auto",
@@ -138,6 +144,9 @@ class MHLALMConfig(PretrainedConfig):
         self.qk_norm = qk_norm
         self.cpe = cpe
         self.cpe_kernel = cpe_kernel
+        if short_conv < 0:
+            raise ValueError(f"short_conv must be >= 0 (0: off), got {short_conv}")
+        self.short_conv = short_conv
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         self.attn_backend = attn_backend

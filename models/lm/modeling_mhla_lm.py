@@ -64,15 +64,39 @@ class _LMAttentionMixin:
     (:meth:`mhla.layers.AttentionBase.forward` hands them to ``_project``).
     """
 
-    def setup_lm(self, feature_map: str | None, rope: str) -> None:
+    def setup_lm(self, feature_map: str | None, rope: str, short_conv: int = 0) -> None:
         self.lm_feature_map = get_feature_map(feature_map) if feature_map else None
         self.lm_rope = rope
+        self.short_conv = None
+        if short_conv:  # one depthwise conv over the channels of q | k | v, as fla's three ShortConvolutions
+            channels = self.num_heads * (2 * self.head_dim + self.value_dim)
+            self.short_conv = nn.Conv1d(channels, channels, short_conv, groups=channels, bias=False,
+                                        device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
+
+    def forward(self, x, *args, cache=None, cu_seqlens=None, **kwargs):
+        if self.short_conv is not None and (cache is not None or cu_seqlens is not None):
+            raise NotImplementedError(
+                "short_conv is for training and full-sequence evaluation: cached decoding and packed / padded "
+                "calls keep no conv state yet (call with use_cache=False and no attention_mask)")
+        return super().forward(x, *args, cache=cache, cu_seqlens=cu_seqlens, **kwargs)
+
+    def _apply_short_conv(self, q, k, v):
+        """Causal depthwise conv (kernel ``K``, left zero padding) + SiLU over the tokens of q, k ``[B, T, H, D]``
+        and v ``[B, T, H, Dv]``, channel by channel (token ``t`` sees ``t - K + 1 .. t``)."""
+        B, T, H, D = q.shape
+        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1).transpose(1, 2)
+        qkv = F.silu(self.short_conv(F.pad(qkv, (self.short_conv.kernel_size[0] - 1, 0)))).transpose(1, 2)
+        q, k, v = qkv.split([H * D, H * D, v.shape[2] * v.shape[3]], dim=-1)
+        return q.reshape(B, T, H, D), k.reshape(B, T, H, D), v.reshape(B, T, H, -1)
 
     def _project(self, x, rope_tables=None):
-        """``x [B, T, C]`` -> q, k ``[B, T, H, D]`` (normed, rotated, feature-mapped), v ``[B, T, H, Dv]``.
+        """``x [B, T, C]`` -> q, k ``[B, T, H, D]`` (normed, short-convolved, rotated, feature-mapped),
+        v ``[B, T, H, Dv]``.
 
         ``rope_tables``: half-split ``(cos, sin)`` of the T positions (:func:`rope_cos_sin`); None: none."""
         q, k, v = super()._project(x)
+        if self.short_conv is not None:
+            q, k, v = self._apply_short_conv(q, k, v)
         rot = None
         if rope_tables is not None:
             cos, sin = rope_tables
@@ -102,7 +126,7 @@ def build_lm_attention(config: MHLALMConfig) -> nn.Module:
     )
     if config.attn_type == "softmax":
         layer = LMSoftmaxAttention(config.hidden_size, config.num_heads, **common)
-        layer.setup_lm(None, config.rope)
+        layer.setup_lm(None, config.rope, config.short_conv)
         return layer
     common.update(feature_map="identity", normalize=config.normalize, out_norm=not config.normalize)
     if config.attn_type == "linear":
@@ -113,7 +137,7 @@ def build_lm_attention(config: MHLALMConfig) -> nn.Module:
             mixing_init=config.mixing_init, mixing_learnable=config.mixing_learnable,
             mixing_per_head=config.mixing_per_head, mixing_param=config.mixing_param,
             max_learned_blocks=config.max_learned_blocks, **common)
-    layer.setup_lm(config.feature_map, config.rope)
+    layer.setup_lm(config.feature_map, config.rope, config.short_conv)
     return layer
 
 
