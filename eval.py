@@ -11,6 +11,9 @@ The task is the class the stored config names in ``task.target``, picked as ``tr
 (:func:`tasks.common.trainer.task_class`). Checkpoints written before that key name their task by
 ``task.module`` only: :data:`tasks.common.trainer.LEGACY_TASK_MODULES` maps those; else pass
 ``+task.target=...``.
+
+This file is the command line; :mod:`tasks.common.evaluation` does the work (``load_run``,
+``evaluate_checkpoint``), for scripts and tests too.
 """
 
 from __future__ import annotations
@@ -22,49 +25,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-
-def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True):
-    """``(cfg, task, model, dist_info)`` of a ``train.py`` checkpoint: the run's stored config with
-    ``overrides`` on top, its task (the class ``task.target`` names, as in ``train.py``:
-    :func:`tasks.common.trainer.task_class`), and the model with the EMA (``use_ema``) or raw weights, in eval
-    mode."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    from tasks.common.checkpoint import load_run_checkpoint, model_weights  # noqa: PLC0415
-    from tasks.common.config import apply_overrides, check_eval_batch_size  # noqa: PLC0415
-    from tasks.common.distributed import setup_distributed  # noqa: PLC0415
-    from tasks.common.trainer import task_class  # noqa: PLC0415
-
-    state = load_run_checkpoint(ckpt_path)
-    cfg = OmegaConf.create(state["config"])
-    apply_overrides(cfg, overrides or [])  # a misspelled key is an error, as in train.py
-    check_eval_batch_size(cfg)
-    task = task_class(cfg)(cfg)
-    info = setup_distributed(cfg.trainer.get("device", "auto"))
-    model = task.build_model()
-    model.load_state_dict(model_weights(state, "ema" if use_ema else "model"))
-    model.to(info.device).eval()
-    return cfg, task, model, info
-
-
-def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True) -> dict:
-    from torch.utils.data import DataLoader  # noqa: PLC0415
-
-    from tasks.common.data import ResumableSampler  # noqa: PLC0415
-    from tasks.common.progress import ProgressLoader  # noqa: PLC0415
-    from tasks.common.trainer import _precision_context, cap_num_workers  # noqa: PLC0415
-
-    cfg, task, model, info = load_run(ckpt_path, overrides, use_ema)
-    _, eval_ds = task.build_datasets()
-    bs = int(cfg.data.get("eval_batch_size") or cfg.data.batch_size)
-    sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
-                               drop_last=False)
-    loader = DataLoader(eval_ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
-                        num_workers=cap_num_workers(int(cfg.trainer.get("num_workers", 0)))[0])
-    precision = cfg.trainer.get("precision", "auto")
-    precision = ("bf16" if info.device.type == "cuda" else "fp32") if precision == "auto" else precision
-    with _precision_context(precision, info.device):
-        return task.evaluate(model, ProgressLoader(loader, "eval", enabled=info.is_main), info.device, info)
+from tasks.common.checkpoint import NotACheckpointError  # noqa: E402
+from tasks.common.config import ConfigError  # noqa: E402
+from tasks.common.evaluation import evaluate_checkpoint  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -74,9 +37,6 @@ def main(argv: list[str]) -> int:
         return 2
     use_ema = not any(a.lower() in ("use_ema=false", "use_ema=0") for a in argv)
     overrides = [a for a in argv if not a.startswith(("ckpt=", "use_ema="))]
-    from tasks.common.checkpoint import NotACheckpointError  # noqa: PLC0415
-    from tasks.common.config import ConfigError  # noqa: PLC0415
-
     try:
         metrics = evaluate_checkpoint(ckpt, overrides, use_ema)
     except (ConfigError, NotACheckpointError, FileNotFoundError) as e:

@@ -14,23 +14,22 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tasks.common.config import register_resolvers  # noqa: E402  (light: no torch)
+from tasks.common.config import register_resolvers, validate_config  # noqa: E402
+from tasks.common.logger import run_log  # noqa: E402
+from tasks.common.trainer import Trainer, TrainingInterrupted, task_class  # noqa: E402
 
 register_resolvers()  # ${launch_id:} and ${resume_run_dir:...} in hydra.run.dir
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
     """Validate the composed config, then train the Task class it names (``task.target``) with the Trainer."""
-    from tasks.common.config import validate_config  # noqa: PLC0415
-    from tasks.common.logger import run_log  # noqa: PLC0415
-    from tasks.common.trainer import Trainer, task_class  # noqa: PLC0415
-
     validate_config(cfg)
     metrics = Trainer(cfg, task_class(cfg)(cfg), run_dir).fit()
     line = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
@@ -41,10 +40,6 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
-
-    from tasks.common.trainer import TrainingInterrupted  # noqa: PLC0415
-
     run_dir = HydraConfig.get().runtime.output_dir
     if cfg.get("print_config", False):
         print(OmegaConf.to_yaml(cfg, resolve=True))

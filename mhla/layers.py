@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .feature_maps import get_feature_map
-from .layouts import BlockLayout, ceil_div, layout_1d
+from .layouts import BlockLayout, ceil_div, layout_1d, layout_from_num_blocks
 from .mixing import MixingMatrix
 from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
 from .ops.validation import check_cu_seqlens
@@ -411,8 +411,6 @@ class MultiHeadLinearAttention(AttentionBase):
             self.mixing.to(device)
 
     def _build_layout(self, grid, block, num_blocks, block_size) -> BlockLayout | None:
-        from .layouts import layout_from_num_blocks  # noqa: PLC0415
-
         if grid is None:
             return None  # 1-D, decided from the sequence length at the first call
         grid = tuple(grid)

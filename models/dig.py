@@ -37,6 +37,7 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from mhla.layouts import ceil_div
 from mhla.registry import build_attention
@@ -341,8 +342,6 @@ def build_dig(model_cfg, attn_cfg) -> DiG:
     """Build from a model config (``kind: dig``; ``variant`` DiG-S ... or explicit ``depth`` / ``hidden_size`` /
     ``num_heads``; ``token_mixer``, ``scan``, ``dwconv``, ``gla_chunk``, ``gla_backend`` and DiT's keys) and an
     attention config (used when ``token_mixer == "attn"``)."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
     attn = OmegaConf.to_container(attn_cfg, resolve=True) if OmegaConf.is_config(attn_cfg) else dict(attn_cfg or {})
     depth, hidden, heads = DIG_SIZES.get(model_cfg.get("variant"), (None, None, None))
     return DiG(depth=int(model_cfg.get("depth") or depth), hidden_size=int(model_cfg.get("hidden_size") or hidden),

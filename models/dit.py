@@ -17,11 +17,14 @@ The attention of every block is built through :func:`mhla.registry.build_attenti
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 import torch.nn as nn
+from omegaconf import OmegaConf
 
 from mhla.registry import build_attention
 
@@ -260,8 +263,6 @@ def build_dit(model_cfg, attn_cfg) -> DiT:
     """Build from a model config (``variant`` ``DiT-S`` ... or explicit ``depth`` / ``hidden_size`` /
     ``num_heads``; ``patch_size``, ``input_size``, ``in_channels``, ``num_classes``, ``learn_sigma``,
     ``class_dropout_prob``, ``mlp_ratio``, ``pretrained``) and an attention config."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
     attn = OmegaConf.to_container(attn_cfg, resolve=True) if OmegaConf.is_config(attn_cfg) else dict(attn_cfg)
     variant = model_cfg.get("variant")
     depth, hidden, heads = DIT_SIZES[variant] if variant in DIT_SIZES else (None, None, None)
@@ -300,8 +301,6 @@ class LoadReport:
 
 
 def _compact(keys, limit: int = 8) -> str:
-    import re  # noqa: PLC0415
-
     patterns = sorted({re.sub(r"blocks\.\d+\.", "blocks.*.", k) for k in keys})
     more = f" (+{len(patterns) - limit} more)" if len(patterns) > limit else ""
     return ", ".join(patterns[:limit]) + more
@@ -320,8 +319,6 @@ def load_original_dit(model: DiT, path: str, prefer: str = "ema") -> LoadReport:
 
     Raises FileNotFoundError with the download location when ``path`` is missing.
     """
-    import os  # noqa: PLC0415
-
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"model.pretrained={path} does not exist. Download DiT-XL-2-256x256.pt (or -512x512) from "

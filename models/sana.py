@@ -20,6 +20,9 @@ from __future__ import annotations
 import os
 
 import torch.nn as nn
+from omegaconf import OmegaConf
+
+from mhla.adapters.diffusers import swap_self_attention
 
 # BASELINES.md section 8 (scripts/convert_sana_to_diffusers.py, SanaMS_600M_P1_D28); sample_size 32 = 1024 px.
 SANA_600M = dict(in_channels=32, out_channels=32, num_attention_heads=36, attention_head_dim=32, num_layers=28,
@@ -61,8 +64,6 @@ def load_pretrained_sana(path: str):
 
 def swap_attention(model: nn.Module, attn_cfg) -> list[str]:
     """Replace SANA's ``attn1`` processors per ``attn_cfg`` (``name`` mhla / linear / native); returns the names."""
-    from mhla.adapters.diffusers import swap_self_attention  # noqa: PLC0415
-
     cfg = {str(k): v for k, v in dict(attn_cfg).items()}
     name = cfg.pop("name")
     if name in NATIVE:
@@ -83,7 +84,6 @@ def build_sana(model_cfg, attn_cfg):
     """Build SANA from ``model_cfg`` (``config``: a name in :data:`CONFIGS` or a mapping; ``pretrained``: a
     local diffusers checkpoint folder, which wins over ``config``) and swap its self-attention per ``attn_cfg``."""
     from diffusers import SanaTransformer2DModel  # noqa: PLC0415
-    from omegaconf import OmegaConf  # noqa: PLC0415
 
     to_dict = (lambda c: OmegaConf.to_container(c, resolve=True)) if OmegaConf.is_config(model_cfg) else dict
     mcfg = to_dict(model_cfg)

@@ -28,6 +28,9 @@ import os
 from collections.abc import Mapping
 
 import torch.nn as nn
+from omegaconf import OmegaConf
+
+from mhla.adapters.diffusers import hybrid_layers, swap_self_attention
 
 from .weights import MissingWeightsError, require_local_weights  # noqa: F401  (MissingWeightsError: re-exported)
 
@@ -57,8 +60,6 @@ def _plain(cfg) -> dict:
         return {}
     if isinstance(cfg, Mapping):
         return dict(cfg)
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -95,8 +96,6 @@ def build_transformer(model_cfg):
 
 def attention_layers(attn_cfg, num_layers: int) -> list[int]:
     """Indices of the self-attention layers that get the new attention (``attn.layers``)."""
-    from mhla.adapters.diffusers import hybrid_layers  # noqa: PLC0415
-
     a = _plain(attn_cfg)
     layers = a.get("layers", "all")
     if layers in (None, "all"):
@@ -114,8 +113,6 @@ def apply_attention(model, attn_cfg, grid=None) -> list[str]:
     ``grid``: the training token grid, used when the block grid is given as ``num_blocks`` (factorised)
     rather than ``blocks`` (per axis).
     """
-    from mhla.adapters.diffusers import swap_self_attention  # noqa: PLC0415
-
     a = _plain(attn_cfg)
     name = a.get("name", "softmax")
     if name == "softmax":

@@ -35,14 +35,19 @@ import math
 import os
 import sys
 
+import torch
+
+from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
+from mhla.layouts import ceil_div, layout_from_num_blocks
+from mhla.mixing import mixing_init
+from mhla.ops.reference import mhla_attention_matrix
+from tasks.common.checkpoint import find_checkpoint
+from tasks.common.evaluation import load_run
+from tasks.common.launch import mean_std
+from tasks.common.plots import pyplot, save_figure
+from tasks.common.utils import system_info
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import torch  # noqa: E402
-
-from tasks.common.checkpoint import find_checkpoint  # noqa: E402
-from tasks.common.plots import pyplot, save_figure  # noqa: E402
 
 PAPER = {"source": "MHLA paper Fig. 3, trained DeiT-T (not comparable with synthetic inputs)",
          "linear": {"rank": 58.4, "entropy": 5.12}, "softmax": {"rank": 254.8, "entropy": 4.13},
@@ -54,10 +59,6 @@ def attention_matrices(q: torch.Tensor, k: torch.Tensor, num_blocks: int, eps: f
 
     Tokens are in raster order on a square grid; MHLA uses the block layout of ``num_blocks`` blocks.
     """
-    from mhla.layouts import layout_from_num_blocks  # noqa: PLC0415
-    from mhla.mixing import mixing_init  # noqa: PLC0415
-    from mhla.ops.reference import mhla_attention_matrix  # noqa: PLC0415
-
     q, k = q.double(), k.double()
     B, N, H, d = q.shape
     side = int(round(math.sqrt(N)))
@@ -119,8 +120,6 @@ def capture_qk(model, x) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
     ``q, k: [B, N, H, d]`` are the outputs of the layer's qk norms (after the projection, before the feature
     map; block-major token order inside MHLA layers).
     """
-    from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention  # noqa: PLC0415
-
     layers = [m for m in model.modules() if isinstance(m, (SoftmaxAttention, LinearAttention,
                                                           MultiHeadLinearAttention))]
     if not layers:
@@ -143,10 +142,6 @@ def capture_qk(model, x) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
 
 def own_attention_matrix(layer, q: torch.Tensor, k: torch.Tensor) -> tuple[str, torch.Tensor]:
     """``(kind, A [B, H, N, N])``: the layer's own effective attention matrix over its grid tokens (rows sum to 1)."""
-    from mhla.layers import LinearAttention, MultiHeadLinearAttention  # noqa: PLC0415
-    from mhla.layouts import ceil_div  # noqa: PLC0415
-    from mhla.ops.reference import mhla_attention_matrix  # noqa: PLC0415
-
     P = layer.num_prefix_tokens
     q, k = q[:, P:], k[:, P:]
     causal = layer.causal
@@ -172,8 +167,6 @@ def own_attention_matrix(layer, q: torch.Tensor, k: torch.Tensor) -> tuple[str, 
 
 def analyze_checkpoint(path: str, batch: int, rtol: float) -> dict:
     """Rank and entropy of every attention layer of the trained model at ``path`` on ``batch`` eval inputs."""
-    from eval import load_run  # noqa: PLC0415  (train.py's sibling; pulls in the task stack)
-
     ckpt = str(find_checkpoint(path))
     cfg, task, model, info = load_run(ckpt, ["trainer.device=cpu"])
     _, eval_ds = task.build_datasets()
@@ -241,7 +234,6 @@ def main_trained(args, argv) -> int:
 
 def write_trained_md(out: dict, path: str) -> None:
     """The Fig. 3 table: mean rank / entropy per model beside the paper's, then every layer and head."""
-    from tasks.common.launch import mean_std  # noqa: PLC0415
     models = out["models"]
     n = models[0]["N"]
     lines = ["# Fig. 3 on trained models: rank and entropy of the effective attention matrix", "",
@@ -280,8 +272,6 @@ def write_trained_md(out: dict, path: str) -> None:
 
 
 def _system_info() -> dict:
-    from tasks.common.utils import system_info  # noqa: PLC0415
-
     return system_info()
 
 

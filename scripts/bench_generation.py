@@ -22,9 +22,12 @@ import resource
 import sys
 import time
 
+import torch
+
+from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
+from tasks.common.utils import system_info
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 PRESETS = {
     "small": dict(hidden_size=256, num_hidden_layers=4, num_heads=4, vocab_size=4096, block_size=64,
@@ -34,9 +37,7 @@ PRESETS = {
 
 
 def _cache_bytes(cache) -> int:
-    import torch  # noqa: PLC0415
-
-    from models.lm.modeling_mhla_lm import _map_tensors  # noqa: PLC0415
+    from models.lm.modeling_mhla_lm import _map_tensors  # noqa: PLC0415  (imports transformers)
 
     total = 0
 
@@ -52,9 +53,7 @@ def _cache_bytes(cache) -> int:
 
 
 def measure(attn: str, context: int, new_tokens: int, preset: str, device: str, dtype: str, batch: int) -> dict:
-    import torch  # noqa: PLC0415
-
-    from models.lm import MHLALMCache, MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415
+    from models.lm import MHLALMCache, MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415  (transformers)
 
     torch.manual_seed(0)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -129,8 +128,6 @@ def write_results(rows, header, args, dtype, argv) -> str:
 
 def plot_generation(data: dict, path: str) -> str:
     """Prefill s, decode ms/token, peak MiB and cache MiB against the context L, one line per attention."""
-    from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure  # noqa: PLC0415
-
     rows = [r for r in data["rows"] if "error" not in r]
     colors = colors_for(r["attn"] for r in data["rows"])
     plt = pyplot()
@@ -167,8 +164,6 @@ def main(argv=None):
             print(f"wrote {plot_generation(json.load(f), stem + '.png')}")
         return
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    from tasks.common.utils import system_info  # noqa: PLC0415
-
     header = {**system_info(args.device), "load_avg_at_start": os.getloadavg()}
     rows = []
     ctx = mp.get_context("spawn")

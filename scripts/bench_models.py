@@ -29,16 +29,13 @@ import statistics
 import sys
 import time
 
+import torch
+from bench_ops import busy_cpu_s, timer  # a sibling: scripts/ is on sys.path
+
+from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
+from tasks.common.utils import system_info
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "scripts")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-import torch  # noqa: E402
-
-from bench_ops import busy_cpu_s, timer  # noqa: E402
-
-from tasks.common.utils import system_info  # noqa: E402
 
 ATTNS = ("softmax", "linear", "mhla")
 TIME_METHOD = ("one warm-up call, then the median (p25-p75) of --repeats calls; CPU: time.perf_counter wall "
@@ -56,7 +53,7 @@ def attn_config(name: str, n_tokens: int, cpe_gate: bool) -> dict:
 
 
 def build_case(model_name: str, res: int, attn: str, batch: int, device, cpe_gate: bool):
-    from models.dit import DiT_models  # noqa: PLC0415
+    from models.dit import DiT_models  # noqa: PLC0415  (models/ pulls in timm)
 
     latent = res // 8
     n_tokens = (latent // 2) ** 2
@@ -104,7 +101,7 @@ class _null:
 
 def model_weight(model_name: str) -> float:
     """Relative per-token cost of a DiT size: depth x width^2."""
-    from models.dit import DIT_SIZES  # noqa: PLC0415
+    from models.dit import DIT_SIZES  # noqa: PLC0415  (models/ pulls in timm)
 
     depth, hidden, _ = DIT_SIZES[model_name.split("/")[0]]
     return depth * hidden * hidden
@@ -241,8 +238,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--mode" in argv and argv[argv.index("--mode") + 1:argv.index("--mode") + 2] == ["video"]:
         i = argv.index("--mode")
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import bench_video  # noqa: PLC0415
+        import bench_video  # noqa: PLC0415  (a sibling; imports models.wan, so timm)
 
         bench_video.main(argv[:i] + argv[i + 2:])
         return 0
@@ -272,8 +268,6 @@ def write_results(data: dict, stem: str) -> str:
 
 def plot_models(data: dict, path: str) -> str:
     """Seconds per call against N, one line per attention, a panel per (model, mode); log-log."""
-    from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure  # noqa: PLC0415
-
     rows = data["results"]
     every = list(dict.fromkeys((r["model"], r["mode"]) for r in rows))
     measured = {(r["model"], r["mode"]) for r in rows if r.get("sec") is not None}

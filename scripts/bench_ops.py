@@ -21,6 +21,7 @@ and memory against T per op, log-log); ``--plot-only`` redraws the ``.png`` from
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -30,11 +31,15 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import torch  # noqa: E402
+import mhla
+from mhla.mixing import distances_1d, mixing_init
+from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
+from tasks.common.utils import system_info
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OPS = {
     False: ["mhla", "mhla_torch", "linear", "sdpa"],
@@ -106,9 +111,6 @@ def choose_num_blocks(T: int) -> int:
 
 
 def make_case(op: str, causal: bool, T: int, args, device):
-    import mhla  # noqa: PLC0415
-    from mhla.mixing import distances_1d, mixing_init  # noqa: PLC0415
-
     g = torch.Generator(device="cpu").manual_seed(0)
     B, H, D = args.batch, args.heads, args.dim
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -158,8 +160,6 @@ def fla_linear_attention(q, k, v):
     """flash-linear-attention's chunked (causal, normalised) linear attention, ``[B, T, H, D]`` layout.
 
     Raises ImportError when ``fla`` is not installed (the case is then reported as skipped)."""
-    import inspect  # noqa: PLC0415
-
     from fla.ops.linear_attn import chunk_linear_attn  # noqa: PLC0415
 
     kw = {"normalize": True}
@@ -170,12 +170,8 @@ def fla_linear_attention(q, k, v):
 
 def sdpa_call(q, k, v, causal: bool, device: str):
     """SDPA; on CUDA pinned to the FlashAttention backend (an error if it cannot run these inputs)."""
-    import mhla  # noqa: PLC0415
-
     if device != "cuda":
         return lambda: mhla.softmax_attention(q, k, v, causal=causal)
-    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
-
     def fn():
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             return mhla.softmax_attention(q, k, v, causal=causal)
@@ -270,8 +266,6 @@ def quartiles(xs: list[float]) -> list[float]:
 
 def check_release_equivalence(args) -> float:
     """Max |ours - release loop| on a small input (fp64); the benchmark aborts if it is not ~0."""
-    import mhla  # noqa: PLC0415
-
     g = torch.Generator().manual_seed(1)
     q, k = (torch.rand(2, 203, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(2, 203, 3, 8, generator=g, dtype=torch.float64)
@@ -387,8 +381,6 @@ def main(argv=None) -> int:
         with open(stem + ".json") as f:
             print(f"wrote {plot_ops(json.load(f), stem + '.png')}")
         return 0
-    from tasks.common.utils import system_info  # noqa: PLC0415
-
     header = system_info(args.device)
     if args.device == "cuda":
         header["copy_bandwidth_GBps"] = round(copy_bandwidth_gbps("cuda"), 1)
@@ -479,8 +471,6 @@ PLOT_NOTE = ("fwd, fwd+bwd time and peak memory against T per op, log-log; non-c
 
 def plot_ops(out: dict, path: str) -> str:
     """Time (fwd, fwd+bwd) and peak memory against T, one line per op, log-log: non-causal and causal rows."""
-    from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure  # noqa: PLC0415
-
     recs = [r for r in out["records"] if not r.get("skipped")]
     colors = colors_for(OP_LABELS.get(r["op"], r["op"]) for r in out["records"])
     plt = pyplot()

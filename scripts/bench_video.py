@@ -20,16 +20,15 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from models.wan import WAN_1_3B, apply_attention
+from tasks.common.plots import colors_for, grouped_bars, pyplot, save_figure
+from tasks.common.utils import system_info
 
-from models.wan import WAN_1_3B, apply_attention  # noqa: E402
-from tasks.common.utils import system_info  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRESETS = {
     # the paper's setting: 81 frames at 480 x 800 -> latents 21 x 60 x 100 -> 21 x 30 x 50 tokens
@@ -152,8 +151,6 @@ def write_results(info: dict, stem: str) -> str:
 
 def plot_video(info: dict, path: str) -> str:
     """Bars of ms per step per attention (the speed-up over softmax above each), and peak GiB where recorded."""
-    from tasks.common.plots import colors_for, grouped_bars, pyplot, save_figure  # noqa: PLC0415
-
     results = info["results"]
     base = results.get("softmax", {}).get("median_s")
     mem = {v: r["peak_mem_gib"] for v, r in results.items() if r.get("peak_mem_gib")}

@@ -26,10 +26,6 @@ import zipfile
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 
 class ReferenceMismatch(ValueError):
     """A FID reference that does not fit the samples (another image size)."""
@@ -127,6 +123,7 @@ def evaluate(samples: str, reference: str, *, ref_size: int | None = None, **kwa
         raise ReferenceMismatch(f"the samples {samples} are {size}x{size} but the reference is declared "
                                 f"{ref_size} px")
     check_reference(reference, size)
+    # torch and scipy only when scoring: reproduce_table.py imports this module for parse_fid_refs
     from tasks.image_gen.metrics import evaluate_samples  # noqa: PLC0415
 
     return evaluate_samples(samples, reference, **kwargs)

@@ -1,10 +1,11 @@
 """Length extrapolation of trained ``task=lm_mini`` language models: per-position perplexity beyond the
 training length, and (for MHLA) the extension rules of the causal mixing matrix past its learned rows.
 
-Each run (``name=run_dir`` or ``name=run_dir/checkpoints/last.pt``) is loaded with ``eval.load_run``. The
-held-out text is the LM data's validation split (the packed token file: validation documents joined by EOS),
-cut into consecutive windows of ``L`` tokens for every evaluation length ``L``. The loss of each target
-position is averaged over the windows and then over position buckets.
+Each run (``name=run_dir`` or ``name=run_dir/checkpoints/last.pt``) is loaded with
+``tasks.common.evaluation.load_run`` (as ``eval.py`` loads it). The held-out text is the LM data's validation
+split (the packed token file: validation documents joined by EOS), cut into consecutive windows of ``L``
+tokens for every evaluation length ``L``. The loss of each target position is averaged over the windows and
+then over position buckets.
 
 MHLA rows past the learned ``M = max_learned_blocks`` ones follow an *extension rule*. The rules compared here
 are applied to the same checkpoint (no retraining) by setting every ``MixingMatrix``'s ``extension`` option
@@ -35,17 +36,15 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from mhla.mixing import EXTENSION_RULES  # noqa: E402
-from tasks.common.checkpoint import find_checkpoint  # noqa: E402
-from tasks.common.plots import pyplot, save_figure  # noqa: E402
+from mhla.mixing import EXTENSION_RULES, MixingMatrix
+from tasks.common.checkpoint import find_checkpoint, load_run_checkpoint, model_weights
+from tasks.common.evaluation import load_run
+from tasks.common.plots import pyplot, save_figure
+from tasks.common.utils import system_info
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -54,8 +53,6 @@ BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
 @contextlib.contextmanager
 def extension_rule(model, rule: str):
     """Within the block, every causal ``MixingMatrix`` of ``model`` extends past its learned rows by ``rule``."""
-    from mhla.mixing import MixingMatrix  # noqa: PLC0415
-
     if rule not in EXTENSION_RULES:
         raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
     mats = [m for m in model.modules() if isinstance(m, MixingMatrix)]
@@ -117,8 +114,6 @@ def fine_buckets(loss: np.ndarray, width: int) -> tuple[list[float], list[float]
 
 def mixing_summary(model) -> list[dict]:
     """Per MHLA layer: the learned matrix, how far it moved from its init, the last learned row."""
-    from mhla.mixing import MixingMatrix  # noqa: PLC0415
-
     out = []
     for name, m in model.named_modules():
         if isinstance(m, MixingMatrix):
@@ -139,9 +134,6 @@ def graft_into_mhla(model, linear_ckpt: str) -> None:
     """Load a linear-attention run's weights into an MHLA model of the same shape and reset every mixing
     matrix to its init (causal uniform ``1/(i+1)``): inside the learned size this IS the linear model (the
     output RMSNorm removes the per-row scale), past it the extension rule decides which blocks are mixed."""
-    from mhla.mixing import MixingMatrix  # noqa: PLC0415
-    from tasks.common.checkpoint import load_run_checkpoint, model_weights  # noqa: PLC0415
-
     missing, unexpected = model.load_state_dict(model_weights(load_run_checkpoint(linear_ckpt), "ema"), strict=False)
     if unexpected or any("mixing" not in k for k in missing):
         raise ValueError(f"{linear_ckpt} does not fit this MHLA model: missing {missing}, unexpected {unexpected}")
@@ -153,8 +145,6 @@ def graft_into_mhla(model, linear_ckpt: str) -> None:
 
 def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_batch: int,
                   max_windows: int | None, log=print) -> dict:
-    from eval import load_run  # noqa: PLC0415
-
     results = {"runs": {}, "curves": {}, "mixing": {}}
     for name, path in runs.items():
         graft = None
@@ -265,8 +255,6 @@ def main(argv=None) -> int:
                    help="the positional arguments are .json files of earlier runs of this script (evaluated in "
                         "parallel processes): merge them and write the report, without evaluating")
     args = p.parse_args(argv)
-    from tasks.common.utils import system_info  # noqa: PLC0415
-
     header = system_info("cpu")
     command = "python scripts/length_extrapolation.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.merge:

@@ -45,12 +45,11 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# siblings: scripts/ is on sys.path (Python puts the running script's folder there; tests/conftest.py too)
+from eval_fid import parse_fid_refs
+from tables import builders, figures, proxy2, registry
 
-from scripts.eval_fid import parse_fid_refs  # noqa: E402
-from scripts.tables import builders, figures, proxy2, registry  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:

@@ -2,12 +2,10 @@
 
 import json
 import os
-import sys
+
+import bench_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bench_models  # noqa: E402
 
 
 def test_attn_config_keeps_m_squared_below_n():

@@ -108,7 +108,7 @@ def tiny_overrides(task, tmp):
 
 @pytest.mark.parametrize("task", ["mnist", "mnist_gen", "sana_mini", "video_mini", "lm_mini", "mqar"])
 def test_eval_rebuilds_the_task_of_a_checkpoint_and_its_metrics(task, tmp_path):
-    from eval import evaluate_checkpoint, load_run  # noqa: PLC0415
+    from tasks.common.evaluation import evaluate_checkpoint, load_run  # noqa: PLC0415
     from train import run  # noqa: PLC0415
 
     metrics = run(make_cfg([f"task={task}", *COMMON, *tiny_overrides(task, tmp_path)]), str(tmp_path / "run"))
@@ -123,7 +123,8 @@ def test_eval_rebuilds_the_task_of_a_checkpoint_and_its_metrics(task, tmp_path):
 def test_a_checkpoint_from_before_task_target_still_evaluates(tmp_path, capsys):
     """A checkpoint whose stored config has ``task.module`` and no ``task.target`` loads through the legacy
     map; one with neither is refused with the fix (``+task.target=...``), which then works."""
-    from eval import evaluate_checkpoint, main  # noqa: PLC0415
+    from eval import main  # noqa: PLC0415
+    from tasks.common.evaluation import evaluate_checkpoint  # noqa: PLC0415
     from train import run  # noqa: PLC0415
 
     metrics = run(make_cfg(["task=mqar", *COMMON, *tiny_overrides("mqar", tmp_path)]), str(tmp_path / "run"))

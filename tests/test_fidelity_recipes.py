@@ -49,11 +49,7 @@ def test_table5_flash_row_is_evaluation_only_the_others_finetune():
 
 
 def test_table5_eval_only_row_refuses_to_train(tmp_path):
-    import sys
-
     from tasks.common.config import ConfigError
-
-    sys.path.insert(0, ROOT)
     from train import run  # noqa: PLC0415
 
     cfg = make_cfg(["experiment=table5/wan_flash", "model=wan_mini", "data=video_shapes", "data.num_frames=4",

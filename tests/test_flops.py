@@ -223,7 +223,7 @@ def test_model_line_without_padding_has_one_count(capsys):
 def test_affine_scaling_is_exact(monkeypatch):
     """The fallback (MHLA's blocks do not tile 14 x 14) equals the direct count where both exist: linear
     attention, with the unpadded 224 px build made to fail."""
-    import models.vit  # noqa: PLC0415
+    import tasks.classification.task as classification_task  # noqa: PLC0415
     from tasks.classification.task import ClassificationTask  # noqa: PLC0415
 
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
@@ -233,14 +233,14 @@ def test_affine_scaling_is_exact(monkeypatch):
     model = task.build_model()
     direct, words, _ = task.paper_flops(model, torch.device("cpu"))
     assert "scaled" not in words
-    build = models.vit.build_vit
+    build = classification_task.build_vit
 
     def no_unpadded_224(model_cfg, attn_cfg):
         if int(model_cfg.img_size) == 224 and not model_cfg.get("pad_to"):
             raise ValueError("cannot run 14 x 14 (pretend)")
         return build(model_cfg, attn_cfg)
 
-    monkeypatch.setattr(models.vit, "build_vit", no_unpadded_224)
+    monkeypatch.setattr(classification_task, "build_vit", no_unpadded_224)
     scaled, words, _ = task.paper_flops(model, torch.device("cpu"))
     assert "scaled affinely in the token count from 128 and 256 px" in words and "pretend" in words
     assert scaled == direct

@@ -24,7 +24,6 @@ def make_cfg(overrides):
 
 
 def run(cfg, run_dir):
-    sys.path.insert(0, ROOT)
     from train import run as train_run  # noqa: PLC0415
 
     return train_run(cfg, str(run_dir))
@@ -83,7 +82,7 @@ def test_cli_unknown_key_message():
 
 def test_eval_entrypoint_reproduces_final_metrics(tmp_path):
     metrics = run(make_cfg(TINY + ["trainer.max_steps=4", "trainer.ema.enabled=true"]), tmp_path)
-    from eval import evaluate_checkpoint  # noqa: PLC0415
+    from tasks.common.evaluation import evaluate_checkpoint  # noqa: PLC0415
 
     again = evaluate_checkpoint(str(tmp_path / "checkpoints" / "last.pt"))
     assert again["top1"] == pytest.approx(metrics["top1"])
@@ -162,8 +161,9 @@ def test_imagenet_without_root_says_what_to_download(tmp_path):
 
 
 def test_other_data_without_root_points_at_its_config(tmp_path):
-    from tasks.common.config import ConfigError, check_data
     from omegaconf import OmegaConf
+
+    from tasks.common.config import ConfigError, check_data
 
     cfg = OmegaConf.create({"data": {"name": "video_folder", "root": None, "batch_size": 1}})
     with pytest.raises(ConfigError, match=r"configs/data/video_folder.yaml") as e:

@@ -55,13 +55,13 @@ class ModelBuilt(Exception):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """Replace the ViT builder so that reaching it raises :class:`ModelBuilt`."""
-    import models.vit  # noqa: PLC0415
+    """Replace the ViT builder (the name the task calls) so that reaching it raises :class:`ModelBuilt`."""
+    import tasks.classification.task as classification_task  # noqa: PLC0415
 
     def refuse(*args, **kwargs):
         raise ModelBuilt
 
-    monkeypatch.setattr(models.vit, "build_vit", refuse)
+    monkeypatch.setattr(classification_task, "build_vit", refuse)
 
 
 def build_model(cfg):
@@ -234,13 +234,13 @@ def test_image_gen_unreadable_image_named_or_skipped(tmp_path):
 
 @pytest.mark.parametrize("latents", ["none", "online"])
 def test_image_gen_task_checks_the_root_before_the_model(tmp_path, monkeypatch, latents):
-    import models.dit  # noqa: PLC0415
+    import tasks.image_gen.task as image_gen_task  # noqa: PLC0415
     from tasks.image_gen.task import ImageGenTask  # noqa: PLC0415
 
     def refuse(*args, **kwargs):
         raise ModelBuilt
 
-    monkeypatch.setattr(models.dit, "build_dit", refuse)
+    monkeypatch.setattr(image_gen_task, "build_dit", refuse)
     make_tree(tmp_path, [], ["cat"])  # val/ only
     cfg = make_cfg(["task=imagenet_gen", "model=dit_s", "logger=none", f"data.root={tmp_path}",
                     f"data.latents={latents}", "data.skip_bad_images=true"])
@@ -252,13 +252,13 @@ def test_image_gen_task_checks_the_root_before_the_model(tmp_path, monkeypatch, 
 
 
 def test_table3b_finetune_refuses_to_start_without_the_released_checkpoint(tmp_path, monkeypatch):
-    import models.dit  # noqa: PLC0415
+    import tasks.image_gen.task as image_gen_task  # noqa: PLC0415
     from tasks.image_gen.task import ImageGenTask  # noqa: PLC0415
 
     def refuse(*args, **kwargs):
         raise ModelBuilt
 
-    monkeypatch.setattr(models.dit, "build_dit", refuse)
+    monkeypatch.setattr(image_gen_task, "build_dit", refuse)
     make_tree(tmp_path, ["cat"], None)
     base = ["experiment=table3b/dit_xl2_256_mhla_finetune", "logger=none", f"data.root={tmp_path}"]
     with pytest.raises(ConfigError, match="model.pretrained=/path/to/DiT-XL-2-256x256.pt"):

@@ -183,9 +183,7 @@ def test_evaluate_samples_end_to_end(tmp_path):
 
 def test_eval_fid_cli_writes_metrics(tmp_path, capsys):
     import json
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import eval_fid
 
     base = _base_images()

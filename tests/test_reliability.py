@@ -255,8 +255,9 @@ def trained(tmp_path_factory):
 
 
 def test_eval_rejects_misspelled_overrides_like_train(trained, capsys):
-    from eval import evaluate_checkpoint, main  # noqa: PLC0415
+    from eval import main  # noqa: PLC0415
     from tasks.common.config import ConfigError  # noqa: PLC0415
+    from tasks.common.evaluation import evaluate_checkpoint  # noqa: PLC0415
 
     with pytest.raises(ConfigError, match=r"Could not override 'data\.eval_batchsize'"):
         evaluate_checkpoint(str(trained), ["data.eval_batchsize=100"])
@@ -269,8 +270,8 @@ def test_eval_rejects_misspelled_overrides_like_train(trained, capsys):
 
 @pytest.mark.parametrize("kind", ["empty", "text", "foreign", "tensor"])
 def test_eval_and_resume_on_a_file_that_is_not_a_checkpoint(tmp_path, kind):
-    from eval import evaluate_checkpoint  # noqa: PLC0415
     from tasks.common.checkpoint import NotACheckpointError  # noqa: PLC0415
+    from tasks.common.evaluation import evaluate_checkpoint  # noqa: PLC0415
 
     path = tmp_path / "checkpoints" / "last.pt"
     path.parent.mkdir()

@@ -4,22 +4,16 @@ its ``--plot-only`` redraws the plot from the ``.json`` alone (no benchmark, no 
 import argparse
 import json
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "scripts")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import bench_generation
+import bench_models
+import bench_ops
+import bench_video
+import reproduce_table
+from tables import figures, writers
+from tables.registry import Cell
 
-import bench_generation  # noqa: E402
-import bench_models  # noqa: E402
-import bench_ops  # noqa: E402
-import bench_video  # noqa: E402
-
-from scripts import reproduce_table  # noqa: E402
-from scripts.tables import figures, writers  # noqa: E402
-from scripts.tables.registry import Cell  # noqa: E402
-from tasks.video_gen import table5  # noqa: E402
+from tasks.video_gen import table5
 
 
 def assert_png(path, min_bytes=5000):

@@ -6,14 +6,12 @@ import os
 import subprocess
 import sys
 
+import analyze_attention
+import bench_ops
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import analyze_attention  # noqa: E402
-import bench_ops  # noqa: E402
 
 
 def test_analysis_properties():

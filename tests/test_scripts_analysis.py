@@ -4,13 +4,11 @@ import json
 import os
 import sys
 
+import analyze_attention
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import analyze_attention  # noqa: E402
 
 
 def test_load_qk_file_roundtrip_and_errors(tmp_path):

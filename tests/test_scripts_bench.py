@@ -1,12 +1,10 @@
 """bench_ops.py helpers that the quick run in test_scripts.py does not pin down: spread, busy flag, rendering."""
 
 import os
-import sys
+
+import bench_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bench_ops  # noqa: E402
 
 
 def _rec(op, T, ms, **extra):

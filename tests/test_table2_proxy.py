@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
+import reproduce_table as rt
+from tables import proxy2, registry, runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import reproduce_table as rt  # noqa: E402
-from scripts.tables import proxy2, registry, runner  # noqa: E402
 
 
 def _rec(attn, seed, top1):

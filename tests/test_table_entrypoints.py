@@ -13,18 +13,14 @@ import shutil
 import subprocess
 import sys
 
+import eval_fid
 import numpy as np
 import pytest
+import reproduce_table as rt
+from tables import benchmark, config, registry, runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import reproduce_table as rt  # noqa: E402
-from scripts.tables import benchmark, config, registry, runner  # noqa: E402
-
 SAMPLE_FID = runner.sample_fid  # the real one (Launcher replaces it)
-
-from scripts import eval_fid  # noqa: E402
 
 METRICS = {"classification": {"top1": 0.9, "top5": 0.99}, "generation": {"loss": 0.1, "mse": 0.05},
            "sana": {"loss": 2.0}}

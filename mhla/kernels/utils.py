@@ -10,6 +10,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 
 def interpreting() -> bool:
@@ -34,8 +35,6 @@ def language_interpreted() -> bool:
     interpreter. They are decorated when triton is first imported, so a triton imported *before*
     ``TRITON_INTERPRET=1`` was set keeps them compiled, and interpreted kernels that call them fail with
     "Cannot call @triton.jit'd outside of the scope of a kernel"."""
-    import triton.language as tl  # noqa: PLC0415
-
     return type(tl.zeros).__name__ == "InterpretedFunction"
 
 

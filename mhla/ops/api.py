@@ -35,7 +35,7 @@ BACKENDS = ("auto", "torch", "reference", "triton")
 def _triton_backend():
     """The Triton backend module, or None when it is not importable here."""
     try:
-        from ..kernels import triton_backend  # noqa: PLC0415
+        from ..kernels import triton_backend  # noqa: PLC0415  (optional triton; TRITON_INTERPRET set first)
     except Exception:  # ImportError, or triton failing to initialise without a GPU
         return None
     return triton_backend if triton_backend.available() else None

@@ -10,7 +10,8 @@ import os
 import statistics
 from datetime import datetime, timezone
 
-from scripts import analyze_attention
+import analyze_attention  # scripts/analyze_attention.py: scripts/ is on sys.path
+
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training, train_loss_curve
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.utils import system_info
@@ -18,7 +19,6 @@ from tasks.common.utils import system_info
 from . import registry
 from .registry import ROOT
 from .writers import write_text
-
 
 # MNIST digits padded to 32 px with 2x2 patches give a 16x16 grid of 256 tokens and MHLA M = 16 blocks of 4x4
 # tokens, as DeiT at 256 px (16x16 patches of 16 px). The model is the DeiT-T-size proxy `vit_mini` (width 64,

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
+from omegaconf import OmegaConf
+from timm.data import Mixup
 
+from models.vit import build_vit
+from models.vlt import build_vlt
 from tasks.common.config import ConfigError
 from tasks.common.trainer import Task
+from tasks.common.utils import count_flops
+
+from .imagenet_data import build_imagenet, check_class_count, check_image_folder
+from .mnist_data import MNIST
 
 
 class ClassificationTask(Task):
@@ -22,8 +31,6 @@ class ClassificationTask(Task):
         exist, same classes, >= 2 of them, ``model.num_classes`` of them); MNIST has 10 classes."""
         data, n_cls = self.cfg.data, int(self.cfg.model.num_classes)
         if data.name in ("imagenet", "imagefolder"):
-            from .imagenet_data import check_image_folder  # noqa: PLC0415
-
             check_image_folder(data, n_cls)
         elif data.name == "mnist" and n_cls != 10:
             raise ConfigError(f"data=mnist has 10 classes but model.num_classes={n_cls}; set model.num_classes=10")
@@ -34,14 +41,8 @@ class ClassificationTask(Task):
         self.check_data()
         kind = self.cfg.model.get("kind", "vit")
         if kind == "vit":
-            from models.vit import build_vit  # noqa: PLC0415
-
             return build_vit(self.cfg.model, self.cfg.attn)
         if kind == "vlt":
-            from omegaconf import OmegaConf  # noqa: PLC0415
-
-            from models.vlt import build_vlt  # noqa: PLC0415
-
             m = self.cfg.model
             attn = OmegaConf.to_container(self.cfg.attn, resolve=True)
             return build_vlt(m.variant, linear_attn=attn, img_size=int(m.img_size), num_classes=int(m.num_classes),
@@ -56,13 +57,9 @@ class ClassificationTask(Task):
         self.check_data()
         data = self.cfg.data
         if data.name == "mnist":
-            from .mnist_data import MNIST  # noqa: PLC0415
-
             return (MNIST("train", pad_to=data.get("pad_to", 32), limit=data.get("limit")),
                     MNIST("test", pad_to=data.get("pad_to", 32), limit=data.get("eval_limit")))
         if data.name in ("imagenet", "imagefolder"):
-            from .imagenet_data import build_imagenet, check_class_count  # noqa: PLC0415
-
             size = int(self.cfg.model.get("input_size") or self.cfg.model.img_size)
             train, val = build_imagenet(data, size, seed=int(self.cfg.get("seed", 0)))
             # again on what was loaded (format=hf labels only the class folders that hold images)
@@ -75,8 +72,6 @@ class ClassificationTask(Task):
             mix = self.cfg.task.get("mixup")
             self._mixup_fn = None
             if mix and (mix.get("mixup_alpha", 0) > 0 or mix.get("cutmix_alpha", 0) > 0):
-                from timm.data import Mixup  # noqa: PLC0415
-
                 self._mixup_fn = Mixup(
                     mixup_alpha=mix.mixup_alpha, cutmix_alpha=mix.cutmix_alpha, prob=mix.get("prob", 1.0),
                     switch_prob=mix.get("switch_prob", 0.5), mode=mix.get("mode", "batch"),
@@ -114,10 +109,6 @@ class ClassificationTask(Task):
         size, padded, patch = int(m.get("input_size") or m.img_size), int(m.pad_to), int(m.patch_size)
         if size == padded or size % patch:
             return None
-        from omegaconf import OmegaConf  # noqa: PLC0415
-
-        from models.vit import build_vit  # noqa: PLC0415
-        from tasks.common.utils import count_flops  # noqa: PLC0415
 
         in_chans = int(m.get("in_chans", 3))
 
@@ -174,8 +165,6 @@ class ClassificationTask(Task):
             top1.update(logits, y)
             top5.update(logits, y)
         if dist_info.enabled:
-            import torch.distributed as dist  # noqa: PLC0415
-
             dist.all_reduce(loss_sum)
             dist.all_reduce(count)
         return {"top1": top1.compute().item(), "top5": top5.compute().item(), "loss": (loss_sum / count).item()}

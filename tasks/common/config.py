@@ -13,6 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+from mhla.layouts import BlockLayout, layout_from_num_blocks
+from mhla.registry import list_attentions
+
 
 class ConfigError(ValueError):
     """A config that cannot run, with a message that says how to fix it."""
@@ -29,8 +35,6 @@ def _token_grid(model_cfg) -> tuple[int, int] | None:
 
 
 def check_attention_fits_model(cfg) -> None:
-    from mhla.registry import list_attentions  # noqa: PLC0415
-
     attn = cfg.attn
     supported = cfg.model.get("attentions")
     # a model may list its own built-in attention (e.g. SANA's "native" ReLU linear attention)
@@ -41,8 +45,6 @@ def check_attention_fits_model(cfg) -> None:
         raise ConfigError(
             f"model={cfg.model.name} cannot take attn={attn.name}; it supports {list(supported)}")
     if cfg.model.get("kind") == "vlt" and attn.name == "mhla":
-        from mhla.layouts import layout_from_num_blocks  # noqa: PLC0415
-
         size = int(cfg.model.img_size)
         blocks = attn.get("num_blocks")
         for stage, (grid, m) in enumerate(zip((size // 4, size // 8), cfg.model.stage_num_blocks)):
@@ -56,8 +58,6 @@ def check_attention_fits_model(cfg) -> None:
     grid = _token_grid(cfg.model)
     if grid is None or attn.name != "mhla":
         return
-    from mhla.layouts import BlockLayout, layout_from_num_blocks  # noqa: PLC0415
-
     try:
         if attn.get("block") is not None:
             BlockLayout(grid, tuple(attn.block))
@@ -150,9 +150,6 @@ def apply_overrides(cfg, overrides: list[str]) -> None:
     """Apply ``key=value`` overrides to ``cfg`` in place with Hydra's rule: ``key`` must exist (a misspelled key
     is an error, not a new key); ``+key=value`` adds a key. Used by ``eval.py`` on the config stored in a
     checkpoint, so that it rejects what ``train.py`` rejects."""
-    from omegaconf import OmegaConf, open_dict  # noqa: PLC0415
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError  # noqa: PLC0415
-
     OmegaConf.set_struct(cfg, True)
     for item in overrides:
         if "=" not in item:
@@ -194,7 +191,5 @@ def resume_run_dir(resume, default: str) -> str:
 def register_resolvers() -> None:
     """Register ``${launch_id:}`` and ``${resume_run_dir:...}`` (used by ``hydra.run.dir`` in
     ``configs/train.yaml``) with OmegaConf; call before Hydra composes the config."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
     OmegaConf.register_new_resolver("launch_id", launch_id, replace=True)
     OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir, replace=True)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 
 def _bcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -147,8 +148,6 @@ def euler_sample(velocity: Callable, noise: torch.Tensor, *, num_steps: int = 50
     x = noise.clone()
     steps = range(num_steps)
     if progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
         steps = tqdm(steps, desc="sampling", leave=False)
     for i in steps:
         t = times[i].float().expand(x.shape[0])

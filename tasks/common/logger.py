@@ -27,10 +27,8 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
 RUN_LOG = "mhla.run"
 _FORMAT = "[%(asctime)s][%(levelname)s] - %(message)s"
@@ -134,11 +132,10 @@ def format_metrics(record: dict, prefix: str = "") -> str:
     return " ".join(f"{k.removeprefix(prefix)}={_format_value(v)}" for k, v in record.items())
 
 
-def heatmap_image(matrix, title: str = "") -> "np.ndarray":
+def heatmap_image(matrix, title: str = "") -> np.ndarray:
     """An RGB ``uint8`` image ``[height, width, 3]`` of ``matrix`` as a heatmap: ``[M, M]``, or ``[H, M, M]``
     with one panel per head; rows are query blocks, columns key blocks, one colour scale from 0 to the max.
     Rendered off-screen by matplotlib (no pyplot state)."""
-    import numpy as np  # noqa: PLC0415
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     from matplotlib.figure import Figure  # noqa: PLC0415
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415

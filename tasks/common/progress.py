@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from tqdm.auto import tqdm
+
 
 class ProgressLoader:
     """An iterable that yields what ``loader`` yields, with a tqdm bar (rate and ETA from ``len(loader)``)
@@ -29,7 +31,6 @@ class ProgressLoader:
         if not self.enabled:
             yield from self.loader
             return
-        from tqdm.auto import tqdm  # noqa: PLC0415 (tqdm.auto picks the notebook widget at call time)
 
         try:
             total = len(self.loader)

@@ -42,8 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from mhla.mixing import MixingMatrix
 
 from .checkpoint import CheckpointManager, find_checkpoint, load_run_checkpoint
 from .config import ConfigError, check_trainer
@@ -53,7 +59,7 @@ from .ema import ModelEMA
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
 from .progress import ProgressLoader
-from .utils import count_parameters, rng_state, seed_everything, set_rng_state, system_info
+from .utils import count_flops, count_parameters, rng_state, seed_everything, set_rng_state, system_info
 
 
 class Task:
@@ -152,8 +158,6 @@ def mixing_matrices(model: nn.Module) -> dict[str, torch.Tensor]:
     """The effective learnable mixing matrix of every MHLA layer of ``model`` (``[M, M]`` or ``[H, M, M]``,
     float32 on the CPU), by the name of the layer that holds it (``blocks.0.attn``). Frozen matrices are left
     out, and so are matrices that are not whole here (sharded by FSDP)."""
-    from mhla.mixing import MixingMatrix  # noqa: PLC0415
-
     out = {}
     for name, m in model.named_modules():
         if not isinstance(m, MixingMatrix) or not m.learnable:
@@ -337,11 +341,10 @@ class Trainer:
         if not self.dist.enabled:
             return model
         if strategy == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
-
             ids = [self.device.index] if self.device.type == "cuda" else None
             return DDP(model, device_ids=ids)
         if strategy == "fsdp":
+            # torch.distributed.fsdp takes ~0.7 s to import: only when FSDP is used
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
 
             if self.device.type != "cuda":
@@ -372,8 +375,6 @@ class Trainer:
         flops_msg = ""
         example = self.task.example_input(self.device)
         if example is not None and self.dist.is_main and self.tcfg.get("count_flops", True):
-            from .utils import count_flops  # noqa: PLC0415
-
             flops = count_flops(model, *example) if isinstance(example, tuple) else count_flops(model, example)
             counter = "torch.utils.flop_counter: matmuls, convs and attention; elementwise ops not counted"
             paper_hook = getattr(self.task, "paper_flops", None)
@@ -556,8 +557,6 @@ class Trainer:
     def _start_logger(self, resume_id: str | None) -> RunLogger:
         """The run's logger; with W&B it continues the run ``resume_id`` (from the checkpoint resumed) and
         prints one line naming the W&B run."""
-        from omegaconf import OmegaConf  # noqa: PLC0415
-
         cfg = self.cfg
         resolved = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
         logger = RunLogger(cfg.get("logger"), self.run_dir, resolved, system_info(), enabled=self.dist.is_main,
@@ -592,8 +591,6 @@ class Trainer:
         stop_after = self.tcfg.get("stop_after_steps")
         progress = None
         if self.dist.is_main and self.tcfg.get("progress_bar", True):
-            from tqdm.auto import tqdm  # noqa: PLC0415
-
             progress = tqdm(total=run.total, initial=run.step, desc="train", dynamic_ncols=True)
         metrics: dict = {}
         start = (run.step, time.time())
@@ -684,8 +681,6 @@ class Trainer:
         save together); None to go on."""
         signum = stop.signum or 0
         if self.dist.enabled:
-            import torch.distributed as dist  # noqa: PLC0415
-
             flag = torch.tensor([signum], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             signum = int(flag.item())
@@ -724,8 +719,6 @@ class Trainer:
         """Write ``last.pt`` (and ``best.pt`` when ``metrics`` improved) from the main process."""
         rngs = rng_state()
         if self.dist.enabled:
-            import torch.distributed as dist  # noqa: PLC0415
-
             gathered = [None] * self.dist.world_size
             dist.all_gather_object(gathered, rngs)
             rngs = gathered
@@ -752,6 +745,7 @@ class Trainer:
         wrapped = getattr(self, "_wrapped", None)
         if wrapped is None or type(wrapped).__name__ != "FullyShardedDataParallel":
             return model.state_dict(), optimizer.state_dict()
+        # torch.distributed.fsdp takes ~0.7 s to import: only when FSDP is used
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType  # noqa: PLC0415
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
 
@@ -760,6 +754,4 @@ class Trainer:
             return wrapped.state_dict(), FSDP.optim_state_dict(wrapped, optimizer)
 
     def cfg_container(self):
-        from omegaconf import OmegaConf  # noqa: PLC0415
-
         return OmegaConf.to_container(self.cfg, resolve=True) if OmegaConf.is_config(self.cfg) else self.cfg

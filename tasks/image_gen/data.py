@@ -20,9 +20,11 @@ import os
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
 from tasks.classification.imagenet_data import FIX_BAD_IMAGE, SkipBadImages, check_split, read_rgb
+from tasks.classification.mnist_data import load_mnist
 from tasks.common.data import SeededDataset
 
 
@@ -31,8 +33,6 @@ class MNISTImages(Dataset):
     ``S = size`` (None: ``S = pad_to``); ``limit`` keeps the first N."""
 
     def __init__(self, split: str = "train", pad_to: int = 32, limit: int | None = None, size: int | None = None):
-        from tasks.classification.mnist_data import load_mnist  # noqa: PLC0415
-
         if pad_to < 28:
             raise ValueError(f"data.pad_to must be >= 28 for MNIST, got {pad_to}")
         x, y = load_mnist()[split]
@@ -57,8 +57,6 @@ class MNISTImages(Dataset):
 def center_crop_arr(pil_image, image_size: int):
     """ADM's centre crop: halve with a box filter while the short side >= 2 x size, resize the short side
     to ``size`` (bicubic), crop the centre. Returns a PIL image ``size x size``."""
-    from PIL import Image  # noqa: PLC0415
-
     while min(*pil_image.size) >= 2 * image_size:
         pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
     scale = image_size / min(*pil_image.size)

@@ -31,6 +31,7 @@ import math
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -285,8 +286,6 @@ class GaussianDiffusion:
     def _steps(self, progress: bool, desc: str):
         steps = range(self.num_timesteps - 1, -1, -1)
         if progress:
-            from tqdm.auto import tqdm  # noqa: PLC0415
-
             return tqdm(steps, desc=f"{desc} sampling", leave=False)
         return steps
 

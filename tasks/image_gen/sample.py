@@ -22,21 +22,21 @@ import sys
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from mhla.layouts import ceil_div  # noqa: E402
+from mhla.layouts import ceil_div
+from models.dit import build_dit
+from tasks.common.checkpoint import load_checkpoint, model_weights
+from tasks.common.distributed import cleanup, setup_distributed
+from tasks.image_gen.npz import save_npz
+from tasks.image_gen.sampling import generate
+from tasks.image_gen.vae import load_vae
 
 
 def load_model(ckpt_path: str, weights: str = "ema", device="cpu"):
     """Rebuild the DiT of a ``train.py`` checkpoint and load its (EMA) weights. Returns ``(model, cfg, step)``."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    from models.dit import build_dit  # noqa: PLC0415
-    from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415
-
     state = load_checkpoint(ckpt_path, map_location="cpu")
     cfg = OmegaConf.create(state["config"])
     cfg.model.pretrained = None
@@ -63,15 +63,11 @@ def sample_to_npz(model, cfg, out_dir: str, *, num_samples: int, batch_size: int
                   cfg_scale: float, seed: int, guidance_channels=None, vae=None, rank: int = 0, world: int = 1,
                   device="cpu", progress: bool = True) -> str | None:
     """Sample ``num_samples`` images split over ranks; rank 0 writes ``out_dir/samples.npz`` (returns its path)."""
-    from .sampling import generate  # noqa: PLC0415
-
     os.makedirs(out_dir, exist_ok=True)
     n_batches = ceil_div(num_samples, batch_size)
     mine = list(range(rank, n_batches, world))
     it = mine
     if progress and rank == 0:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
         it = tqdm(mine, desc="sampling batches")
     for j in it:
         n = min(batch_size, num_samples - j * batch_size)
@@ -80,8 +76,6 @@ def sample_to_npz(model, cfg, out_dir: str, *, num_samples: int, batch_size: int
                         guidance_channels=guidance_channels, generator=g, vae=vae,
                         prediction=str(cfg.task.get("prediction", "eps")))
         np.savez(os.path.join(out_dir, f".part_{j:06d}.npz"), images=imgs.cpu().numpy(), labels=labels.numpy())
-    import torch.distributed as dist  # noqa: PLC0415
-
     if world > 1 and dist.is_initialized():
         dist.barrier()
     if rank != 0:
@@ -95,8 +89,6 @@ def sample_to_npz(model, cfg, out_dir: str, *, num_samples: int, batch_size: int
         os.unlink(part)
     images = np.concatenate(images)
     path = os.path.join(out_dir, "samples.npz")
-    from .npz import save_npz  # noqa: PLC0415
-
     save_npz(images, path)
     np.save(os.path.join(out_dir, "labels.npy"), np.concatenate(labels))
     return path
@@ -121,8 +113,6 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
 
-    from tasks.common.distributed import cleanup, setup_distributed  # noqa: PLC0415
-
     info = setup_distributed(args.device)
     model, cfg, step = load_model(args.ckpt, args.weights, info.device)
     guidance = args.guidance_channels
@@ -130,8 +120,6 @@ def main(argv=None) -> int:
         guidance = (cfg.task.get("sample") or {}).get("guidance_channels")
     vae = None
     if cfg.data.get("latents", "none") != "none":
-        from .vae import load_vae  # noqa: PLC0415
-
         vae = load_vae(args.vae_path or cfg.data.get("vae_path"), info.device)
     out_dir = os.path.join(args.out, run_name(cfg, step, args))
     path = sample_to_npz(model, cfg, out_dir, num_samples=args.num_samples, batch_size=args.batch_size,
@@ -141,7 +129,7 @@ def main(argv=None) -> int:
     if path is not None:
         print(f"wrote {path}", flush=True)
         if args.ref:
-            from .metrics import evaluate_samples  # noqa: PLC0415
+            from tasks.image_gen.metrics import evaluate_samples  # noqa: PLC0415  (scipy; only with --ref)
 
             metrics = evaluate_samples(path, args.ref, device=str(info.device), inception_path=args.inception_path)
             with open(os.path.join(out_dir, "metrics.json"), "w") as f:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .diffusion import create_diffusion, sample
+from .vae import decode
 
 
 def model_fn_for(model, labels: torch.Tensor, cfg_scale: float = 1.0, guidance_channels: int | None = None):
@@ -44,8 +45,6 @@ def generate(model, labels: torch.Tensor, *, steps: int | str = 250, method: str
     x = sample(diffusion, model_fn_for(model, labels.to(device), cfg_scale, guidance_channels), shape,
                method=method, generator=generator, device=device, clip_denoised=clip, progress=progress)
     if vae is not None:
-        from .vae import decode  # noqa: PLC0415
-
         x = decode(vae, x, latent_scale)
     model.train(was_training)
     return to_uint8(x)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 
+from omegaconf import OmegaConf
+
+from models.sana import sana_config, swap_attention
+from tasks.common.checkpoint import find_checkpoint, load_checkpoint, model_weights
+
 
 def transformer_config(model_cfg) -> dict:
     """``SanaTransformer2DModel`` kwargs of a run: the config recorded at training time
     (``model.transformer_config``, written by :class:`tasks.image_gen.sana_task.SanaFinetuneTask`), else the
     ``config.json`` of ``model.pretrained`` when that folder exists here, else the named ``model.config``."""
-    from models.sana import sana_config  # noqa: PLC0415
-
     mc = dict(model_cfg)
     if mc.get("transformer_config"):
         return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in dict(mc["transformer_config"]).items()
@@ -36,10 +39,6 @@ def load_sana_checkpoint(ckpt: str, weights: str = "ema", device="cpu", which: s
     Returns ``(model, cfg, step)`` with ``model`` in eval mode on ``device`` (fp32 weights).
     """
     from diffusers import SanaTransformer2DModel  # noqa: PLC0415
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    from models.sana import swap_attention  # noqa: PLC0415
-    from tasks.common.checkpoint import find_checkpoint, load_checkpoint, model_weights  # noqa: PLC0415
 
     state = load_checkpoint(find_checkpoint(ckpt, which), map_location="cpu")
     cfg = OmegaConf.create(state["config"])

@@ -14,8 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from PIL import Image
+from tqdm.auto import tqdm
 
 from mhla.layouts import ceil_div
+from tasks.image_gen.npz import center_crop_resize, save_npz
+from tasks.image_gen.sampling import to_uint8
 from tasks.image_gen.sana_sampling import sample_latents, sample_seed
 
 
@@ -72,16 +76,9 @@ def generate(model, prompts, run: SampleRun, s: dict, *, decode: Callable | None
     uint8 images ``[b, S, S, 3]`` (centre crop + resize to ``npz_size`` when smaller than the decoded size) or,
     without ``decode``, the latents ``[b, C, h, w]``. :func:`finalize` (rank 0, after all ranks) joins the parts.
     """
-    from PIL import Image  # noqa: PLC0415
-
-    from .npz import center_crop_resize  # noqa: PLC0415
-    from .sampling import to_uint8  # noqa: PLC0415
-
     mine = list(range(rank, run.num_batches, world))
     it = mine
     if progress and rank == 0:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
         it = tqdm(mine, desc=f"sampling {len(run.jobs)} images", unit="batch")
     for j in it:
         jobs = run.batch(j)
@@ -106,8 +103,6 @@ def generate(model, prompts, run: SampleRun, s: dict, *, decode: Callable | None
 def finalize(run: SampleRun, prompts, s: dict) -> dict:
     """Join the part files (rank 0): ``samples.npz`` (uint8 ``arr_0``) or ``latents.npy``, and ``samples.jsonl``
     (row ``n``: prompt index, image index, seed, prompt, id). Returns ``{"npz" or "latents": path, "rows": N}``."""
-    from .npz import save_npz  # noqa: PLC0415
-
     arrays = []
     for j in range(run.num_batches):
         part = os.path.join(run.out_dir, f".part_{j:06d}.npy")

@@ -11,8 +11,10 @@ import os
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from models.weights import require_local_weights
+from tasks.image_gen.npz import build_reference_npz, load_npz
 
 CLIP_REPO = "openai/clip-vit-large-patch14"
 
@@ -77,8 +79,6 @@ def clip_score(images, prompts: list[str], clip_path: str | None, device="cpu", 
     metric = load_clip_score(clip_path, device)
     starts = range(0, len(images), batch_size)
     if progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
         starts = tqdm(starts, desc="CLIP score", unit="batch")
     for s in starts:
         batch = torch.from_numpy(np.ascontiguousarray(images[s:s + batch_size])).permute(0, 3, 1, 2).to(device)
@@ -94,7 +94,6 @@ def reference_npz(reference: str, out_root: str, size: int) -> str:
     if not os.path.isdir(reference):
         raise FileNotFoundError(f"reference {reference} not found: pass an ADM-style .npz (images in arr_0, or "
                                 f"stats) or a folder of reference images (e.g. MJHQ-30K's images)")
-    from .npz import build_reference_npz  # noqa: PLC0415
 
     path = os.path.join(out_root, f"reference-{os.path.basename(os.path.normpath(reference))}-{size}.npz")
     if not os.path.isfile(path):
@@ -106,8 +105,7 @@ def evaluate_run(run_dir: str, *, reference: str | None = None, clip_path: str |
                  inception_path: str | None = None, progress: bool = True) -> dict:
     """FID & co. (:func:`tasks.image_gen.metrics.evaluate_samples`) and the CLIP score of a sampled run folder
     (``samples.npz`` + ``samples.jsonl``); writes and returns ``metrics.json``'s content."""
-    from .metrics import evaluate_samples  # noqa: PLC0415
-    from .npz import load_npz  # noqa: PLC0415
+    from .metrics import evaluate_samples  # noqa: PLC0415  (scipy)
 
     npz = os.path.join(run_dir, "samples.npz")
     out = {}

@@ -11,12 +11,15 @@ Every source has ``records`` (``[{"prompt", "id", "metadata"}]``), ``len()`` and
 
 from __future__ import annotations
 
+import glob
 import inspect
 import json
 import os
 
 import torch
+from tqdm.auto import tqdm
 
+from models.sana import SANA_TINY
 from models.weights import require_local_weights
 
 PIPELINE_REPO = "Efficient-Large-Model/Sana_600M_1024px_diffusers"
@@ -99,8 +102,6 @@ class FilePrompts:
     """
 
     def __init__(self, path: str, negative: str | None = None, limit: int | None = None):
-        import glob  # noqa: PLC0415
-
         if not os.path.exists(path):
             raise FileNotFoundError(f"prompt embeddings {path} not found: a folder of .pt files "
                                     f"{{'text': [L, D], 'prompt', 'id'}} (see --encode-to) or one .pt file")
@@ -171,8 +172,6 @@ def load_pipeline(path: str, transformer=None, device="cpu", text_dtype=None):
                           contents="model_index.json, text_encoder/, tokenizer/, vae/")
     from diffusers import SanaPipeline, SanaTransformer2DModel  # noqa: PLC0415
 
-    from models.sana import SANA_TINY  # noqa: PLC0415
-
     if transformer is None:
         transformer = SanaTransformer2DModel(**dict(SANA_TINY, num_layers=1))
     if text_dtype is None:
@@ -223,8 +222,6 @@ def encode_to_files(prompts: PipelinePrompts, out_dir: str, batch_size: int = 16
     os.makedirs(out_dir, exist_ok=True)
     starts = range(0, len(prompts), batch_size)
     if progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
         starts = tqdm(starts, desc="encoding prompts")
 
     def cut(text, mask):

@@ -55,18 +55,20 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tasks.image_gen.sana_checkpoint import load_sana_checkpoint  # noqa: E402
-from tasks.image_gen.sana_decode import dcae_decoder, load_dcae, preview_decoder  # noqa: E402
-from tasks.image_gen.sana_generate import (  # noqa: E402
-    SampleRun, finalize, generate, make_jobs, run_name, write_metadata)
-from tasks.image_gen.sana_metrics import evaluate_run, geneval_command  # noqa: E402
-from tasks.image_gen.sana_prompts import (  # noqa: E402
-    FilePrompts, PipelinePrompts, RandomPrompts, encode_to_files, load_pipeline, read_prompt_list)
-from tasks.image_gen.sana_sampling import DEFAULTS, SOLVERS, sample_settings  # noqa: E402
+from tasks.common.distributed import barrier, cleanup, setup_distributed
+from tasks.image_gen.sana_checkpoint import load_sana_checkpoint
+from tasks.image_gen.sana_decode import dcae_decoder, load_dcae, preview_decoder
+from tasks.image_gen.sana_generate import SampleRun, finalize, generate, make_jobs, run_name, write_metadata
+from tasks.image_gen.sana_metrics import evaluate_run, geneval_command
+from tasks.image_gen.sana_prompts import (
+    FilePrompts,
+    PipelinePrompts,
+    RandomPrompts,
+    encode_to_files,
+    load_pipeline,
+    read_prompt_list,
+)
+from tasks.image_gen.sana_sampling import DEFAULTS, SOLVERS, sample_settings
 
 
 def main(argv=None) -> int:
@@ -96,8 +98,6 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
-
-    from tasks.common.distributed import barrier, cleanup, setup_distributed  # noqa: PLC0415
 
     info = setup_distributed(args.device)
     device = info.device

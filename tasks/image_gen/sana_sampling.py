@@ -14,6 +14,9 @@ import functools
 from collections.abc import Callable
 
 import torch
+from omegaconf import OmegaConf
+
+from tasks.common.flow_matching import euler_sample
 
 # Used when the run's config has no task.sample block (SanaPipeline's defaults at 1024 px).
 DEFAULTS = dict(steps=20, cfg_scale=4.5, shift=3.0, seed=0, solver="dpm", images_per_prompt=1, batch_size=8,
@@ -30,8 +33,6 @@ def sample_settings(cfg=None, **overrides) -> dict:
         task = cfg.get("task") if hasattr(cfg, "get") else None
         block = task.get("sample") if task is not None else None
     if block:
-        from omegaconf import OmegaConf  # noqa: PLC0415
-
         block = OmegaConf.to_container(block, resolve=True) if OmegaConf.is_config(block) else dict(block)
         s.update(block)  # an explicit null counts (npz_size: null keeps the decoded size)
     s.update({k: v for k, v in overrides.items() if v is not None})
@@ -152,8 +153,6 @@ def sample_latents(model, text: torch.Tensor, *, mask: torch.Tensor | None = Non
     Gemma embedding of ""); without it, or with ``guidance_scale == 1``, the conditional velocity alone is
     integrated. Noise: ``noise [B, C, h, w]``, or :func:`initial_noise` of ``seeds`` (one seed per row).
     """
-    from tasks.common.flow_matching import euler_sample  # noqa: PLC0415
-
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     device = next(model.parameters()).device

@@ -29,8 +29,11 @@ import os
 
 import torch
 import torch.nn as nn
+from omegaconf import OmegaConf, open_dict
 
-from tasks.common.trainer import Task
+from models.sana import build_sana, sana_config
+from tasks.common.flow_matching import flow_matching_loss
+from tasks.common.trainer import Task, Trainer
 from tasks.image_gen.sana_prompts import NEGATIVE_FILE, load_negative, stack_captions
 
 
@@ -95,10 +98,6 @@ class SanaFinetuneTask(Task):
     monitor_mode = "min"
 
     def build_model(self) -> nn.Module:
-        from omegaconf import OmegaConf, open_dict  # noqa: PLC0415
-
-        from models.sana import build_sana  # noqa: PLC0415
-
         model = build_sana(self.cfg.model, self.cfg.attn)
         if OmegaConf.is_config(self.cfg):
             # Record the transformer's own config with the run (checkpoints save the run config), so the sampler
@@ -179,7 +178,6 @@ class SanaFinetuneTask(Task):
             n_eval = max(1, min(int(d.get("eval_size", 64)), len(full) // 10))
             return (torch.utils.data.Subset(full, range(n_eval, len(full))),
                     torch.utils.data.Subset(full, range(n_eval)))
-        from models.sana import sana_config  # noqa: PLC0415
 
         mc = sana_config(self.cfg.model.get("config", "sana_tiny"))
         args = (mc["in_channels"], mc["sample_size"], int(d.get("text_len", 8)), mc["caption_channels"])
@@ -188,8 +186,6 @@ class SanaFinetuneTask(Task):
 
     def _loss(self, model, batch, generator=None):
         """Flow-matching loss of ``batch = [latent [B, C, H, W], text [B, L, D], mask [B, L]]`` (no dropout)."""
-        from tasks.common.flow_matching import flow_matching_loss  # noqa: PLC0415
-
         x0, text, mask = batch
         t = self.cfg.task
 
@@ -218,6 +214,4 @@ class SanaFinetuneTask(Task):
 
 
 def run(cfg, run_dir) -> dict:
-    from tasks.common.trainer import Trainer  # noqa: PLC0415
-
     return Trainer(cfg, SanaFinetuneTask(cfg), run_dir).fit()

@@ -14,14 +14,20 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from models.dig import build_dig
+from models.dit import build_dit
 from tasks.common.config import ConfigError
-from tasks.common.distributed import barrier
+from tasks.common.distributed import barrier, setup_distributed
 from tasks.common.logger import Media
 from tasks.common.trainer import Task
 
+from .data import LatentDataset, MNISTImages, build_image_folder, check_image_folder_split
 from .diffusion import create_diffusion
+from .sampling import generate, save_grid
+from .vae import downsample_factor, encode, load_vae, precompute_latents
 
 
 class ImageGenTask(Task):
@@ -45,12 +51,9 @@ class ImageGenTask(Task):
                 f"would train from scratch")
         kind = self.cfg.model.get("kind", "dit")
         if kind == "dig":  # DiG (models/dig.py): a DiT subclass with GLA / MHLA token mixers
-            from models.dig import build_dig  # noqa: PLC0415
-
             return build_dig(self.cfg.model, self.cfg.attn)
         if kind != "dit":
             raise ValueError(f"model.kind={kind!r} is not a generation model (dit | dig)")
-        from models.dit import build_dit  # noqa: PLC0415
 
         return build_dit(self.cfg.model, self.cfg.attn)
 
@@ -72,16 +75,12 @@ class ImageGenTask(Task):
 
     def vae(self, device):
         if self._vae is None:
-            from .vae import load_vae  # noqa: PLC0415
-
             self._vae = load_vae(self.cfg.data.get("vae_path"), device)
         return self._vae.to(device)  # loaded on the CPU for the size check, moved once to the training device
 
     def build_datasets(self):
         data, seed = self.cfg.data, int(self.cfg.get("seed", 0))
         if data.name == "mnist":
-            from .data import MNISTImages  # noqa: PLC0415
-
             if self.latent:
                 raise ValueError("data=mnist_gen is pixel space; set data.latents=none")
             pad = int(data.get("pad_to", 32))
@@ -107,7 +106,6 @@ class ImageGenTask(Task):
         if data.get("latents", "online") == "precompute":
             if os.path.isfile(os.path.join(self._latent_cache(data), "meta.json")):
                 return
-        from .data import check_image_folder_split  # noqa: PLC0415
 
         check_image_folder_split(data.root, "train")
 
@@ -117,22 +115,16 @@ class ImageGenTask(Task):
         return data.get("latent_cache") or os.path.join(str(data.root), f"latents_{int(data.image_size)}")
 
     def _images(self, data, seed, flip: bool = True):
-        from .data import build_image_folder  # noqa: PLC0415
-
         return build_image_folder(data.root, int(data.image_size), flip=flip, seed=seed,
                                   skip_bad_images=bool(data.get("skip_bad_images", False)))
 
     def _image_folder(self, data, seed):
-        from .data import LatentDataset  # noqa: PLC0415
-
         size = int(data.image_size)
         mode = data.get("latents", "online")
         if mode == "none":
             self._check_size(size, 1)
             return self._images(data, seed), None
         if mode == "online":
-            from .vae import downsample_factor  # noqa: PLC0415
-
             self._check_size(size, downsample_factor(self.vae("cpu")))
             return self._images(data, seed), None
         if mode != "precompute":
@@ -145,10 +137,6 @@ class ImageGenTask(Task):
         return ds, None
 
     def _precompute(self, data, cache, seed):
-        from tasks.common.distributed import setup_distributed  # noqa: PLC0415
-
-        from .vae import precompute_latents  # noqa: PLC0415
-
         info = setup_distributed(self.cfg.trainer.get("device", "auto"))
         images = self._images(data, seed, flip=False)
         precompute_latents(images, self.vae(info.device), cache, batch_size=int(data.get("encode_batch_size", 64)),
@@ -158,8 +146,6 @@ class ImageGenTask(Task):
     def on_batch(self, batch, device):
         x, y = (b.to(device, non_blocking=True) for b in batch)
         if self.cfg.data.get("latents", "none") == "online":
-            from .vae import encode  # noqa: PLC0415
-
             x = encode(self.vae(device), x)
         return x, y
 
@@ -186,8 +172,6 @@ class ImageGenTask(Task):
             sums += torch.stack([terms["loss"].sum(), terms["mse"].sum(),
                                  torch.tensor(float(x.shape[0]), device=device)]).double()
         if dist_info.enabled:
-            import torch.distributed as dist  # noqa: PLC0415
-
             dist.all_reduce(sums)
         return {"loss": (sums[0] / sums[2]).item(), "mse": (sums[1] / sums[2]).item()}
 
@@ -196,7 +180,6 @@ class ImageGenTask(Task):
         s = self.cfg.task.get("sample") or {}
         if not s.get("grid", True) or not trainer.dist.is_main:
             return {}
-        from .sampling import generate, save_grid  # noqa: PLC0415
 
         model = trainer.ema.module if getattr(trainer, "ema", None) is not None else trainer.model
         n_cls = min(int(s.get("classes", 10)), int(self.cfg.model.num_classes))

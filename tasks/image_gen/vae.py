@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from models.weights import require_local_weights
 from tasks.common.fileio import atomic_write
@@ -69,8 +70,6 @@ def precompute_latents(dataset, vae, cache_dir: str, *, batch_size: int = 64, ra
         g = torch.Generator(device=device).manual_seed(rank)
         it = range(0, len(idx), batch_size)
         if progress:
-            from tqdm.auto import tqdm  # noqa: PLC0415
-
             it = tqdm(it, desc=f"encoding latents (rank {rank})")
         for s in it:
             x = torch.stack([dataset[i][0] for i in idx[s: s + batch_size]]).to(device)

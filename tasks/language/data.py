@@ -32,6 +32,7 @@ recipe: the Llama 32k tokenizer).
 
 from __future__ import annotations
 
+import bz2
 import glob
 import hashlib
 import json
@@ -41,7 +42,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as tokenizer_models
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
 
 from tasks.common.fileio import atomic_write
 
@@ -89,8 +93,6 @@ def gensim_documents() -> list[str]:
         elif name == "crime-and-punishment.txt":
             lines = [" ".join(lines)]
         docs += [re.sub(r"\s+", " ", ln).strip() for ln in lines if len(ln.split()) >= 5]
-    import bz2  # noqa: PLC0415
-
     from gensim.corpora.wikicorpus import extract_pages, filter_wiki  # noqa: PLC0415
 
     with bz2.open(root / GENSIM_WIKI) as f:
@@ -189,9 +191,7 @@ def _cache_key(data_cfg, extra: str = "") -> str:
 
 def train_bpe_tokenizer(docs, vocab_size: int, path: Path):
     """Byte-level BPE trained on ``docs`` (an iterable of str), saved to ``path`` (tokenizer.json)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
-
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(tokenizer_models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
@@ -235,8 +235,6 @@ def _token_dtype(vocab_size: int):
 
 def write_token_file(docs, tokenizer, path: Path, desc: str = "tokenize", batch: int = 256) -> int:
     """Tokenize ``docs`` (EOS after each) into a flat binary file; returns the token count (atomic write)."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
     dtype = _token_dtype(len(tokenizer))
     eos = tokenizer.eos_token_id
     n = 0

@@ -266,7 +266,7 @@ def _read_records(path: str) -> list[dict]:
         test = [f for f in files if "test" in f] or files
         return [r for f in test for r in _read_records(os.path.join(path, f))]
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # noqa: PLC0415
+        import pyarrow.parquet as pq  # noqa: PLC0415  (pyarrow, from datasets: .parquet files only)
 
         return pq.read_table(path).to_pylist()
     with open(path, encoding="utf-8") as f:

@@ -30,16 +30,20 @@ import json
 import os
 import sys
 from datetime import datetime, timezone
+from importlib.metadata import version
 
 import torch
+import yaml
+from omegaconf import OmegaConf
+
+from tasks.common.checkpoint import load_checkpoint, model_weights
+from tasks.common.utils import system_info
+from tasks.language.eval_ppl import EvalSettings, evaluate_lambada, evaluate_wikitext
+from tasks.language.lm_eval_adapter import HAVE_LM_EVAL, INSTALL_HELP, TABLE6_TASKS, MHLAEvalLM, run_lm_eval
+from tasks.language.longbench import TABLE8_GROUPS, TABLE8_TASKS, run_longbench
+from tasks.language.task import build_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tasks.language.eval_ppl import EvalSettings, evaluate_lambada, evaluate_wikitext  # noqa: E402
-from tasks.language.lm_eval_adapter import HAVE_LM_EVAL, INSTALL_HELP, TABLE6_TASKS, run_lm_eval  # noqa: E402
-from tasks.language.longbench import TABLE8_GROUPS, TABLE8_TASKS, run_longbench  # noqa: E402
 
 # lm-eval metric of each Table 6 column (acc_norm where the fla line of work reports it)
 TABLE6_COLUMNS = (("mmlu", "mmlu", "acc"), ("wino", "winogrande", "acc"), ("piqa", "piqa", "acc_norm"),
@@ -71,7 +75,7 @@ def _tokenizer_from(path: str | None, stored_cfg: dict | None):
 
 def load_model(path: str, tokenizer: str | None = None, device: str = "cpu", dtype: str = "float32"):
     """``(model, tokenizer)`` from a ``save_pretrained`` folder or a Trainer checkpoint (file or run dir)."""
-    import models.lm  # noqa: F401, PLC0415  (registers MHLALMForCausalLM)
+    import models.lm  # noqa: F401, PLC0415  (imports transformers; registers MHLALMForCausalLM)
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"no model at {path}")
@@ -88,11 +92,6 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu", dty
                      if os.path.exists(c)), None)
         if ckpt is None:
             raise FileNotFoundError(f"{path} holds neither config.json nor checkpoints/best.pt|last.pt")
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    from tasks.common.checkpoint import load_checkpoint, model_weights  # noqa: PLC0415
-    from tasks.language.task import build_lm  # noqa: PLC0415
-
     state = load_checkpoint(ckpt, map_location="cpu")
     cfg = state["config"]
     weights = model_weights(state)  # the EMA weights when the run kept them
@@ -105,8 +104,6 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu", dty
 # ------------------------------------------------------------------------------------------- tables
 
 def table_cells(table: str) -> list[tuple[str, dict]]:
-    import yaml  # noqa: PLC0415
-
     out = []
     for p in sorted(glob.glob(os.path.join(ROOT, "configs", "experiment", f"table{table}", "*.yaml"))):
         with open(p) as f:
@@ -120,8 +117,6 @@ def _lm_eval_table6(model_path: str, tokenizer: str | None, out_dir: str, batch_
                     data_root: str | None = None, limit: int | None = None, max_length: int | None = None) -> dict:
     """Run the harness on Table 6's tasks (:data:`TABLE6_TASKS`); returns ``{column: value}`` for the tasks it
     ran. ``data_root``: local copies of the tasks' dataset repositories (``lm_eval_adapter.local_datasets``)."""
-    from tasks.language.lm_eval_adapter import MHLAEvalLM  # noqa: PLC0415
-
     model, tok = load_model(model_path, tokenizer, device)
     lm = MHLAEvalLM(model=model, tokenizer=tok, batch_size=batch_size, device=device, max_length=max_length)
     out = run_lm_eval(lm, list(TABLE6_TASKS), data_root=data_root, limit=limit)
@@ -142,16 +137,12 @@ def _lm_eval_table6(model_path: str, tokenizer: str | None, out_dir: str, batch_
 
 def _lm_eval_version() -> str | None:
     try:
-        from importlib.metadata import version  # noqa: PLC0415
-
         return version("lm_eval")
     except Exception:  # noqa: BLE001
         return None
 
 
 def _write(table: str, header: list[str], rows: list[list[str]], notes: list[str], records: list[dict]) -> str:
-    from tasks.common.utils import system_info  # noqa: PLC0415
-
     os.makedirs(os.path.join(ROOT, "results"), exist_ok=True)
     lines = [f"# Table {table}", "", *notes, "", f"Machine: {json.dumps(system_info())}", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

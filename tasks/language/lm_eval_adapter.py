@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from .data import gensim_documents, is_validation
 from .eval_ppl import (
     encode,
     model_max_length,
@@ -147,8 +148,9 @@ class MHLAEvalLM(_HarnessLM):
         if model is None:
             if pretrained is None:
                 raise ValueError("give pretrained=PATH (a save_pretrained folder) or a model object")
-            import models.lm  # noqa: F401, PLC0415  (registers MHLALMForCausalLM with AutoModelForCausalLM)
             from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+            import models.lm  # noqa: F401, PLC0415  (registers MHLALMForCausalLM with AutoModelForCausalLM)
 
             model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=getattr(torch, dtype))
         if tokenizer is None or isinstance(tokenizer, str):
@@ -302,8 +304,6 @@ LOCAL_TASKS = ("mhla_lambada_local", "mhla_ppl_local")   # the tag mhla_local na
 def heldout_documents(val_fraction: float = 0.05, split_seed: int = 0) -> list[str]:
     """The gensim corpus's validation documents under lm_mini's split (``configs/data/text_gensim.yaml``:
     ``val_fraction`` 0.05, ``split_seed`` 0): text that ``task=lm_mini`` never trains on."""
-    from .data import gensim_documents, is_validation  # noqa: PLC0415
-
     return [d for i, d in enumerate(gensim_documents()) if is_validation(i, val_fraction, split_seed)]
 
 

@@ -30,6 +30,8 @@ import json
 import os
 from collections.abc import Sequence
 
+from tqdm.auto import tqdm
+
 from .eval_ppl import encode
 from .lm_eval_adapter import greedy_generate
 from .longbench_metrics import score_dataset
@@ -124,8 +126,6 @@ def predict_dataset(model, tokenizer, rows: Sequence[dict], dataset: str, max_le
         eos.append(_newline_token(tokenizer))
     iterator = rows
     if progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
         iterator = tqdm(rows, desc=dataset, dynamic_ncols=True)
     preds = []
     for row in iterator:

@@ -48,6 +48,7 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 
+import jieba
 from rouge import Rouge
 
 with warnings.catch_warnings():  # fuzzywuzzy warns that python-Levenshtein is absent: LongBench's setting
@@ -89,10 +90,6 @@ ZH_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜�
 
 def zh_words(text: str) -> list[str]:
     """jieba's accurate-mode segmentation (``jieba.cut(text, cut_all=False)``), LongBench's Chinese tokenizer."""
-    try:
-        import jieba  # noqa: PLC0415
-    except ImportError as e:  # pragma: no cover - jieba is a dependency (pyproject.toml, requirements.lock)
-        raise ImportError("the Chinese LongBench metrics need jieba: pip install jieba") from e
     jieba.setLogLevel(30)  # no "Building prefix dict ..." lines on every run
     return list(jieba.cut(text, cut_all=False))
 

@@ -28,8 +28,10 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
 from mhla.mixing import MixingMatrix
@@ -106,9 +108,7 @@ def auto_block_size(seq_len: int) -> int:
 
 def build_mqar_model(cfg) -> nn.Module:
     """Our causal LM (``models.lm.MHLALMForCausalLM``) with ``attn_type = cfg.attn.name`` and ``cfg.model``'s sizes."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415
+    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415  (imports transformers)
 
     check_lm_attn_keys(cfg)
     m = OmegaConf.to_container(cfg.model, resolve=True) if OmegaConf.is_config(cfg.model) else dict(cfg.model)
@@ -202,8 +202,6 @@ class MQARTask(Task):
             loss, correct, count = mqar_loss_and_correct(*query_logits(model, x, y))
             tot += torch.tensor([loss.item() * count, correct.item(), count], device=device, dtype=torch.float64)
         if dist_info.enabled:
-            import torch.distributed as dist  # noqa: PLC0415
-
             dist.all_reduce(tot)
         return {"acc": (tot[1] / tot[2]).item(), "loss": (tot[0] / tot[2]).item(), **mixing_shares(model)}
 

@@ -7,12 +7,15 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from tasks.common.config import ConfigError
 from tasks.common.trainer import Task
 
+from .data import build_lm_datasets, packed_forward_kwargs
 
 # The language models (task=lm_*, task=mqar) take only the attention's NAME from the attn group; their attention
 # options are model.* keys. Any other attn.* value that differs from the group's file would compose and do
@@ -27,8 +30,6 @@ LM_ATTN_KEY_TO_MODEL_KEY = {
 
 def check_lm_attn_keys(cfg) -> None:
     """Raise if ``cfg.attn`` sets anything but ``name`` away from ``configs/attn/<name>.yaml`` (an LM ignores it)."""
-    from omegaconf import OmegaConf  # noqa: PLC0415  (only the LM tasks call this)
-
     attn = cfg.get("attn")
     if attn is None:
         return
@@ -57,7 +58,7 @@ def build_lm(model_cfg, attn_name: str, vocab_size: int, eos_id: int | None = No
                   tie_word_embeddings=bool(model_cfg.get("tie_word_embeddings", True)),
                   bos_token_id=eos_id, eos_token_id=eos_id)
     if arch == "llama":
-        from models.lm.baselines import build_transformer_pp  # noqa: PLC0415
+        from models.lm.baselines import build_transformer_pp  # noqa: PLC0415  (imports transformers)
 
         if attn_name != "softmax":
             raise ValueError(f"model.arch=llama is Transformer++ (softmax attention); use attn=softmax, not {attn_name}")
@@ -65,7 +66,7 @@ def build_lm(model_cfg, attn_name: str, vocab_size: int, eos_id: int | None = No
                                     intermediate_size=model_cfg.get("intermediate_size"), **common)
     if arch != "mhla_lm":
         raise ValueError(f"model.arch must be mhla_lm or llama, got {arch!r}")
-    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415
+    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415  (imports transformers)
 
     fields = ("num_heads", "key_dim_ratio", "value_dim_ratio", "intermediate_size", "block_size",
               "max_learned_blocks", "feature_map", "normalize", "output_gate", "rope", "rope_theta",
@@ -90,8 +91,6 @@ class LanguageModelingTask(Task):
     def data(self):
         """(train, val, tokenizer, info), built once (the tokenizer fixes the vocabulary size)."""
         if self._data is None:
-            from .data import build_lm_datasets  # noqa: PLC0415
-
             self._data = build_lm_datasets(self.cfg.data, self.seq_len, seed=int(self.cfg.get("seed", 0)))
             info = self._data[3]
             print(f"data: {info['train_tokens']:,} train / {info['val_tokens']:,} val tokens, "
@@ -109,8 +108,6 @@ class LanguageModelingTask(Task):
 
     def _packed(self, batch) -> dict:
         """``cu_seqlens`` of the documents in a packed batch when ``data.reset_at_doc_boundary`` (else ``{}``)."""
-        from .data import packed_forward_kwargs  # noqa: PLC0415
-
         return packed_forward_kwargs(self.cfg.data, batch, self.data()[2].eos_token_id)
 
     def describe_model(self, model: nn.Module) -> str:
@@ -139,8 +136,6 @@ class LanguageModelingTask(Task):
             nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum").double()
             count += x[:, 1:].numel()
         if dist_info.enabled:
-            import torch.distributed as dist  # noqa: PLC0415
-
             dist.all_reduce(nll)
             dist.all_reduce(count)
         loss = (nll / count).item()

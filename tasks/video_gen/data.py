@@ -25,6 +25,8 @@ import os
 import torch
 from torch.utils.data import Dataset
 
+from .media import read_video
+
 COLORS = {"red": (1.0, -0.8, -0.8), "green": (-0.8, 0.9, -0.8), "blue": (-0.7, -0.5, 1.0), "yellow": (1.0, 1.0, -0.9)}
 SHAPES = ("square", "circle")
 DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
@@ -126,8 +128,6 @@ class VideoFolder(Dataset):
         return len(self.items)
 
     def __getitem__(self, index: int):
-        from .media import read_video  # noqa: PLC0415
-
         item = self.items[index]
         video = read_video(os.path.join(self.root, item["video"]), self.num_frames, self.height, self.width,
                            self.frame_stride)

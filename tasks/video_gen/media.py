@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 
 def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
@@ -28,8 +29,6 @@ def tile_videos(videos: list[torch.Tensor], pad: int = 2) -> torch.Tensor:
 
 def save_gif(video: torch.Tensor, path, fps: int = 8, scale: int = 1) -> Path:
     """Animated GIF of ``[C, F, H, W]`` (nearest upscaling by ``scale``, loops forever)."""
-    from PIL import Image  # noqa: PLC0415
-
     frames = [Image.fromarray(f) for f in to_uint8_frames(video)]
     if scale != 1:
         frames = [f.resize((f.width * scale, f.height * scale), Image.NEAREST) for f in frames]
@@ -60,8 +59,6 @@ def save_mp4(video: torch.Tensor, path, fps: int = 16) -> Path | None:
 
 def save_frames_png(videos: list[torch.Tensor], path, scale: int = 1) -> Path:
     """One row per video ``[C, F, H, W]``, its frames left to right, as a PNG (to look at without a player)."""
-    from PIL import Image  # noqa: PLC0415
-
     rows = [np.concatenate(list(to_uint8_frames(v)), axis=1) for v in videos]
     img = Image.fromarray(np.concatenate(rows, axis=0))
     if scale != 1:

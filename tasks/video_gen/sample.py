@@ -17,6 +17,10 @@ import os
 import re
 
 import torch
+from omegaconf import OmegaConf
+
+from tasks.video_gen.media import save_gif, save_mp4
+from tasks.video_gen.task import VideoGenTask
 
 
 def slug(text: str, n: int = 60) -> str:
@@ -40,11 +44,6 @@ def main(argv=None) -> None:
     ap.add_argument("--text-emb-dir", default=None)
     ap.add_argument("--encode-only", action="store_true")
     args = ap.parse_args(argv)
-
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    from .media import save_gif, save_mp4  # noqa: PLC0415
-    from .task import VideoGenTask  # noqa: PLC0415
 
     state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
     cfg = OmegaConf.create(state["config"])

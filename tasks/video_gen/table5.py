@@ -27,6 +27,8 @@ import sys
 
 from omegaconf import OmegaConf
 
+from tasks.common.plots import grouped_bars, pyplot, save_figure
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = ("wan_flash", "wan_linear", "wan_mhla", "wan_mhla_hybrid")
 BENCH_KEY = {"wan_flash": "softmax", "wan_linear": "linear", "wan_mhla": "mhla", "wan_mhla_hybrid": "mhla_hybrid"}
@@ -89,6 +91,7 @@ def sample_pretrained(row: str, wan: str | None, prompts, out: str = SAMPLES, *,
     ``prompts.txt``, the layout ``tasks.video_gen.sample`` writes for the fine-tuned rows (VBench reads it).
     Returns that folder.
     """
+    # torch and the Wan stack only here: writing the table and printing the commands need neither
     import torch  # noqa: PLC0415
 
     from .media import save_gif, save_mp4  # noqa: PLC0415
@@ -182,8 +185,6 @@ def plot_table5(rows: list[tuple[str, dict, int]], gpu: dict | None, cpu: dict |
     """Speed-up over the first row (FlashAttention / softmax) per attention, as grouped bars: the paper's
     end-to-end sampling latency, then ours per step (GPU at the paper's size, the scaled-down CPU model) where
     measured. Nothing is drawn (None) when no benchmark of ours exists: the paper's ratios alone need no plot."""
-    from tasks.common.plots import grouped_bars, pyplot, save_figure  # noqa: PLC0415
-
     if not (gpu or cpu):
         return None
     groups, series = ["paper: sampling\n(50 steps, CFG)"], {}

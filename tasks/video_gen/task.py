@@ -19,18 +19,23 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from omegaconf import OmegaConf
 
+from models.wan import build_wan, load_vae, token_grid
 from tasks.common import flow_matching as fm
+from tasks.common.config import ConfigError
 from tasks.common.logger import Media
 from tasks.common.trainer import Task
 
 from .data import VOCAB, MovingShapes, VideoFolder, caption_ids
+from .media import save_frames_png, save_gif, save_mp4, tile_videos
+from .model import VideoDenoiser
+from .text import PromptEncoder
 
 
 def _plain(cfg):
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
     return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg or {})
 
 
@@ -40,8 +45,6 @@ class VideoGenTask(Task):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        from models.wan import token_grid  # noqa: PLC0415
-
         m, d = cfg.model, cfg.data
         self.pixel_space = not m.get("vae")
         stride = (1, 1, 1) if self.pixel_space else tuple(m.get("vae_stride", (4, 8, 8)))
@@ -51,10 +54,6 @@ class VideoGenTask(Task):
 
     # ------------------------------------------------------------------------------------- model
     def build_model(self) -> nn.Module:
-        from models.wan import build_wan  # noqa: PLC0415
-
-        from .model import VideoDenoiser  # noqa: PLC0415
-
         transformer = build_wan(self.cfg.model, self.cfg.attn, grid=self.grid)
         if self.word_text:
             return VideoDenoiser(transformer, len(VOCAB), int(self.cfg.model.text_dim))
@@ -76,8 +75,6 @@ class VideoGenTask(Task):
 
     def build_datasets(self):
         if not self.finetune:  # the trainer asks for data only to train: refuse before any step
-            from tasks.common.config import ConfigError  # noqa: PLC0415
-
             raise ConfigError(
                 "task.finetune=false: this row is evaluation-only (the pretrained model, not fine-tuned); sample it "
                 "with `python -m tasks.video_gen.table5 --sample-pretrained <row> --wan <Wan2.1 folder>` instead of "
@@ -104,15 +101,11 @@ class VideoGenTask(Task):
 
     def vae(self, device):
         if self._vae is None:
-            from models.wan import load_vae  # noqa: PLC0415
-
             self._vae = load_vae(self.cfg.model.pretrained).to(device).eval().requires_grad_(False)
         return self._vae
 
     def prompts(self, device):
         if self._prompts is None:
-            from .text import PromptEncoder  # noqa: PLC0415
-
             self._prompts = PromptEncoder(self.cfg.model.get("pretrained"), self.cfg.data.get("text_emb_dir"),
                                           device=device)
         return self._prompts
@@ -187,8 +180,6 @@ class VideoGenTask(Task):
                 total += per.sum()
                 count += per.numel()
         if dist_info.enabled:
-            import torch.distributed as dist  # noqa: PLC0415
-
             dist.all_reduce(total)
             dist.all_reduce(count)
         return {"loss": (total / count).item()}
@@ -224,7 +215,6 @@ class VideoGenTask(Task):
         s = self.cfg.get("sample")
         if not s or not s.get("prompts") or not trainer.dist.is_main:
             return {}
-        from .media import save_frames_png, save_gif, save_mp4, tile_videos  # noqa: PLC0415
 
         model = trainer._wrapped  # after_fit runs before the trainer stores .model / .ema
         prompts = list(s.prompts)

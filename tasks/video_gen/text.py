@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from models.wan import load_text_encoder
+
 UMT5_MAX_LEN = 512  # Wan's text context length
 
 
@@ -39,8 +41,6 @@ class PromptEncoder:
 
     def _encoder(self):
         if self._enc is None:
-            from models.wan import load_text_encoder  # noqa: PLC0415
-
             self._tok, enc = load_text_encoder(self.pretrained)
             self._enc = enc.to(self.device, self.dtype)
         return self._tok, self._enc

@@ -11,15 +11,14 @@ of the whole global batch.
 import os
 import sys
 
+import torch
+from hydra import compose, initialize_config_dir
+
+from tasks.classification.task import ClassificationTask
+from tasks.common.data import ResumableSampler
+from tasks.common.distributed import cleanup, setup_distributed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from tasks.classification.task import ClassificationTask  # noqa: E402
-from tasks.common.data import ResumableSampler  # noqa: E402
-from tasks.common.distributed import cleanup, setup_distributed  # noqa: E402
 
 
 def main(out: str, global_batch: int) -> None:

@@ -1,0 +1,55 @@
+"""Evaluate a checkpoint written by ``train.py``: the functions behind ``eval.py`` (its command line), used by
+the scripts that read trained runs (``scripts/analyze_attention.py``, ``scripts/length_extrapolation.py``).
+
+    cfg, task, model, info = load_run("outputs/.../checkpoints/best.pt")          # model in eval mode
+    metrics = evaluate_checkpoint("outputs/.../checkpoints/best.pt", ["data.eval_batch_size=64"])
+
+The run's resolved config is stored in the checkpoint; ``overrides`` are applied on top with Hydra's rule (a
+misspelled key is an error, ``+key=value`` adds a key). The task is the class the stored config names in
+``task.target``, picked as ``train.py`` picks it (:func:`tasks.common.trainer.task_class`).
+"""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from .checkpoint import load_run_checkpoint, model_weights
+from .config import apply_overrides, check_eval_batch_size
+from .data import ResumableSampler
+from .distributed import setup_distributed
+from .progress import ProgressLoader
+from .trainer import _precision_context, cap_num_workers, task_class
+
+
+def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True):
+    """``(cfg, task, model, dist_info)`` of a ``train.py`` checkpoint: the run's stored config with
+    ``overrides`` on top, its task (the class ``task.target`` names, as in ``train.py``:
+    :func:`tasks.common.trainer.task_class`), and the model with the EMA (``use_ema``) or raw weights, in eval
+    mode."""
+    state = load_run_checkpoint(ckpt_path)
+    cfg = OmegaConf.create(state["config"])
+    apply_overrides(cfg, overrides or [])  # a misspelled key is an error, as in train.py
+    check_eval_batch_size(cfg)
+    task = task_class(cfg)(cfg)
+    info = setup_distributed(cfg.trainer.get("device", "auto"))
+    model = task.build_model()
+    model.load_state_dict(model_weights(state, "ema" if use_ema else "model"))
+    model.to(info.device).eval()
+    return cfg, task, model, info
+
+
+def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True) -> dict:
+    """The task's evaluation of a ``train.py`` checkpoint (:func:`load_run`) on its eval split, with the run's
+    precision: the metrics ``eval.py`` prints."""
+    cfg, task, model, info = load_run(ckpt_path, overrides, use_ema)
+    _, eval_ds = task.build_datasets()
+    bs = int(cfg.data.get("eval_batch_size") or cfg.data.batch_size)
+    sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
+                               drop_last=False)
+    loader = DataLoader(eval_ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
+                        num_workers=cap_num_workers(int(cfg.trainer.get("num_workers", 0)))[0])
+    precision = cfg.trainer.get("precision", "auto")
+    precision = ("bf16" if info.device.type == "cuda" else "fp32") if precision == "auto" else precision
+    with _precision_context(precision, info.device):
+        return task.evaluate(model, ProgressLoader(loader, "eval", enabled=info.is_main), info.device, info)
