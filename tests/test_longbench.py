@@ -170,3 +170,20 @@ def test_runner_end_to_end(tmp_path):
                                                                   eos_token_ids=[2]))
     with pytest.raises(FileNotFoundError, match="data.zip"):
         lb.run_longbench(model, tok, str(data), ["qasper"], max_length=128)
+
+
+def test_runner_batches_give_the_predictions_of_one_prompt_at_a_time(monkeypatch):
+    """--batch-size > 1: prompts of different lengths go through one left-padded generate call; our LM runs each row
+    alone, so the predictions equal the batch-size-1 run exactly."""
+    from test_lm_eval import ByteTokenizer, tiny_models
+
+    model = dict(tiny_models())["mhla"]
+    tok = ByteTokenizer()
+    rows = [{"input": f"Q{i}?", "context": "ctx " * (3 + 5 * i), "answers": ["a"], "all_classes": None,
+             "length": 10, "dataset": "lcc", "language": "en", "_id": str(i)} for i in range(3)]
+    prompts = [len(tok.encode(lb.build_prompt("lcc", r))) for r in rows]
+    assert prompts == [70, 90, 110]  # three lengths: the batch of two is left-padded
+    monkeypatch.setitem(lb.DATASET_MAXLEN, "lcc", 8)  # 8 new tokens keep the test fast
+    one = lb.predict_dataset(model, tok, rows, "lcc", max_length=128, batch_size=1)
+    two = lb.predict_dataset(model, tok, rows, "lcc", max_length=128, batch_size=2)
+    assert two == one and len(one) == 3 and any(one)

@@ -219,7 +219,8 @@ def reproduce_table8(args) -> str:
             try:
                 model, tok = load_model(path, args.tokenizer, args.device)
                 scores = run_longbench(model, tok, args.longbench, TABLE8_TASKS, max_length=args.max_length,
-                                       out_dir=os.path.join(args.out, cell), limit=args.limit)
+                                       out_dir=os.path.join(args.out, cell), limit=args.limit,
+                                       batch_size=args.batch_size)
             except Exception as e:  # noqa: BLE001
                 status = f"failed: {type(e).__name__}: {str(e)[:120]}"
         rows.append([cell, paper.get("row", ""), _fmt(paper.get("longbench_avg")), _fmt(scores.get("average")),
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
             p.error("give --data /path/to/LongBench/data")
         model, tok = load_model(args.model, args.tokenizer, args.device)
         print(json.dumps(run_longbench(model, tok, args.data, args.tasks, max_length=args.max_length,
-                                       out_dir=args.out, limit=args.limit), indent=2))
+                                       out_dir=args.out, limit=args.limit, batch_size=args.batch_size), indent=2))
     elif args.cmd == "table6":
         print("wrote", reproduce_table6(args))
         if not HAVE_LM_EVAL:
