@@ -23,19 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from datetime import datetime, timezone
 
+from tasks.common.launch import mean_std, metric_curve, read_notes, run_parallel, run_training, train_loss_curve
+from tasks.common.utils import system_info
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from tasks.common.launch import mean_std, read_notes, run_parallel, run_training, train_loss_curve  # noqa: E402
-from tasks.common.utils import system_info  # noqa: E402
-
-# name -> Hydra overrides. "mhla" is the task's default rule (uniform init, clamp, optim.mixing_lr_scale=0.01);
-# the others each change one thing of it.
+# name -> Hydra overrides. "softmax", "linear" and "mhla" are the task's defaults (configs/task/mqar.yaml: a short
+# conv of kernel 4, lr 3e-3, and for MHLA the language-model rule: uniform init, clamp, optim.mixing_lr_scale=0.01);
+# the others each change one thing of them, and the *_conv / *_noconv names pin the conv either way.
 VARIANTS = {
     "softmax": ["attn=softmax"],
     "linear": ["attn=linear"],
@@ -60,13 +60,22 @@ VARIANTS = {
     "softmax_conv": ["attn=softmax", "model.short_conv=4"],
     "linear_conv": ["attn=linear", "model.short_conv=4"],
     "mhla_conv": ["attn=mhla", "model.short_conv=4"],
+    # ... with the paper's full-lr mixing (the 0.01 x rule protects the matrix only before the circuit exists)
+    "mhla_conv_lr1": ["attn=mhla", "model.short_conv=4", "optim.mixing_lr_scale=1.0"],
+    # ... and without it (the paper's LM has none): the recall circuit must then come from attention alone
+    "softmax_noconv": ["attn=softmax", "model.short_conv=0"],
+    "linear_noconv": ["attn=linear", "model.short_conv=0"],
+    "mhla_noconv": ["attn=mhla", "model.short_conv=0"],
 }
 
-# Grids by scale: cells (NxK), variants, seeds, epochs of the task's 20k training examples (312 steps each).
+# Grids by scale: cells (NxK), variants, seeds, epochs of the task's 20k training examples (312 steps each);
+# "epochs_by_len": fewer epochs for long sequences (a step at N = 256 costs about 3x one at N = 64 on a CPU).
 SCALES = {
     "mini": {"cells": ["32x2"], "variants": ["softmax", "linear", "mhla"], "seeds": [0], "epochs": 8},
-    "full": {"cells": ["64x8", "64x4", "128x8", "128x4"], "variants": ["softmax", "linear", "mhla"],
-             "seeds": [0, 1], "epochs": 20},
+    # N grows with K fixed (where per-block summaries should help); explicit variant names, so that the records
+    # stay true if the task's defaults change. About 2 h on 2 cores (two single-thread runs at a time).
+    "full": {"cells": ["64x8", "256x8"], "variants": ["softmax_conv", "linear_conv", "mhla_conv"],
+             "seeds": [0, 1], "epochs": 20, "epochs_by_len": {256: 10}},
     "large": {"cells": ["64x4", "64x8", "128x8", "256x8", "256x16", "512x16", "512x32"],
               "variants": ["softmax", "linear", "mhla", "mhla_clamp"], "seeds": [0, 1, 2], "epochs": 40,
               "extra": ["model.hidden_size=128"]},
@@ -74,9 +83,14 @@ SCALES = {
 CONVERGED = 0.99  # softmax accuracy a cell needs before its comparison counts
 
 
+def epochs_for(n: int, args) -> int:
+    """Training epochs of a run at sequence length ``n``: ``--epochs`` when given, else the preset's."""
+    return args.epochs if args.epochs_given else int(args.epochs_by_len.get(n, args.epochs))
+
+
 def overrides_for(variant: str, n: int, k: int, seed: int, args) -> list[str]:
     return ["task=mqar", *VARIANTS[variant], f"data.seq_len={n}", f"data.num_kv_pairs={k}", f"seed={seed}",
-            f"trainer.max_epochs={args.epochs}", "logger=none", "trainer.progress_bar=false", "trainer.device=cpu",
+            f"trainer.max_epochs={epochs_for(n, args)}", "logger=none", "trainer.progress_bar=false", "trainer.device=cpu",
             f"hydra.run.dir={run_dir(args, variant, n, k, seed)}", *args.extra]
 
 
@@ -86,12 +100,91 @@ def run_dir(args, variant: str, n: int, k: int, seed: int) -> str:
 
 def run_one(variant: str, n: int, k: int, seed: int, args) -> dict:
     rec = run_training(overrides_for(variant, n, k, seed, args), threads=args.threads)
-    rec.pop("error_tail", None)
-    rec = {"variant": variant, "seq_len": n, "num_kv_pairs": k, "seed": seed, **rec}
+    tail = rec.pop("error_tail", None) or ""
+    rec = {"variant": variant, "seq_len": n, "num_kv_pairs": k, "seed": seed, "epochs": epochs_for(n, args), **rec}
+    directory = run_dir(args, variant, n, k, seed)
+    return finish_record(rec, directory, interrupted=STOPPED in tail or was_stopped(directory))
+
+
+STOPPED = "received: stopped at step"  # train.py's line when a stop signal ended the run early (last.pt saved)
+
+
+def stopped_step(directory: str) -> int | None:
+    """The step at which a stop signal (SIGTERM / SIGINT) ended the run in ``directory`` (its ``train.log``), or
+    None when it ended with its schedule or did not run."""
+    path = os.path.join(directory, "train.log")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        m = re.search(STOPPED + r" (\d+)", f.read()[-4000:])
+    return int(m.group(1)) if m else None
+
+
+def was_stopped(directory: str) -> bool:
+    """Whether a stop signal, not the end of its schedule, ended the run in ``directory``."""
+    return stopped_step(directory) is not None
+
+
+def finish_record(rec: dict, directory: str, interrupted: bool = False) -> dict:
+    """Add the loss and eval-accuracy curves of the run in ``directory``; a run stopped by a signal becomes an
+    ``interrupted`` record (no final accuracy: its eval curve up to ``stopped_at`` is what it measured)."""
     if "metrics" in rec:
         rec.update(rec.pop("metrics"))
-        rec["curve"] = train_loss_curve(run_dir(args, variant, n, k, seed))
+    rec["curve"] = train_loss_curve(directory)
+    rec["eval_curve"] = metric_curve(directory, "eval/acc")
+    if interrupted and "acc" not in rec:
+        rec.pop("error", None)
+        rec.update(interrupted=True, stopped_at=stopped_step(directory) or (rec["curve"][-1][0] if rec["curve"] else 0))
     return rec
+
+
+def matched_steps_table(results: list[dict], variants: list[str], n: int, k: int) -> list[str]:
+    """Eval accuracy (mean over seeds) of every variant of cell (n, k) at the eval steps all its runs reached:
+    how stopped runs compare at equal steps of the same schedule."""
+    runs = [r for r in results if (r["seq_len"], r["num_kv_pairs"]) == (n, k) and r.get("eval_curve")
+            and r["variant"] in variants]
+    if not runs:
+        return []
+    common = sorted(set.intersection(*(set(s for s, _ in r["eval_curve"]) for r in runs)))
+    shown = [v for v in variants if any(r["variant"] == v for r in runs)]
+    head = "| step | " + " | ".join(f"{v} acc %" for v in shown) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for step in common:
+        row = []
+        for v in shown:
+            accs = [dict(r["eval_curve"])[step] for r in runs if r["variant"] == v]
+            row.append(f"{100 * statistics.fmean(accs):.1f}" + (f" (n={len(accs)})" if len(accs) > 1 else ""))
+        lines.append(f"| {step} | " + " | ".join(row) + " |")
+    return lines
+
+
+def record_epochs(r: dict) -> int | None:
+    """The epochs a record trained for (older records: read from its command)."""
+    if r.get("epochs"):
+        return int(r["epochs"])
+    m = re.search(r"trainer\.max_epochs=(\d+)", r.get("command", ""))
+    return int(m.group(1)) if m else None
+
+
+def softmax_status(stats: dict, n: int, k: int, variants: list[str], results: list[dict] = ()) -> str:
+    """Whether a softmax variant of the table solves cell (n, k) (>= :data:`CONVERGED` on average). A stopped
+    softmax run counts by the accuracy of its last evaluation, and the column says so."""
+    found = []
+    for v in variants:
+        if "attn=softmax" not in VARIANTS[v]:
+            continue
+        if (n, k, v) in stats:
+            found.append((v, stats[(n, k, v)][0], ""))
+            continue
+        last = [r["eval_curve"][-1] for r in results if (r["seq_len"], r["num_kv_pairs"], r["variant"]) == (n, k, v)
+                and r.get("interrupted") and r.get("eval_curve")]
+        if last:
+            found.append((v, statistics.fmean(a for _, a in last),
+                          f" (stopped; last eval at step {max(s for s, _ in last)})"))
+    if not found:
+        return "?"
+    return "; ".join(f"{v}: " + ("yes" if acc >= CONVERGED else "**no: too short, does not count**") + note
+                     for v, acc, note in found)
 
 
 def summarize(results: list[dict], variants: list[str]) -> tuple[list, dict]:
@@ -110,7 +203,8 @@ def summarize(results: list[dict], variants: list[str]) -> tuple[list, dict]:
 def write_outputs(results: list[dict], args, stem: str) -> None:
     variants = [v for v in args.variants if any(r["variant"] == v for r in results)] or args.variants
     cells, stats = summarize(results, variants)
-    head = "| N | K | " + " | ".join(f"{v} acc %" for v in variants) + " | softmax solved | mean time s |"
+    head = ("| N | K | epochs | " + " | ".join(f"{v} acc %" for v in variants)
+            + " | softmax solved | mean time s |")
     lines = [
         f"# {args.title}",
         "",
@@ -121,9 +215,9 @@ def write_outputs(results: list[dict], args, stem: str) -> None:
         f"Command: `python scripts/run_mqar.py {' '.join(args.argv)}`".rstrip(),
         "",
         f"Conditions: the 2-layer causal LM of `configs/task/mqar.yaml` (width 64 unless an override says "
-        f"otherwise, 2 heads, SwiGLU, RoPE, no normalizer + output RMSNorm), AdamW lr 1e-3, cosine, batch 64, "
-        f"{args.epochs} epochs of 20k examples ({args.epochs * 312} steps); MHLA chunks of C = smallest power of "
-        f"two >= sqrt(N). Variants (each one's overrides): "
+        f"otherwise, 2 heads, SwiGLU, RoPE, no normalizer + output RMSNorm), AdamW at the task's lr unless an "
+        f"override says otherwise, cosine, batch 64, the epochs of the table (312 steps each: 20k examples); "
+        f"MHLA chunks of C = smallest power of two >= sqrt(N). Variants (each one's overrides): "
         + "; ".join(f"`{v}`: {' '.join(VARIANTS[v])}" for v in variants)
         + f". Extra overrides: {' '.join(args.extra) or 'none'}. {args.jobs} run(s) at a time, "
         f"{args.threads} thread(s) each.",
@@ -137,13 +231,25 @@ def write_outputs(results: list[dict], args, stem: str) -> None:
         row = []
         for v in variants:
             s = stats.get((n, k, v))
-            row.append("not run" if s is None else f"{100 * s[0]:.1f} ± {100 * s[1]:.1f} (n={s[2]})")
-        sm = stats.get((n, k, "softmax"))
-        solved = "?" if sm is None else ("yes" if sm[0] >= CONVERGED else "**no: too short, does not count**")
+            stopped = [r["stopped_at"] for r in results if (r["seq_len"], r["num_kv_pairs"], r["variant"]) == (n, k, v)
+                       and r.get("interrupted")]
+            if s is None:
+                row.append(f"stopped at step {', '.join(map(str, stopped))}" if stopped else "not run")
+            else:
+                row.append(f"{100 * s[0]:.1f} ± {100 * s[1]:.1f} (n={s[2]})")
+        solved = softmax_status(stats, n, k, variants, results)
+        eps = sorted({record_epochs(r) for r in results if (r["seq_len"], r["num_kv_pairs"]) == (n, k)} - {None})
+        ep = "/".join(map(str, eps)) or "?"
         secs = [r["seconds"] for r in results if (r["seq_len"], r["num_kv_pairs"]) == (n, k) and "acc" in r
                 and r.get("seconds")]
-        lines.append(f"| {n} | {k} | " + " | ".join(row) + f" | {solved} | {statistics.fmean(secs):.0f} |"
-                     if secs else f"| {n} | {k} | " + " | ".join(row) + f" | {solved} | - |")
+        lines.append(f"| {n} | {k} | {ep} | " + " | ".join(row) + f" | {solved} | "
+                     + (f"{statistics.fmean(secs):.0f} |" if secs else "- |"))
+    for n, k in cells:
+        if any(r.get("interrupted") for r in results if (r["seq_len"], r["num_kv_pairs"]) == (n, k)):
+            lines += ["", f"N = {n}, K = {k}: some runs were stopped before the end of their schedule, so the cell "
+                      "has no final accuracy for them. Eval accuracy at the steps every run of the cell reached "
+                      "(the same lr schedule, so equal steps are equal training):", "",
+                      *matched_steps_table(results, variants, n, k)]
     failed = [r for r in results if "error" in r]
     if failed:
         lines += ["", "Failed runs: " + "; ".join(f"{r['variant']} {r['seq_len']}x{r['num_kv_pairs']} seed "
@@ -172,7 +278,28 @@ def plot(results, variants, cells, stats, stem, args) -> None:
         print("matplotlib missing: no plot", flush=True)
         return
     lengths = sorted({n for n, _ in cells})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
+    ks_all = sorted({k for _, k in cells})
+    if len(lengths) > 1 and len(ks_all) == 1:  # N grows with K fixed: accuracy against N
+        k = ks_all[0]
+        fig, ax = plt.subplots(figsize=(5.2, 3.6))
+        for j, v in enumerate(variants):
+            pts = [(n, *stats[(n, k, v)][:2]) for n in lengths if (n, k, v) in stats]
+            if pts:
+                x, y, e = zip(*pts)
+                ax.errorbar(x, [100 * a for a in y], yerr=[100 * s for s in e], marker="o", capsize=3, label=v,
+                            color=f"C{j}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_ylim(0, 102)
+        ax.set_xlabel(f"sequence length N (K = {k} key-value pairs)")
+        ax.set_ylabel("MQAR accuracy (%)")
+        ax.legend(fontsize=8)
+        ax.set_title(f"{args.title} (CPU)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=110)
+        plt.close(fig)
+        lengths = []  # the per-N panels below are skipped
+    fig, axes = plt.subplots(1, max(1, len(lengths)), figsize=(4.2 * max(1, len(lengths)), 3.4), squeeze=False)
     for ax, n in zip(axes[0], lengths):
         ks = sorted(k for m, k in cells if m == n)
         for j, v in enumerate(variants):
@@ -188,9 +315,10 @@ def plot(results, variants, cells, stats, stem, args) -> None:
         ax.set_title(f"N = {n}")
     axes[0][0].set_ylabel("MQAR accuracy (%)")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"{args.title} ({args.epochs * 312} steps, CPU)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110)
+    if lengths:
+        fig.suptitle(f"{args.title} (CPU)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=110)
     plt.close(fig)
 
     fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.2), squeeze=False)
@@ -235,7 +363,9 @@ def main(argv=None) -> int:
     args.cells = args.cells or preset["cells"]
     args.variants = args.variants or preset["variants"]
     args.seeds = args.seeds if args.seeds is not None else preset["seeds"]
+    args.epochs_given = args.epochs is not None
     args.epochs = args.epochs or preset["epochs"]
+    args.epochs_by_len = {int(n): int(e) for n, e in preset.get("epochs_by_len", {}).items()}
     args.extra = [*preset.get("extra", []), *args.extra]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
@@ -247,8 +377,8 @@ def main(argv=None) -> int:
         with open(stem + ".json") as f:
             results = json.load(f)["results"]
     if not args.plot_only:
-        done = {(r["variant"], r["seq_len"], r["num_kv_pairs"], r["seed"]) for r in results if "error" not in r}
-        results = [r for r in results if "error" not in r]
+        results = [r for r in results if "error" not in r and not r.get("interrupted")]  # rerun those
+        done = {(r["variant"], r["seq_len"], r["num_kv_pairs"], r["seed"]) for r in results}
         todo = [(v, *(int(x) for x in c.lower().split("x")), s) for c in args.cells for s in args.seeds
                 for v in args.variants]
         todo = [t for t in todo if t not in done]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -98,10 +97,11 @@ def test_loss_and_accuracy_on_hand_logits():
 
 def test_train_py_runs_mqar_for_each_attention(tmp_path):
     pytest.importorskip("models.lm")
-    from omegaconf import OmegaConf
-    from hydra import compose, initialize_config_dir
-
     import os
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
     import train as train_py
 
     cfg_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -118,7 +118,6 @@ def test_train_py_runs_mqar_for_each_attention(tmp_path):
 
 def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     """scripts/run_mqar.py: runs every (variant, cell, seed), writes mean ± std, flags unsolved cells."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import run_mqar
 
     out = tmp_path / "grid"
@@ -135,8 +134,7 @@ def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     assert "model.mixing_param=clamp" in md
     assert (tmp_path / "grid.png").stat().st_size > 1000 and (tmp_path / "grid_curves.png").stat().st_size > 1000
     # eval.py builds MQARTask (task.target of the stored config) and reproduces the run's final accuracy
-    sys.path.insert(0, ROOT)
-    from eval import evaluate_checkpoint
+    from tasks.common.evaluation import evaluate_checkpoint
 
     rec = next(r for r in data["results"] if (r["variant"], r["seed"]) == ("mhla_clamp", 0))
     again = evaluate_checkpoint(str(tmp_path / "runs" / "16x2" / "mhla_clamp_s0" / "checkpoints" / "last.pt"))
@@ -146,3 +144,44 @@ def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     assert len(json.loads((tmp_path / "grid.json").read_text())["results"]) == 4
     with pytest.raises(SystemExit):
         run_mqar.main(["--variants", "bogus", "--out", str(out)])
+
+
+def test_run_mqar_keeps_stopped_runs_as_eval_curves(tmp_path):
+    """A run stopped by a signal (train.py saves last.pt and logs the stop) is an ``interrupted`` record with its
+    eval curve, not a failure; the table compares such runs at the eval steps they all reached."""
+    import types
+
+    import run_mqar
+
+    def fake_run(name, evals, stopped):
+        d = tmp_path / name
+        d.mkdir()
+        lines = [{"step": s, "train/loss": 1.0 / s} for s, _ in evals] + [{"step": s, "eval/acc": a} for s, a in evals]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+        (d / "train.log").write_text("step 100 ...\n" + ("SIGTERM received: stopped at step 700/3120\n" if stopped else ""))
+        return str(d)
+
+    base = {"seq_len": 256, "num_kv_pairs": 8, "seed": 0, "epochs": 10, "seconds": 1.0}
+    lin = run_mqar.finish_record({**base, "variant": "linear_conv", "error": "failed (exit 143)"},
+                                 fake_run("lin", [(312, 0.1), (624, 0.3)], stopped=True),
+                                 interrupted=run_mqar.was_stopped(str(tmp_path / "lin")))
+    assert lin["interrupted"] and "error" not in lin and lin["stopped_at"] == 700  # from train.log
+    mh = run_mqar.finish_record({**base, "variant": "mhla_conv", "error": "failed (exit 143)"},
+                                fake_run("mh", [(312, 0.2), (624, 0.5), (936, 0.6)], stopped=True),
+                                interrupted=True)
+    crashed = run_mqar.finish_record({**base, "variant": "softmax_conv", "error": "boom"},
+                                     fake_run("sm", [(312, 0.9)], stopped=False), interrupted=False)
+    assert "error" in crashed and not crashed.get("interrupted")
+    table = run_mqar.matched_steps_table([lin, mh], ["linear_conv", "mhla_conv"], 256, 8)
+    assert table[2:] == ["| 312 | 10.0 | 20.0 |", "| 624 | 30.0 | 50.0 |"]  # 936: not reached by every run
+    args = types.SimpleNamespace(variants=["linear_conv", "mhla_conv"], title="t", argv=[], extra=[], jobs=1,
+                                 threads=1, notes="")
+    run_mqar.write_outputs([lin, mh], args, str(tmp_path / "grid"))
+    md = (tmp_path / "grid.md").read_text()
+    assert "stopped at step 700" in md and "| 624 | 30.0 | 50.0 |" in md
+    sm = run_mqar.finish_record({**base, "variant": "softmax_conv", "error": "failed (exit 143)"},
+                                fake_run("sm_stopped", [(312, 0.995), (624, 1.0)], stopped=True), interrupted=True)
+    args.variants = ["softmax_conv", "linear_conv", "mhla_conv"]
+    run_mqar.write_outputs([sm, lin, mh], args, str(tmp_path / "grid"))
+    md = (tmp_path / "grid.md").read_text()
+    assert "softmax_conv: yes (stopped; last eval at step 624)" in md  # a stopped softmax run at 100% solved it

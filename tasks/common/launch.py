@@ -17,6 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
+from tqdm import tqdm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _METRIC = re.compile(r"([\w/]+)=([-\d.eE+naninf]+)")
 
@@ -65,11 +67,7 @@ def run_parallel(fn: Callable, items: Iterable, jobs: int, desc: str, on_done: C
     to print for that run.
     """
     items = list(items)
-    try:
-        from tqdm import tqdm  # noqa: PLC0415
-    except ImportError:  # pragma: no cover
-        tqdm = None
-    bar = tqdm(total=len(items), desc=desc, unit="run") if tqdm and items else None
+    bar = tqdm(total=len(items), desc=desc, unit="run") if items else None
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [(item, pool.submit(fn, item)) for item in items]
         for item, fut in futures:
@@ -83,17 +81,22 @@ def run_parallel(fn: Callable, items: Iterable, jobs: int, desc: str, on_done: C
         bar.close()
 
 
-def train_loss_curve(run_dir: str) -> list[tuple[int, float]]:
-    """``(step, train loss)`` pairs from a run's ``metrics.jsonl``."""
+def metric_curve(run_dir: str, key: str = "train/loss") -> list[tuple[int, float]]:
+    """``(step, value)`` pairs of metric ``key`` (``train/loss``, ``eval/acc``, ...) from a run's ``metrics.jsonl``."""
     curve = []
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 rec = json.loads(line)
-                if "train/loss" in rec:
-                    curve.append((rec["step"], rec["train/loss"]))
+                if key in rec:
+                    curve.append((rec["step"], rec[key]))
     return curve
+
+
+def train_loss_curve(run_dir: str) -> list[tuple[int, float]]:
+    """``(step, train loss)`` pairs from a run's ``metrics.jsonl``."""
+    return metric_curve(run_dir, "train/loss")
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
