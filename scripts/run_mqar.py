@@ -27,8 +27,11 @@ import re
 import statistics
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
+from tasks.common.fileio import atomic_write
 from tasks.common.launch import mean_std, metric_curve, read_notes, run_parallel, run_training, train_loss_curve
+from tasks.common.plots import pyplot, save_figure
 from tasks.common.utils import system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,66 +263,50 @@ def write_outputs(results: list[dict], args, stem: str) -> None:
     if args.notes:
         lines += ["## Reading", "", args.notes.strip(), ""]
     os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines))
-    with open(stem + ".json", "w") as f:
-        json.dump({"date": datetime.now(timezone.utc).isoformat(), "argv": args.argv, "results": results}, f,
-                  indent=1)
+    # whole files only (the grid rewrites them after every run): tasks.common.fileio.atomic_write
+    atomic_write(stem + ".md", lambda tmp: Path(tmp).write_text("\n".join(lines)))
+    record = {"date": datetime.now(timezone.utc).isoformat(), "argv": args.argv, "results": results}
+    atomic_write(stem + ".json", lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
     plot(results, variants, cells, stats, stem, args)
 
 
-def plot(results, variants, cells, stats, stem, args) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415  (optional: the table is written without it)
+def accuracy_panel(ax, xs: list[int], stat_of, variants: list[str], xlabel: str, title: str = "") -> None:
+    """Mean accuracy with its spread over seeds against ``xs`` (log2 axis), one line per variant;
+    ``stat_of(x, v)`` is the ``(mean, std, n)`` of variant ``v`` at ``x`` or None."""
+    for j, v in enumerate(variants):
+        pts = [(x, *stat_of(x, v)[:2]) for x in xs if stat_of(x, v) is not None]
+        if pts:
+            x, y, e = zip(*pts)
+            ax.errorbar(x, [100 * a for a in y], yerr=[100 * s for s in e], marker="o", capsize=3, label=v,
+                        color=f"C{j}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_ylim(0, 102)
+    ax.set_xlabel(xlabel)
+    if title:
+        ax.set_title(title)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:  # pragma: no cover
-        print("matplotlib missing: no plot", flush=True)
-        return
+
+def plot(results, variants, cells, stats, stem, args) -> None:
+    """``<stem>.png``: accuracy against N when every N has one K (N grows with K fixed), else against K, one
+    panel per N; ``<stem>_curves.png``: the training loss of every run."""
+    plt = pyplot()
     lengths = sorted({n for n, _ in cells})
     ks_all = sorted({k for _, k in cells})
-    if len(lengths) > 1 and len(ks_all) == 1:  # N grows with K fixed: accuracy against N
+    if len(lengths) > 1 and len(ks_all) == 1:
         k = ks_all[0]
         fig, ax = plt.subplots(figsize=(5.2, 3.6))
-        for j, v in enumerate(variants):
-            pts = [(n, *stats[(n, k, v)][:2]) for n in lengths if (n, k, v) in stats]
-            if pts:
-                x, y, e = zip(*pts)
-                ax.errorbar(x, [100 * a for a in y], yerr=[100 * s for s in e], marker="o", capsize=3, label=v,
-                            color=f"C{j}")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [str(n) for n in lengths])
-        ax.set_ylim(0, 102)
-        ax.set_xlabel(f"sequence length N (K = {k} key-value pairs)")
-        ax.set_ylabel("MQAR accuracy (%)")
-        ax.legend(fontsize=8)
-        ax.set_title(f"{args.title} (CPU)", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=110)
-        plt.close(fig)
-        lengths = []  # the per-N panels below are skipped
-    fig, axes = plt.subplots(1, max(1, len(lengths)), figsize=(4.2 * max(1, len(lengths)), 3.4), squeeze=False)
-    for ax, n in zip(axes[0], lengths):
-        ks = sorted(k for m, k in cells if m == n)
-        for j, v in enumerate(variants):
-            pts = [(k, *stats[(n, k, v)][:2]) for k in ks if (n, k, v) in stats]
-            if pts:
-                x, y, e = zip(*pts)
-                ax.errorbar(x, [100 * a for a in y], yerr=[100 * s for s in e], marker="o", capsize=3, label=v,
-                            color=f"C{j}")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ks, [str(k) for k in ks])
-        ax.set_ylim(0, 102)
-        ax.set_xlabel("key-value pairs K")
-        ax.set_title(f"N = {n}")
-    axes[0][0].set_ylabel("MQAR accuracy (%)")
-    axes[0][-1].legend(fontsize=8)
-    if lengths:
-        fig.suptitle(f"{args.title} (CPU)", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=110)
-    plt.close(fig)
+        panels = [(ax, lengths, lambda n, v: stats.get((n, k, v)), f"sequence length N (K = {k} key-value pairs)", "")]
+    else:
+        fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
+        panels = [(ax, sorted(k for m, k in cells if m == n), lambda k, v, n=n: stats.get((n, k, v)),
+                   "key-value pairs K", f"N = {n}") for ax, n in zip(axes[0], lengths)]
+    for ax, xs, stat_of, xlabel, title in panels:
+        accuracy_panel(ax, xs, stat_of, variants, xlabel, title)
+    panels[0][0].set_ylabel("MQAR accuracy (%)")
+    panels[-1][0].legend(fontsize=8)
+    fig.suptitle(f"{args.title} (CPU)", fontsize=10)
+    save_figure(fig, stem + ".png", dpi=110)
 
     fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.2), squeeze=False)
     for ax, (n, k) in zip(axes[0], cells):
@@ -334,9 +321,7 @@ def plot(results, variants, cells, stats, stem, args) -> None:
         ax.set_yscale("log")
     axes[0][0].set_ylabel("training loss (query positions)")
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(stem + "_curves.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, stem + "_curves.png", dpi=110)
 
 
 def main(argv=None) -> int:
