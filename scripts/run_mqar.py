@@ -203,6 +203,11 @@ def summarize(results: list[dict], variants: list[str]) -> tuple[list, dict]:
     return cells, stats
 
 
+def run_key(rec: dict) -> tuple:
+    """(variant, N, K, seed): what identifies one run of the grid."""
+    return rec["variant"], rec["seq_len"], rec["num_kv_pairs"], rec["seed"]
+
+
 def write_outputs(results: list[dict], args, stem: str) -> None:
     variants = [v for v in args.variants if any(r["variant"] == v for r in results)] or args.variants
     cells, stats = summarize(results, variants)
@@ -362,11 +367,12 @@ def main(argv=None) -> int:
         with open(stem + ".json") as f:
             results = json.load(f)["results"]
     if not args.plot_only:
-        results = [r for r in results if "error" not in r and not r.get("interrupted")]  # rerun those
-        done = {(r["variant"], r["seq_len"], r["num_kv_pairs"], r["seed"]) for r in results}
-        todo = [(v, *(int(x) for x in c.lower().split("x")), s) for c in args.cells for s in args.seeds
-                for v in args.variants]
-        todo = [t for t in todo if t not in done]
+        planned = [(v, *(int(x) for x in c.lower().split("x")), s) for c in args.cells for s in args.seeds
+                   for v in args.variants]
+        # failed or stopped runs of this grid are run again; records outside it are kept as they are
+        results = [r for r in results if run_key(r) not in planned or ("error" not in r and not r.get("interrupted"))]
+        done = {run_key(r) for r in results}
+        todo = [t for t in planned if t not in done]
         if args.order:  # "variant:seed" pairs to run first, in this order
             rank = {tuple(o.rsplit(":", 1)): i for i, o in enumerate(args.order)}
             todo.sort(key=lambda t: rank.get((t[0], str(t[3])), len(rank)))

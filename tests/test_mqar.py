@@ -185,3 +185,33 @@ def test_run_mqar_keeps_stopped_runs_as_eval_curves(tmp_path):
     run_mqar.write_outputs([sm, lin, mh], args, str(tmp_path / "grid"))
     md = (tmp_path / "grid.md").read_text()
     assert "softmax_conv: yes (stopped; last eval at step 624)" in md  # a stopped softmax run at 100% solved it
+
+
+def test_run_mqar_resume_on_a_subset_keeps_other_records(tmp_path, monkeypatch):
+    """``--resume`` with a narrower grid reruns only the failed or stopped runs *of that grid*: a stopped run of
+    another seed stays in ``<out>.json`` as it was (it once dropped every interrupted record)."""
+    import run_mqar
+
+    def rec(variant, seed, **kw):
+        return {"variant": variant, "seq_len": 256, "num_kv_pairs": 8, "seed": seed, "epochs": 10,
+                "seconds": 1.0, "curve": [[1, 1.0]], **kw}
+
+    old = [rec("softmax_conv", 0, interrupted=True, stopped_at=2238, eval_curve=[[2184, 1.0]]),
+           rec("linear_conv", 0, acc=0.73), rec("linear_conv", 1, error="boom")]
+    stem = tmp_path / "grid"
+    stem.with_suffix(".json").write_text(json.dumps({"results": old}))
+    ran = []
+
+    def fake_parallel(fn, todo, jobs, desc, on_done):
+        for item in todo:
+            ran.append(item)
+            on_done(item, rec(item[0], item[3], acc=0.5))
+
+    monkeypatch.setattr(run_mqar, "run_parallel", fake_parallel)
+    assert run_mqar.main(["--cells", "256x8", "--variants", "softmax_conv", "linear_conv", "--seeds", "1",
+                          "--resume", "--out", str(stem), "--out-dir", str(tmp_path / "runs")]) == 0
+    assert sorted(ran) == [("linear_conv", 256, 8, 1), ("softmax_conv", 256, 8, 1)]
+    kept = json.loads(stem.with_suffix(".json").read_text())["results"]
+    keys = sorted((r["variant"], r["seed"], "acc" in r, bool(r.get("interrupted"))) for r in kept)
+    assert keys == [("linear_conv", 0, True, False), ("linear_conv", 1, True, False),
+                    ("softmax_conv", 0, False, True), ("softmax_conv", 1, True, False)]
