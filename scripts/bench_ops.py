@@ -5,6 +5,7 @@
     python scripts/bench_ops.py --quick          # tiny smoke run
     python scripts/bench_ops.py --ops mhla linear --seq-lens 4096   # a subset (writes ops_cpu_mhla-linear.*)
     python scripts/bench_ops.py --device cuda    # GPU: CUDA-event timing, peak memory from the allocator
+    python scripts/bench_ops.py --varlen         # variable-length batches (below); --quick: total_T 512
 
 Non-causal: MHLA (torch backend, locality mixing, M blocks with M^2 <= T), linear attention, SDPA.
 Causal: MHLA chunkwise (block 64), our chunkwise linear attention, SDPA causal, and a reimplementation of the
@@ -16,12 +17,24 @@ RSS (``ru_maxrss``) over the fwd+bwd runs, relative to the RSS after the inputs 
 ``torch.cuda.max_memory_allocated`` minus the inputs. Cases whose estimated time exceeds ``--max-case-s``
 are skipped and marked with the estimate. Writes ``results/bench/ops_<device>.json``, ``.md`` and ``.png`` (time
 and memory against T per op, log-log); ``--plot-only`` redraws the ``.png`` from the ``.json``.
+
+``--varlen``: causal MHLA on a packed batch of N documents (``--num-docs``, default 8; a seeded uniform split
+of total_T, document lengths not multiples of the block, one 5-token document), ``--seq-lens`` the total
+lengths (default 4096 16384 on CPU, 16384 65536 on GPU, 512 with ``--quick``), batch 1, for backend
+``torch`` and ``auto`` where that resolves to another backend (the fused kernels on CUDA). Three ways,
+forward and fwd+bwd: (a) one call with ``cu_seqlens`` on ``[1, total_T, H, D]``; (b) one call on the
+concatenation without ``cu_seqlens`` (the cost floor, not the same result); (c) a Python loop of one call
+per document (the same result as (a)). Before timing, max |a - c| (outputs; gradients relative) is measured
+and stored; a case above the tolerance is not timed and the run exits 1. Timing is in-process (no
+subprocess per case, no memory): the three ways timed in turn, round by round, median over the rounds.
+Writes ``results/bench/varlen_<device>[_quick].json`` and ``.md`` (ratios a/b, c/a; load average).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import math
 import os
@@ -36,6 +49,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import mhla
 from mhla.mixing import distances_1d, mixing_init
+from mhla.ops.varlen import bucket_sequences, default_call_cost_tokens
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.utils import system_info
 
@@ -275,6 +289,271 @@ def check_release_equivalence(args) -> float:
     return (ours - theirs).abs().max().item()
 
 
+# ------------------------------------------------------------------------------- variable-length batches
+VARLEN_WAYS = {"a": "one variable-length call (cu_seqlens) on [1, total_T, H, D]",
+               "b": "one ordinary call on the concatenation [1, total_T, H, D], no cu_seqlens "
+                    "(the cost floor, not the same result)",
+               "c": "a Python loop of one call per document (the same result as a)"}
+VARLEN_TOL = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}  # max |a - c| (outputs) before timing, else abort
+VARLEN_SHORT_DOC = 5  # tokens of the one very short document of every split
+VARLEN_TIME_METHOD = (
+    "in-process (one process for all cases, no subprocess per case): one fwd+bwd of each way as warm-up, "
+    "then N rounds, each timing (a), (b), (c) once in turn, so that load changes hit all three alike; "
+    "N = min(--repeats, --budget-s / one round), at least 3; median (p25-p75 in the .json). CPU wall clock "
+    "(time.perf_counter), GPU CUDA events. fwd under torch.no_grad(); fwd+bwd backpropagates a fixed random "
+    "output gradient to q, k, v and the mixing matrix.")
+VARLEN_PADDING_NOTE = (
+    "How (a) runs (mhla.ops.varlen.run_varlen, no states): the documents are sorted by length and cut into "
+    "length buckets by a dynamic program that minimises padded tokens + call_cost_tokens x buckets "
+    "(call_cost_tokens: the fixed cost of one op call in tokens, {cost} on {device}); each bucket runs as "
+    "one right-padded batch [bucket size, longest in bucket, H, D] (a bucket of one: the document's own slice, "
+    "unpadded), and the outputs are put back in the packed order. 'buckets': how many op calls (a) makes "
+    "(their lengths below); 'padded / total_T': the tokens (a) computes over those of (b). Before the "
+    "buckets, (a) padded every document to the longest ('N x max len / total_T') and cost 3.4x-8.3x (b) here "
+    "(results of 2026-11-24). (b) is not the same computation: one sequence of total_T tokens, and on the "
+    "torch path the cost per token grows with the sequence length (the mixing between blocks is quadratic in "
+    "the number of blocks, and the mixing matrix's values are checked on every call), so documents run apart "
+    "-- (a) and (c) -- can cost less than (b). (c) computes only the documents' own tokens, one call each.")
+
+
+def varlen_lengths(total_T: int, num_docs: int, block: int, seed: int = 0) -> list[int]:
+    """A fixed random split of ``total_T`` tokens into ``num_docs`` document lengths (all >= 1).
+
+    Uniform random cut points (seeded), plus one very short document (:data:`VARLEN_SHORT_DOC` tokens, second
+    in order); a length that is a multiple of ``block`` is moved by one token so that documents end inside
+    blocks (the last one may still be a multiple by chance)."""
+    if num_docs < 2 or total_T < VARLEN_SHORT_DOC + 2 * (num_docs - 1):
+        raise ValueError(f"cannot split {total_T} tokens into {num_docs} documents (need N >= 2)")
+    g = torch.Generator().manual_seed(seed)
+    rest = total_T - VARLEN_SHORT_DOC
+    cuts = sorted((torch.randperm(rest - 1, generator=g)[:num_docs - 2] + 1).tolist())
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, rest])]
+    lengths.insert(1, VARLEN_SHORT_DOC)
+    for i in range(len(lengths) - 1):
+        if lengths[i] % block == 0 and lengths[i + 1] > 1:
+            lengths[i] += 1
+            lengths[i + 1] -= 1
+    assert sum(lengths) == total_T and min(lengths) >= 1
+    return lengths
+
+
+def varlen_cases(args, total_T: int, backend: str, device: str):
+    """The three ways (:data:`VARLEN_WAYS`) for one total length, as ``{"a": fn, "b": fn, "c": fn}``.
+
+    Inputs from :func:`make_case` (causal MHLA, batch 1, mixing sized for the whole concatenation, which
+    (a) and (c) read only the top-left of). Returns ``(fns, params, lengths, block)``."""
+    _, params, info = make_case("mhla_torch", True, total_T, args, device)  # tensors only; backend set below
+    q, k, v, mix = params
+    C = info["block_size"]
+    lengths = varlen_lengths(total_T, args.num_docs, C)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    bounds = list(itertools.pairwise(offsets))
+
+    def call(x_q, x_k, x_v, **kw):
+        return mhla.mhla_attention(x_q, x_k, x_v, mix, C, causal=True, backend=backend, **kw)
+
+    fns = {"a": lambda: call(q, k, v, cu_seqlens=cu),
+           "b": lambda: call(q, k, v),
+           "c": lambda: torch.cat([call(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in bounds], dim=1)}
+    return fns, params, lengths, C
+
+
+def varlen_equality(fns, params, grad) -> dict:
+    """Max |a - c| of the outputs, and of the gradients relative to their largest entry."""
+    with torch.no_grad():
+        fwd = (fns["a"]().float() - fns["c"]().float()).abs().max().item()
+    grads = {}
+    for way in ("a", "c"):
+        for p in params:
+            p.grad = None
+        fns[way]().backward(grad)
+        grads[way] = [p.grad.float().clone() for p in params]
+    rel = max(((ga - gc).abs().max() / ga.abs().max().clamp_min(1e-30)).item()
+              for ga, gc in zip(grads["a"], grads["c"]))
+    return {"max_abs_diff_a_c": fwd, "grad_max_rel_diff_a_c": rel}
+
+
+def time_round_robin(fns: dict, device: str, repeats: int) -> dict[str, list[float]]:
+    """``repeats`` rounds, each timing every function once (:func:`timer`), in turn."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            out[name] += timer(fn, device, 1)
+    return out
+
+
+def varlen_case(args, total_T: int, backend: str) -> dict:
+    """Check (a) == (c), then time (a), (b), (c), forward and fwd+bwd, for one total length and backend."""
+    device = args.device
+    fns, params, lengths, C = varlen_cases(args, total_T, backend, device)
+    grad = torch.randn(1, total_T, args.heads, args.dim, generator=torch.Generator().manual_seed(2))
+    grad = grad.to(device=device, dtype=params[2].dtype)
+    rec = {"backend": backend, "resolved_backend": mhla.ops.resolve_backend(backend, params[0], causal=True),
+           "total_T": total_T, "N": len(lengths), "lengths": lengths, "block_size": C,
+           "max_len": max(lengths), "pad_all_tokens": len(lengths) * max(lengths)}
+    cost = default_call_cost_tokens(device)
+    buckets = [[lengths[n] for n in g] for g in bucket_sequences(lengths, cost)]
+    rec.update(call_cost_tokens=cost, buckets=buckets, padded_tokens=sum(len(g) * g[-1] for g in buckets))
+    rec.update(varlen_equality(fns, params, grad))
+    print(f"  {backend} total_T={total_T}: max |a - c| = {rec['max_abs_diff_a_c']:.2e} (outputs), "
+          f"{rec['grad_max_rel_diff_a_c']:.2e} (gradients, relative)", flush=True)
+    if rec["max_abs_diff_a_c"] > VARLEN_TOL[args.dtype]:
+        return rec  # not timed: run_varlen reports the mismatch
+
+    def fwd(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
+    def fwdbwd(fn):
+        def run():
+            for p in params:
+                p.grad = None
+            fn().backward(grad)
+        return run
+
+    busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
+    first = time_round_robin({w: fwdbwd(fn) for w, fn in fns.items()}, device, 1)  # warm-up, sizes repeats
+    round_ms = max(sum(t[0] for t in first.values()), 1e-3)
+    repeats = max(3, min(args.repeats, int(args.budget_s * 1e3 / round_ms)))
+    for label, wrap in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+        times = time_round_robin({w: wrap(fn) for w, fn in fns.items()}, device, repeats)
+        for way, ts in times.items():
+            rec[f"{way}_{label}_ms"] = statistics.median(ts)
+            rec[f"{way}_{label}_ms_iqr"] = quartiles(ts)
+        rec[f"a_over_b_{label}"] = rec[f"a_{label}_ms"] / rec[f"b_{label}_ms"]
+        rec[f"c_over_a_{label}"] = rec[f"c_{label}_ms"] / rec[f"a_{label}_ms"]
+    busy1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
+    rec["repeats"] = repeats
+    if busy0 is not None and busy1 is not None:
+        other = max(0.0, (busy1 - busy0) - (own1 - own0))  # CPU seconds of other processes meanwhile
+        rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
+    return rec
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process has used (user + system)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def varlen_backends(args) -> list[str]:
+    """``torch``, and ``auto`` when it resolves to another backend on this device (the fused kernels)."""
+    probe = torch.zeros(1, 1, 1, 1, device=args.device)
+    return ["torch"] + (["auto"] if mhla.ops.resolve_backend("auto", probe, causal=True) != "torch" else [])
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def run_varlen(args, command: str) -> int:
+    """``--varlen``: the variable-length benchmark; writes ``<out-dir>/varlen_<device>[_quick]`` .json, .md.
+
+    Returns the exit status: 1 when a case's (a) differs from its (c) (that case is not timed)."""
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    header = system_info(args.device)
+    header["loadavg_start"] = load_average()
+    print("machine:", json.dumps(header))
+    records, failed = [], []
+    for backend in varlen_backends(args):
+        for total_T in sorted(args.seq_lens):
+            rec = varlen_case(args, total_T, backend)
+            records.append(rec)
+            if "a_fwd_ms" not in rec:
+                failed.append(rec)
+                print(f"ERROR: {backend} total_T={total_T}: the variable-length call differs from the "
+                      f"per-document loop by {rec['max_abs_diff_a_c']:.2e} (> {VARLEN_TOL[args.dtype]:.0e}); "
+                      "not timed", file=sys.stderr)
+                continue
+            ms = "; ".join(label + " " + " ".join(f"{w} {rec[f'{w}_{key}_ms']:.2f}" for w in "abc") + " ms"
+                           for label, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")))
+            print(f"{backend:6s} total_T={total_T:6d} N={rec['N']}: {ms}; a/b {rec['a_over_b_fwdbwd']:.2f}, "
+                  f"c/a {rec['c_over_a_fwdbwd']:.2f} (fwd+bwd)", flush=True)
+    header["loadavg_end"] = load_average()
+    keys = ("device", "heads", "dim", "dtype", "block", "num_docs", "seq_lens", "repeats", "budget_s",
+            "threads", "quick")
+    settings = {k: getattr(args, k) for k in keys}
+    out = {"header": header, "command": command, "settings": settings, "ways": VARLEN_WAYS,
+           "time_method": VARLEN_TIME_METHOD, "records": records}
+    stem = os.path.join(args.out_dir, f"varlen_{args.device}" + ("_quick" if args.quick else ""))
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(out, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(varlen_markdown(out))
+    print(f"wrote {stem}.json and .md")
+    return 1 if failed else 0
+
+
+def varlen_markdown(out: dict) -> str:
+    """The ``.md`` of a ``--varlen`` run: machine line, the three ways, a row per backend and total length."""
+    h, s = out["header"], out["settings"]
+    la0, la1 = h.get("loadavg_start"), h.get("loadavg_end")
+
+    def fmt(la):
+        return "/".join(f"{x:.2f}" for x in la) if la else "n/a"
+
+    machine = (f"Machine: {h.get('gpu') or h.get('cpu', '?')}, {h.get('cpu_count')} CPUs, "
+               f"torch {h.get('torch')} ({h.get('torch_threads')} threads), {h.get('date')}; load average "
+               f"(1/5/15 min) {fmt(la0)} at the start, {fmt(la1)} at the end.")
+    lines = [f"# Variable-length batch: causal MHLA ({h['device']})", "", f"Command: `{out['command']}`", "",
+             machine, ""]
+    cpus = h.get("cpu_count") or 1
+    if h["device"] == "cpu" and max((la0 or [0])[0], (la1 or [0])[0]) > 0.5 * cpus:
+        lines += [(f"NOTE: the machine was loaded (load average above {0.5 * cpus:g} on {cpus} CPUs: other "
+                   "jobs were running); absolute times are inflated and noisy, the ratios less so (the three "
+                   "ways are timed in turn, round by round)."), ""]
+    lines += [(f"Settings: H={s['heads']}, D={s['dim']}, {s['dtype']}, block C={s['block']}, "
+               f"N={s['num_docs']} documents (seeded uniform split plus one {VARLEN_SHORT_DOC}-token "
+               "document)."), ""]
+    lines += [f"- ({w}) {d}" for w, d in out["ways"].items()] + ["", f"Time: {out['time_method']}", ""]
+    costs = sorted({(r["call_cost_tokens"]) for r in out["records"]})
+    lines += [VARLEN_PADDING_NOTE.format(cost="/".join(map(str, costs)), device=h["device"]), ""]
+    busy = [r for r in out["records"] if r.get("other_cpu_frac", 0.0) > BUSY_WARN]
+    if busy:
+        worst = max(r["other_cpu_frac"] for r in busy)
+        lines += [(f"WARNING: other processes used more than {BUSY_WARN:.0%} of the CPUs during {len(busy)} "
+                   f"case(s) (worst {worst:.0%}), marked (busy)."), ""]
+    lines += [("| backend | total_T | N | buckets | padded / total_T | N x max len / total_T | a fwd ms "
+               "| b fwd ms | c fwd ms | a fwd+bwd ms | b fwd+bwd ms | c fwd+bwd ms | a/b fwd | a/b fwd+bwd "
+               "| c/a fwd | c/a fwd+bwd | max abs diff a-c |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in out["records"]:
+        be = r["backend"] + (f" ({r['resolved_backend']})" if r["resolved_backend"] != r["backend"] else "")
+        pad = f"{r['padded_tokens'] / r['total_T']:.2f} | {r['pad_all_tokens'] / r['total_T']:.2f}"
+        head = f"| {be} | {r['total_T']} | {r['N']} | {len(r['buckets'])} | {pad} |"
+        if "a_fwd_ms" not in r:
+            lines.append(head + " not timed: a != c |" + " |" * 9 + f" {r['max_abs_diff_a_c']:.1e} |")
+            continue
+        flag = " (busy)" if r.get("other_cpu_frac", 0.0) > BUSY_WARN else ""
+        ms = " | ".join(f"{r[f'{w}_{x}_ms']:.2f}" for x in ("fwd", "fwdbwd") for w in "abc")
+        ratios = " | ".join(f"{r[k]:.2f}" for k in ("a_over_b_fwd", "a_over_b_fwdbwd", "c_over_a_fwd",
+                                                     "c_over_a_fwdbwd"))
+        lines.append(f"{head} {ms}{flag} | {ratios} | {r['max_abs_diff_a_c']:.1e} |")
+    timed = [r for r in out["records"] if "a_fwd_ms" in r]
+    if timed:
+        lines += ["", "Result: " + "; ".join(
+            f"{r['backend']} total_T={r['total_T']}: (a) costs {r['a_over_b_fwd']:.2f}x (b) forward and "
+            f"{r['a_over_b_fwdbwd']:.2f}x fwd+bwd; (c) costs {r['c_over_a_fwd']:.2f}x / "
+            f"{r['c_over_a_fwdbwd']:.2f}x (a)"
+            for r in timed) + "."]
+    lines += ["", "Document lengths (and the buckets of (a)):", ""]
+    seen = set()
+    for r in out["records"]:
+        if (r["total_T"], r["call_cost_tokens"]) not in seen:
+            seen.add((r["total_T"], r["call_cost_tokens"]))
+            lines.append(f"- total_T={r['total_T']}: {r['lengths']}; buckets {r['buckets']}")
+    return "\n".join(lines) + "\n"
+
+
 # -------------------------------------------------------------------------------------------- main
 def to_markdown(header: dict, records: list[dict], command: str, equiv: float) -> str:
     lines = [f"# Op benchmark ({header['device']})", "", f"Command: `{command}`", ""]
@@ -348,10 +627,19 @@ def parse_args(argv=None):
     p.add_argument("--ops", nargs="+", choices=sorted(set(OPS[True])), default=None,
                    help="only these ops (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--varlen", action="store_true",
+                   help="the variable-length benchmark instead (module docstring); --seq-lens: total lengths")
+    p.add_argument("--num-docs", type=int, default=8, help="--varlen: documents per packed batch")
     p.add_argument("--plot-only", action="store_true",
                    help="redraw <out-dir>/<stem>.png from the .json these options name; measure nothing")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: op,causal,T -> run one case, print JSON
     args = p.parse_args(argv)
+    if args.varlen:
+        if args.plot_only or args.case or args.ops:
+            p.error("--varlen takes none of --plot-only, --ops")
+        if args.batch not in (None, 1):
+            p.error("--varlen packs the documents into a batch of one (cu_seqlens); leave --batch out")
+        args.batch = 1
     if args.quick:
         args.heads, args.dim, args.repeats, args.budget_s = 2, 16, 3, 0.5
     gpu = args.device == "cuda"
@@ -360,6 +648,8 @@ def parse_args(argv=None):
                                        ("backend", "torch", "triton")):
         if getattr(args, name) is None:
             setattr(args, name, gpu_value if gpu else cpu_value)
+    if args.seq_lens is None and args.varlen:
+        args.seq_lens = [512] if args.quick else [16384, 65536] if gpu else [4096, 16384]
     if args.seq_lens is None:
         if args.quick:
             args.seq_lens = [256, 512]
@@ -381,6 +671,9 @@ def main(argv=None) -> int:
         with open(stem + ".json") as f:
             print(f"wrote {plot_ops(json.load(f), stem + '.png')}")
         return 0
+    if args.varlen:
+        given = argv if argv is not None else sys.argv[1:]
+        return run_varlen(args, "python scripts/bench_ops.py " + " ".join(given))
     header = system_info(args.device)
     if args.device == "cuda":
         header["copy_bandwidth_GBps"] = round(copy_bandwidth_gbps("cuda"), 1)

@@ -1,7 +1,7 @@
 """Variable-length (packed) calls, ``cu_seqlens`` in flash-linear-attention's convention: every sequence of a
 packed batch equals a separate call on it alone (forward, gradients of q, k, v and mixing, final states), states
 chain across calls, on the torch path (fp64) and the Triton kernels (fp32; the CPU interpreter without a GPU).
-Also the plain linear / softmax ops and the input checks."""
+Also the length buckets of the stateless path, the plain linear / softmax ops and the input checks."""
 
 import os
 
@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mhla.ops import MHLAState, init_state, linear_attention, mhla_attention, softmax_attention
+from mhla.ops.causal import mhla_causal_torch
+from mhla.ops.varlen import CALL_COST_TOKENS, bucket_sequences, run_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STATE_FIELDS = ("block_summaries", "block_key_sums", "current_summary", "current_key_sum")
@@ -214,6 +216,94 @@ def test_triton_states_chain_across_calls():
         assert a.num_tokens == b.num_tokens
         for name in STATE_FIELDS:
             torch.testing.assert_close(getattr(a, name).double(), getattr(b, name), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ length buckets
+SKEWED = [1412, 5, 1700, 1838, 1547, 7267, 521, 2094]  # bench_ops.py --varlen, total_T = 16384
+
+
+def bucket_cost(lengths, groups, c):
+    return sum(len(g) * max(lengths[n] for n in g) for g in groups) + c * len(groups)
+
+
+def best_cost(lengths, c):
+    """The O(N^2) dynamic program over the sorted lengths (the reference for bucket_sequences)."""
+    L = sorted(n for n in lengths if n > 0)
+    f = [0]
+    for j in range(1, len(L) + 1):
+        f.append(min(f[i] + (j - i) * L[j - 1] + c for i in range(j)))
+    return f[-1]
+
+
+@pytest.mark.parametrize("c", [0, 1, 64, 512, 4096, 10**9, *CALL_COST_TOKENS.values()])
+def test_bucket_plan_covers_every_sequence_once(c):
+    """Every non-empty sequence in exactly one group (an empty one in none), groups contiguous in sorted
+    length, padded tokens <= 1.25 total_T + c * groups, and the plan's cost is the optimum."""
+    lengths = SKEWED[:3] + [0] + SKEWED[3:]
+    groups = bucket_sequences(lengths, c)
+    assert sorted(n for g in groups for n in g) == [n for n, x in enumerate(lengths) if x > 0]
+    flat = [lengths[n] for g in groups for n in g]
+    assert flat == sorted(flat)
+    padded = sum(len(g) * lengths[g[-1]] for g in groups)
+    assert padded <= 1.25 * sum(lengths) + c * len(groups)
+    assert bucket_cost(lengths, groups, c) == best_cost(lengths, c)
+    if c == 0:
+        assert len(groups) == 8  # no padding at all
+    if c == 10**9:
+        assert len(groups) == 1
+
+
+def test_bucket_plan_is_optimal_on_random_lengths():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(0, 25, (1,), generator=g))
+        hi = int(torch.randint(1, 3000, (1,), generator=g))
+        lengths = torch.randint(0, hi + 1, (n,), generator=g).tolist()
+        c = [0, 3, 100, 2000][int(torch.randint(0, 4, (1,), generator=g))]
+        groups = bucket_sequences(lengths, c)
+        assert sorted(m for grp in groups for m in grp) == [m for m, x in enumerate(lengths) if x > 0]
+        assert bucket_cost(lengths, groups, c) == best_cost(lengths, c)
+    assert bucket_sequences([], 5) == [] and bucket_sequences([0, 0], 5) == []
+    with pytest.raises(ValueError):
+        bucket_sequences([3], -1)
+
+
+@pytest.mark.parametrize("c,num_groups", [(0, 9), (6, None), (10**9, 1)], ids=["alone", "several", "one"])
+def test_buckets_equal_per_sequence_loop(c, num_groups):
+    """run_varlen with a small call cost (several groups) and a huge one (a single group): outputs and
+    gradients (q, k, v, mixing) equal one call per sequence (fp64), one op call per group."""
+    lengths = [14, 0, 5, 17, 18, 15, 72, 1, 52, 21]  # the skewed shape of SKEWED, scaled, C = 4
+    groups = bucket_sequences(lengths, c)
+    assert len(groups) == num_groups if num_groups else 1 < len(groups) < 9
+    q, k, v, mix, w = make_inputs(lengths, M=18)
+    calls = []
+
+    def op(q, k, v, state, final):
+        calls.append(q.shape[:2])
+        return mhla_causal_torch(q, k, v, xs[3], 4, initial_state=state, output_final_state=final)
+
+    xs = leaves(q, k, v, mix)
+    o = run_varlen(op, tuple(xs[:3]), cu_of(lengths), call_cost_tokens=c)
+    (o * w).sum().backward()
+    assert sorted(tuple(s) for s in calls) == sorted((len(g), lengths[g[-1]]) for g in groups)
+    ys = leaves(q, k, v, mix)
+    ref = per_sequence(lambda a, b, c: mhla_causal_torch(a, b, c, ys[3], 4), lengths, *ys[:3])
+    (ref * w).sum().backward()
+    torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("dq", "dk", "dv", "dmixing"), xs, ys):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("c", [0, 3, 10**9])
+def test_buckets_any_op_and_empty_sequences(c):
+    """Op-agnostic: a causal cumulative sum over extra trailing dims; empty sequences anywhere, all empty."""
+    for lengths in ([0, 3, 0, 1, 6, 0], [2, 2, 2], [7], [0, 0]):
+        x = torch.randn(1, sum(lengths), 2, 3, dtype=torch.float64)
+        o = run_varlen(lambda x, st, f: x.cumsum(1), (x,), cu_of(lengths), call_cost_tokens=c)
+        cu = cu_of(lengths).tolist()
+        ref = torch.cat([x[:, a:b].cumsum(1) for a, b in zip(cu[:-1], cu[1:])], dim=1)
+        assert o.shape == x.shape
+        torch.testing.assert_close(o, ref, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------- linear, softmax
