@@ -34,6 +34,7 @@ help:
 	@echo "make reproduce-table3b  EXTRA='model.pretrained=DiT-XL-2-256x256.pt ...' REF=256=... - Table 3b -> results/table3b.md"
 	@echo "make reproduce-table4   [SCALE=mini] EXTRA='model.pretrained=... task.data_root=...' - Table 4, SANA -> results/table4[_mini].md"
 	@echo "make reproduce-table5   WAN_PATH=... VIDEO_DATA=... [RUN=--run] - Table 5, Wan2.1 video -> results/table5.md"
+	@echo "make reproduce-table5 SCALE=mini - the video_mini model: softmax / linear / MHLA / hybrid -> results/table5_mini.md"
 	@echo "make reproduce-table6   CKPT_DIR=... [LM_EVAL_DATA=...] - Table 6, 340M LMs, lm-evaluation-harness -> results/table6.md"
 	@echo "make reproduce-table7a  [SCALE=mini] - Table 7a, DeiT-T mixing init sweep -> results/table7a[_mini].md"
 	@echo "make reproduce-table7b  [SCALE=mini] [REF=512=...] - Table 7b, DiT-S/2 512 px M = 4/16/64, FID + throughput"

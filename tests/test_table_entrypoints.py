@@ -242,10 +242,15 @@ def test_delegates_pass_scale_and_refuse_a_missing_proxy(monkeypatch, tmp_path, 
                                       "--epochs", "1"]
     assert rt.main(["--table", "6", "--", "--ckpt-dir", "/c"]) == 0
     assert fake.delegated[-1][1:] == ["-m", "tasks.language.evaluate", "table6", "--ckpt-dir", "/c"]
-    for table in ("5", "6", "8"):
+    for table in ("6", "8"):
         assert rt.main(["--table", table, "--scale", "mini"]) == 2
         assert "no CPU proxy" in capsys.readouterr().err
     assert len(fake.delegated) == 2
+    # Table 5's CPU proxy is its own entry point (the video_mini model), the full scale the Wan2.1 one
+    assert rt.main(["--table", "5", "--scale", "mini", "--seeds", "0", "1"]) == 0
+    assert fake.delegated[-1][1:] == ["-m", "tasks.video_gen.table5_mini", "--seeds", "0", "1"]
+    assert rt.main(["--table", "5", "--", "--wan", "/w"]) == 0
+    assert fake.delegated[-1][1:] == ["-m", "tasks.video_gen.table5", "--wan", "/w"]
 
 
 def test_table14_benchmark_runs_for_real(monkeypatch, tmp_path):

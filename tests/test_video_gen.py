@@ -125,6 +125,8 @@ def test_video_mini_config_composes_and_task_runs(tmp_path):
     assert metrics["loss"] > 0
     assert (tmp_path / "samples.gif").stat().st_size > 0
     assert (tmp_path / "checkpoints" / "last.pt").exists()
+    follow = json.loads((tmp_path / "samples_follow.json").read_text())  # the prompt check of the samples
+    assert 0 <= metrics["follow"] <= 1 and follow["per_prompt"][0]["prompt"] == "a red square moving right"
     state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
     assert any("mhla_mixing" in k for k in state["model"])
 
@@ -182,3 +184,47 @@ def test_moving_shapes_scale_with_canvas():
         assert fg.flatten(1).any(1).all()  # visible in every frame
         edge = fg[:, 0].any() or fg[:, -1].any() or fg[:, :, 0].any() or fg[:, :, -1].any()
         assert not edge  # never touches the border
+
+
+def test_text_pool_starts_as_wan_and_conditions_every_block():
+    """model.text_pool: the mean text embedding is added to Wan's time embedding through a zero-initialised map,
+    so at init the model equals the one without it; once the map is nonzero the prompt changes the output."""
+    from tasks.video_gen.model import VideoDenoiser
+
+    torch.manual_seed(0)
+    pooled = VideoDenoiser(build_transformer(TINY), 10, TINY["text_dim"], text_pool=True).eval()
+    plain = VideoDenoiser(build_transformer(TINY), 10, TINY["text_dim"]).eval()
+    plain.load_state_dict({k: v for k, v in pooled.state_dict().items() if "text_to_time" not in k})
+    x, t = torch.randn(2, TINY["in_channels"], 2, 8, 8), torch.tensor([0.3, 0.7])
+    text = torch.tensor([[1, 5, 7], [2, 6, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(pooled(x, t, text), plain(x, t, text))
+        torch.nn.init.normal_(pooled.text_to_time.weight)
+        assert (pooled(x, t, text) - plain(x, t, text)).abs().max() > 1e-3
+
+
+def test_coord_channels_give_absolute_positions():
+    """model.coord_channels: (frame, row, column) in [-1, 1] are appended to x_t, so the transformer is built with
+    3 more input channels and its output keeps the data's channels; a pretrained Wan cannot take them."""
+    from omegaconf import OmegaConf
+
+    from tasks.common.config import ConfigError
+    from tasks.video_gen.model import VideoDenoiser
+    from tasks.video_gen.task import VideoGenTask
+
+    coords = VideoDenoiser.coordinates(torch.zeros(2, 3, 4, 8, 8))
+    assert coords.shape == (2, 3, 4, 8, 8)
+    assert coords[0, 0, 0].eq(-1).all() and coords[0, 0, -1].eq(1).all()  # frame axis
+    assert coords[0, 2, :, :, 0].eq(-1).all() and coords[0, 2, :, :, -1].eq(1).all()  # column axis
+    model_cfg = {**TINY, "name": "wan_mini", "kind": "wan", "pretrained": None, "vae": None, "text": "table",
+                 "coord_channels": True}
+    cfg = OmegaConf.create({"model": model_cfg, "attn": {"name": "softmax"}, "task": {"name": "video_mini"},
+                            "data": {"name": "moving_shapes", "num_frames": 2, "height": 8, "width": 8}})
+    task = VideoGenTask(cfg)
+    model = task.build_model()
+    assert model.transformer.config.in_channels == TINY["in_channels"] + 3
+    x = torch.randn(task.latent_shape(2))
+    assert model(x, torch.tensor([0.2, 0.9]), torch.tensor([[1, 5, 7], [2, 6, 8]])).shape == x.shape
+    cfg.model.pretrained = "/somewhere"
+    with pytest.raises(ConfigError, match="coord_channels"):
+        VideoGenTask(cfg).build_model()

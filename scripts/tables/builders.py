@@ -18,9 +18,12 @@ def run_delegate(spec: Table, args) -> int:
         print(f"Table {spec.id} has no CPU proxy: its entry point needs {spec.needs}. Run it with --scale full "
               f"(without them it prints the commands and the paper's numbers).", file=sys.stderr)
         return 2
-    cmd = [sys.executable, *registry.DELEGATE_COMMANDS[spec.id]]
+    mini = registry.DELEGATE_MINI_COMMANDS.get(spec.id) if args.scale == "mini" else None
+    cmd = [sys.executable, *(mini or registry.DELEGATE_COMMANDS[spec.id])]
     if spec.id == "mqar":
         cmd += ["--scale", args.scale] + (["--seeds", *map(str, args.seeds)] if args.seeds else [])
+    elif mini and args.seeds:
+        cmd += ["--seeds", *map(str, args.seeds)]
     elif args.seeds:
         print(f"--seeds does not apply to Table {spec.id} (it evaluates given models)", file=sys.stderr)
         return 2

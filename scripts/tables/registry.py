@@ -45,7 +45,7 @@ TABLES = {t.id: t for t in (
           needs="DiT-XL-2-256x256.pt, ImageNet, SD-VAE, ADM 256 px reference, GPUs"),
     Table("4", "SANA-0.6B fine-tuned with MHLA (FID, CLIP, GenEval)", "cells", folder="table4",
           needs="SANA-0.6B diffusers weights, caption latents, MJHQ-30K, CLIP, GenEval, GPUs"),
-    Table("5", "Wan2.1-1.3B video generation (VBench, latency)", "delegate", mini=None,
+    Table("5", "Wan2.1-1.3B video generation (VBench, latency)", "delegate", mini="video_mini",
           needs="Wan2.1-T2V-1.3B-Diffusers weights, a video dataset, VBench, GPUs"),
     Table("6", "340M language models (commonsense, MMLU, Wiki / LAMBADA ppl)", "delegate", mini=None,
           needs="trained 340M models (CKPT_DIR), lm-eval, WikiText / LAMBADA"),
@@ -72,6 +72,9 @@ DELEGATE_COMMANDS = {  # table -> the command it hands over to (arguments after 
     "6": ["-m", "tasks.language.evaluate", "table6"],
     "8": ["-m", "tasks.language.evaluate", "table8"],
     "mqar": [os.path.join("scripts", "run_mqar.py")],
+}
+DELEGATE_MINI_COMMANDS = {  # the CPU proxy's own entry point where it differs from the full table's
+    "5": ["-m", "tasks.video_gen.table5_mini"],  # the video_mini model: softmax / linear / MHLA / hybrid
 }
 # Benchmarks across M (Table 14, Table 7b's throughput): DiT forward time with scripts/bench_models.py's timing.
 # Full scale on the GPU at the paper's size; mini on this CPU (Table 14 at 512 px instead of 1024 px).
@@ -187,7 +190,8 @@ def list_tables() -> str:
              "|---|---|---|---|---|---|---|"]
     for spec in TABLES.values():
         if spec.kind == "delegate":
-            where = " ".join(DELEGATE_COMMANDS[spec.id])
+            where = " ".join(DELEGATE_COMMANDS[spec.id]) + (
+                f" (mini: {' '.join(DELEGATE_MINI_COMMANDS[spec.id])})" if spec.id in DELEGATE_MINI_COMMANDS else "")
         elif spec.kind == "bench":
             where = "scripts/bench_models.py timing"
         else:

@@ -67,10 +67,15 @@ class MovingShapes(Dataset):
 
     The start position is drawn so the shape stays inside the canvas for all frames. Radius (3.5-5.5 px)
     and speed (1.5-3 px per frame) are those of a 32 px canvas, scaled by ``size / 32`` for other sizes.
+    ``start="edge"``: the shape starts at the edge it moves away from (random across the motion), so the
+    direction word fixes where the clip begins and ends; ``"random"``: anywhere its path fits.
     """
 
-    def __init__(self, length: int, *, num_frames: int = 8, size: int = 32, seed: int = 0):
+    def __init__(self, length: int, *, num_frames: int = 8, size: int = 32, seed: int = 0, start: str = "random"):
+        if start not in ("random", "edge"):
+            raise ValueError(f"start must be 'random' or 'edge', got {start!r}")
         self.length, self.num_frames, self.size, self.seed = int(length), int(num_frames), int(size), int(seed)
+        self.start = start
 
     def __len__(self) -> int:
         return self.length
@@ -89,7 +94,10 @@ class MovingShapes(Dataset):
 
         def start(d):
             a, b = (lo, hi - travel) if d > 0 else (lo + travel, hi) if d < 0 else (lo, hi)
-            return (a + float(torch.rand(1, generator=g)) * max(b - a, 0)) / self.size
+            u = float(torch.rand(1, generator=g))  # drawn in both modes: the rest of the spec stays the same
+            if self.start == "edge" and d:
+                return (a if d > 0 else b) / self.size
+            return (a + u * max(b - a, 0)) / self.size
 
         return dict(color=color, shape=shape, direction=direction, radius=radius, speed=speed,
                     start=(start(dy), start(dx)))

@@ -15,6 +15,7 @@ fine-tuned): :meth:`VideoGenTask.build_datasets` refuses to train it and ``tasks
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from tasks.common.logger import Media
 from tasks.common.trainer import Task
 
 from .data import VOCAB, MovingShapes, VideoFolder, caption_ids
+from .follow import follow_report, summary_line
 from .media import save_frames_png, save_gif, save_mp4, tile_videos
 from .model import VideoDenoiser
 from .text import PromptEncoder
@@ -54,10 +56,18 @@ class VideoGenTask(Task):
 
     # ------------------------------------------------------------------------------------- model
     def build_model(self) -> nn.Module:
-        transformer = build_wan(self.cfg.model, self.cfg.attn, grid=self.grid)
+        m = self.cfg.model
+        coords = bool(m.get("coord_channels", False))
+        if coords:
+            if m.get("pretrained"):
+                raise ConfigError("model.coord_channels adds input channels: only for a random-init model "
+                                  "(model.pretrained=null)")
+            m = OmegaConf.merge(m, {"in_channels": int(m.in_channels) + 3})  # x_t + (frame, row, column)
+        transformer = build_wan(m, self.cfg.attn, grid=self.grid)
+        kw = dict(text_pool=bool(m.get("text_pool", False)), coord_channels=coords)
         if self.word_text:
-            return VideoDenoiser(transformer, len(VOCAB), int(self.cfg.model.text_dim))
-        return VideoDenoiser(transformer)
+            return VideoDenoiser(transformer, len(VOCAB), int(m.text_dim), **kw)
+        return VideoDenoiser(transformer, **kw)
 
     def describe_model(self, model) -> str:
         a = self.cfg.attn
@@ -84,8 +94,8 @@ class VideoGenTask(Task):
             if int(d.height) != int(d.width):
                 raise ValueError("moving_shapes clips are square: set data.height == data.width")
             seed = int(self.cfg.get("seed", 0))
-            return (MovingShapes(int(d.train_size), num_frames=int(d.num_frames), size=int(d.height), seed=seed),
-                    MovingShapes(int(d.eval_size), num_frames=int(d.num_frames), size=int(d.height), seed=seed + 7919))
+            kw = dict(num_frames=int(d.num_frames), size=int(d.height), start=d.get("start", "random"))
+            return (MovingShapes(int(d.train_size), seed=seed, **kw), MovingShapes(int(d.eval_size), seed=seed + 7919, **kw))
         if d.name == "video_folder":
             kw = dict(num_frames=int(d.num_frames), height=int(d.height), width=int(d.width),
                       frame_stride=int(d.get("frame_stride", 1)))
@@ -216,7 +226,7 @@ class VideoGenTask(Task):
         if not s or not s.get("prompts") or not trainer.dist.is_main:
             return {}
 
-        model = trainer._wrapped  # after_fit runs before the trainer stores .model / .ema
+        model = trainer.ema.module if trainer.ema is not None else trainer.model  # EMA weights when kept
         prompts = list(s.prompts)
         videos = self.generate(model, prompts, trainer.device, num_steps=int(s.num_steps),
                                guidance_scale=float(s.guidance_scale), shift=float(s.shift), seed=int(s.get("seed", 0)))
@@ -229,4 +239,10 @@ class VideoGenTask(Task):
         (run / "samples.txt").write_text("\n".join(prompts) + "\n")
         print(f"samples: {gif}" + (f", {mp4}" if mp4 else "") + f" ({len(prompts)} prompts, left to right: "
               f"{'; '.join(prompts)})", flush=True)
-        return {"samples": Media(gif, "video", caption=f"left to right: {'; '.join(prompts)}")}
+        out = {"samples": Media(gif, "video", caption=f"left to right: {'; '.join(prompts)}")}
+        if self.cfg.data.name == "moving_shapes":  # the captions are checkable: colour, motion, axis, shape
+            report = follow_report(videos, prompts)
+            (run / "samples_follow.json").write_text(json.dumps(report, indent=1) + "\n")
+            print(summary_line(report) + f" -> {run / 'samples_follow.json'}", flush=True)
+            out.update(follow=report["followed"], follow_shape=report["shape_ok"])
+        return out
