@@ -127,11 +127,14 @@ def write_outputs(records: list[dict], args) -> None:
         "# Mini Table 5: video_mini with softmax, MHLA, MHLA hybrid and linear attention (CPU)", "",
         "Each row: `python train.py task=video_mini <row> seed=S` (the 4-layer, width-64 Wan-shaped model in pixel "
         "space, 8 frames x 16 x 16 px = 512 tokens, the same steps, data and sampling; only the self-attention "
-        "changes), trained two at a time with one thread each. Eval loss: held-out velocity MSE at fixed times and noise. Prompt following "
+        f"changes), trained {args.machine.get('jobs', '?')} at a time with "
+        f"{args.machine.get('threads_per_run_and_sampling', '?')} thread(s) each. Eval loss: held-out velocity MSE "
+        "at fixed times and noise. Prompt following "
         "(`tasks/video_gen/follow.py`): colour in every frame, centroid moves the asked way by >= 8% of the frame, "
         "more along than across; on the run's 4 sample prompts and on all 32 captions (4 colours x 2 shapes x 4 "
         "directions, noise seed 0). Sampling latency: the 4 sample prompts in one batch, 50 Euler steps with CFG "
-        "(100 forwards), timed in this process for every row, one after the other. Mean ± std over seeds.", "",
+        "(100 forwards), timed in this process for every row, one after the other, with the same threads. "
+        "Mean ± std over seeds.", "",
         (f"Command: `{args.machine['command']}` (this file rewritten by `python -m tasks.video_gen.table5_mini "
          f"{' '.join(args.argv)}`)" if args.plot_only and args.machine.get("command")
          else f"Command: `python -m tasks.video_gen.table5_mini {' '.join(args.argv)}`".rstrip()), "",
