@@ -51,7 +51,7 @@ import mhla
 from mhla.mixing import distances_1d, mixing_init
 from mhla.ops.varlen import bucket_sequences, default_call_cost_tokens
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
-from tasks.common.utils import system_info
+from tasks.common.utils import load_average, system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -445,13 +445,6 @@ def varlen_backends(args) -> list[str]:
     """``torch``, and ``auto`` when it resolves to another backend on this device (the fused kernels)."""
     probe = torch.zeros(1, 1, 1, 1, device=args.device)
     return ["torch"] + (["auto"] if mhla.ops.resolve_backend("auto", probe, causal=True) != "torch" else [])
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def run_varlen(args, command: str) -> int:

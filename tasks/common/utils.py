@@ -49,6 +49,14 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def load_average() -> list[float] | None:
+    """The 1 / 5 / 15-minute load averages (rounded), or None where the OS has none: how busy the machine was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
 def system_info(device: str | None = None) -> dict:
     """The machine, for run logs and the headers of benchmark / results files (the one implementation).
 

@@ -37,10 +37,11 @@ from tasks.common.evaluation import load_run
 from tasks.common.fileio import atomic_write
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training
 from tasks.common.plots import pyplot, save_figure
-from tasks.common.utils import system_info
+from tasks.common.utils import load_average, system_info
 
 from .follow import all_prompts, follow_report, sample_and_check
 from .media import to_uint8_frames
+from .table5 import load_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = {  # row -> its overrides of task=video_mini (the paper's Table 5 rows, trained equally)
@@ -65,7 +66,7 @@ def run_row(row: str, seed: int, args) -> dict:
 
 
 @torch.no_grad()
-def measure_row(rec: dict, all_seeds=(0,)) -> dict:
+def measure_row(rec: dict) -> dict:
     """Sample a trained row: prompt following on its sample prompts and on all 32 captions, sampling latency of
     its sample prompts, and the frames of its sample prompts (for the picture)."""
     ckpt = os.path.join(ROOT, rec["run_dir"], "checkpoints", "last.pt")
@@ -79,10 +80,10 @@ def measure_row(rec: dict, all_seeds=(0,)) -> dict:
                            progress=False, **kw)
     latency = time.perf_counter() - t0
     sample_report = follow_report(videos, prompts)
-    everything = sample_and_check(task, model, all_prompts(), info.device, seeds=all_seeds, **kw)
+    everything = sample_and_check(task, model, all_prompts(), info.device, **kw)
     everything.pop("videos")
     return {"latency_s": round(latency, 3), "sample_follow": sample_report, "all_follow": everything,
-            "frames": videos, "num_sample_prompts": len(prompts), "sample_settings": kw}
+            "frames": videos, "num_sample_prompts": len(prompts), "sample_prompts": prompts, "sample_settings": kw}
 
 
 def bench(preset: str, threads: int) -> None:
@@ -91,11 +92,6 @@ def bench(preset: str, threads: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
-
-
-def read_bench(preset: str) -> dict | None:
-    path = os.path.join(ROOT, "results", "bench", f"video_{preset}_cpu.json")
-    return json.load(open(path)) if os.path.isfile(path) else None
 
 
 def fmt(xs: list[float], pct: bool = False, digits: int = 4) -> str:
@@ -117,7 +113,7 @@ def ratio_cell(bench: dict | None, row: str) -> str:
 def write_outputs(records: list[dict], args) -> None:
     stem = args.out
     rows = [r for r in ROWS if any(rec["row"] == r for rec in records)]
-    benches = {p: read_bench(p) for p in BENCH_PRESETS}
+    benches = {p: load_bench(f"video_{p}_cpu.json") for p in BENCH_PRESETS}
     by_row = {r: [rec for rec in records if rec["row"] == r and "error" not in rec] for r in rows}
     soft_lat = [rec["latency_s"] for rec in by_row.get("softmax", [])]
     head = ("| attention | eval loss | sample prompts followed | all 32 captions followed | shape told apart (32) | "
@@ -208,7 +204,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.notes = read_notes(args.notes) if args.notes else ""
-    args.machine = {**system_info(), "load_avg": [round(x, 2) for x in os.getloadavg()], "jobs": args.jobs,
+    args.machine = {**system_info(), "load_avg": load_average(), "jobs": args.jobs,
                     "threads_per_run_and_sampling": args.threads,
                     "command": f"python -m tasks.video_gen.table5_mini {' '.join(args.argv)}".rstrip()}
     records = []
@@ -247,17 +243,12 @@ def main(argv=None) -> int:
             frames[rec["row"]], scores[rec["row"]] = videos, score
         print(f"{rec['row']} seed {rec['seed']}: {score}; sampling {rec['latency_s']:.2f} s", flush=True)
     if frames:
-        prompts = load_prompts(next(rec for rec in records if rec["row"] in frames))
+        prompts = next(rec for rec in records if rec["row"] in frames)["sample_prompts"]
         print(f"wrote {plot_frames(frames, scores, prompts, args.out + '_frames.png')}")
-    args.machine["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    args.machine["load_avg_end"] = load_average()
     write_outputs(records, args)
     print(f"wrote {args.out}.md, .json")
     return 0 if all("error" not in rec for rec in records) else 1
-
-
-def load_prompts(rec: dict) -> list[str]:
-    with open(os.path.join(ROOT, rec["run_dir"], "samples.txt")) as f:
-        return [line.strip() for line in f if line.strip()]
 
 
 if __name__ == "__main__":
