@@ -39,7 +39,7 @@ help:
 	@echo "make reproduce-table7a  [SCALE=mini] - Table 7a, DeiT-T mixing init sweep -> results/table7a[_mini].md"
 	@echo "make reproduce-table7b  [SCALE=mini] [REF=512=...] - Table 7b, DiT-S/2 512 px M = 4/16/64, FID + throughput"
 	@echo "make reproduce-table8   CKPT_DIR=... LONGBENCH=... - Table 8, LongBench -> results/table8.md"
-	@echo "make reproduce-table11  [SCALE=mini] [SEEDS='0 1 2'] - Table 11, three-seed runs -> results/table11[_mini].md"
+	@echo "make reproduce-table11  [SCALE=mini] [SEEDS='0 1 2'] [REF=256=...] - Table 11, DiT-S/B/L/XL-2 MHLA x 3 seeds vs LiT (quoted) -> results/table11[_mini].md"
 	@echo "make reproduce-table12  [SCALE=mini] [REF=256=...] - Table 12, DiT-S/2 CPE / gate -> results/table12[_mini].md"
 	@echo "make reproduce-table13  [SCALE=mini] - Table 13, DeiT-T at 384 / 512 px -> results/table13[_mini].md"
 	@echo "make reproduce-table14  [SCALE=mini] [EXTRA='--bench-batch 8'] - Table 14, DiT-S/2 latency across M -> results/table14[_mini].md"

@@ -212,20 +212,25 @@ def test_passage_retrieval_zh_scores_the_paragraph_id():
 SPEC_TABLE8 = {"mhla": 7.41, "mamba": 6.97, "transformer_pp": 6.92, "gdn": 6.86}  # SPEC.md Table 8
 SPEC_TABLE6_MHLA = {"mmlu": 23.7, "wino": 51.3, "piqa": 64.4, "arc_c": 25.9, "obqa": 33.4, "arc_e": 46.5,
                     "boolq": 61.3, "avg": 47.1, "wiki_ppl": 38.31, "lambada_ppl": 71.64}
+# Not in SPEC.md: the authors' project page (DAGroup-PKU/MHLA, branch `page`, index.html), bar charts
+# "CSR Average" and "LongBench Average"; its MHLA bars (47.1, 7.41) agree with SPEC.md.
+PAGE_TABLE8 = {"gla": 6.53, "mamba2": 6.62}
+PAGE_TABLE6_AVG = {"gla": 46.0, "transformer_pp": 46.8, "mamba": 46.4, "mamba2": 47.0, "gdn": 46.9}
 
 
-def test_table6_and_table8_paper_numbers_are_only_specs():
+def test_table6_and_table8_paper_numbers_come_from_the_spec_or_the_authors_page():
     for cell in ("gla", "mamba", "mamba2", "gdn", "transformer_pp", "mhla"):
         p8 = make_cfg([f"experiment=table8/{cell}"]).paper
         if cell in SPEC_TABLE8:
             assert p8.longbench_avg == SPEC_TABLE8[cell]
-        else:  # not in SPEC.md: blank, with the comment saying so
-            assert p8.longbench_avg is None
-            assert "not given in SPEC.md" in experiment_text(f"table8/{cell}")
+        else:  # not in SPEC.md: the project page's number, with the comment saying where it comes from
+            assert p8.longbench_avg == PAGE_TABLE8[cell]
+            assert "project page" in experiment_text(f"table8/{cell}")
         p6 = OmegaConf.to_container(make_cfg([f"experiment=table6/{cell}"]).paper)
         numbers = {k: v for k, v in p6.items() if k not in ("table", "row")}
         if cell == "mhla":
             assert numbers == SPEC_TABLE6_MHLA
-        else:  # SPEC.md gives no Table 6 baseline numbers
-            assert numbers == {}
-            assert "not transcribed in SPEC.md" in experiment_text(f"table6/{cell}")
+        else:  # only the commonsense average is known for the baselines; the other columns stay blank
+            assert numbers == {"avg": PAGE_TABLE6_AVG[cell]}
+            assert "project page" in experiment_text(f"table6/{cell}")
+            assert "left blank, not guessed" in experiment_text(f"table6/{cell}")

@@ -96,7 +96,7 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
         return
     try:
         names = _first(spec.id, 3 if spec.id == "7b" else 2)
-    except registry.NoCells:  # Table 11 until its cells are written: said so, nothing run, nothing written
+    except registry.NoCells:  # a table whose cells are not written: said so, nothing run, nothing written
         assert rt.main(argv) == 2
         assert "no cells yet" in capsys.readouterr().err and not fake.runs and not list(tmp_path.iterdir())
         return

@@ -33,7 +33,7 @@ LABELS = {"top1": "top-1", "top5": "top-5", "fid": "FID", "fid_cfg": "FID (cfg 1
           "inception_score": "IS", "inception_score_cfg": "IS (cfg 1.5)", "sfid": "sFID", "sfid_cfg": "sFID (cfg 1.5)",
           "precision": "precision", "recall": "recall", "clip": "CLIP", "geneval": "GenEval",
           "throughput": "throughput (img/s)", "loss": "held-out loss (proxy)", "mse": "eps-MSE",
-          "latency_s": "latency (s)"}
+          "latency_s": "latency (s)", "lit_fid": "LiT FID (quoted)"}
 PERCENT = ("top1", "top5")
 
 

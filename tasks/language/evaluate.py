@@ -194,7 +194,8 @@ def reproduce_table6(args) -> str:
         records.append({"cell": cell, "paper": paper, "ours": ours, "status": status})
     notes = ["340M language models (SPEC.md Table 6). Accuracies in %, `avg` = mean of the six commonsense columns "
              "(Wino, PIQA, ARC-c, OBQA, ARC-e, BoolQ); Wiki ppl = lm-eval `wikitext` word perplexity; LAMBADA ppl "
-             "= `lambada_openai` perplexity. A `paper` row is blank where SPEC.md does not give the number.",
+             "= `lambada_openai` perplexity. Paper numbers: SPEC.md; the baselines' commonsense averages come from the authors' "
+             "project page (the `paper:` block of each config says so). A `paper` value is blank where neither gives it.",
              "", f"Command: `make reproduce-table6 CKPT_DIR={args.ckpt_dir}"
              + (f" LM_EVAL_DATA={args.lm_eval_data}" if args.lm_eval_data else "") + "`"
              + (f" (lm-evaluation-harness {_lm_eval_version()}, zero-shot"
@@ -230,8 +231,8 @@ def reproduce_table8(args) -> str:
                        for g, tasks in TABLE8_GROUPS.items())
     notes = [f"LongBench (SPEC.md Table 8), the paper's 14 tasks in its column order ({groups}), "
              "official prompts, greedy decoding, middle truncation to "
-             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). A blank paper "
-             "value: SPEC.md does not give it.", "",
+             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). Paper averages: SPEC.md, "
+             "and for GLA / Mamba2 the authors' project page. A blank paper value: neither gives it.", "",
              f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir}"
              + (f" LONGBENCH={args.longbench}`" if args.longbench else "` (no LONGBENCH data given)")
              + (f" (limit {args.limit} examples per task)" if args.limit else "")]
