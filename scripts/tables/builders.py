@@ -8,8 +8,7 @@ import sys
 
 from tasks.common.launch import mean_std, run_parallel
 
-from . import benchmark
-from . import registry, runner, writers
+from . import benchmark, registry, runner, writers
 from .registry import Cell, NoCells, Table
 
 
