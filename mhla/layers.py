@@ -358,8 +358,10 @@ class MultiHeadLinearAttention(AttentionBase):
             ``"gaussian"``, ``"local"``, ``"locality_official"`` (the release's column-normalized form).
         mixing_learnable: learn the mixing matrix (else a frozen buffer). mixing_per_head: one matrix per head.
         mixing_param: nonnegativity parameterization, ``"clamp"`` (paper) or ``"softplus"``.
-        max_learned_blocks: causal only; blocks with their own learned coefficients (beyond: the
-            relative-distance rule of :class:`mhla.mixing.MixingMatrix`; sequences are not capped).
+        max_learned_blocks: causal only; blocks with their own learned coefficients (beyond: the extension
+            rule ``mixing_extension``; sequences are not capped).
+        mixing_extension: causal only; how rows past ``max_learned_blocks`` are built
+            (:data:`mhla.mixing.EXTENSION_RULES`, default ``"uniform_far"``; :func:`mhla.mixing.extend_causal_mixing`).
     """
 
     def __init__(
@@ -372,6 +374,7 @@ class MultiHeadLinearAttention(AttentionBase):
         mixing_per_head: bool = False,
         mixing_param: str = "clamp",
         max_learned_blocks: int = 32,
+        mixing_extension: str = "uniform_far",
         **kwargs,
     ):
         super().__init__(dim, num_heads, **kwargs)
@@ -406,6 +409,7 @@ class MultiHeadLinearAttention(AttentionBase):
             learnable=mixing_learnable,
             num_heads=per_head,
             parameterization=mixing_param,
+            extension=mixing_extension,
         )
         if device is not None:
             self.mixing.to(device)

@@ -9,15 +9,15 @@ then over position buckets.
 
 MHLA rows past the learned ``M = max_learned_blocks`` ones follow an *extension rule*. The rules compared here
 are applied to the same checkpoint (no retraining) by setting every ``MixingMatrix``'s ``extension`` option
-(:func:`mhla.mixing.extend_causal_mixing`) while the model is evaluated (the library default stays the
-relative-distance rule). With ``L`` the learned
+(:func:`mhla.mixing.extend_causal_mixing`) while the model is evaluated, then restoring it. With ``L`` the learned
 ``[M, M]`` matrix, ``i >= M`` the query block, ``b <= i`` the key block, ``d = i - b``:
 
-    relative     (library default) W[i, b] = L[M-1, M-1-d] for d <= M-1, else L[M-1, 0] (every far block).
+    relative     (the default before these runs) W[i, b] = L[M-1, M-1-d] for d <= M-1, else L[M-1, 0] (every far block).
     last_row     W[i, b] = L[M-1, min(b, M-1)]: the last learned row in absolute columns; blocks past M-1 take
                  its diagonal coefficient.
     uniform_far  as relative inside the window d <= M-1; the far blocks (d > M-1) share ONE far coefficient
-                 L[M-1, 0] uniformly (each gets L[M-1, 0] / (i - M + 1)), so the row mass stays bounded.
+                 L[M-1, 0] uniformly (each gets L[M-1, 0] / (i - M + 1)), so the row mass stays bounded
+                 (the library default since these measurements).
     window       as relative inside the window; far blocks get 0 (sliding window of M blocks).
     mass_matched the relative rule rescaled so each extended row sums to the last learned row's sum.
 

@@ -32,15 +32,16 @@ def test_extension_rules_and_per_position_loss(tmp_path):
     with torch.no_grad():
         mix.raw.uniform_(0.1, 0.9)
     L = mix.learned().detach()
-    # relative: identical to the library rule; every rule keeps the learned corner and causality
-    assert torch.allclose(extend_causal_mixing(L, n, "relative"), mix(n).detach())
+    # uniform_far: identical to the library default; every rule keeps the learned corner and causality
+    assert torch.allclose(extend_causal_mixing(L, n, "uniform_far"), mix(n).detach())
     for rule in EXTENSION_RULES:
         W = extend_causal_mixing(L, n, rule)
         assert W.shape == (n, n) and torch.equal(W.triu(1), torch.zeros(n, n))
         assert torch.allclose(W[:M, :M], L)
         with le.extension_rule(mix, rule):
             assert torch.allclose(mix(n).detach(), W)
-    assert mix.extension == "relative" and torch.allclose(mix(n).detach(), extend_causal_mixing(L, n, "relative"))
+    assert mix.extension == "uniform_far"  # restored after each rule
+    assert torch.allclose(mix(n).detach(), extend_causal_mixing(L, n, "uniform_far"))
     i = n - 1
     far = slice(0, i - (M - 1))
     assert torch.all(extend_causal_mixing(L, n, "window")[i, far] == 0)
@@ -55,7 +56,7 @@ def test_extension_rules_and_per_position_loss(tmp_path):
                        block_size=4, max_position_embeddings=16)
     model = MHLALMForCausalLM(cfg).eval()
     tokens = np.random.default_rng(0).integers(0, 64, size=200).astype(np.uint16)
-    with le.extension_rule(model, "uniform_far"):
+    with le.extension_rule(model, "relative"):
         loss, n_win = le.per_position_loss(model, tokens, 48, tokens_per_batch=96)
     assert loss.shape == (47,) and n_win == 4 and np.isfinite(loss).all()
     b = le.bucket_ppl(loss, edges=(0, 16, 48))
@@ -70,3 +71,20 @@ def test_extension_rules_and_per_position_loss(tmp_path):
     assert "| m/window | 1.6 | 1.6 | 1.6 | 1.6 |" in md and "L = 2048" in md and md.rstrip().endswith("reading")
     le.write_plot(res, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_lm_config_carries_the_extension_rule():
+    from mhla.mixing import MixingMatrix
+    from models.lm.configuration_mhla_lm import MHLALMConfig
+    from models.lm.modeling_mhla_lm import MHLALMForCausalLM
+
+    small = dict(attn_type="mhla", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, block_size=4,
+                 max_position_embeddings=16)
+    cfg = MHLALMConfig(**small, mixing_extension="window")
+    rules = {m.extension for m in MHLALMForCausalLM(cfg).modules() if isinstance(m, MixingMatrix)}
+    assert rules == {"window"}
+    # a config saved before the field existed loads with the current default
+    old = {k: v for k, v in cfg.to_dict().items() if k != "mixing_extension"}
+    assert MHLALMConfig.from_dict(old).mixing_extension == "uniform_far"
+    with pytest.raises(ValueError, match="mixing_extension"):
+        MHLALMConfig(**small, mixing_extension="nope")

@@ -236,25 +236,28 @@ def test_module_errors(kwargs, match):
         MixingMatrix(0)
 
 
-def brute_force_extension(L, n):
-    """The relative-distance rule, written out with loops."""
+def brute_force_extension(L, n, rule="uniform_far"):
+    """The ``relative`` and ``uniform_far`` (default) extension rules, written out with loops."""
     M = L.shape[-1]
     W = torch.zeros(n, n)
     for i in range(n):
+        far = i - M + 1  # blocks farther back than the learned window, for a row i >= M
         for b in range(i + 1):
             if i < M:
                 W[i, b] = L[i, b]
             elif i - b <= M - 1:
                 W[i, b] = L[M - 1, M - 1 - (i - b)]
             else:
-                W[i, b] = L[M - 1, 0]
+                W[i, b] = L[M - 1, 0] / (far if rule == "uniform_far" else 1)
     return W
 
 
+@pytest.mark.parametrize("rule", ["uniform_far", "relative"])
 @pytest.mark.parametrize("num_heads", [None, 2])
-def test_causal_extension_rule_and_gradients(num_heads):
+def test_causal_extension_rule_and_gradients(num_heads, rule):
     M = 5
-    m = MixingMatrix(M, init="uniform", causal=True, num_heads=num_heads)
+    kw = {} if rule == "uniform_far" else {"extension": rule}  # uniform_far: the default
+    m = MixingMatrix(M, init="uniform", causal=True, num_heads=num_heads, **kw)
     with torch.no_grad():
         m.raw.copy_(torch.rand(m.raw.shape))  # the upper triangle must be masked out
     L = m.learned().detach()
@@ -265,10 +268,10 @@ def test_causal_extension_rule_and_gradients(num_heads):
     assert torch.equal(W, W.tril())
     Ls, Ws = (L, W) if num_heads else (L[None], W[None])
     for h in range(Ls.shape[0]):
-        torch.testing.assert_close(Ws[h].detach(), brute_force_extension(Ls[h], 3 * M), rtol=0, atol=0)
+        torch.testing.assert_close(Ws[h].detach(), brute_force_extension(Ls[h], 3 * M, rule), rtol=1e-6, atol=0)
     torch.testing.assert_close(m(3), L[..., :3, :3])
     torch.testing.assert_close(m(M), L)
-    # gradients: each learned lower-triangular entry gets the number of places it is used
+    # gradients: each learned lower-triangular entry gets the weight of the places it is used
     W.sum().backward()
     grad = m.raw.grad if num_heads is None else m.raw.grad[0]
     uses = torch.zeros(M, M)
@@ -276,9 +279,23 @@ def test_causal_extension_rule_and_gradients(num_heads):
         for b in range(i + 1):
             if i < M:
                 uses[i, b] += 1
+            elif i - b <= M - 1:
+                uses[M - 1, M - 1 - (i - b)] += 1
             else:
-                uses[M - 1, max(M - 1 - (i - b), 0)] += 1
+                uses[M - 1, 0] += 1 / (i - M + 1) if rule == "uniform_far" else 1
     torch.testing.assert_close(grad, uses)
+
+
+def test_default_extension_bounds_the_row_mass():
+    """uniform_far: an extended row carries the last learned row's mass plus its farthest coefficient, at any
+    length (relative: the far blocks add that coefficient once per block, so the mass grows with the row)."""
+    m = MixingMatrix(4, init="uniform", causal=True)
+    assert m.extension == "uniform_far"
+    L = m.learned().detach()
+    for n in (5, 9, 40):
+        torch.testing.assert_close(m(n)[-1].sum(), L[-1].sum() + L[-1, 0])
+    relative = MixingMatrix(4, init="uniform", causal=True, extension="relative")(40)[-1].sum()
+    assert relative > 5 * (L[-1].sum() + L[-1, 0])
 
 
 def test_noncausal_cannot_extend():
@@ -342,11 +359,11 @@ def test_mixing_freeze_steps_holds_the_matrix_then_releases_it():
         build_optimizer(layer, OmegaConf.create({"lr": 1e-3, "weight_decay": 0.0, "mixing_freeze_steps": -2}))
 
 
-def test_extension_rule_is_an_option_and_relative_stays_the_default():
+def test_extension_rule_is_an_option():
     from mhla.mixing import EXTENSION_RULES, extend_causal_mixing  # noqa: PLC0415
 
     torch.manual_seed(0)
-    mix = MixingMatrix(4, init="uniform", causal=True)
+    mix = MixingMatrix(4, init="uniform", causal=True, extension="relative")
     with torch.no_grad():
         mix.raw.uniform_(0.1, 0.9)
     L = mix.learned().detach()

@@ -12,7 +12,8 @@ Paper defaults versus the authors' release (SPEC.md section 2), every difference
 | ``mixing_init`` | ``"uniform"`` (1/(i+1) over past chunks; chosen on MQAR, ``results/mqar/``); the paper's causal ``"locality"`` is an option | ``"uniform"`` |
 | ``output_gate`` | ``True``: RMSNorm(o) * swish(W_g x); Table 6's "340M" is reached only with it (341.2M; 316.0M without) | same |
 | ``rope`` | ``"after_feature_map"`` (the paper is silent; the release's placement) | same |
-| ``max_position_embeddings`` | learned mixing rows = 2048 / 64; longer inputs extend by relative distance | hard cap at 2048 |
+| ``max_position_embeddings`` | learned mixing rows = 2048 / 64; longer inputs extend by ``mixing_extension`` | hard cap at 2048 |
+| ``mixing_extension`` | ``"uniform_far"``: rows past the learned ones repeat the last one by distance, the far past shares one coefficient (``results/language/length_extrapolation.md``) | none (capped) |
 | ``mixing_param`` | ``"clamp"`` (paper); ``"log"`` and ``"softplus"`` are options | clamp |
 
 The mixing matrix's learning rate is not a model field: the LM task configs set ``optim.mixing_lr_scale =
@@ -34,6 +35,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from mhla.layouts import ceil_div
+from mhla.mixing import EXTENSION_RULES
 from mhla.rope import ROPE_PLACEMENTS, rope_placement  # noqa: F401 (ROPE_PLACEMENTS: models.lm exports it)
 
 ATTN_TYPES = ("mhla", "linear", "softmax")
@@ -56,11 +58,13 @@ class MHLALMConfig(PretrainedConfig):
         intermediate_size: SwiGLU width (None: :func:`swiglu_intermediate`).
         block_size: MHLA chunk length C. max_position_embeddings: training context; MHLA learns
             ``max_learned_blocks`` (default ``max_position_embeddings // block_size``) mixing rows and extends
-            beyond them by relative distance (no length cap anywhere).
+            beyond them by ``mixing_extension`` (no length cap anywhere).
         feature_map: phi for MHLA / linear attention (``mhla.feature_maps``). normalize: keep the paper's
             normalizer (``False``: drop it and RMSNorm the output, the paper's LM setting).
         output_gate: GLA-style ``RMSNorm(o) * swish(W_g x)``. rope, rope_theta: rotary embedding placement.
         mixing_init, mixing_per_head, mixing_param, mixing_learnable: see :class:`mhla.mixing.MixingMatrix`.
+        mixing_extension: rule for the mixing rows past ``max_learned_blocks`` (:data:`mhla.mixing.EXTENSION_RULES`;
+            ``"uniform_far"``; configs saved before this field existed load with it too).
         qk_norm: RMSNorm per head on q and k. cpe / cpe_kernel: causal depthwise conv on V (off).
         short_conv: kernel of a causal depthwise conv + SiLU on the projected q, k and v (fla's
             ``ShortConvolution``, ``conv_size=4`` in GLA / Gated DeltaNet; 0: off, the paper's LM). It lets a
@@ -96,6 +100,7 @@ class MHLALMConfig(PretrainedConfig):
         mixing_per_head: bool = False,
         mixing_param: str = "clamp",
         mixing_learnable: bool = True,
+        mixing_extension: str = "uniform_far",
         qk_norm: bool = False,
         cpe: bool = False,
         cpe_kernel: int = 3,
@@ -141,6 +146,9 @@ class MHLALMConfig(PretrainedConfig):
         self.mixing_per_head = mixing_per_head
         self.mixing_param = mixing_param
         self.mixing_learnable = mixing_learnable
+        if mixing_extension not in EXTENSION_RULES:
+            raise ValueError(f"mixing_extension must be one of {', '.join(EXTENSION_RULES)}, got {mixing_extension!r}")
+        self.mixing_extension = mixing_extension
         self.qk_norm = qk_norm
         self.cpe = cpe
         self.cpe_kernel = cpe_kernel

@@ -9,7 +9,7 @@ layer: the MHLA decode state (:class:`mhla.MHLAState`: every finished chunk's su
 ``(S, z)`` for linear attention, the growing ``(k, v)`` for softmax, and the causal CPE's last inputs. A
 prompt is prefilled in one chunked call; each new token is one ``mhla_decode_step``. Greedy outputs with the
 cache equal those without it (tests), at any length: there is no position cap (mixing coefficients beyond the
-learned ``max_learned_blocks`` rows extend by relative distance, RoPE is computed on the fly).
+learned ``max_learned_blocks`` rows extend by the config's ``mixing_extension`` rule, RoPE is computed on the fly).
 
 Padding and packed documents (:class:`PackedBatch`): a 2-D ``attention_mask`` with zeros (left or right
 padding, as ``generate()`` and tokenizers make them) or ``cu_seqlens`` (documents packed in a row) turns the
@@ -136,7 +136,8 @@ def build_lm_attention(config: MHLALMConfig) -> nn.Module:
             config.hidden_size, config.num_heads, block_size=config.block_size,
             mixing_init=config.mixing_init, mixing_learnable=config.mixing_learnable,
             mixing_per_head=config.mixing_per_head, mixing_param=config.mixing_param,
-            max_learned_blocks=config.max_learned_blocks, **common)
+            max_learned_blocks=config.max_learned_blocks,
+            mixing_extension=getattr(config, "mixing_extension", "uniform_far"), **common)
     layer.setup_lm(config.feature_map, config.rope, config.short_conv)
     return layer
 

@@ -70,7 +70,7 @@ def build_lm(model_cfg, attn_name: str, vocab_size: int, eos_id: int | None = No
 
     fields = ("num_heads", "key_dim_ratio", "value_dim_ratio", "intermediate_size", "block_size",
               "max_learned_blocks", "feature_map", "normalize", "output_gate", "rope", "rope_theta",
-              "mixing_init", "mixing_per_head", "mixing_param", "mixing_learnable", "qk_norm", "cpe",
+              "mixing_init", "mixing_per_head", "mixing_param", "mixing_learnable", "mixing_extension", "qk_norm", "cpe",
               "cpe_kernel", "short_conv", "attn_backend")
     extra = {k: model_cfg[k] for k in fields if k in model_cfg and model_cfg[k] is not None}
     return MHLALMForCausalLM(MHLALMConfig(attn_type=attn_name, **common, **extra))
