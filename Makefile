@@ -19,6 +19,7 @@ help:
 	@echo "make test-fast - the test suite without the slow tests"
 	@echo "make mnist-gen / lm-mini - CPU smoke runs: class-conditional MNIST DiT / the MHLA language model"
 	@echo "make bench-generation / bench-video - LM decoding and video (Wan-shaped, CPU preset) benchmarks"
+	@echo "make length-extrapolation [SEED=0] - lm_mini MHLA / linear / softmax at 256 tokens, evaluated to 4k (~15 min)"
 	@echo "make plots     - redraw the committed benchmark and table plots (<stem>.png) from their .json; runs nothing"
 	@echo "make clean     - remove .venv and build files"
 	@echo "make help      - this list"
@@ -85,6 +86,15 @@ lm-mini:
 	$(PY) train.py task=lm_mini
 bench-generation:
 	$(PY) scripts/bench_generation.py
+
+# Length extrapolation (README "Causal mixing beyond the learned size"): trains lm_mini-sized MHLA / linear /
+# softmax models at 256 tokens (seed SEED; skipped when DIR/<attn> has a checkpoint), then evaluates them to 4k
+# tokens with every mixing extension rule. ~15 min on 2 cores. Committed runs: results/language/length_extrapolation*.md
+.PHONY: length-extrapolation
+SEED ?= 0
+LENX_DIR ?= outputs/lenx_seed$(SEED)
+length-extrapolation: $(VENV)/.installed
+	$(PY) scripts/length_extrapolation.py --train $(LENX_DIR) --seed $(SEED) --compact-json --out $(LENX_DIR)/length_extrapolation
 
 # --- paper tables: one entry point each (scripts/reproduce_table.py; README "Paper tables")
 REF ?=

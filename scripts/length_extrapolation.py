@@ -22,8 +22,14 @@ are applied to the same checkpoint (no retraining) by setting every ``MixingMatr
     mass_matched the relative rule rescaled so each extended row sums to the last learned row's sum.
 
 Usage:
+    make length-extrapolation [SEED=0]      # trains the three models below (~10 min), then evaluates (~5 min)
+    python scripts/length_extrapolation.py --train outputs/lenx --seed 0 --out results/language/length_extrapolation
     python scripts/length_extrapolation.py mhla=outputs/lenx/mhla linear=outputs/lenx/linear \\
         softmax=outputs/lenx/softmax --lengths 256 512 1024 2048 4096 --out results/language/length_extrapolation
+
+``--train DIR`` first trains, into ``DIR/<attn>``, every model of :data:`TRAIN_ATTNS` that has no checkpoint
+there yet (:func:`train_commands`: ``task=lm_mini`` at 256 tokens, batch 8, so the tokens per step and the
+token budget match lm_mini), two at a time with one thread each, then evaluates them.
 """
 
 from __future__ import annotations
@@ -47,6 +53,55 @@ from tasks.common.plots import pyplot, save_figure
 from tasks.common.utils import system_info
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
+TRAIN_ATTNS = ("mhla", "linear", "softmax")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------------------------ training
+def train_commands(train_dir: str, seed: int, extra: list[str] = ()) -> dict[str, list[str]]:
+    """``{attn: train.py command}`` for the models of :data:`TRAIN_ATTNS` without a checkpoint in ``train_dir``."""
+    out = {}
+    for attn in TRAIN_ATTNS:
+        run_dir = os.path.join(train_dir, attn)
+        try:
+            find_checkpoint(run_dir)
+            continue  # trained already
+        except FileNotFoundError:
+            pass
+        out[attn] = [sys.executable, os.path.join(ROOT, "train.py"), "task=lm_mini", f"attn={attn}",
+                     "data.seq_len=256", "data.batch_size=8", f"seed={seed}", "logger=none",
+                     "trainer.progress_bar=false", f"hydra.run.dir={os.path.abspath(run_dir)}", *extra]
+    return out
+
+
+def train_missing(train_dir: str, seed: int, jobs: int = 2, extra: list[str] = ()) -> dict[str, str]:
+    """Train the missing models (``jobs`` at a time, one thread each; logs in ``DIR/<attn>.log``) and return
+    ``{attn: run_dir}`` for all of :data:`TRAIN_ATTNS`."""
+    import subprocess  # noqa: PLC0415
+
+    from tasks.common.launch import run_parallel  # noqa: PLC0415
+
+    os.makedirs(train_dir, exist_ok=True)
+    commands = train_commands(train_dir, seed, extra)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(attn):
+        t0 = time.time()
+        with open(os.path.join(train_dir, f"{attn}.log"), "w") as log_file:
+            rc = subprocess.run(commands[attn], cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT).returncode
+        return {"rc": rc, "seconds": round(time.time() - t0, 1)}
+
+    failed = []
+
+    def done(attn, rec):
+        if rec["rc"]:
+            failed.append(attn)
+        return f"trained {attn}: exit {rec['rc']} ({rec['seconds']} s; log {train_dir}/{attn}.log)"
+
+    run_parallel(run, list(commands), jobs, "length extrapolation: training", done)
+    if failed:
+        raise SystemExit(f"training failed for {', '.join(failed)}: see {train_dir}/<attn>.log")
+    return {attn: os.path.join(train_dir, attn) for attn in TRAIN_ATTNS}
 
 
 # ------------------------------------------------------------------------------------ extension rules
@@ -241,7 +296,11 @@ def markdown(results: dict, command: str, header: dict, notes: str = "") -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="name=run_dir (or name=path/to/last.pt)")
+    p.add_argument("runs", nargs="*", help="name=run_dir (or name=path/to/last.pt)")
+    p.add_argument("--train", metavar="DIR", default=None,
+                   help="train the missing mhla / linear / softmax models into DIR/<attn>, then evaluate them")
+    p.add_argument("--seed", type=int, default=0, help="with --train: the training seed")
+    p.add_argument("--jobs", type=int, default=2, help="with --train: trainings at a time (one thread each)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), choices=EXTENSION_RULES)
     p.add_argument("--tokens-per-batch", type=int, default=8192)
@@ -255,6 +314,8 @@ def main(argv=None) -> int:
                    help="the positional arguments are .json files of earlier runs of this script (evaluated in "
                         "parallel processes): merge them and write the report, without evaluating")
     args = p.parse_args(argv)
+    if not args.runs and not args.train:
+        p.error("give runs (name=run_dir ...), --merge with .json files, or --train DIR")
     header = system_info("cpu")
     command = "python scripts/length_extrapolation.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.merge:
@@ -268,6 +329,8 @@ def main(argv=None) -> int:
         results["seconds"] = sum(p_["seconds"] or 0 for p_ in results["parts"])
     else:
         runs = dict(r.split("=", 1) for r in args.runs)
+        if args.train:
+            runs = {**train_missing(args.train, args.seed, args.jobs), **runs}
         t0 = time.time()
         results = evaluate_runs(runs, args.lengths, args.rules, args.tokens_per_batch, args.max_windows)
         results["seconds"] = round(time.time() - t0, 1)

@@ -88,3 +88,16 @@ def test_lm_config_carries_the_extension_rule():
     assert MHLALMConfig.from_dict(old).mixing_extension == "uniform_far"
     with pytest.raises(ValueError, match="mixing_extension"):
         MHLALMConfig(**small, mixing_extension="nope")
+
+
+def test_train_commands_skip_trained_models(tmp_path):
+    le = _script()
+    (tmp_path / "linear" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "linear" / "checkpoints" / "last.pt").write_bytes(b"x")
+    cmds = le.train_commands(str(tmp_path), seed=3)
+    assert set(cmds) == {"mhla", "softmax"}  # linear has a checkpoint: not retrained
+    cmd = cmds["mhla"]
+    assert cmd[1].endswith("train.py") and "task=lm_mini" in cmd and "attn=mhla" in cmd and "seed=3" in cmd
+    assert "data.seq_len=256" in cmd and f"hydra.run.dir={tmp_path / 'mhla'}" in cmd
+    with pytest.raises(SystemExit):
+        le.main([])  # neither runs nor --train
