@@ -366,3 +366,24 @@ def test_bad_varlen_calls():
         mhla_attention(q, k, v, mix, 4, causal=True, cu_seqlens=cu, initial_state=[None, st])
     with pytest.raises(ValueError, match="no state"):
         mhla_attention(q, k, v, mix, 4, causal=True, cu_seqlens=cu, output_final_state=True, backend="reference")
+
+
+def test_mixing_values_are_checked_once_per_varlen_call(monkeypatch):
+    """A NaN or negative mixing is refused by the variable-length call, and its values are scanned once per call,
+    not once per length bucket (the scan was most of a bucket call's cost at large M)."""
+    from mhla.ops import api, causal
+
+    lengths = [2, 3, 300, 700]  # too different to share a padded bucket
+    q, k, v, mix, _ = make_inputs(lengths, M=175)
+    cu = cu_of(lengths)
+    with pytest.raises(ValueError, match="NaN"):
+        mhla_attention(q, k, v, torch.full_like(mix, float("nan")), 4, causal=True, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="nonnegative"):
+        mhla_attention(q, k, v, -mix, 4, causal=True, cu_seqlens=cu)
+    scans = []
+    for mod in (api, causal):
+        real = mod.check_mixing
+        monkeypatch.setattr(mod, "check_mixing", lambda *a, _real=real, **kw: (
+            scans.append(kw.get("check_values", True)), _real(*a, **kw))[1])
+    mhla_attention(q, k, v, mix, 4, causal=True, cu_seqlens=cu, backend="torch")
+    assert len(scans) > 2 and sum(scans) == 1  # several bucket calls, one value scan
