@@ -372,9 +372,9 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
                       (the default of :class:`MixingMatrix`)
         mass_matched  relative, each row rescaled to the last learned row's total
 
-    Measured on lm_mini-sized models trained at 256 tokens, four checkpoints (two seeds x the mixing at lr x 0.01
-    and x 1; ``results/language/length_extrapolation*.md``): with ``relative`` the far past's share grows with
-    position and perplexity rises past the training length on all four (+5% to +57% at 4k tokens, 1.9x by 8k);
+    Measured on lm_mini-sized models trained at 256 tokens, five checkpoints (three seeds with the mixing at
+    lr x 0.01, two at lr x 1; ``results/language/length_extrapolation*.md``): with ``relative`` the far past's
+    share grows with position and perplexity rises past the training length on all five (+5% to +57% at 4k tokens, 1.9x by 8k);
     ``window`` and ``uniform_far`` stay flat (within 0.1% of each other). ``uniform_far`` is the default
     because it bounds the row mass like ``window`` without dropping the far past.
     """

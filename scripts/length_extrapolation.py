@@ -157,6 +157,14 @@ def bucket_ppl(loss: np.ndarray, edges=BUCKET_EDGES) -> dict:
     return out
 
 
+def position_losses(entry: dict, length: int) -> np.ndarray:
+    """The ``length - 1`` per-position losses of a curve entry; from a ``--compact-json`` entry, its 32-position
+    means repeated (exact for buckets of a multiple of 32 positions, up to the last, shorter one)."""
+    if "loss" in entry:
+        return np.asarray(entry["loss"])
+    return np.repeat(np.asarray(entry["loss_per_32_positions"]), 32)[:length - 1]
+
+
 def fine_buckets(loss: np.ndarray, width: int) -> tuple[list[float], list[float]]:
     """Bucket centres and perplexities over ``width``-token position buckets (for the plot)."""
     xs, ys = [], []
@@ -242,7 +250,7 @@ def write_plot(results: dict, path: str, width: int = 256, length: int = 4096) -
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for key, by_len in results["curves"].items():
         L = str(length) if str(length) in by_len else max(by_len, key=int)
-        xs, ys = fine_buckets(np.asarray(by_len[L]["loss"]), width)
+        xs, ys = fine_buckets(position_losses(by_len[L], int(L)), width)
         ax.plot(xs, ys, label=f"{key} (L={L})", lw=1.4, ls="-" if "/" not in key or key.endswith("/relative") else "--")
     train_len = max(r["train_seq_len"] for r in results["runs"].values())
     ax.axvline(train_len, color="gray", ls=":", lw=1)

@@ -101,3 +101,18 @@ def test_train_commands_skip_trained_models(tmp_path):
     assert "data.seq_len=256" in cmd and f"hydra.run.dir={tmp_path / 'mhla'}" in cmd
     with pytest.raises(SystemExit):
         le.main([])  # neither runs nor --train
+
+
+def test_plot_reads_compact_curves(tmp_path):
+    le = _script()
+    loss = np.linspace(5.0, 6.0, 255)
+    full = {"windows": 1, "ppl": 2.0, "buckets": le.bucket_ppl(loss), "loss": loss.tolist()}
+    compact = {**{k: v for k, v in full.items() if k != "loss"},
+               "loss_per_32_positions": [float(loss[a:a + 32].mean()) for a in range(0, 255, 32)]}
+    got = le.position_losses(compact, 256)
+    assert got.shape == (255,) and np.allclose(got[:224].reshape(7, 32).mean(1), loss[:224].reshape(7, 32).mean(1))
+    assert np.array_equal(le.position_losses(full, 256), loss)
+    res = {"runs": {"m": {"attn": "mhla", "train_seq_len": 256, "block_size": 32, "checkpoint": "x", "val_tokens": 10}},
+           "curves": {"m/uniform_far": {"256": compact}}, "mixing": {}}
+    le.write_plot(res, str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").stat().st_size > 0
