@@ -89,12 +89,13 @@ bench-generation:
 
 # Length extrapolation (README "Causal mixing beyond the learned size"): trains lm_mini-sized MHLA / linear /
 # softmax models at 256 tokens (seed SEED; skipped when DIR/<attn> has a checkpoint), then evaluates them to 4k
-# tokens with every mixing extension rule. ~15 min on 2 cores. Committed runs: results/language/length_extrapolation*.md
+# tokens with every mixing extension rule. ~7 min on 2 cores; EXTRA='k=v ...' adds training overrides. Committed runs: results/language/length_extrapolation*.md
 .PHONY: length-extrapolation
 SEED ?= 0
 LENX_DIR ?= outputs/lenx_seed$(SEED)
 length-extrapolation: $(VENV)/.installed
-	$(PY) scripts/length_extrapolation.py --train $(LENX_DIR) --seed $(SEED) --compact-json --out $(LENX_DIR)/length_extrapolation
+	$(PY) scripts/length_extrapolation.py --train $(LENX_DIR) --seed $(SEED) --compact-json --out $(LENX_DIR)/length_extrapolation \
+		$(if $(EXTRA),--train-overrides $(EXTRA))
 
 # --- paper tables: one entry point each (scripts/reproduce_table.py; README "Paper tables")
 REF ?=

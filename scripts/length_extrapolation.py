@@ -309,6 +309,8 @@ def main(argv=None) -> int:
                    help="train the missing mhla / linear / softmax models into DIR/<attn>, then evaluate them")
     p.add_argument("--seed", type=int, default=0, help="with --train: the training seed")
     p.add_argument("--jobs", type=int, default=2, help="with --train: trainings at a time (one thread each)")
+    p.add_argument("--train-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="with --train: Hydra overrides added to every training (e.g. optim.mixing_lr_scale=0.01)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), choices=EXTENSION_RULES)
     p.add_argument("--tokens-per-batch", type=int, default=8192)
@@ -338,7 +340,7 @@ def main(argv=None) -> int:
     else:
         runs = dict(r.split("=", 1) for r in args.runs)
         if args.train:
-            runs = {**train_missing(args.train, args.seed, args.jobs), **runs}
+            runs = {**train_missing(args.train, args.seed, args.jobs, args.train_overrides), **runs}
         t0 = time.time()
         results = evaluate_runs(runs, args.lengths, args.rules, args.tokens_per_batch, args.max_windows)
         results["seconds"] = round(time.time() - t0, 1)

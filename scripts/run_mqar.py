@@ -37,7 +37,7 @@ from tasks.common.utils import system_info
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> Hydra overrides. "softmax", "linear" and "mhla" are the task's defaults (configs/task/mqar.yaml: a short
-# conv of kernel 4, lr 3e-3, and for MHLA the language-model rule: uniform init, clamp, optim.mixing_lr_scale=0.01);
+# conv of kernel 4, lr 3e-3, and for MHLA the MQAR rule: uniform init, clamp, optim.mixing_lr_scale=0.01);
 # the others each change one thing of them, and the *_conv / *_noconv names pin the conv either way.
 VARIANTS = {
     "softmax": ["attn=softmax"],
