@@ -321,10 +321,8 @@ class MixingMatrix(nn.Module):
             W[i, b] = 0                              b > i
 
         so each extended row carries a bounded mass (the last learned row's plus ``L[M-1, 0]``) whatever the
-        length, and the far past stays readable.
-
-        so sequences are never capped by the parameter shape. Built with index gathers, differentiable with
-        respect to the learned coefficients.
+        length, the far past stays readable, and sequences are never capped by the parameter shape. Built with
+        index gathers, differentiable with respect to the learned coefficients.
         """
         w = self.learned()
         M = self.num_blocks

@@ -22,7 +22,7 @@ are applied to the same checkpoint (no retraining) by setting every ``MixingMatr
     mass_matched the relative rule rescaled so each extended row sums to the last learned row's sum.
 
 Usage:
-    make length-extrapolation [SEED=0]      # trains the three models below (~10 min), then evaluates (~5 min)
+    make length-extrapolation [SEED=0]      # trains the three models below (~5 min), then evaluates (~2 min)
     python scripts/length_extrapolation.py --train outputs/lenx --seed 0 --out results/language/length_extrapolation
     python scripts/length_extrapolation.py mhla=outputs/lenx/mhla linear=outputs/lenx/linear \\
         softmax=outputs/lenx/softmax --lengths 256 512 1024 2048 4096 --out results/language/length_extrapolation

@@ -136,8 +136,7 @@ def build_lm_attention(config: MHLALMConfig) -> nn.Module:
             config.hidden_size, config.num_heads, block_size=config.block_size,
             mixing_init=config.mixing_init, mixing_learnable=config.mixing_learnable,
             mixing_per_head=config.mixing_per_head, mixing_param=config.mixing_param,
-            max_learned_blocks=config.max_learned_blocks,
-            mixing_extension=getattr(config, "mixing_extension", "uniform_far"), **common)
+            max_learned_blocks=config.max_learned_blocks, mixing_extension=config.mixing_extension, **common)
     layer.setup_lm(config.feature_map, config.rope, config.short_conv)
     return layer
 
