@@ -6,12 +6,19 @@ Hydra and W&B are used by the training harness, not here.
     import mhla
     o = mhla.mhla_attention(q, k, v, mixing, block_size)                 # non-causal
     o, state = mhla.mhla_attention(q, k, v, mixing, 64, causal=True, output_final_state=True)
-    layer = mhla.build_attention("mhla", dim=192, num_heads=3, grid=(16, 16), num_blocks=16)
+    layer = mhla.build_attention({"name": "mhla", "num_blocks": 16}, dim=192, num_heads=3, grid=(16, 16))
 """
 
-from . import baselines  # noqa: F401  (registers focused, inline, mala, rala; .layers the other three)
+from . import baselines, gla  # noqa: F401  (register focused, inline, mala, rala and gla; .layers the other three)
 from .feature_maps import FEATURE_MAPS, get_feature_map
-from .layers import AttentionBase, AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
+from .layers import (
+    AttentionBase,
+    AttentionCache,
+    KernelAttention,
+    LinearAttention,
+    MultiHeadLinearAttention,
+    SoftmaxAttention,
+)
 from .layouts import BlockLayout, layout_1d, layout_2d, layout_3d, layout_from_num_blocks
 from .mixing import MixingMatrix, distances_1d, mixing_init
 from .ops import (
@@ -24,14 +31,24 @@ from .ops import (
     mhla_reference,
     softmax_attention,
 )
-from .registry import build_attention, list_attentions, register_attention
+from .registry import (
+    AttentionContract,
+    Needs,
+    Supports,
+    build_attention,
+    list_attentions,
+    register_attention,
+    resolve_attention,
+)
+from .rope import RotaryTables
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionBase", "AttentionCache", "BlockLayout", "FEATURE_MAPS", "LinearAttention", "MHLAState",
-    "MixingMatrix", "MultiHeadLinearAttention", "SoftmaxAttention", "build_attention", "distances_1d",
+    "AttentionBase", "AttentionCache", "AttentionContract", "BlockLayout", "FEATURE_MAPS", "KernelAttention",
+    "LinearAttention", "MHLAState", "MixingMatrix", "MultiHeadLinearAttention", "Needs", "RotaryTables",
+    "SoftmaxAttention", "Supports", "build_attention", "distances_1d",
     "get_feature_map", "init_state", "layout_1d", "layout_2d", "layout_3d", "layout_from_num_blocks",
     "linear_attention", "list_attentions", "mhla_attention", "mhla_attention_matrix", "mhla_decode_step",
-    "mhla_reference", "mixing_init", "register_attention", "softmax_attention",
+    "mhla_reference", "mixing_init", "register_attention", "resolve_attention", "softmax_attention",
 ]

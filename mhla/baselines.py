@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from .feature_maps import focused_feature
 from .layers import AttentionBase
 from .ops.validation import accumulation_dtype
-from .registry import register_attention
+from .feature_maps import get_feature_map
+from .registry import Supports, register_attention
 from .rope import apply_rope
 
 
@@ -54,17 +55,24 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
 
 
 class _GridBaseline(AttentionBase):
-    """Common checks: a 2-D grid, no prefix tokens, no causal mode."""
+    """Vision attentions over a 2-D grid: no prefix tokens, no causal form (declared in ``supports``)."""
+
+    supports = Supports(bidirectional=True, grid_ranks=(2,))
 
     def __init__(self, dim: int, num_heads: int = 8, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
-        name = type(self).__name__
-        if self.causal:
-            raise ValueError(f"{name} is a vision (non-causal) attention")
-        if self.num_prefix_tokens:
-            raise ValueError(f"{name} does not support prefix tokens; use average pooling (class_token=False)")
         if self.grid is None or len(self.grid) != 2:
-            raise ValueError(f"{name} needs the 2-D token grid: pass grid=(H, W)")
+            raise ValueError(f"{type(self).__name__} needs the 2-D token grid: pass grid=(H, W)")
+
+    def settings(self) -> dict:
+        out = super().settings()
+        if hasattr(self, "feature_map_name"):
+            out["feature_map"] = self.feature_map_name
+        return out
+
+    def _set_feature_map(self, name: str) -> None:
+        self.feature_map_name = name
+        self.feature_map = get_feature_map(name)
 
     @staticmethod
     def _depthwise_on_grid(conv: nn.Module, v: torch.Tensor, grid) -> torch.Tensor:
@@ -85,7 +93,6 @@ class FocusedLinearAttention(_GridBaseline):
 
     def __init__(self, dim: int, num_heads: int = 8, *, focusing_factor: float = 3.0, dwc_kernel: int = 5,
                  **kwargs):
-        kwargs.setdefault("feature_map", "identity")
         super().__init__(dim, num_heads, **kwargs)
         n = math.prod(self.grid)
         inner = num_heads * self.head_dim
@@ -95,7 +102,11 @@ class FocusedLinearAttention(_GridBaseline):
         self.dwc = nn.Conv2d(self.value_dim, self.value_dim, dwc_kernel, padding=dwc_kernel // 2,
                              groups=self.value_dim)
 
-    def _core(self, q, k, v, x, grid, cache, attn_mask):
+    def settings(self) -> dict:
+        return {**super().settings(), "focusing_factor": self.focusing_factor,
+                "dwc_kernel": self.dwc.kernel_size[0]}
+
+    def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
         B, N, H, D = q.shape
         if N != self.positional_encoding.shape[1]:
             raise ValueError(f"FocusedLinearAttention was built for {self.positional_encoding.shape[1]} tokens")
@@ -121,9 +132,9 @@ class InLineAttention(_GridBaseline):
     on V whose kernel an MLP predicts from the mean token.
     """
 
-    def __init__(self, dim: int, num_heads: int = 8, **kwargs):
-        kwargs.setdefault("feature_map", "identity")
+    def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "identity", **kwargs):
         super().__init__(dim, num_heads, **kwargs)
+        self._set_feature_map(feature_map)
         c = num_heads * self.value_dim
         self.residual = nn.Sequential(
             nn.Conv1d(dim, c, 1, groups=num_heads if dim % num_heads == 0 else 1),
@@ -131,7 +142,7 @@ class InLineAttention(_GridBaseline):
             nn.Conv1d(c, 9 * c, 1, groups=num_heads),
         )
 
-    def _core(self, q, k, v, x, grid, cache, attn_mask):
+    def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
         B, N, H, D = q.shape
         q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
         s = D**-0.5
@@ -150,16 +161,20 @@ class _GatedRoPEBaseline(_GridBaseline):
     """MALA / RALA wrapper: ELU+1 features, 2-D RoPE in the numerator, ``(Y + LePE_5x5(V)) * O`` with a linear
     output gate ``O = W_o x`` (no activation), then the output projection."""
 
-    def __init__(self, dim: int, num_heads: int = 8, *, rope: bool = True, lepe_kernel: int = 5, **kwargs):
-        kwargs.setdefault("feature_map", "elu")
+    def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "elu", rope_2d: bool = True,
+                 lepe_kernel: int = 5, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
+        self._set_feature_map(feature_map)
         c = num_heads * self.value_dim
-        self.rope = rope
+        self.rope_2d = rope_2d
         self.lepe = nn.Conv2d(c, c, lepe_kernel, padding=lepe_kernel // 2, groups=c)
         self.out_gate = nn.Linear(dim, c)
 
-    def _rotate(self, q, k, grid):
-        if not self.rope:
+    def settings(self) -> dict:
+        return {**super().settings(), "rope_2d": self.rope_2d, "lepe_kernel": self.lepe.kernel_size[0]}
+
+    def _rotate_2d(self, q, k, grid):
+        if not self.rope_2d:
             return q, k
         sin, cos = rope_2d_angles(grid, q.shape[-1], device=q.device)
         cos, sin = cos[:, None], sin[:, None]  # [N, 1, d]
@@ -178,12 +193,12 @@ class MagnitudeAwareLinearAttention(_GatedRoPEBaseline):
     """MALA (BASELINES.md section 3): ``Y_i = rho(q_i) kv (1 + 1/(z_i + 1e-6)) - z_i vbar`` with
     ``z_i = phi(q_i) . mean_j phi(k_j) d^-1/2`` (un-rotated) and ``kv = sum_j rho(phi(k_j))^T v_j d^-1/2 / N``."""
 
-    def _core(self, q, k, v, x, grid, cache, attn_mask):
+    def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
         B, N, H, D = q.shape
         q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
         s = D**-0.5
         z = torch.einsum("bnhd,bhd->bnh", q, k.mean(1)) * s
-        qr, kr = self._rotate(q, k, grid)
+        qr, kr = self._rotate_2d(q, k, grid)
         kv = torch.einsum("bnhd,bnhe->bhde", kr, vf) * (s / N)
         y = torch.einsum("bnhd,bhde->bnhe", qr, kv) * (1 + 1 / (z + 1e-6)).unsqueeze(-1)
         y = y - z.unsqueeze(-1) * vf.mean(1, keepdim=True)
@@ -195,13 +210,13 @@ class RankAugmentedLinearAttention(_GatedRoPEBaseline):
     """RALA (BASELINES.md section 4): token weights ``alpha = softmax_j(mean(phi(q)) . phi(k_j) d^-1/2)``,
     ``k~_j = N alpha_j phi(k_j)``, ``Y_i = rho(phi(q_i)) [sum_j rho(k~_j)^T v_j / N] / (phi(q_i) . mean_j k~_j + 1e-6)``."""
 
-    def _core(self, q, k, v, x, grid, cache, attn_mask):
+    def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
         B, N, H, D = q.shape
         q, k, vf = _acc(self.feature_map(q)), _acc(self.feature_map(k)), _acc(v)
         alpha = torch.softmax(torch.einsum("bhd,bnhd->bhn", q.mean(1), k) * D**-0.5, dim=-1)
         kt = k * (N * alpha).transpose(1, 2).unsqueeze(-1)
         z = 1.0 / (torch.einsum("bnhd,bhd->bnh", q, kt.mean(1)) + 1e-6)
-        qr, ktr = self._rotate(q, kt, grid)
+        qr, ktr = self._rotate_2d(q, kt, grid)
         kv = torch.einsum("bnhd,bnhe->bhde", ktr, vf) / N
         y = torch.einsum("bnhd,bhde->bnhe", qr, kv) * z.unsqueeze(-1)
         return self._wrap(y, v, x, grid)

@@ -1,13 +1,25 @@
 """Attention layers (``nn.Module``): MHLA, plain linear attention and softmax attention.
 
-All three share one constructor and one forward signature, so a model builds any of them from one
-``attn`` config (see :mod:`mhla.registry`) and timm can use them as ``attn_layer``:
+Every attention shares one constructor and one forward signature, so a model builds any of them from one
+``attn`` config (:mod:`mhla.registry`) and timm can use them as ``attn_layer``:
 
-    layer = MultiHeadLinearAttention(dim, num_heads, grid=(16, 16), block=(4, 4), qk_norm=True, cpe=True)
+    layer = MultiHeadLinearAttention(dim, num_heads, grid=(16, 16), num_blocks=16, qk_norm=True, cpe=True)
     y = layer(x)                      # x: [B, N, dim] in raster order -> y: [B, N, dim]
 
-Token order: layers take and return tokens in the model's natural (raster) order, prefix tokens first.
-MHLA permutes the grid tokens to block-major order internally (:class:`mhla.layouts.BlockLayout`).
+A layer has two halves:
+
+* the projections (:meth:`AttentionBase._project`, :meth:`AttentionBase._finish`): ``qkv``, per-head q/k
+  RMSNorm, a causal short convolution, CPE (a depthwise conv of V added to the output), the output gate and
+  the output projection. ``projections=False`` builds a layer without them, for hosts that own their
+  projections (the diffusers processors of :mod:`mhla.adapters.diffusers`).
+* the attention itself, :meth:`AttentionBase.attend`: projected ``q, k [B, N, H, D]`` and ``v [B, N, H, Dv]``
+  in the model's token order -> ``o [B, N, H, Dv]``. Feature map, rotary embedding (placement ``rope``), MHLA's
+  block layout and mixing, the normaliser and the decode state all live here, so the layer's forward and the
+  diffusers processor run the same code. :meth:`AttentionBase.finish_heads` applies the per-head output
+  RMSNorm.
+
+Token order: layers take and return tokens in the model's natural (raster) order, prefix tokens first; MHLA
+permutes the grid tokens to block-major order inside :meth:`attend` (:class:`mhla.layouts.BlockLayout`).
 
 Prefix tokens (class / register tokens, ``num_prefix_tokens > 0``): grid tokens use MHLA over the grid
 tokens only; prefix tokens, as queries, read all tokens (prefix and grid) with plain linear attention.
@@ -16,18 +28,20 @@ tokens only; prefix tokens, as queries, read all tokens (prefix and grid) with p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .feature_maps import get_feature_map
-from .layouts import BlockLayout, ceil_div, layout_1d, layout_from_num_blocks
+from .layouts import BlockLayout, ceil_div, layout_for_grid, resolve_blocks
 from .mixing import MixingMatrix
 from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
 from .ops.validation import check_cu_seqlens
 from .ops.varlen import run_varlen, sequence_bounds, unbind_state
-from .registry import register_attention
+from .registry import Supports, register_attention
+from .rope import RotaryTables, rope_and_feature_map, rope_placement
 
 
 @dataclass
@@ -47,14 +61,6 @@ class AttentionCache:
     conv: torch.Tensor | None = None
 
 
-def _as_tuple(x, n: int):
-    if x is None:
-        return None
-    if isinstance(x, int):
-        return (x,) * n
-    return tuple(int(v) for v in x)
-
-
 def gate_kind(gate) -> str | None:
     """The output gate named by a layer's ``gate`` option: ``None`` (off), ``"swish"`` or ``"linear"``."""
     if gate in (False, None, "none"):
@@ -68,7 +74,7 @@ def gate_kind(gate) -> str | None:
 
 
 class AttentionBase(nn.Module):
-    """Projections and options shared by the attention layers (the three here and :mod:`mhla.baselines`).
+    """Projections and options shared by every attention layer (the three here, :mod:`mhla.baselines`, ...).
 
     Args:
         dim: model width ``C``. Input and output ``[B, N, C]``.
@@ -76,19 +82,27 @@ class AttentionBase(nn.Module):
         head_dim: per-head query/key dim ``D``. value_dim: per-head value dim ``Dv`` (default ``head_dim``).
         qkv_bias, proj_bias: biases of the input and output projections.
         qk_norm: RMSNorm over each head's query and key (before the feature map).
-        causal: causal attention (language models); decode with ``cache``.
-        feature_map: name in :data:`mhla.feature_maps.FEATURE_MAPS` (linear attention and MHLA).
-        normalize: ``True`` / ``False`` / ``"official"`` (see :func:`mhla.mhla_attention`).
+        causal: causal attention over a 1-D sequence (language models); decode with ``cache``.
         cpe: add a depthwise convolution of V on the token grid (kernel ``cpe_kernel``) to the output.
         gate: output gate. ``True`` / ``"swish"``: ``RMSNorm(o) * swish(W_g x)`` (GLA-style); ``"linear"``:
-            ``(o + cpe) * (W_o x + b)`` without a norm (RALA's wrapper, used by VLT). out_norm: RMSNorm on ``o``
-            without a gate (the paper's LM / video setting with ``normalize=False``).
+            ``(o + cpe) * (W_o x + b)`` without a norm (RALA's wrapper, used by VLT). out_norm: RMSNorm on each
+            head's output without a gate (the paper's LM / video setting with ``normalize=False``).
+        rope: where the model's rotary tables apply (:data:`mhla.rope.ROPE_PLACEMENTS`): ``"none"`` (default),
+            ``"before_feature_map"``, ``"after_feature_map"``; only attentions whose ``supports.rope`` is set
+            take another value, and they then need ``rope_tables`` with each call.
+        short_conv: kernel of a causal depthwise conv + SiLU on the projected q, k and v (fla's
+            ``ShortConvolution``; 0: off). Causal layers only; training and full-sequence calls (no cache, no
+            ``cu_seqlens``).
         attn_drop, proj_drop: dropout on the attention output / after the output projection.
-        grid, block, num_blocks, block_size, num_prefix_tokens: token layout (used by MHLA; CPE uses
-            ``grid``). Without ``grid`` the tokens form a 1-D sequence.
-        backend: op backend (``"auto"``, ``"torch"``, ``"triton"``, ``"reference"``).
+        grid, num_prefix_tokens: the token grid ``(T,)``, ``(H, W)`` or ``(F, H, W)`` and the class / register
+            tokens in front of it (used by CPE and by layouts); without ``grid`` the tokens form a 1-D sequence.
+        projections: ``False`` builds the attention without its projections (no ``qkv``, q/k norms, short conv,
+            CPE, gate or output projection): a host module projects and calls :meth:`attend`.
         scale_norm, norm_layer, device, dtype: accepted for timm compatibility (``scale_norm`` must be False).
     """
+
+    supports: ClassVar[Supports] = Supports()
+    exclusive_options: ClassVar[tuple[tuple[str, ...], ...]] = ()  # alternatives: setting one drops the others' defaults
 
     def __init__(
         self,
@@ -101,60 +115,87 @@ class AttentionBase(nn.Module):
         proj_bias: bool = True,
         qk_norm: bool = False,
         causal: bool = False,
-        feature_map: str = "relu",
-        normalize=True,
-        eps: float = 1e-6,
         cpe: bool = False,
         cpe_kernel: int = 3,
         gate: bool | str = False,
         out_norm: bool = False,
+        rope: str = "none",
+        short_conv: int = 0,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         grid=None,
-        block=None,
-        num_blocks: int | None = None,
-        block_size: int | None = None,
         num_prefix_tokens: int = 0,
-        backend: str = "auto",
+        projections: bool = True,
         scale_norm: bool = False,
         norm_layer=None,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        name = type(self).__name__
         if scale_norm:
-            raise ValueError(f"{type(self).__name__} does not support timm's scale_norm=True")
+            raise ValueError(f"{name} does not support timm's scale_norm=True")
         if dim % num_heads and head_dim is None:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}), or pass head_dim")
         if cpe and cpe_kernel % 2 == 0:
             raise ValueError(f"cpe_kernel must be odd so the conv keeps the grid size, got {cpe_kernel}")
+        if not cpe and cpe_kernel != 3:
+            raise ValueError(f"{name}: cpe_kernel={cpe_kernel} is set but cpe is off; set cpe=true or drop cpe_kernel")
+        self.rope = rope_placement(rope)
+        if self.rope != "none" and not self.supports.rope:
+            raise ValueError(f"{name} does not apply rotary embeddings; rope must be 'none', got {rope!r}")
+        if short_conv < 0 or (short_conv and not causal):
+            raise ValueError(f"{name}: short_conv is a causal convolution (kernel >= 1) for causal layers; "
+                             f"got short_conv={short_conv} with causal={causal}")
+        if causal and not self.supports.causal:
+            raise ValueError(f"{name} has no causal form")
+        if not causal and not self.supports.bidirectional:
+            raise ValueError(f"{name} runs causally only: build it with causal=True")
+        if num_prefix_tokens and not self.supports.prefix_tokens:
+            raise ValueError(f"{name} does not support prefix (class / register) tokens; use average pooling")
+        if not projections and (cpe or gate or short_conv or qk_norm):
+            raise ValueError(f"{name}: qk_norm, cpe, gate and short_conv belong to the projections; a layer built "
+                             "with projections=False (a host owns them) cannot have them")
         dd = dict(device=device, dtype=dtype)
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = head_dim or dim // num_heads
         self.value_dim = value_dim or self.head_dim
         self.causal = causal
-        self.normalize = normalize
-        self.eps = eps
-        self.backend = backend
         self.num_prefix_tokens = num_prefix_tokens
-        self.grid = tuple(grid) if grid is not None else None
-        self.feature_map_name = feature_map
-        self.feature_map = get_feature_map(feature_map)
+        self.grid = tuple(int(g) for g in grid) if grid is not None else None
+        self.projections = projections
         qk_inner, v_inner = num_heads * self.head_dim, num_heads * self.value_dim
-        self.qkv = nn.Linear(dim, 2 * qk_inner + v_inner, bias=qkv_bias, **dd)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm else nn.Identity()
-        self.cpe = self._make_cpe(v_inner, cpe_kernel, dd) if cpe else None
         self.cpe_kernel = cpe_kernel
         self.gate_kind = gate_kind(gate)
-        linear_gate = self.gate_kind == "linear"
-        self.gate = nn.Linear(dim, v_inner, bias=linear_gate, **dd) if self.gate_kind else None
+        # Submodules in a fixed order: weight init (timm's, transformers') draws random numbers module by module.
+        self.qkv = nn.Linear(dim, 2 * qk_inner + v_inner, bias=qkv_bias, **dd) if projections else None
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm and projections else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm and projections else nn.Identity()
+        self.cpe = self._make_cpe(v_inner, cpe_kernel, dd) if cpe else None
+        self.gate = nn.Linear(dim, v_inner, bias=self.gate_kind == "linear", **dd) if self.gate_kind else None
         swish_gate = self.gate_kind == "swish"
         self.out_norm = nn.RMSNorm(self.value_dim, eps=1e-6, **dd) if (swish_gate or out_norm) else None
         self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(v_inner, dim, bias=proj_bias, **dd)
+        self.proj = nn.Linear(v_inner, dim, bias=proj_bias, **dd) if projections else None
         self.proj_drop = nn.Dropout(proj_drop)
+        self.short_conv = None
+        if short_conv:  # one depthwise conv over the channels of q | k | v, as fla's three ShortConvolutions
+            channels = 2 * qk_inner + v_inner
+            self.short_conv = nn.Conv1d(channels, channels, short_conv, groups=channels, bias=False, **dd)
+
+    # ------------------------------------------------------------------------------------- settings
+    def settings(self) -> dict:
+        """The options this layer runs with, read from the layer itself (what a test compares with the config)."""
+        out = {"causal": self.causal, "rope": self.rope, "cpe": self.cpe is not None,
+               "cpe_kernel": self.cpe_kernel, "gate": self.gate_kind or False,
+               "out_norm": self.out_norm is not None and self.gate_kind != "swish",
+               "short_conv": self.short_conv.kernel_size[0] if self.short_conv is not None else 0,
+               "num_prefix_tokens": self.num_prefix_tokens, "grid": self.grid, "projections": self.projections,
+               "head_dim": self.head_dim, "value_dim": self.value_dim}
+        if self.projections:
+            out["qk_norm"] = isinstance(self.q_norm, nn.RMSNorm)
+        return out
 
     # ------------------------------------------------------------------------------------------ CPE
     def _make_cpe(self, channels: int, kernel: int, dd) -> nn.Module:
@@ -163,10 +204,8 @@ class AttentionBase(nn.Module):
         pad = 0 if (self.causal and ndim == 1) else kernel // 2  # causal 1-D: left padding in forward
         return conv(channels, channels, kernel, padding=pad, groups=channels, **dd)
 
-    def _apply_cpe(self, v: torch.Tensor, grid, cache: AttentionCache | None, layout=None) -> torch.Tensor:
-        """Depthwise conv of ``v: [B, N, inner]`` (grid tokens; block-major if ``layout``) -> same order."""
-        if layout is not None:
-            return layout.raster_to_block_major(self._apply_cpe(layout.block_major_to_raster(v), grid, cache))
+    def _apply_cpe(self, v: torch.Tensor, grid, cache: AttentionCache | None) -> torch.Tensor:
+        """Depthwise conv of ``v: [B, N, inner]`` (grid tokens in raster order) -> same shape."""
         B, N, Cv = v.shape
         if isinstance(self.cpe, nn.Conv1d):
             if self.causal:
@@ -207,19 +246,27 @@ class AttentionBase(nn.Module):
         return out
 
     # ---------------------------------------------------------------------------------- projections
-    def _project(self, x: torch.Tensor, rope_tables=None):
-        """``x: [B, N, C]`` -> q, k ``[B, N, H, D]`` (normed, not feature-mapped), v ``[B, N, H, Dv]``.
-
-        ``rope_tables``: rotary tables of the N tokens, for subclasses that rotate q and k here (the LM's
-        attention, :mod:`models.lm.modeling_mhla_lm`); these layers take none."""
-        if rope_tables is not None:
-            raise ValueError(f"{type(self).__name__} does not apply rope_tables")
+    def _project(self, x: torch.Tensor):
+        """``x: [B, N, C]`` -> q, k ``[B, N, H, D]`` (normed, short-convolved; not feature-mapped or rotated),
+        v ``[B, N, H, Dv]``."""
         B, N, _ = x.shape
         H, D, Dv = self.num_heads, self.head_dim, self.value_dim
         q, k, v = self.qkv(x).split([H * D, H * D, H * Dv], dim=-1)
         q = self.q_norm(q.view(B, N, H, D))
         k = self.k_norm(k.view(B, N, H, D))
-        return q, k, v.view(B, N, H, Dv)
+        v = v.view(B, N, H, Dv)
+        if self.short_conv is not None:
+            q, k, v = self._apply_short_conv(q, k, v)
+        return q, k, v
+
+    def _apply_short_conv(self, q, k, v):
+        """Causal depthwise conv (kernel ``K``, left zero padding) + SiLU over the tokens of q, k ``[B, T, H, D]``
+        and v ``[B, T, H, Dv]``, channel by channel (token ``t`` sees ``t - K + 1 .. t``)."""
+        B, T, H, D = q.shape
+        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1).transpose(1, 2)
+        qkv = F.silu(self.short_conv(F.pad(qkv, (self.short_conv.kernel_size[0] - 1, 0)))).transpose(1, 2)
+        q, k, v = qkv.split([H * D, H * D, v.shape[2] * v.shape[3]], dim=-1)
+        return q.reshape(B, T, H, D), k.reshape(B, T, H, D), v.reshape(B, T, H, -1)
 
     def _grid_for(self, n_grid: int, grid_size) -> tuple[int, ...]:
         if grid_size is not None:
@@ -239,13 +286,15 @@ class AttentionBase(nn.Module):
             )
         return grid
 
-    def _finish(self, o: torch.Tensor, x: torch.Tensor, cpe_out: torch.Tensor | None) -> torch.Tensor:
-        """``o: [B, N, H, Dv]`` -> CPE, output norm / gate, projection -> ``[B, N, C]``."""
-        B, N = o.shape[:2]
+    def finish_heads(self, o: torch.Tensor) -> torch.Tensor:
+        """``o: [B, N, H, Dv]`` -> dropout and the per-head output RMSNorm (with a swish gate, or ``out_norm``)."""
         o = self.attn_drop(o)
-        if self.out_norm is not None:
-            o = self.out_norm(o)
-        o = o.reshape(B, N, -1)
+        return self.out_norm(o) if self.out_norm is not None else o
+
+    def _finish(self, o: torch.Tensor, x: torch.Tensor, cpe_out: torch.Tensor | None) -> torch.Tensor:
+        """``o: [B, N, H, Dv]`` -> output norm, CPE, gate, projection -> ``[B, N, C]``."""
+        B, N = o.shape[:2]
+        o = self.finish_heads(o).reshape(B, N, -1)
         if cpe_out is not None:
             o = o + cpe_out
         if self.gate_kind == "swish":
@@ -254,14 +303,25 @@ class AttentionBase(nn.Module):
             o = o * self.gate(x)
         return self.proj_drop(self.proj(o))
 
-    def _core(self, q, k, v, x, grid, cache, attn_mask):  # pragma: no cover - abstract
-        """The attention: q, k ``[B, N, H, D]`` (:meth:`_project`), v ``[B, N, H, Dv]`` -> ``[B, N, H, Dv]``.
+    # ------------------------------------------------------------------------------------ attention
+    def attend(self, q, k, v, *, grid, rope_tables: RotaryTables | None = None, cache: AttentionCache | None = None,
+               attn_mask=None, x=None) -> torch.Tensor:  # pragma: no cover - abstract
+        """The attention: q, k ``[B, N, H, D]`` (projected and normed, before the feature map and the rotation),
+        v ``[B, N, H, Dv]`` -> ``o [B, N, H, Dv]``, tokens in the model's order (prefix tokens first).
 
-        ``x: [B, N, C]``: the layer input, in the token order of q, k, v (block-major when the layer has a
-        block layout), for layers whose attention reads it (InLine's kernel MLP, MALA / RALA's output gate);
-        ``grid``: the token grid; ``cache``: the decode state, updated in place (causal layers; else None);
-        ``attn_mask``: the mask of :meth:`forward` (softmax only; the linear layers refuse one)."""
+        ``grid``: the token grid of the grid tokens; ``rope_tables``: the model's rotary tables for these
+        tokens (attentions with ``supports.rope``); ``cache``: the decode state, updated in place (causal
+        layers; else None); ``attn_mask``: the mask of :meth:`forward` (softmax only); ``x: [B, N, C]``: the
+        layer input, for attentions that read it (InLine's kernel MLP, MALA / RALA's output gate)."""
         raise NotImplementedError
+
+    def _rotate(self, rope_tables: RotaryTables | None):
+        """The rotation ``t -> rope(t)`` of this call, or None (no tables, or ``rope="none"``)."""
+        if rope_tables is None or self.rope == "none":
+            return None
+        if isinstance(rope_tables, tuple):  # (cos, sin), half-split
+            rope_tables = RotaryTables(*rope_tables)
+        return rope_tables.apply
 
     def forward(
         self,
@@ -272,7 +332,7 @@ class AttentionBase(nn.Module):
         grid_size=None,
         cache: AttentionCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
-        rope_tables=None,
+        rope_tables: RotaryTables | None = None,
     ) -> torch.Tensor:
         """``x: [B, N, C]`` (prefix tokens first, then grid tokens in raster order) -> ``[B, N, C]``.
 
@@ -284,45 +344,46 @@ class AttentionBase(nn.Module):
             cu_seqlens: causal 1-D layers; ``x: [1, total_T, C]`` holds ``N`` sequences packed along the tokens
                 (``cu_seqlens: [N + 1]`` offsets, :mod:`mhla.ops.varlen`), each attended as if alone; the
                 cache then holds per-sequence states (:class:`AttentionCache`).
-            rope_tables: rotary tables of the tokens of ``x``, passed to :meth:`_project` (only layers that
-                rotate q and k take them: the LM's attention, :mod:`models.lm.modeling_mhla_lm`).
+            rope_tables: the rotary tables of the tokens of ``x`` (:class:`mhla.rope.RotaryTables`, or a
+                half-split ``(cos, sin)``), for layers built with ``rope`` other than ``"none"``.
         """
+        if not self.projections:
+            raise RuntimeError(f"{type(self).__name__} was built with projections=False: its host projects and "
+                               "calls attend()")
         if is_causal and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False but called with is_causal=True")
         if cache is not None and not self.causal:
             raise ValueError("cache is for causal layers")
+        if self.short_conv is not None and (cache is not None or cu_seqlens is not None):
+            raise NotImplementedError(
+                "short_conv is for training and full-sequence evaluation: cached decoding and packed / padded "
+                "calls keep no conv state yet (call with use_cache=False and no attention_mask)")
         if cu_seqlens is not None:
             return self._forward_varlen(x, attn_mask, cache, cu_seqlens, rope_tables)
         P = self.num_prefix_tokens
         grid = self._grid_for(x.shape[1] - P, grid_size)
-        layout = self._block_layout(grid)
-        if layout is not None:  # work in block-major order: every op but the attention is per token
-            x = torch.cat([x[:, :P], layout.raster_to_block_major(x[:, P:])], dim=1)
-        q, k, v = self._project(x, rope_tables)
+        q, k, v = self._project(x)
         cpe_out = None
         if self.cpe is not None:
             vg = v[:, P:].reshape(x.shape[0], -1, self.num_heads * self.value_dim)
-            cpe_out = self._apply_cpe(vg, grid, cache, layout)
+            cpe_out = self._apply_cpe(vg, grid, cache)
             if P:
                 cpe_out = torch.cat([cpe_out.new_zeros(x.shape[0], P, cpe_out.shape[-1]), cpe_out], dim=1)
-        o = self._core(q, k, v, x, grid, cache, attn_mask)
-        y = self._finish(o, x, cpe_out)
-        if layout is not None:
-            y = torch.cat([y[:, :P], layout.block_major_to_raster(y[:, P:])], dim=1)
-        return y
+        o = self.attend(q, k, v, grid=grid, rope_tables=rope_tables, cache=cache, attn_mask=attn_mask, x=x)
+        return self._finish(o, x, cpe_out)
 
     def _forward_varlen(self, x, attn_mask, cache: AttentionCache | None, cu_seqlens, rope_tables):
         """:meth:`forward` on a packed batch ``x: [1, total_T, C]`` of ``N`` causal 1-D sequences."""
-        if not self.causal or self.num_prefix_tokens or (self.grid is not None and len(self.grid) != 1):
+        if not self.causal or not self.supports.varlen:
             raise ValueError(f"{type(self).__name__}: cu_seqlens is for causal layers over 1-D sequences")
         if attn_mask is not None:
             raise ValueError("pass either attn_mask or cu_seqlens")
-        q, k, v = self._project(x, rope_tables)
+        q, k, v = self._project(x)
         check_cu_seqlens(cu_seqlens, q)
         cpe_out = None
         if self.cpe is not None:
             cpe_out = self._apply_cpe_varlen(v.flatten(2), cache, cu_seqlens)
-        return self._finish(self._core_varlen(q, k, v, cache, cu_seqlens), x, cpe_out)
+        return self._finish(self._attend_varlen(q, k, v, cache, cu_seqlens, rope_tables), x, cpe_out)
 
     def _varlen_states(self, cache: AttentionCache | None, field: str, cu_seqlens) -> list | None:
         """The per-sequence states ``cache.<field>`` (``"attn"`` or ``"conv"``) for a packed call with
@@ -336,71 +397,131 @@ class AttentionBase(nn.Module):
             raise ValueError(f"the cache holds {len(states)} sequences but cu_seqlens has {n}")
         return states
 
-    def _core_varlen(self, q, k, v, cache, cu_seqlens):
-        """``_core`` on a packed batch: q, k ``[1, total_T, H, D]``, v ``[1, total_T, H, Dv]`` -> ``[1, total_T,
-        H, Dv]``, each sequence alone; updates ``cache`` (per-sequence lists) when given."""
+    def _attend_varlen(self, q, k, v, cache, cu_seqlens, rope_tables):
+        """:meth:`attend` on a packed batch: q, k ``[1, total_T, H, D]``, v ``[1, total_T, H, Dv]`` ->
+        ``[1, total_T, H, Dv]``, each sequence alone; updates ``cache`` (per-sequence lists) when given."""
         raise ValueError(f"{type(self).__name__} does not support cu_seqlens")
 
-    def _block_layout(self, grid):
-        """The layout whose block-major order the layer works in (None: keep the input order)."""
-        return None
+
+class KernelAttention(AttentionBase):
+    """Attentions that score ``phi(q) . phi(k)`` (plain linear attention and MHLA): the feature map, the
+    normaliser and the placement of the rotary embedding relative to ``phi``.
+
+    Args:
+        feature_map: name in :data:`mhla.feature_maps.FEATURE_MAPS`.
+        normalize: ``True`` (divide by the attention mass ``phi(q) . sum phi(k) + eps``), ``False`` (no
+            denominator; use ``out_norm``, the paper's LM / video setting) or ``"official"`` (MHLA: the authors'
+            release's vision normaliser).
+        eps: the denominator's epsilon.
+
+    With ``rope="after_feature_map"`` and a normaliser, the numerator uses the rotated features and the
+    normaliser the un-rotated ``phi(q) . phi(k)`` (RoFormer's linear-attention form: the denominator stays
+    positive). Causal layers refuse that combination (it would need a second decode state); the paper's LM
+    has no normaliser.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "relu", normalize=True,
+                 eps: float = 1e-6, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        if normalize not in (True, False, "official"):
+            raise ValueError(f"normalize must be true, false or 'official', got {normalize!r}")
+        if self.rope == "after_feature_map" and normalize == "official":
+            raise ValueError("normalize='official' (the release's normaliser) needs rope != 'after_feature_map'")
+        if self.rope == "after_feature_map" and normalize is True and self.causal:
+            raise ValueError("causal layers with rope='after_feature_map' have no normaliser: set normalize=false "
+                             "(and out_norm=true, the paper's LM setting) or rope='before_feature_map'")
+        self.feature_map_name = feature_map
+        self.feature_map = get_feature_map(feature_map)
+        self.normalize = normalize
+        self.eps = eps
+
+    def settings(self) -> dict:
+        return {**super().settings(), "feature_map": self.feature_map_name, "normalize": self.normalize,
+                "eps": self.eps}
+
+    def _features(self, q, k, rope_tables):
+        """``(q, k, q_plain, k_plain)`` after the feature map and the rotation (:func:`rope_and_feature_map`)."""
+        return rope_and_feature_map(q, k, self.feature_map, self._rotate(rope_tables), self.rope)
+
+    def _kernel_op(self, op, q, k, v, rope_tables):
+        """``op(q, k, v, normalize)`` on the featured (and rotated) q, k; with the rotation after the feature
+        map and a normaliser, numerator and normaliser as in the class docstring."""
+        q, k, q_plain, k_plain = self._features(q, k, rope_tables)
+        if self.normalize is not False and self.rope == "after_feature_map" and q is not q_plain:
+            num = op(q, k, v, False)
+            den = op(q_plain, k_plain, v.new_ones(*v.shape[:-1], 1), False)
+            acc = torch.promote_types(num.dtype, torch.float32)
+            return (num.to(acc) / (den.to(acc) + self.eps)).to(num.dtype)
+        return op(q, k, v, self.normalize)
 
 
 @register_attention("mhla")
-class MultiHeadLinearAttention(AttentionBase):
+class MultiHeadLinearAttention(KernelAttention):
     """Multi-Head Linear Attention: linear attention with token-level heads mixed by a learnable matrix.
 
-    Extra args (see :class:`AttentionBase` for the shared ones):
-        grid / block: token grid ``(T,)``, ``(H, W)`` or ``(F, H, W)`` and block shape (same rank);
-            or ``num_blocks`` (M) to split the grid evenly; or ``block_size`` for a 1-D sequence.
-            Causal layers use ``block_size`` (chunk length, default 64).
+    Extra args (see :class:`AttentionBase` and :class:`KernelAttention` for the shared ones):
+        blocks / block / num_blocks: the block grid, non-causal. ``blocks``: blocks per axis (``(4, 4)``;
+            the block shape follows the grid of each call); ``block``: tokens per block (with ``grid``);
+            ``num_blocks``: M, factorised over the grid's axes (:func:`mhla.layouts.factorize_blocks`: a perfect
+            square / cube splits evenly). Exactly one, or ``block_size`` for a 1-D sequence.
+        block_size: tokens per block of a 1-D sequence; causal layers: the chunk length (default 64).
         mixing_init: ``"locality"`` (paper default), ``"uniform"``, ``"identity"``, ``"cos"``, ``"exp"``,
-            ``"gaussian"``, ``"local"``, ``"locality_official"`` (the release's column-normalized form).
+            ``"gaussian"``, ``"local"``, ``"locality_visible"``, ``"locality_official"`` (:func:`mhla.mixing_init`).
         mixing_learnable: learn the mixing matrix (else a frozen buffer). mixing_per_head: one matrix per head.
-        mixing_param: nonnegativity parameterization, ``"clamp"`` (paper) or ``"softplus"``.
+        mixing_param: nonnegativity parameterization, ``"clamp"`` (paper), ``"softplus"`` or ``"log"``.
         max_learned_blocks: causal only; blocks with their own learned coefficients (beyond: the extension
             rule ``mixing_extension``; sequences are not capped).
         mixing_extension: causal only; how rows past ``max_learned_blocks`` are built
             (:data:`mhla.mixing.EXTENSION_RULES`, default ``"uniform_far"``; :func:`mhla.mixing.extend_causal_mixing`).
+        backend: op backend (``"auto"``, ``"torch"``, ``"triton"``, ``"reference"``; :func:`mhla.mhla_attention`).
     """
+
+    supports = Supports(bidirectional=True, grid_ranks=(1, 2, 3), causal=True, prefix_tokens=True, decoding=True,
+                        varlen=True, rope=True, host_projections=True)
+    exclusive_options = (("blocks", "block", "num_blocks"),)
 
     def __init__(
         self,
         dim: int,
         num_heads: int = 8,
         *,
+        blocks=None,
+        block=None,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
         mixing_init: str = "locality",
         mixing_learnable: bool = True,
         mixing_per_head: bool = False,
         mixing_param: str = "clamp",
-        max_learned_blocks: int = 32,
-        mixing_extension: str = "uniform_far",
+        max_learned_blocks: int | None = None,
+        mixing_extension: str | None = None,
+        backend: str = "auto",
         **kwargs,
     ):
         super().__init__(dim, num_heads, **kwargs)
-        grid, block = kwargs.get("grid"), kwargs.get("block")
-        num_blocks, block_size = kwargs.get("num_blocks"), kwargs.get("block_size")
-        device = kwargs.get("device")
+        self.backend = backend
         per_head = num_heads if mixing_per_head else None
         if self.causal:
-            if grid is not None and len(grid) != 1:
-                raise ValueError("causal MHLA works on 1-D sequences; drop grid or use causal=False")
-            self.block_size = block_size or 64
-            self.layout = None
-            m, distances = max_learned_blocks, None
+            given = [n for n, v in (("grid", self.grid if self.grid and len(self.grid) != 1 else None),
+                                    ("blocks", blocks), ("block", block), ("num_blocks", num_blocks)) if v is not None]
+            if given:
+                raise ValueError(f"causal MHLA works on 1-D sequences in chunks of block_size tokens; it does not "
+                                 f"take {', '.join(given)}")
+            self.block_size = int(block_size or 64)
+            self.blocks = None
+            m, distances = int(max_learned_blocks or 32), None
         else:
-            self.layout = self._build_layout(grid, block, num_blocks, block_size)
-            self.block_size = self.layout.block_size if self.layout is not None else block_size
-            self._num_blocks = num_blocks
-            if self.layout is not None:
-                m, distances = self.layout.num_blocks, self.layout.block_distances()
-            elif num_blocks is not None:
-                m, distances = num_blocks, None
-            else:
-                raise ValueError(
-                    "non-causal MHLA needs a layout: grid=(H, W) with block=(bh, bw) or num_blocks=M, "
-                    "or num_blocks=M / block_size=C for a 1-D sequence"
-                )
+            if max_learned_blocks is not None or mixing_extension is not None:
+                raise ValueError("max_learned_blocks and mixing_extension are for causal MHLA (rows past the learned "
+                                 "ones); a non-causal layer has one learned row per block")
+            self.blocks = self._block_grid(blocks, block, num_blocks, block_size)
+            self.block_size = block_size
+            m = 1
+            for b in self.blocks:
+                m *= b
+            with torch.device("cpu"):  # (also under a meta / CUDA default device)
+                distances = BlockLayout(self.blocks, (1,) * len(self.blocks)).block_distances()
+        self._layouts: dict[tuple[int, ...], BlockLayout] = {}
         self.mixing = MixingMatrix(
             m,
             distances=distances,
@@ -409,67 +530,85 @@ class MultiHeadLinearAttention(AttentionBase):
             learnable=mixing_learnable,
             num_heads=per_head,
             parameterization=mixing_param,
-            extension=mixing_extension,
+            extension=mixing_extension or "uniform_far",
         )
-        if device is not None:
-            self.mixing.to(device)
+        if kwargs.get("device") is not None:
+            self.mixing.to(kwargs["device"])
+        if self.short_conv is not None:  # registered after the mixing, as the language model always had it
+            self._modules["short_conv"] = self._modules.pop("short_conv")
 
-    def _build_layout(self, grid, block, num_blocks, block_size) -> BlockLayout | None:
-        if grid is None:
-            return None  # 1-D, decided from the sequence length at the first call
-        grid = tuple(grid)
-        if block is not None:
-            return BlockLayout(grid, _as_tuple(block, len(grid)), self.num_prefix_tokens)
-        if num_blocks is not None:
-            lay = layout_from_num_blocks(grid, num_blocks)
-            return BlockLayout(lay.grid, lay.block, self.num_prefix_tokens)
-        if block_size is not None and len(grid) == 1:
-            return BlockLayout(grid, (block_size,), self.num_prefix_tokens)
-        raise ValueError(f"MHLA with grid={grid} needs block=... or num_blocks=...")
+    def _block_grid(self, blocks, block, num_blocks, block_size) -> tuple[int, ...]:
+        """Blocks per axis of a non-causal layer, from exactly one of ``blocks`` / ``block`` / ``num_blocks``
+        (or ``block_size`` on a 1-D grid)."""
+        grid = self.grid
+        if grid is not None and len(grid) == 1 and block_size is not None and (blocks, block, num_blocks) == (
+                None, None, None):
+            block = (block_size,)
+        elif block_size is not None:
+            raise ValueError("block_size is for 1-D sequences (a causal layer's chunk, or a 1-D grid); give blocks, "
+                             "block or num_blocks for a grid")
+        if grid is None and blocks is None and block is None:
+            if num_blocks is None:
+                raise ValueError("non-causal MHLA needs a layout: grid=(H, W) with num_blocks=M, blocks=(per axis) or "
+                                 "block=(tokens per block); or num_blocks=M for a 1-D sequence")
+            return (int(num_blocks),)
+        if isinstance(block, int) and grid is not None:
+            block = (block,) * len(grid)
+        out = resolve_blocks(grid, blocks=blocks, block=block, num_blocks=num_blocks)
+        if grid is not None:
+            layout_for_grid(grid, out)  # validates that they tile the grid
+        return out
 
-    def _block_layout(self, grid):
-        return None if self.causal else self._layout_for(grid)
-
-    def _layout_for(self, grid: tuple[int, ...]) -> BlockLayout:
-        if self.layout is not None and self.layout.grid == grid:
-            return self.layout
-        if self.layout is not None:
-            # Same block shape on a new grid (e.g. another resolution): only valid if M is unchanged.
-            lay = BlockLayout(grid, self.layout.block, self.num_prefix_tokens)
-        elif len(grid) == 1 and self.block_size is not None:
-            lay = layout_1d(grid[0], self.block_size)
+    def settings(self) -> dict:
+        m = self.mixing
+        out = {**super().settings(), "mixing_init": m.init, "mixing_learnable": m.learnable,
+               "mixing_per_head": m.num_heads is not None, "mixing_param": m.parameterization,
+               "backend": self.backend, "num_blocks": m.num_blocks}
+        if self.causal:
+            out.update(block_size=self.block_size, max_learned_blocks=m.num_blocks, mixing_extension=m.extension)
         else:
-            if grid[0] % self._num_blocks:
-                raise ValueError(
-                    f"MHLA: {grid[0]} tokens do not split into num_blocks={self._num_blocks} equal blocks"
-                )
-            lay = layout_1d(grid[0], grid[0] // self._num_blocks)
-        if lay.num_blocks != self.mixing.num_blocks:
-            raise ValueError(
-                f"MHLA was built for {self.mixing.num_blocks} blocks but grid {grid} with block "
-                f"{lay.block} has {lay.num_blocks}; rebuild the layer (or keep the block count fixed)"
-            )
-        return lay
+            out.update(blocks=self.blocks)
+            if self.grid is not None:
+                out["block"] = self.layout_for(self.grid).block
+        return out
 
-    def _core(self, q, k, v, x, grid, cache, attn_mask):
+    def layout_for(self, grid: tuple[int, ...]) -> BlockLayout:
+        """The block layout of ``grid`` (blocks per axis fixed at build; the block shape follows the grid)."""
+        grid = tuple(int(g) for g in grid)
+        if grid not in self._layouts:
+            if len(grid) != len(self.blocks):
+                raise ValueError(f"MHLA was built for a {len(self.blocks)}-D block grid {self.blocks}, got the "
+                                 f"{len(grid)}-D token grid {grid}")
+            self._layouts[grid] = layout_for_grid(grid, self.blocks)
+        return self._layouts[grid]
+
+    def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
         if attn_mask is not None:
             raise ValueError("MultiHeadLinearAttention does not take attn_mask")
-        phi = self.feature_map
-        q, k = phi(q), phi(k)
         if self.causal:
-            return self._causal(q, k, v, cache)
+            return self._causal(q, k, v, cache, rope_tables)
         P = self.num_prefix_tokens
-        layout = self._layout_for(grid)
+        layout = self.layout_for(grid)
+        to_b, to_r = layout.raster_to_block_major, layout.block_major_to_raster
+        # the grid tokens in block-major order (prefix tokens stay first): blocks are contiguous
+        q, k, v = (torch.cat([t[:, :P], to_b(t[:, P:])], dim=1) if P else to_b(t) for t in (q, k, v))
+        if rope_tables is not None and self.rope != "none":
+            rope_tables = rope_tables.permute_tokens(to_b)
         mixing = self.mixing()
-        qp = q[:, :P]
-        og = mhla_attention(q[:, P:], k[:, P:], v[:, P:], mixing.to(q.dtype), layout.block_size,
-                            normalize=self.normalize, eps=self.eps, backend=self.backend)
-        if not P:
-            return og
-        op = linear_attention(qp, k, v, normalize=self.normalize is not False, eps=self.eps)
-        return torch.cat([op, og], dim=1)
 
-    def _causal(self, q, k, v, cache: AttentionCache | None):
+        def op(q, k, v, normalize):
+            og = mhla_attention(q[:, P:], k[:, P:], v[:, P:], mixing.to(q.dtype), layout.block_size,
+                                normalize=normalize, eps=self.eps, backend=self.backend)
+            if not P:
+                return og
+            op_ = linear_attention(q[:, :P], k, v, normalize=normalize is not False, eps=self.eps)
+            return torch.cat([op_, og], dim=1)
+
+        o = self._kernel_op(op, q, k, v, rope_tables)
+        return torch.cat([o[:, :P], to_r(o[:, P:])], dim=1) if P else to_r(o)
+
+    def _causal(self, q, k, v, cache: AttentionCache | None, rope_tables):
+        q, k, _, _ = self._features(q, k, rope_tables)
         C = self.block_size
         seen = cache.attn.num_tokens if (cache is not None and cache.attn is not None) else 0
         n_blocks = ceil_div(seen + q.shape[1], C)
@@ -486,8 +625,8 @@ class MultiHeadLinearAttention(AttentionBase):
                                        output_final_state=True)
         return o
 
-    def _core_varlen(self, q, k, v, cache, cu_seqlens):
-        q, k = self.feature_map(q), self.feature_map(k)
+    def _attend_varlen(self, q, k, v, cache, cu_seqlens, rope_tables):
+        q, k, _, _ = self._features(q, k, rope_tables)
         C = self.block_size
         states = self._varlen_states(cache, "attn", cu_seqlens)
         bounds = sequence_bounds(cu_seqlens)
@@ -508,24 +647,33 @@ class MultiHeadLinearAttention(AttentionBase):
 
 
 @register_attention("linear")
-class LinearAttention(AttentionBase):
+class LinearAttention(KernelAttention):
     """Plain (normalized) linear attention with the shared constructor: one global summary per head."""
 
-    def _core(self, q, k, v, x, grid, cache, attn_mask):
+    supports = Supports(bidirectional=True, grid_ranks=(1, 2, 3), causal=True, prefix_tokens=True, decoding=True,
+                        varlen=True, rope=True, host_projections=True)
+
+    def __init__(self, dim: int, num_heads: int = 8, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        if self.normalize == "official":
+            raise ValueError("normalize='official' is MHLA's release normaliser; linear attention takes true or false")
+
+    def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
         if attn_mask is not None:
             raise ValueError("LinearAttention does not take attn_mask")
-        q, k = self.feature_map(q), self.feature_map(k)
-        norm = self.normalize is not False
         if not self.causal:
-            return linear_attention(q, k, v, normalize=norm, eps=self.eps)
+            return self._kernel_op(lambda q, k, v, n: linear_attention(q, k, v, normalize=n is not False,
+                                                                       eps=self.eps), q, k, v, rope_tables)
+        q, k, _, _ = self._features(q, k, rope_tables)
+        norm = self.normalize is not False
         if cache is None:
             return linear_attention(q, k, v, causal=True, normalize=norm, eps=self.eps)
         o, cache.attn = linear_attention(q, k, v, causal=True, normalize=norm, eps=self.eps,
                                          initial_state=cache.attn, output_final_state=True)
         return o
 
-    def _core_varlen(self, q, k, v, cache, cu_seqlens):
-        q, k = self.feature_map(q), self.feature_map(k)
+    def _attend_varlen(self, q, k, v, cache, cu_seqlens, rope_tables):
+        q, k, _, _ = self._features(q, k, rope_tables)
         kw = dict(causal=True, normalize=self.normalize is not False, eps=self.eps, cu_seqlens=cu_seqlens)
         if cache is None:
             return linear_attention(q, k, v, **kw)
@@ -536,16 +684,19 @@ class LinearAttention(AttentionBase):
 
 @register_attention("softmax")
 class SoftmaxAttention(AttentionBase):
-    """Softmax attention (PyTorch SDPA: FlashAttention / memory-efficient kernels on CUDA).
+    """Softmax attention (PyTorch SDPA: FlashAttention / memory-efficient kernels on CUDA); the scale is
+    ``head_dim ** -0.5``. With rotary tables, q and k are rotated (the placement is irrelevant: there is no
+    feature map)."""
 
-    ``feature_map`` and ``normalize`` are ignored; the scale is ``head_dim ** -0.5``.
-    """
+    supports = Supports(bidirectional=True, grid_ranks=(1, 2, 3), causal=True, prefix_tokens=True, decoding=True,
+                        varlen=True, rope=True, host_projections=True)
 
-    def __init__(self, dim: int, num_heads: int = 8, **kwargs):
-        kwargs.pop("feature_map", None)
-        super().__init__(dim, num_heads, feature_map="identity", **kwargs)
+    def _rotated(self, q, k, rope_tables):
+        rot = self._rotate(rope_tables)
+        return (q, k) if rot is None else (rot(q), rot(k))
 
-    def _core(self, q, k, v, x, grid, cache, attn_mask):
+    def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
+        q, k = self._rotated(q, k, rope_tables)
         if cache is None:
             return softmax_attention(q, k, v, causal=self.causal, attn_mask=attn_mask)
         o, cache.attn = self._attend_cached(q, k, v, cache.attn, attn_mask)
@@ -565,7 +716,8 @@ class SoftmaxAttention(AttentionBase):
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
         return softmax_attention(q, k, v, attn_mask=mask), (k, v)
 
-    def _core_varlen(self, q, k, v, cache, cu_seqlens):
+    def _attend_varlen(self, q, k, v, cache, cu_seqlens, rope_tables):
+        q, k = self._rotated(q, k, rope_tables)
         if cache is None:
             return softmax_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
         o, cache.attn = run_varlen(lambda q, k, v, past, _: self._attend_cached(q, k, v, past), (q, k, v),

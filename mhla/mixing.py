@@ -304,6 +304,24 @@ class MixingMatrix(nn.Module):
         if self.parameterization == "clamp":
             self.raw.clamp_(0, self.max_value)
 
+    # ------------------------------------------------------------------------- training hooks
+    # The training loop (tasks/common/trainer.py) knows no MHLA: it calls these on any module that has them.
+    #: the optimizer group of this module's own parameters (the trainer reads optim.mixing_lr_scale,
+    #: optim.mixing_weight_decay and optim.mixing_freeze_steps for it)
+    optim_group = "mixing"
+
+    def after_optimizer_step(self) -> None:
+        """Training hook: keep the matrix in its feasible set (:meth:`project_`)."""
+        self.project_()
+
+    @torch.no_grad()
+    def logged_matrices(self) -> dict[str, torch.Tensor]:
+        """Training hook: ``{"mixing": the effective learned matrix [M, M] / [H, M, M], float32 on the CPU}`` for
+        the heatmaps logged at each evaluation; empty when frozen, or when the matrix is not whole here (sharded)."""
+        if not self.learnable or self.raw.dim() not in (2, 3) or tuple(self.raw.shape[-2:]) != (self.num_blocks,) * 2:
+            return {}
+        return {"mixing": self().detach().float().cpu()}
+
     def forward(self, num_blocks: int | None = None) -> torch.Tensor:
         """The effective nonnegative matrix for ``n = num_blocks`` blocks (default ``M``).
 
@@ -405,3 +423,9 @@ def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tens
     rows = torch.where(learned_row, i, M - 1).expand(n, n)
     cols = torch.where(learned_row, b.clamp(max=M - 1), (M - 1 - (i - b)).clamp(0, M - 1))
     return rows, cols, b <= i
+
+
+def mixing_matrices(model: nn.Module) -> dict[str, MixingMatrix]:
+    """Every :class:`MixingMatrix` of ``model`` by the name of the layer that holds it (``blocks.0.attn``), in
+    model order: the one way to find them."""
+    return {name.rpartition(".")[0] or name: m for name, m in model.named_modules() if isinstance(m, MixingMatrix)}

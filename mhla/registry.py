@@ -1,20 +1,37 @@
-"""Registry of attention layers: build any of them from one ``attn`` config by name.
+"""Registry of attention layers: every attention is one registered class that says what it can do.
 
-    from mhla.registry import build_attention
-    layer = build_attention({"name": "mhla", "grid": [16, 16], "block": [4, 4]}, dim=192, num_heads=3)
-    layer = build_attention("softmax", dim=192, num_heads=3)
+    from mhla.registry import build_attention, register_attention, Supports
+    layer = build_attention({"name": "mhla", "num_blocks": 16}, dim=192, num_heads=3, grid=(16, 16))
 
-Every registered class takes ``(dim, num_heads, **options)`` and is called as ``layer(x)`` with
-``x: [B, N, dim]``. Attentions register themselves where they are defined, with
-``@register_attention("name")`` (:mod:`mhla.layers`: mhla, linear, softmax; :mod:`mhla.baselines`: focused,
-inline, mala, rala); ``import mhla`` imports both, so the registry is full once the package is imported.
-This module imports nothing else from the package.
+    @register_attention("mine")
+    class MyAttention(AttentionBase):
+        supports = Supports(grid_ranks=(1, 2))        # what it can do, declared at the definition
+        def attend(self, q, k, v, *, grid, ...): ...
+
+Three pieces, all of them here:
+
+* :class:`Supports`: what an attention can do (causal or not, which token-grid ranks, class tokens, a decoding
+  cache, packed variable-length sequences, rotary tables, running inside a host module's projections).
+  A class declares it as the class attribute ``supports``; :func:`register_attention` refuses a class without it.
+* :class:`Needs` and :class:`AttentionContract`: what a model asks of its attention (built by the model's own
+  ``attention_contract(model_cfg)``), the per-attention defaults of that model (e.g. the paper's language-model
+  setting: no normaliser + output RMSNorm), the options the model sets itself (``grid``, ``causal``,
+  ``head_dim`` ...) and the model's built-in attentions that are not in the registry (SANA's ReLU attention,
+  Wan's own softmax processor, Llama's attention).
+* :func:`resolve_attention`: the one place where an ``attn`` config meets a model. Options that are ``None``
+  (unset) take the model's default for that attention; every option that is set must be taken by the class
+  (or consumed by the host model), else it is refused with a message naming it; an attention the model cannot
+  run is refused with the list of those it can.
+
+Every registered class takes ``(dim, num_heads, **options)`` and is called as ``layer(x)`` with ``x: [B, N, dim]``
+(see :class:`mhla.layers.AttentionBase`). This module imports nothing else from the package.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch.nn as nn
@@ -22,13 +39,125 @@ import torch.nn as nn
 _REGISTRY: dict[str, type[nn.Module]] = {}
 
 
+# ------------------------------------------------------------------------------------------ capabilities
+@dataclass(frozen=True)
+class Supports:
+    """What an attention class can do; declared at its definition as the class attribute ``supports``.
+
+    Attributes:
+        bidirectional: runs non-causally over a token grid (vision, diffusion, video).
+        grid_ranks: the grid ranks it takes when bidirectional: 1 (a sequence), 2 (an image), 3 (a video).
+        causal: runs causally over a 1-D sequence (language models).
+        prefix_tokens: class / register tokens in front of the grid tokens.
+        decoding: a causal decode cache (chunked prefill, token-by-token decoding).
+        varlen: packed variable-length sequences (``cu_seqlens``; padded batches in the language model).
+        rope: applies the rotary tables a model passes with each call (option ``rope``: the placement).
+        host_projections: runs inside a host module that owns the q/k/v and output projections
+            (diffusers attention processors, :mod:`mhla.adapters.diffusers`).
+    """
+
+    bidirectional: bool = True
+    grid_ranks: tuple[int, ...] = (1, 2, 3)
+    causal: bool = False
+    prefix_tokens: bool = False
+    decoding: bool = False
+    varlen: bool = False
+    rope: bool = False
+    host_projections: bool = False
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a model asks of its attention: ``causal`` (else bidirectional over a ``grid_rank``-D grid), and the
+    capabilities of :class:`Supports` it uses."""
+
+    causal: bool = False
+    grid_rank: int | None = None
+    prefix_tokens: bool = False
+    decoding: bool = False
+    varlen: bool = False
+    rope: bool = False
+    host_projections: bool = False
+
+    def describe(self) -> str:
+        """``"causal attention with decoding, varlen"`` / ``"attention over a 2-D token grid with ..."``."""
+        base = "causal attention" if self.causal else (
+            f"attention over a {self.grid_rank}-D token grid" if self.grid_rank else "bidirectional attention")
+        extra = [name.replace("_", " ") for name in ("prefix_tokens", "decoding", "varlen", "rope",
+                                                     "host_projections") if getattr(self, name)]
+        return base + (f" with {', '.join(extra)}" if extra else "")
+
+
+def unmet_needs(supports: Supports, needs: Needs) -> list[str]:
+    """The needs that ``supports`` does not meet (empty: the attention fits)."""
+    missing = []
+    if needs.causal and not supports.causal:
+        missing.append("causal")
+    if not needs.causal:
+        if not supports.bidirectional:
+            missing.append("bidirectional")
+        elif needs.grid_rank is not None and needs.grid_rank not in supports.grid_ranks:
+            missing.append(f"a {needs.grid_rank}-D grid")
+    for name in ("prefix_tokens", "decoding", "varlen", "rope", "host_projections"):
+        if getattr(needs, name) and not getattr(supports, name):
+            missing.append(name.replace("_", " "))
+    return missing
+
+
+@dataclass
+class AttentionContract:
+    """How a model builds its attention; a model family's ``attention_contract(model_cfg)`` returns one.
+
+    Attributes:
+        model: the model's name, for messages.
+        needs: what the model asks (:class:`Needs`).
+        defaults: ``{attention name: {option: value}}``, the model's defaults for each attention (``"*"``: for
+            every attention, where the class takes the option). They sit between the class's own defaults and the
+            options the run sets.
+        fixed: options the model sets itself when it builds the layer (``grid``, ``causal``, ``head_dim`` ...);
+            setting one in the config is refused.
+        host_options: options the host model consumes instead of the layer, by attention name (``"*"``: any);
+            e.g. Wan's ``layers`` (which self-attention layers get the attention).
+        native: the model's built-in attentions that are not registered (``{name: what it is}``); they take no
+            options except the host's.
+        refused: ``{option: why}``, options the model cannot honour whatever the attention (e.g. ``cpe`` in a
+            host that owns the projections).
+        probes: the layers to check at start, one per distinct setting: ``(model-set options, {name: defaults of
+            this layer})``, e.g. ``({"grid": (56, 56)}, {"mhla": {"num_blocks": 49}})`` for a VLT stage;
+            :func:`check_attention` builds each on the meta device, so a block grid that does not tile the token
+            grid fails before the model is built.
+        prepare: what the model does to the resolved options before it builds its layers (e.g. the language
+            model's ``block_size="auto"``); the probes see the prepared options.
+        native_only: the model runs only its own attentions (e.g. Llama), none of the registry's.
+    """
+
+    model: str
+    needs: Needs = field(default_factory=Needs)
+    defaults: dict[str, dict] = field(default_factory=dict)
+    fixed: tuple[str, ...] = ()
+    host_options: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    native: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    probes: tuple[tuple[dict, dict], ...] = ()
+    prepare: Callable[[dict], dict] | None = None
+    native_only: bool = False
+
+    def host_keys(self, name: str) -> set[str]:
+        return set(self.host_options.get("*", ())) | set(self.host_options.get(name, ()))
+
+
+# ----------------------------------------------------------------------------------------------- registry
 def register_attention(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
-    """Class decorator: ``@register_attention("mhla")``."""
+    """Class decorator: ``@register_attention("mhla")``. The class must declare ``supports = Supports(...)``."""
 
     def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+        if not isinstance(cls.__dict__.get("supports", getattr(cls, "supports", None)), Supports):
+            raise TypeError(f"attention {name!r} ({cls.__name__}) must declare what it can do: "
+                            "supports = Supports(...) (mhla.registry.Supports)")
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"attention {name!r} is already registered to {_REGISTRY[name].__name__}")
         _REGISTRY[name] = cls
+        cls.registered_name = name
         return cls
 
     return wrap
@@ -45,7 +174,12 @@ def get_attention_class(name: str) -> type[nn.Module]:
         raise ValueError(f"unknown attention {name!r}; registered: {', '.join(list_attentions())}") from None
 
 
-def _accepted_kwargs(cls) -> set[str] | None:
+def attentions_for(needs: Needs) -> list[str]:
+    """The registered attentions that meet ``needs``, sorted."""
+    return [n for n in list_attentions() if not unmet_needs(_REGISTRY[n].supports, needs)]
+
+
+def accepted_options(cls) -> set[str] | None:
     """Keyword names the class accepts along its ``__init__`` chain; None when it takes ``**kwargs`` freely."""
     names: set[str] = set()
     for klass in cls.__mro__:
@@ -55,37 +189,144 @@ def _accepted_kwargs(cls) -> set[str] | None:
         params = inspect.signature(init).parameters
         names |= {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            return names
+            return names - {"self", "dim", "num_heads"}
     return None
 
 
-def build_attention(cfg, dim: int, num_heads: int, **overrides) -> nn.Module:
-    """Build an attention layer.
-
-    Args:
-        cfg: a name (``"mhla"``) or a mapping with ``name`` and the layer's options (an OmegaConf
-            ``DictConfig`` works too).
-        dim, num_heads: model width and number of feature heads.
-        overrides: options that win over ``cfg`` (e.g. the ``grid`` a model knows at build time).
-    Raises:
-        ValueError: unknown name, or an option the layer does not take (the message lists valid ones).
-    """
+def _plain(cfg) -> tuple[str, dict]:
+    """``(name, options)`` of a name or a mapping with ``name`` (an OmegaConf ``DictConfig`` works too)."""
     if isinstance(cfg, str):
-        name, options = cfg, {}
-    elif isinstance(cfg, Mapping) or hasattr(cfg, "items"):
-        options = {str(k): v for k, v in cfg.items()}
+        return cfg, {}
+    if isinstance(cfg, Mapping) or hasattr(cfg, "items"):
+        options = {str(k): _plain_value(v) for k, v in cfg.items()}
         name = options.pop("name", None)
         if name is None:
             raise ValueError(f"attention config needs a 'name'; registered: {', '.join(list_attentions())}")
-    else:
-        raise ValueError(f"attention config must be a name or a mapping, got {type(cfg).__name__}")
-    options = {k: (list(v) if hasattr(v, "__iter__") and not isinstance(v, (str, bytes, Mapping)) else v)
-               for k, v in {**options, **overrides}.items()}
+        return str(name), options
+    raise ValueError(f"attention config must be a name or a mapping, got {type(cfg).__name__}")
+
+
+def _plain_value(v):
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") or isinstance(v, Mapping):
+        return v
+    return list(v)
+
+
+def resolve_attention(cfg, contract: AttentionContract) -> dict:
+    """The attention a model builds for config ``cfg``: ``{"name": ..., **options}`` with every option set.
+
+    Options: the class's own defaults, then ``contract.defaults["*"]`` (where the class takes the option), then
+    ``contract.defaults[name]``, then the options of ``cfg`` that are not None (None: "the model's default").
+
+    Raises:
+        ValueError: the attention is not registered (and not native to the model), does not meet the model's
+            needs (the message lists those that do), or an option is set that neither the class nor the host
+            model takes, or that the model sets itself (the message names it and lists the valid ones).
+    """
+    name, given = _plain(cfg)
+    given = {k: v for k, v in given.items() if v is not None}
+    host = contract.host_keys(name)
+    if name in contract.native:
+        extra = sorted(set(given) - host)
+        if extra:
+            raise ValueError(f"attn={name} is {contract.model}'s own attention ({contract.native[name]}); it takes "
+                             f"no options, but attn.{', attn.'.join(extra)} {'is' if len(extra) == 1 else 'are'} "
+                             "set: unset them (null) or pick a registered attention")
+        return {"name": name, **given}
+    if name not in _REGISTRY or contract.native_only:
+        raise ValueError(f"{contract.model} cannot take attn={name}; it takes {', '.join(choices(contract))}")
+    cls = _REGISTRY[name]
+    missing = unmet_needs(cls.supports, contract.needs)
+    if missing:
+        raise ValueError(f"{contract.model} needs {contract.needs.describe()}; attn={name} has no "
+                         f"{', '.join(missing)}. Attentions that fit: {', '.join(choices(contract))}")
+    accepted = accepted_options(cls)
+    fixed = sorted(set(given) & set(contract.fixed))
+    if fixed:
+        raise ValueError(f"attn.{', attn.'.join(fixed)}: {contract.model} sets {'it' if len(fixed) == 1 else 'them'} "
+                         "itself; remove it from the attention config")
+    refused = {k: why for k, why in contract.refused.items() if k in given}
+    if not contract.needs.rope and given.get("rope", "none") != "none":
+        refused["rope"] = "the model passes no rotary tables"
+    if refused:
+        raise ValueError(f"{contract.model} cannot take " + "; ".join(f"attn.{k} ({why})" for k, why in refused.items()))
+    unknown = sorted(k for k in given if k not in host and accepted is not None and k not in accepted)
+    if unknown:
+        valid = sorted((accepted or set()) - set(contract.fixed) | host)
+        raise ValueError(f"attn={name} does not take {', '.join('attn.' + k for k in unknown)} (in {contract.model}); "
+                         f"its options: {', '.join(valid)}")
+    options = {k: v for k, v in contract.defaults.get("*", {}).items()
+               if accepted is None or k in accepted or k in host}
+    options.update(contract.defaults.get(name, {}))
+    return {"name": name, **with_defaults(given, options, cls)}
+
+
+def with_defaults(options: dict, defaults: dict, cls) -> dict:
+    """``defaults`` under ``options``, where an option of one of the class's ``exclusive_options`` groups (e.g.
+    MHLA's ``blocks`` / ``block`` / ``num_blocks``) drops the defaults of its alternatives."""
+    out = dict(defaults)
+    for group in getattr(cls, "exclusive_options", ()):
+        if set(group) & set(options):
+            for k in group:
+                out.pop(k, None)
+    out.update(options)
+    return out
+
+
+def check_attention(options: dict, contract: AttentionContract, num_heads: int = 1, head_dim: int = 8) -> None:
+    """Build each of ``contract.probes`` with the resolved ``options`` (:func:`resolve_attention`) on the meta
+    device: a layout that does not fit raises ValueError now, not after the model is built. Native attentions
+    are not checked."""
+    import torch  # noqa: PLC0415  (registry imports nothing heavy at module level)
+
+    name = options["name"]
+    if name in contract.native:
+        return
     cls = get_attention_class(name)
-    accepted = _accepted_kwargs(cls)
+    accepted = accepted_options(cls)
+    if contract.prepare is not None:
+        options = contract.prepare(dict(options))
+    layer_options = {k: v for k, v in options.items() if k not in contract.host_keys(name)}
+    for fixed, defaults in contract.probes:
+        opts = with_defaults(layer_options, defaults.get(name, {}), cls)
+        fixed = {k: v for k, v in fixed.items() if accepted is None or k in accepted}
+        with torch.device("meta"):
+            build_attention(opts, num_heads * head_dim, num_heads, **fixed)
+
+
+def choices(contract: AttentionContract) -> list[str]:
+    """The attentions a model can run: the registered ones that fit its needs, then its native ones."""
+    return ([] if contract.native_only else attentions_for(contract.needs)) + sorted(contract.native)
+
+
+def split_host_options(options: dict, contract: AttentionContract) -> tuple[dict, dict]:
+    """``(layer options, host options)`` of a resolved attention (:func:`resolve_attention`)."""
+    host = contract.host_keys(options["name"])
+    return ({k: v for k, v in options.items() if k not in host}, {k: v for k, v in options.items() if k in host})
+
+
+def build_attention(cfg, dim: int, num_heads: int, **overrides) -> nn.Module:
+    """Build a registered attention layer.
+
+    Args:
+        cfg: a name (``"mhla"``) or a mapping with ``name`` and the layer's options (an OmegaConf ``DictConfig``
+            works too; ``None`` values mean the class default).
+        dim, num_heads: model width and number of feature heads.
+        overrides: options the model knows at build time and sets itself (``grid``, ``causal``, ...).
+    Raises:
+        ValueError: unknown name, or an option the layer does not take (the message lists valid ones).
+    """
+    name, options = _plain(cfg)
+    options = {k: v for k, v in {**options, **overrides}.items() if v is not None or k in overrides}
+    cls = get_attention_class(name)
+    accepted = accepted_options(cls)
     if accepted is not None:
         unknown = sorted(set(options) - accepted)
         if unknown:
-            valid = ", ".join(sorted(accepted - {"self", "dim", "num_heads"}))
-            raise ValueError(f"attention {name!r} does not take {unknown}; valid options: {valid}")
+            raise ValueError(f"attention {name!r} does not take {unknown}; valid options: {', '.join(sorted(accepted))}")
     return cls(dim, num_heads, **options)
+
+
+def supports_fields() -> tuple[str, ...]:
+    """The capability names of :class:`Supports` (for documentation tables)."""
+    return tuple(f.name for f in fields(Supports))

@@ -22,24 +22,18 @@ Placement (where the rotation sits relative to the feature map ``phi``), :data:`
 The diffusers adapter's old spellings ``"before"`` / ``"after"`` are aliases (:data:`ROPE_PLACEMENT_ALIASES`).
 :func:`rope_and_feature_map` is the one implementation of the placement, used by both paths.
 
-What ``normalize=True`` divides by (the two paths differ only for ``"after_feature_map"``):
-
-* diffusers adapter (:class:`mhla.adapters.diffusers.MHLAAttnProcessor`): numerator with the rotated
-  features; the normaliser with the UN-rotated ``phi(q) . phi(k)`` for ``"after_feature_map"`` (RoFormer's
-  linear-attention form, as MALA / RALA: the denominator stays positive), and with the same features as the
-  numerator otherwise.
-* language model (:class:`models.lm.modeling_mhla_lm._LMAttentionMixin`): the layer's op normalises with
-  the same q, k as the numerator for every placement, i.e. with ``rope(phi(q)) . rope(phi(k))`` for
-  ``"after_feature_map"`` (not sign-definite). The LM's default and the paper's LM setting is
-  ``normalize=False`` (no denominator, output RMSNorm), where both paths compute the same thing.
-
-``tests/test_rope.py`` checks that the two paths agree for every placement with ``normalize=False`` and for
-``"before_feature_map"`` / ``"none"`` with ``normalize=True``, and pins the difference above.
+What ``normalize=True`` divides by with ``"after_feature_map"``: the numerator uses the rotated features, the
+normaliser the un-rotated ``phi(q) . phi(k)`` (RoFormer's linear-attention form, as MALA / RALA: the denominator
+stays positive); with the other placements both use the same features. One layer implements it for every model
+(:class:`mhla.layers.KernelAttention`); causal layers refuse that one combination, which would need a second
+decode state (the paper's LM has no normaliser). ``tests/test_rope.py`` checks the causal and the bidirectional
+layer against each other for every placement, and the normaliser against its definition.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -122,3 +116,34 @@ def rope_and_feature_map(
     if rot:  # after the feature map
         return rotate(q), rotate(k), q, k
     return q, k, q, k
+
+
+@dataclass
+class RotaryTables:
+    """The rotary tables of one call, with their channel layout: what a model hands its attention layers.
+
+    ``cos``, ``sin``: broadcastable to ``x [B, N, H, D]`` with the tokens on dim -3 (``[N, 1, D]``,
+    ``[B, N, 1, D]`` or ``[1, N, 1, D]``). ``interleaved`` / ``upcast``: as :func:`apply_rope` (the language
+    model: half-split, no upcast; Wan's tables: interleaved fp64, computed in fp32 or wider).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool = False
+    upcast: bool = False
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, N, H, D]`` rotated by these tables."""
+        return apply_rope(x, self.cos, self.sin, interleaved=self.interleaved, upcast=self.upcast)
+
+    def permute_tokens(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "RotaryTables":
+        """The tables with their tokens reordered by ``fn`` (which maps ``[B, N, ...] -> [B, N, ...]``, e.g.
+        :meth:`mhla.layouts.BlockLayout.raster_to_block_major`): rotating then reordering equals reordering
+        the tokens and their tables, then rotating."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 3:  # [N, 1, D]
+                return fn(t.unsqueeze(0)).squeeze(0)
+            return fn(t)
+
+        return RotaryTables(move(self.cos), move(self.sin), self.interleaved, self.upcast)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from mhla.registry import build_attention
+from mhla.registry import AttentionContract, Needs, build_attention
 
 # depth, hidden size, heads (DiT paper, Table 1)
 DIT_SIZES = {"DiT-S": (12, 384, 6), "DiT-B": (12, 768, 12), "DiT-L": (24, 1024, 16), "DiT-XL": (28, 1152, 16)}
@@ -343,3 +343,15 @@ def load_original_dit(model: DiT, path: str, prefer: str = "ema") -> LoadReport:
     new = [k for k in ours if k not in mapped]
     unused = [k for k in mapped if k not in ours]
     return LoadReport(path, loaded, new, unused, mismatched)
+
+
+def attention_contract(model_cfg) -> AttentionContract:
+    """DiT takes any bidirectional attention over its 2-D patch grid; MHLA's default M is ``model.mhla_num_blocks``."""
+    defaults = {}
+    if model_cfg.get("mhla_num_blocks") is not None:
+        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    g = int(model_cfg.input_size) // int(model_cfg.patch_size)
+    return AttentionContract(model=f"model={model_cfg.get('name', 'dit')}", needs=Needs(grid_rank=2),
+                             defaults=defaults, fixed=("grid", "qkv_bias", "causal", "num_prefix_tokens",
+                                                       "projections", "head_dim", "value_dim"),
+                             probes=(({"grid": (g, g)}, {}),))

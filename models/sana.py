@@ -11,8 +11,9 @@ everything else (Mix-FFN, adaLN-single, NoPE) as is.
                        {"name": "mhla", "num_blocks": 16})
     v = model(latents [B, 32, H, W], encoder_hidden_states [B, L, 2304], timestep [B]).sample
 
-``attn.name``: ``mhla`` (M blocks over the latent grid, 16 = 4 x 4 at 1024 px), ``linear`` (the adapter's plain
-linear attention) or ``sana`` / ``softmax``-free baseline ``native`` (keep SANA's own ReLU linear attention).
+``attn.name``: any registered attention that runs inside diffusers' projections (``mhla``: M blocks over the latent
+grid, 16 = 4 x 4 at 1024 px; ``linear``: plain linear attention; ...) or ``native`` / ``sana`` (keep SANA's own ReLU
+linear attention, the baseline row).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from mhla.adapters.diffusers import swap_self_attention
+from mhla.registry import AttentionContract, Needs
 
 # BASELINES.md section 8 (scripts/convert_sana_to_diffusers.py, SanaMS_600M_P1_D28); sample_size 32 = 1024 px.
 SANA_600M = dict(in_channels=32, out_channels=32, num_attention_heads=36, attention_head_dim=32, num_layers=28,
@@ -62,22 +64,36 @@ def load_pretrained_sana(path: str):
     return SanaTransformer2DModel.from_pretrained(path, local_files_only=True)
 
 
+HOST_REFUSED = {k: "the diffusers module owns the projections" for k in ("cpe", "cpe_kernel", "gate", "qk_norm",
+                                                                         "short_conv")}
+
+
+def attention_contract(model_cfg) -> AttentionContract:
+    """SANA's self-attention takes any registered attention that runs inside diffusers' projections over the 2-D
+    latent grid, or ``native`` (SANA's own ReLU linear attention); MHLA's default M is ``model.mhla_num_blocks``."""
+    defaults = {}
+    if model_cfg.get("mhla_num_blocks") is not None:
+        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    probes = ()
+    if not model_cfg.get("pretrained"):  # a released checkpoint's grid is known once it is loaded
+        arch = sana_config(model_cfg.get("config", "sana_tiny"))
+        g = arch["sample_size"] // arch["patch_size"]
+        probes = (({"grid": (g, g), "projections": False}, {}),)
+    return AttentionContract(
+        model=f"model={model_cfg.get('name', 'sana')}", needs=Needs(grid_rank=2, host_projections=True),
+        defaults=defaults, fixed=("grid", "causal", "projections", "head_dim", "value_dim", "num_prefix_tokens"),
+        native={name: "SANA's own ReLU linear attention" for name in NATIVE}, refused=dict(HOST_REFUSED),
+        probes=probes)
+
+
 def swap_attention(model: nn.Module, attn_cfg) -> list[str]:
-    """Replace SANA's ``attn1`` processors per ``attn_cfg`` (``name`` mhla / linear / native); returns the names."""
+    """Replace SANA's ``attn1`` processors per the resolved ``attn_cfg`` (a registered attention, or ``native``:
+    keep SANA's own); returns the names of the swapped modules."""
     cfg = {str(k): v for k, v in dict(attn_cfg).items()}
-    name = cfg.pop("name")
-    if name in NATIVE:
+    if cfg["name"] in NATIVE:
         return []
-    if name not in ("mhla", "linear"):
-        raise ValueError(f"SANA attention must be mhla, linear or native (SANA's ReLU linear attention), got {name!r}")
     grid = (model.config.sample_size // model.config.patch_size,) * 2
-    allowed = {"num_blocks", "blocks", "block", "feature_map", "normalize", "out_norm", "mixing_init",
-               "mixing_learnable", "mixing_per_head", "mixing_param", "eps", "backend"}
-    opts = {k: (list(v) if isinstance(v, (list, tuple)) or hasattr(v, "__iter__") and not isinstance(v, str) else v)
-            for k, v in cfg.items() if k in allowed and v is not None}
-    if name == "linear":
-        opts = {k: v for k, v in opts.items() if k in ("feature_map", "normalize", "eps", "out_norm")}
-    return swap_self_attention(model, name, grid=grid, rope="none", **opts)
+    return swap_self_attention(model, cfg, grid=grid)
 
 
 def build_sana(model_cfg, attn_cfg):

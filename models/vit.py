@@ -12,6 +12,26 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 from mhla.adapters.timm import timm_attn_layer
+from mhla.registry import AttentionContract, Needs
+
+# Options a ViT sets on its attention itself (timm passes them, or the model's grid / class token decide them).
+VIT_FIXED_OPTIONS = ("grid", "num_prefix_tokens", "causal", "qkv_bias", "qk_norm", "proj_bias", "attn_drop",
+                     "proj_drop", "norm_layer", "scale_norm", "device", "dtype", "head_dim", "value_dim",
+                     "projections")
+
+
+def attention_contract(model_cfg) -> AttentionContract:
+    """A ViT takes any bidirectional attention over its 2-D patch grid (with the class token, one that supports
+    prefix tokens); MHLA's default M is ``model.mhla_num_blocks``."""
+    defaults = {}
+    if model_cfg.get("mhla_num_blocks") is not None:
+        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    class_token = bool(model_cfg.get("class_token", False))
+    needs = Needs(grid_rank=2, prefix_tokens=class_token)
+    img, patch = int(model_cfg.get("pad_to") or model_cfg.img_size), int(model_cfg.patch_size)
+    probe = ({"grid": (img // patch, img // patch), "num_prefix_tokens": int(class_token)}, {})
+    return AttentionContract(model=f"model={model_cfg.get('name', 'vit')}", needs=needs, defaults=defaults,
+                             fixed=VIT_FIXED_OPTIONS, probes=(probe,) if img % patch == 0 else ())
 
 
 class PaddedInput(nn.Module):

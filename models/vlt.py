@@ -28,7 +28,15 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath
 
-from mhla.registry import build_attention
+from mhla.registry import (
+    AttentionContract,
+    Needs,
+    accepted_options,
+    build_attention,
+    get_attention_class,
+    list_attentions,
+    with_defaults,
+)
 
 # The RALA wrapper from the shared attention options, for attentions that do not hold it (see the module docstring).
 WRAPPER_DEFAULTS = {"cpe": True, "cpe_kernel": 5, "gate": "linear"}
@@ -95,8 +103,8 @@ class VLT(nn.Module):
         spec = VLT_SPECS[variant]
         dims, depths, heads = spec["dims"], spec["depths"], spec["heads"]
         dpr = spec["drop_path"] if drop_path_rate is None else drop_path_rate
-        linear_attn = dict(linear_attn or {"name": "mhla"})
-        softmax_attn = dict(softmax_attn or {"name": "softmax"})
+        linear_attn = {k: v for k, v in dict(linear_attn or {"name": "mhla"}).items() if v is not None}
+        softmax_attn = {k: v for k, v in dict(softmax_attn or {"name": "softmax"}).items() if v is not None}
         for cfg in (linear_attn, softmax_attn):
             if cfg.get("name") not in OWN_WRAPPER:
                 for key, value in WRAPPER_DEFAULTS.items():
@@ -110,10 +118,10 @@ class VLT(nn.Module):
         self.stages, self.downsamples = nn.ModuleList(), nn.ModuleList()
         size, k = img_size // 4, 0
         for s, (dim, depth, h) in enumerate(zip(dims, depths, heads)):
-            if s < 2:
-                cfg = dict(linear_attn)
-                if cfg["name"] == "mhla" and cfg.get("num_blocks") is None:
-                    cfg["num_blocks"] = int(stage_num_blocks[s])
+            if s < 2:  # MHLA's M of this stage unless the config sets the block grid
+                cfg = {k: v for k, v in linear_attn.items() if v is not None}
+                stage = {"num_blocks": int(stage_num_blocks[s])} if cfg["name"] == "mhla" else {}
+                cfg = with_defaults(cfg, stage, get_attention_class(cfg["name"]))
             else:
                 cfg = softmax_attn
             self.stages.append(nn.Sequential(*[VLTBlock(dim, h, cfg, (size, size), rates[k + i]) for i in range(depth)]))
@@ -135,3 +143,20 @@ class VLT(nn.Module):
 
 def build_vlt(variant: str, linear_attn=None, **kwargs) -> VLT:
     return VLT(variant, linear_attn=linear_attn, **kwargs)
+
+
+def attention_contract(model_cfg) -> AttentionContract:
+    """VLT's linear stages take any bidirectional attention over a 2-D grid, with RALA's wrapper as the default of
+    those that do not hold it (:data:`WRAPPER_DEFAULTS`); MHLA's M defaults to ``model.stage_num_blocks`` per
+    stage (one ``attn.num_blocks`` sets both)."""
+    defaults = {}
+    for name in list_attentions():
+        accepted = accepted_options(get_attention_class(name))
+        if name not in OWN_WRAPPER and (accepted is None or set(WRAPPER_DEFAULTS) <= accepted):
+            defaults[name] = dict(WRAPPER_DEFAULTS)
+    size = int(model_cfg.img_size)
+    probes = tuple(({"grid": (size // s, size // s)}, {"mhla": {"num_blocks": int(m)}})
+                   for s, m in zip((4, 8), model_cfg.get("stage_num_blocks", (49, 16))))
+    return AttentionContract(model=f"model={model_cfg.get('name', 'vlt')}", needs=Needs(grid_rank=2),
+                             defaults=defaults, fixed=("grid", "causal", "num_prefix_tokens", "projections",
+                                                       "head_dim", "value_dim", "qkv_bias"), probes=probes)

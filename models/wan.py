@@ -31,6 +31,7 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from mhla.adapters.diffusers import hybrid_layers, swap_self_attention
+from mhla.registry import AttentionContract, Needs
 
 from .weights import MissingWeightsError, require_local_weights  # noqa: F401  (MissingWeightsError: re-exported)
 
@@ -94,6 +95,29 @@ def build_transformer(model_cfg):
     return model
 
 
+# The paper's video setting (Table 5: no normaliser, output RMSNorm, RoPE after the feature map), for the attentions
+# that take those options; the Wan cells and the mini task set the rest (blocks, the linear row's own setting).
+WAN_ATTENTION_DEFAULTS = {"normalize": False, "out_norm": True, "rope": "after_feature_map"}
+HOST_OPTIONS = ("layers", "softmax_every", "softmax_offset")
+
+
+def attention_contract(model_cfg) -> AttentionContract:
+    """Wan's self-attention takes any registered attention that runs inside diffusers' projections over the 3-D
+    latent grid with Wan's rotary tables, or ``softmax`` (Wan's own processor, the FlashAttention row). Host options
+    (``attn.layers`` / ``softmax_every`` / ``softmax_offset``): which layers get it. MHLA's default M is
+    ``model.mhla_num_blocks`` (``attn.blocks`` per axis wins when set)."""
+    defaults = {"*": dict(WAN_ATTENTION_DEFAULTS)}
+    if model_cfg.get("mhla_num_blocks") is not None:
+        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    refused = {k: "the diffusers module owns the projections" for k in ("cpe", "cpe_kernel", "gate", "qk_norm",
+                                                                        "short_conv")}
+    return AttentionContract(
+        model=f"model={model_cfg.get('name', 'wan')}", needs=Needs(grid_rank=3, rope=True, host_projections=True),
+        defaults=defaults, fixed=("grid", "causal", "projections", "head_dim", "value_dim", "num_prefix_tokens"),
+        host_options={"*": HOST_OPTIONS}, native={"softmax": "Wan's own processor (SDPA / FlashAttention)"},
+        refused=refused)
+
+
 def attention_layers(attn_cfg, num_layers: int) -> list[int]:
     """Indices of the self-attention layers that get the new attention (``attn.layers``)."""
     a = _plain(attn_cfg)
@@ -108,29 +132,17 @@ def attention_layers(attn_cfg, num_layers: int) -> list[int]:
 
 
 def apply_attention(model, attn_cfg, grid=None) -> list[str]:
-    """Swap the self-attention of ``model`` as ``attn_cfg`` says; returns the swapped module names.
+    """Swap the self-attention of ``model`` as the resolved ``attn_cfg`` says (:func:`attention_contract`); returns
+    the swapped module names. ``attn.name == "softmax"`` keeps Wan's own processor.
 
     ``grid``: the training token grid, used when the block grid is given as ``num_blocks`` (factorised)
     rather than ``blocks`` (per axis).
     """
     a = _plain(attn_cfg)
-    name = a.get("name", "softmax")
-    if name == "softmax":
+    if a.get("name", "softmax") == "softmax":
         return []
-    if name not in ("mhla", "linear"):
-        raise ValueError(f"Wan supports attn=softmax | linear | mhla, got attn={name}")
-    if a.get("cpe") or a.get("gate"):
-        raise ValueError("attn.cpe / attn.gate are not supported in Wan's self-attention; set them false")
-    num_layers = len(model.blocks)
-    kw = dict(layers=attention_layers(a, num_layers), feature_map=a.get("feature_map", "relu"),
-              normalize=a.get("normalize", False), out_norm=bool(a.get("out_norm", True)),
-              rope=a.get("rope", "after"), backend=a.get("backend", "auto"))
-    if name == "mhla":
-        blocks = a.get("blocks")
-        kw.update(grid=grid, blocks=blocks, num_blocks=None if blocks is not None else a.get("num_blocks"),
-                  mixing_init=a.get("mixing_init", "locality"), mixing_learnable=a.get("mixing_learnable", True),
-                  mixing_per_head=a.get("mixing_per_head", False), mixing_param=a.get("mixing_param", "clamp"))
-    return swap_self_attention(model, name, **kw)
+    layer_options = {k: v for k, v in a.items() if k not in HOST_OPTIONS}
+    return swap_self_attention(model, layer_options, layers=attention_layers(a, len(model.blocks)), grid=grid)
 
 
 def build_wan(model_cfg, attn_cfg, grid=None) -> nn.Module:

@@ -118,14 +118,14 @@ def capture_qk(model, x) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
     """Run ``model(x)`` once; return ``(layer, q, k)`` for every softmax / linear / MHLA layer, in model order.
 
     ``q, k: [B, N, H, d]`` are the outputs of the layer's qk norms (after the projection, before the feature
-    map; block-major token order inside MHLA layers).
+    map; the model's token order).
     """
     layers = [m for m in model.modules() if isinstance(m, (SoftmaxAttention, LinearAttention,
                                                           MultiHeadLinearAttention))]
     if not layers:
         raise ValueError("the model has no mhla softmax / linear / MHLA attention layer to analyse")
-    if any(hasattr(layer, "lm_rope") for layer in layers):
-        raise ValueError("language-model layers apply their feature map and RoPE inside the projection; "
+    if any(layer.rope != "none" for layer in layers):
+        raise ValueError("layers with rotary embeddings (language models) need the model's rotary tables; "
                          "--ckpt analyses the vision models (classification runs)")
     seen, handles = {}, []
     for i, layer in enumerate(layers):
@@ -148,10 +148,15 @@ def own_attention_matrix(layer, q: torch.Tensor, k: torch.Tensor) -> tuple[str, 
     if isinstance(layer, MultiHeadLinearAttention):
         fq, fk = layer.feature_map(q), layer.feature_map(k)
         N = q.shape[1]
-        C = layer.block_size if causal else layer._layout_for(layer._grid_for(N, None)).block_size
-        n_blocks = ceil_div(N, C)
-        mixing = layer.mixing(n_blocks).detach().double()
-        return "mhla", mhla_attention_matrix(fq, fk, mixing, C, causal=causal, eps=0.0)
+        if causal:
+            C = layer.block_size
+            mixing = layer.mixing(ceil_div(N, C)).detach().double()
+            return "mhla", mhla_attention_matrix(fq, fk, mixing, C, causal=True, eps=0.0)
+        layout = layer.layout_for(layer._grid_for(N, None))  # blocks are contiguous in block-major order
+        to_b, inv = layout.raster_to_block_major, layout.inverse_permutation()
+        mixing = layer.mixing().detach().double()
+        A = mhla_attention_matrix(to_b(fq), to_b(fk), mixing, layout.block_size, eps=0.0)
+        return "mhla", A[..., inv, :][..., inv]  # back to the model's (raster) token order
     if isinstance(layer, LinearAttention):
         fq, fk = layer.feature_map(q), layer.feature_map(k)
         w = torch.einsum("bthd,bshd->bhts", fq, fk)

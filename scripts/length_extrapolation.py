@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mhla.mixing import EXTENSION_RULES, MixingMatrix
+from mhla.mixing import EXTENSION_RULES, mixing_matrices
 from tasks.common.checkpoint import find_checkpoint, load_run_checkpoint, model_weights
 from tasks.common.evaluation import load_run
 from tasks.common.plots import pyplot, save_figure
@@ -110,7 +110,7 @@ def extension_rule(model, rule: str):
     """Within the block, every causal ``MixingMatrix`` of ``model`` extends past its learned rows by ``rule``."""
     if rule not in EXTENSION_RULES:
         raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
-    mats = [m for m in model.modules() if isinstance(m, MixingMatrix)]
+    mats = list(mixing_matrices(model).values())
     saved = [m.extension for m in mats]
     for m in mats:
         m.extension = rule
@@ -178,18 +178,17 @@ def fine_buckets(loss: np.ndarray, width: int) -> tuple[list[float], list[float]
 def mixing_summary(model) -> list[dict]:
     """Per MHLA layer: the learned matrix, how far it moved from its init, the last learned row."""
     out = []
-    for name, m in model.named_modules():
-        if isinstance(m, MixingMatrix):
-            with torch.no_grad():
-                w = m.learned().float().cpu()
-                init = m.initial_raw().float()
-                init = (init.clamp(0, m.max_value) if m.parameterization == "clamp" else
-                        torch.nn.functional.softplus(init) if m.parameterization == "softplus" else init.exp())
-                init = init.tril() if m.causal else init
-            out.append({"module": name, "M": m.num_blocks, "init": m.init, "param": m.parameterization,
-                        "max_abs_change_from_init": float((w - init).abs().max()),
-                        "last_row": [round(float(v), 4) for v in w.reshape(-1, m.num_blocks, m.num_blocks)[0, -1]],
-                        "last_row_sum": float(w.reshape(-1, m.num_blocks, m.num_blocks)[0, -1].sum())})
+    for layer, m in mixing_matrices(model).items():
+        with torch.no_grad():
+            w = m.learned().float().cpu()
+            init = m.initial_raw().float()
+            init = (init.clamp(0, m.max_value) if m.parameterization == "clamp" else
+                    torch.nn.functional.softplus(init) if m.parameterization == "softplus" else init.exp())
+            init = init.tril() if m.causal else init
+        out.append({"module": f"{layer}.mixing", "M": m.num_blocks, "init": m.init, "param": m.parameterization,
+                    "max_abs_change_from_init": float((w - init).abs().max()),
+                    "last_row": [round(float(v), 4) for v in w.reshape(-1, m.num_blocks, m.num_blocks)[0, -1]],
+                    "last_row_sum": float(w.reshape(-1, m.num_blocks, m.num_blocks)[0, -1].sum())})
     return out
 
 
@@ -201,9 +200,8 @@ def graft_into_mhla(model, linear_ckpt: str) -> None:
     if unexpected or any("mixing" not in k for k in missing):
         raise ValueError(f"{linear_ckpt} does not fit this MHLA model: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, MixingMatrix):
-                m.raw.copy_(m.initial_raw().to(m.raw))
+        for m in mixing_matrices(model).values():
+            m.raw.copy_(m.initial_raw().to(m.raw))
 
 
 def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_batch: int,
@@ -222,7 +220,7 @@ def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_b
         attn = str(cfg.attn.name)
         info = {"checkpoint": ckpt if graft is None else f"{ckpt} + weights of {find_checkpoint(graft)}",
                 "attn": attn if graft is None else "linear weights in MHLA (mixing at init)", "train_seq_len": int(cfg.data.seq_len),
-                "block_size": int(cfg.model.block_size), "val_tokens": int(len(tokens))}
+                "block_size": int(model.config.attn.get("block_size", 0)), "val_tokens": int(len(tokens))}
         run_rules = rules if attn == "mhla" else ["-"]
         if attn == "mhla":
             results["mixing"][name] = mixing_summary(model)

@@ -44,31 +44,31 @@ VARIANTS = {
     "linear": ["attn=linear"],
     "mhla": ["attn=mhla"],
     # the mixing hypotheses (results/mqar/): each changes one thing of the task's default rule
-    "mhla_log": ["attn=mhla", "model.mixing_param=log", "optim.mixing_lr_scale=1.0"],
-    "mhla_softplus": ["attn=mhla", "model.mixing_param=softplus", "optim.mixing_lr_scale=1.0"],
-    "mhla_clamp": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0"],
-    "mhla_clamp_lr0.1": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=0.1"],
-    "mhla_frozen": ["attn=mhla", "model.mixing_learnable=false"],
+    "mhla_log": ["attn=mhla", "attn.mixing_param=log", "optim.mixing_lr_scale=1.0"],
+    "mhla_softplus": ["attn=mhla", "attn.mixing_param=softplus", "optim.mixing_lr_scale=1.0"],
+    "mhla_clamp": ["attn=mhla", "attn.mixing_param=clamp", "optim.mixing_lr_scale=1.0"],
+    "mhla_clamp_lr0.1": ["attn=mhla", "attn.mixing_param=clamp", "optim.mixing_lr_scale=0.1"],
+    "mhla_frozen": ["attn=mhla", "attn.mixing_learnable=false"],
     # the paper's clamp at the full lr, but the matrix waits half of the default 20-epoch run (3,120 steps)
-    "mhla_clamp_freeze": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0",
+    "mhla_clamp_freeze": ["attn=mhla", "attn.mixing_param=clamp", "optim.mixing_lr_scale=1.0",
                           "optim.mixing_freeze_steps=3120"],
     # ... the same after 1,000 frozen steps (past the early phase in which the full-lr matrix takes the shortcut)
-    "mhla_clamp_freeze1k": ["attn=mhla", "model.mixing_param=clamp", "optim.mixing_lr_scale=1.0",
+    "mhla_clamp_freeze1k": ["attn=mhla", "attn.mixing_param=clamp", "optim.mixing_lr_scale=1.0",
                             "optim.mixing_freeze_steps=1000"],
-    "mhla_locality": ["attn=mhla", "model.mixing_init=locality"],
-    "mhla_locality_visible": ["attn=mhla", "model.mixing_init=locality_visible"],
-    "mhla_identity": ["attn=mhla", "model.mixing_init=identity"],
+    "mhla_locality": ["attn=mhla", "attn.mixing_init=locality"],
+    "mhla_locality_visible": ["attn=mhla", "attn.mixing_init=locality_visible"],
+    "mhla_identity": ["attn=mhla", "attn.mixing_init=identity"],
     # a short causal conv (kernel 4, fla's ShortConvolution) on q, k, v: the token shift that the recall circuit
     # needs and that linear attention cannot do sharply by itself (GLA / Gated DeltaNet have it by default)
-    "softmax_conv": ["attn=softmax", "model.short_conv=4"],
-    "linear_conv": ["attn=linear", "model.short_conv=4"],
-    "mhla_conv": ["attn=mhla", "model.short_conv=4"],
+    "softmax_conv": ["attn=softmax", "attn.short_conv=4"],
+    "linear_conv": ["attn=linear", "attn.short_conv=4"],
+    "mhla_conv": ["attn=mhla", "attn.short_conv=4"],
     # ... with the paper's full-lr mixing (the 0.01 x rule protects the matrix only before the circuit exists)
-    "mhla_conv_lr1": ["attn=mhla", "model.short_conv=4", "optim.mixing_lr_scale=1.0"],
+    "mhla_conv_lr1": ["attn=mhla", "attn.short_conv=4", "optim.mixing_lr_scale=1.0"],
     # ... and without it (the paper's LM has none): the recall circuit must then come from attention alone
-    "softmax_noconv": ["attn=softmax", "model.short_conv=0"],
-    "linear_noconv": ["attn=linear", "model.short_conv=0"],
-    "mhla_noconv": ["attn=mhla", "model.short_conv=0"],
+    "softmax_noconv": ["attn=softmax", "attn.short_conv=0"],
+    "linear_noconv": ["attn=linear", "attn.short_conv=0"],
+    "mhla_noconv": ["attn=mhla", "attn.short_conv=0"],
 }
 
 # Grids by scale: cells (NxK), variants, seeds, epochs of the task's 20k training examples (312 steps each);

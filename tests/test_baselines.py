@@ -35,15 +35,15 @@ def test_inline_weights_sum_to_one():
     with torch.no_grad():
         for p in layer.residual.parameters():
             p.zero_()  # no local residual
-    out = layer._core(q, k, v, x, GRID, None, None)
+    out = layer.attend(q, k, v, grid=GRID, x=x)
     torch.testing.assert_close(out, v)  # constant values pass through: sum_j w_ij = 1
 
 
 def test_rala_normalised_without_rope():
-    layer = build_attention({"name": "rala", "grid": list(GRID), "rope": False}, dim=32, num_heads=2).double()
+    layer = build_attention({"name": "rala", "grid": list(GRID), "rope_2d": False}, dim=32, num_heads=2).double()
     q, k, v = _core_with_constant_v(layer)
     x = torch.zeros(2, 16, 32, dtype=torch.float64)  # the layer input of the output gate
-    y = layer._core(q, k, v, x, GRID, None, None)
+    y = layer.attend(q, k, v, grid=GRID, x=x)
     # gate O = W_o 0 + b_o; the attention part returns v for constant v, LePE adds a conv of v
     assert torch.isfinite(y).all()
     qf, kf = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
@@ -55,11 +55,11 @@ def test_rala_normalised_without_rope():
 
 def test_mala_sums_to_one_without_rope():
     """sum_j (beta_i a_ij - gamma_i) = 1 for MALA's weights (no RoPE)."""
-    layer = build_attention({"name": "mala", "grid": list(GRID), "rope": False}, dim=32, num_heads=2).double()
+    layer = build_attention({"name": "mala", "grid": list(GRID), "rope_2d": False}, dim=32, num_heads=2).double()
     q, k, v = _core_with_constant_v(layer, c=1.0)
     captured = {}
     layer._wrap = lambda y, v, x, grid: captured.setdefault("y", y)
-    layer._core(q, k, v, None, GRID, None, None)
+    layer.attend(q, k, v, grid=GRID)
     torch.testing.assert_close(captured["y"], v, atol=1e-5, rtol=0)  # up to the 1e-6 eps in beta
 
 

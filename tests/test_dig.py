@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from models.dig import DiG, GatedLinearAttention, build_dig, gla_chunked, gla_recurrent, scan_permutation
+from mhla.gla import GatedLinearAttention, gla_chunked, gla_recurrent
+from models.dig import DiG, build_dig, scan_permutation
 
 
 def _gla_inputs(B=2, T=37, H=3, Dk=8, Dv=5, gate_scale=3.0, dtype=torch.float64, seed=0):
@@ -58,9 +59,9 @@ def test_scan_permutations_cover_four_directions():
     assert scan_permutation(grid, "col_rev").tolist() == [5, 2, 4, 1, 3, 0]
 
 
-def _tiny(token_mixer="gla", attn=None, **kw):
+def _tiny(attn=None, **kw):
     return DiG(depth=4, hidden_size=32, num_heads=2, input_size=8, patch_size=2, in_channels=4, num_classes=10,
-               token_mixer=token_mixer, attn=attn, gla_chunk=8, **kw)
+               attn=attn or {"name": "gla", "chunk": 8}, **kw)
 
 
 def test_dig_blocks_scan_directions_and_identity_conv():
@@ -78,20 +79,21 @@ def test_dig_blocks_scan_directions_and_identity_conv():
 
 def test_dig_s2_size_and_forward_signature():
     cfg = OmegaConf.create({"kind": "dig", "variant": "DiG-S", "patch_size": 2, "input_size": 32, "num_classes": 1000})
-    model = build_dig(cfg, {"name": "mhla"})
+    model = build_dig(cfg, {"name": "gla"})
     n = sum(p.numel() for p in model.parameters()) - model.pos_embed.numel()
     assert abs(n / 1e6 - 32.98) < 0.02, n  # BASELINES.md section 5: ~32.98M
     assert model.blocks[0].mlp.down_proj.in_features == 1024
 
 
-@pytest.mark.parametrize("mixer,attn", [("gla", None), ("attn", {"name": "mhla", "num_blocks": 4})])
-def test_tiny_dig_trains_two_steps(mixer, attn):
+@pytest.mark.parametrize("attn", [None, {"name": "mhla", "num_blocks": 4}])
+def test_tiny_dig_trains_two_steps(attn):
     from tasks.image_gen.diffusion import create_diffusion
 
     torch.manual_seed(0)
-    model = _tiny(mixer, attn)
-    if mixer == "attn":
+    model = _tiny(attn)
+    if attn is not None:  # MHLA is not causal: no scan directions
         assert type(model.blocks[0].attn).__name__ == "MultiHeadLinearAttention"
+        assert {b.direction for b in model.blocks} == {"row"}
     diffusion = create_diffusion("", 1000, learn_sigma=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, 4, 8, 8)

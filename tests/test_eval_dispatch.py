@@ -99,7 +99,7 @@ def tiny_overrides(task, tmp):
         "lm_mini": ["data=text_local", f"data.path={write_corpus(tmp / 'corpus')}",
                     f"data.cache_dir={tmp / 'cache'}", "data.vocab_size=300", "data.val_fraction=0.2",
                     "data.seq_len=32", "data.batch_size=4", "data.eval_batch_size=8", "model.hidden_size=32",
-                    "model.num_hidden_layers=1", "model.num_heads=2", "model.block_size=8",
+                    "model.num_hidden_layers=1", "model.num_heads=2", "attn.block_size=8",
                     "task.num_samples=0"],
         "mqar": ["data.num_train=64", "data.num_test=32", "data.batch_size=16", "data.seq_len=32",
                  "data.num_kv_pairs=4"],

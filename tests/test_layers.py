@@ -43,7 +43,7 @@ def test_registry_imports_nothing_from_the_package_and_import_mhla_fills_it():
     out = subprocess.run([sys.executable, "-c", "import mhla; print(' '.join(mhla.list_attentions()))"],
                          capture_output=True, text=True, check=True,
                          cwd=pathlib.Path(__file__).resolve().parents[1]).stdout.split()
-    assert out == ["focused", "inline", "linear", "mala", "mhla", "rala", "softmax"]
+    assert out == ["focused", "gla", "inline", "linear", "mala", "mhla", "rala", "softmax"]
 
 
 @pytest.mark.parametrize("name", ["mhla", "linear", "softmax"])
@@ -107,11 +107,15 @@ def test_mhla_layer_grid_that_blocks_do_not_tile_raises():
         layer(torch.randn(1, 60, 16))
 
 
-def test_mhla_layer_new_resolution_with_same_block_count_and_mismatch():
+def test_mhla_layer_new_resolution_keeps_the_block_grid():
+    """Another resolution keeps the 2 x 2 block grid (so the mixing matrix keeps its meaning) and the block
+    shape follows the grid, as in the diffusers adapter; a grid the blocks do not tile is refused."""
     layer = MultiHeadLinearAttention(16, 2, grid=(8, 8), num_blocks=4)
     assert layer(torch.randn(1, 64, 16)).shape == (1, 64, 16)
-    with pytest.raises(ValueError, match="built for 4 blocks"):
-        layer(torch.randn(1, 144, 16), grid_size=(12, 12))
+    assert layer(torch.randn(1, 144, 16), grid_size=(12, 12)).shape == (1, 144, 16)
+    assert layer.layout_for((12, 12)).block == (6, 6)
+    with pytest.raises(ValueError, match="do not tile"):
+        layer(torch.randn(1, 63, 16), grid_size=(9, 7))
 
 
 def test_mixing_gets_gradient_and_identity_equals_block_local():

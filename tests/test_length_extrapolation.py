@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.lm_configs import lm_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -52,7 +54,7 @@ def test_extension_rules_and_per_position_loss(tmp_path):
         extend_causal_mixing(L, n, "nope")
 
     # per-position loss on a tiny MHLA LM, under a rule, past the learned size
-    cfg = MHLALMConfig(attn_type="mhla", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=2,
+    cfg = lm_config("mhla", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=2,
                        block_size=4, max_position_embeddings=16)
     model = MHLALMForCausalLM(cfg).eval()
     tokens = np.random.default_rng(0).integers(0, 64, size=200).astype(np.uint16)
@@ -78,16 +80,14 @@ def test_lm_config_carries_the_extension_rule():
     from models.lm.configuration_mhla_lm import MHLALMConfig
     from models.lm.modeling_mhla_lm import MHLALMForCausalLM
 
-    small = dict(attn_type="mhla", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, block_size=4,
-                 max_position_embeddings=16)
-    cfg = MHLALMConfig(**small, mixing_extension="window")
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, max_position_embeddings=16)
+    cfg = MHLALMConfig(attn={"name": "mhla", "block_size": 4, "mixing_extension": "window"}, **small)
     rules = {m.extension for m in MHLALMForCausalLM(cfg).modules() if isinstance(m, MixingMatrix)}
     assert rules == {"window"}
-    # a config saved before the field existed loads with the current default
-    old = {k: v for k, v in cfg.to_dict().items() if k != "mixing_extension"}
-    assert MHLALMConfig.from_dict(old).mixing_extension == "uniform_far"
-    with pytest.raises(ValueError, match="mixing_extension"):
-        MHLALMConfig(**small, mixing_extension="nope")
+    assert MHLALMConfig.from_dict(cfg.to_dict()).attn["mixing_extension"] == "window"  # saved and loaded
+    assert MHLALMConfig(attn="mhla", **small).attn["mixing_extension"] == "uniform_far"  # the default
+    with pytest.raises(ValueError, match="extension"):
+        MHLALMForCausalLM(MHLALMConfig(attn={"name": "mhla", "mixing_extension": "nope"}, **small))
 
 
 def test_train_commands_skip_trained_models(tmp_path):

@@ -14,7 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 import torch.nn.functional as F
+from helpers.lm_configs import lm_config
 
 from tasks.language import eval_ppl
 from tasks.language.eval_ppl import (
@@ -63,12 +65,12 @@ def tiny_llama(max_pos: int = 64, seed: int = 0):
 def tiny_models():
     models = [("llama", tiny_llama())]
     try:
-        from models.lm import MHLALMConfig, MHLALMForCausalLM
+        from models.lm import MHLALMForCausalLM
     except ImportError:
         return models
     for attn in ("mhla", "linear"):
         torch.manual_seed(0)
-        cfg = MHLALMConfig(attn_type=attn, vocab_size=259, hidden_size=32, num_hidden_layers=2, num_heads=2,
+        cfg = lm_config(attn, vocab_size=259, hidden_size=32, num_hidden_layers=2, num_heads=2,
                            block_size=8, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
                            pad_token_id=0)
         models.append((attn, MHLALMForCausalLM(cfg).eval()))

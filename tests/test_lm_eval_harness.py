@@ -26,6 +26,7 @@ pytest.importorskip("models.lm")
 
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from helpers.lm_configs import lm_config  # noqa: E402
 from tasks.language import lm_eval_adapter as A  # noqa: E402
 from tasks.language.eval_ppl import (  # noqa: E402
     EvalSettings,
@@ -55,7 +56,7 @@ def _offline(monkeypatch, tmp_path):
 def setup(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast
 
-    from models.lm import MHLALMConfig, MHLALMForCausalLM
+    from models.lm import MHLALMForCausalLM
     from tasks.language.data import EOS, train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("lm_eval")
@@ -64,7 +65,7 @@ def setup(tmp_path_factory):
     train_bpe_tokenizer(docs[6:40], 384, root / "bpe" / "tokenizer.json")
     tok = PreTrainedTokenizerFast(tokenizer_file=str(root / "bpe" / "tokenizer.json"), eos_token=EOS)
     torch.manual_seed(0)
-    cfg = MHLALMConfig(attn_type="mhla", vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_heads=2,
+    cfg = lm_config("mhla", vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_heads=2,
                        block_size=8, max_position_embeddings=64, eos_token_id=tok.eos_token_id,
                        pad_token_id=tok.eos_token_id)
     model = MHLALMForCausalLM(cfg).eval()

@@ -7,16 +7,17 @@ import pytest
 import torch
 
 from models.lm import MHLALMCache, MHLALMConfig, MHLALMForCausalLM
+from helpers.lm_configs import lm_config
 
 ATTNS = ["mhla", "linear", "softmax"]
 
 
 def tiny(attn_type="mhla", **kw):
-    cfg = dict(attn_type=attn_type, vocab_size=61, hidden_size=32, num_hidden_layers=2, num_heads=2,
+    cfg = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_heads=2,
                block_size=4, max_position_embeddings=16)
     cfg.update(kw)
     torch.manual_seed(0)
-    return MHLALMForCausalLM(MHLALMConfig(**cfg)).eval()
+    return MHLALMForCausalLM(lm_config(attn_type, **cfg)).eval()
 
 
 def _randomize_mixing(model):
@@ -43,8 +44,9 @@ def test_forward_loss_and_backward(attn_type):
 def test_paper_340m_size():
     cfg = MHLALMConfig()
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_heads, cfg.vocab_size) == (1024, 24, 4, 32000)
-    assert (cfg.head_dim, cfg.head_value_dim, cfg.intermediate_size, cfg.block_size) == (128, 256, 2816, 64)
-    assert cfg.max_learned_blocks == 32 and cfg.tie_word_embeddings
+    assert (cfg.head_dim, cfg.head_value_dim, cfg.intermediate_size, cfg.attn["block_size"]) == (128, 256, 2816, 64)
+    assert cfg.attn["max_learned_blocks"] == 32 and cfg.tie_word_embeddings
+    assert cfg.attn["name"] == "mhla" and cfg.attn["normalize"] is False and cfg.attn["out_norm"] is True
     def count(layers):  # tied: the embedding is counted once
         cfg.num_hidden_layers = layers
         return sum(p.numel() for p in MHLALMForCausalLM(cfg).parameters())
@@ -139,10 +141,31 @@ def test_no_length_cap():
 
 
 def test_bad_config():
-    with pytest.raises(ValueError, match="attn_type"):
-        MHLALMConfig(attn_type="flash")
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        MHLALMConfig(attn="flash")
     with pytest.raises(ValueError, match="rope"):
-        MHLALMConfig(rope="sometimes")
+        MHLALMConfig(attn={"name": "mhla", "rope": "sometimes"})
+    with pytest.raises(ValueError, match="no causal form"):
+        MHLALMConfig(attn="focused")
+    with pytest.raises(ValueError, match="options of the attention"):
+        MHLALMConfig(mixing_init="locality")  # the flat field of the old config: refused, not ignored
+    with pytest.raises(ValueError, match="does not take"):
+        MHLALMConfig(attn={"name": "softmax", "mixing_init": "locality"})
+
+
+def test_config_saved_before_the_attention_dict_loads_bit_identically():
+    """A checkpoint saved by the code before ``attn`` was one dict (``attn_type`` + flat fields; made with
+    mixing_init=locality, cpe=true, 40 tokens past its 16-token context) loads through the one legacy mapping
+    and gives the logits it gave then."""
+    import os  # noqa: PLC0415
+
+    path = os.path.join(os.path.dirname(__file__), "data", "lm_mhla_legacy_config")
+    model = MHLALMForCausalLM.from_pretrained(path).eval()
+    assert model.config.attn["mixing_init"] == "locality" and model.config.attn["cpe"] is True
+    expected = torch.load(os.path.join(path, "expected_logits.pt"))
+    with torch.no_grad():
+        logits = model(expected["input_ids"], use_cache=False).logits
+    assert torch.equal(logits, expected["logits"])
 
 
 def test_padding_mask_leaves_the_real_tokens_unchanged():
@@ -172,7 +195,7 @@ def test_logits_to_keep_bool_mask_selects_positions():
 
 @pytest.mark.parametrize("attn_type", ATTNS)
 def test_short_conv_is_causal_and_mixes_the_previous_tokens(attn_type):
-    """model.short_conv=K: token t's q, k, v see tokens t-K+1..t (a later token changes nothing before it; the
+    """attn.short_conv=K: token t's q, k, v see tokens t-K+1..t (a later token changes nothing before it; the
     token K positions back does not reach t through the conv, only through attention)."""
     model = tiny(attn_type, short_conv=4).train()
     conv = model.model.layers[0].attn.short_conv
@@ -203,4 +226,4 @@ def test_short_conv_refuses_cached_and_packed_calls():
         model(torch.randint(0, 61, (2, 5)), attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]),
               use_cache=False)
     with pytest.raises(ValueError, match="short_conv"):
-        MHLALMConfig(short_conv=-1)
+        MHLALMForCausalLM(MHLALMConfig(attn={"name": "mhla", "short_conv": -1}))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.lm import MHLALMCache, MHLALMConfig, MHLALMForCausalLM
+from models.lm import MHLALMCache, MHLALMForCausalLM
+from helpers.lm_configs import lm_config
 from tasks.language.data import doc_cu_seqlens, packed_forward_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,11 +19,11 @@ VOCAB, EOS, PAD = 61, 2, 0
 
 
 def tiny(attn_type="mhla", **kw):
-    cfg = dict(attn_type=attn_type, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=2,
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=2,
                block_size=4, max_position_embeddings=16, eos_token_id=None, pad_token_id=PAD)
     cfg.update(kw)
     torch.manual_seed(0)
-    model = MHLALMForCausalLM(MHLALMConfig(**cfg)).eval()
+    model = MHLALMForCausalLM(lm_config(attn_type, **cfg)).eval()
     g = torch.Generator().manual_seed(1)
     for layer in model.model.layers:  # random nonnegative mixing: every past chunk matters
         if hasattr(layer.attn, "mixing"):

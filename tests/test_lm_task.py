@@ -83,9 +83,9 @@ def test_train_two_steps_and_generate(tmp_path, model, attn):
                "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_heads=2",
                "trainer.max_steps=2", "trainer.eval_every_steps=2", "trainer.progress_bar=false",
                "task.num_samples=1", "task.prompt_len=8", "task.sample_tokens=12")
-    if model == "lm_mini":
+    if model == "lm_mini" and attn == "mhla":
         with open_dict(cfg):
-            cfg.model.block_size = 8
+            cfg.attn.block_size = 8
     metrics = train.run(cfg, str(tmp_path / "run"))
     assert set(metrics) >= {"val_ppl", "unigram_ppl", "val_loss"}
     assert np.isfinite(metrics["val_ppl"]) and metrics["unigram_ppl"] > 1
@@ -93,11 +93,12 @@ def test_train_two_steps_and_generate(tmp_path, model, attn):
     assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()
 
 
-def test_llama_needs_softmax():
-    from tasks.language.task import build_lm
+def test_llama_takes_only_its_own_attention():
+    from tasks.common.config import ConfigError, model_attention
 
-    with pytest.raises(ValueError, match="attn=softmax"):
-        build_lm(_cfg("task=lm_mini", "model=lm_mini_llama").model, "mhla", 100)
+    assert model_attention(_cfg("task=lm_mini", "model=lm_mini_llama", "attn=softmax")) == {"name": "softmax"}
+    with pytest.raises(ConfigError, match="it takes softmax"):
+        model_attention(_cfg("task=lm_mini", "model=lm_mini_llama", "attn=mhla"))
 
 
 def test_paper_recipe_config():
@@ -106,7 +107,10 @@ def test_paper_recipe_config():
     assert tokens_per_step == 262_144 and cfg.data.batch_size * 8 == cfg.task.global_batch
     assert cfg.trainer.max_steps * tokens_per_step == pytest.approx(10e9, rel=1e-3)
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.trainer.grad_clip) == (3e-4, 0.01, 1.0)
-    assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.block_size) == (1024, 24, 64)
+    assert (cfg.model.hidden_size, cfg.model.num_hidden_layers) == (1024, 24)
+    from tasks.common.config import model_attention
+
+    assert model_attention(cfg)["block_size"] == 64 and model_attention(cfg)["mixing_init"] == "uniform"
 
 
 def test_transformer_pp_size():
@@ -152,25 +156,26 @@ def test_local_dataset_sources(tmp_path, source):
 
 
 @pytest.mark.parametrize("task", ["lm_mini", "mqar"])
-def test_attn_keys_an_lm_would_ignore_are_refused(task):
-    """LMs read only attn.name: a changed attn.* key is an error naming the model.* key, not a silent no-op."""
+def test_attn_keys_reach_the_language_model_or_are_refused(task):
+    """The LMs take their attention from attn.* like every model: a set option reaches the built layer, one that
+    cannot take effect is refused at start, naming it."""
+    from tasks.common.config import ConfigError, model_attention
     from tasks.language.mqar import build_mqar_model
-    from tasks.language.task import check_lm_attn_keys
 
-    check_lm_attn_keys(_cfg(f"task={task}", "attn=mhla"))  # the group's own values compose fine
-    resolved = _cfg(f"task={task}", "attn=mhla")
-    OmegaConf.resolve(resolved)  # as train.py does: attn.num_blocks = ${model.mhla_num_blocks} is resolved
-    check_lm_attn_keys(resolved)
-    check_lm_attn_keys(_cfg(f"task={task}", "attn=linear"))
-    for override, hint in [("attn.mixing_init=uniform", "model.mixing_init"), ("attn.normalize=false", "model.normalize"),
-                           ("attn.gate=true", "model.output_gate"), ("+attn.foo=1", "no LM equivalent"),
-                           ("attn.num_blocks=4", "model.block_size")]:
-        cfg = _cfg(f"task={task}", "attn=mhla", override)
-        with pytest.raises(ValueError, match=hint):
-            check_lm_attn_keys(cfg)
-    if task == "mqar":  # the model builder itself refuses (train.py and eval.py go through it)
-        with pytest.raises(ValueError, match="model.mixing_param"):
-            build_mqar_model(_cfg("task=mqar", "attn=mhla", "attn.mixing_param=softplus"))
+    assert model_attention(_cfg(f"task={task}", "attn=mhla"))["mixing_init"] == "uniform"
+    assert model_attention(_cfg(f"task={task}", "attn=mhla", "attn.mixing_init=locality"))["mixing_init"] == "locality"
+    assert model_attention(_cfg(f"task={task}", "attn=linear", "attn.feature_map=elu"))["feature_map"] == "elu"
+    with pytest.raises(ConfigError, match="no normaliser"):  # the paper's LM setting: rope after phi, no normaliser
+        model_attention(_cfg(f"task={task}", "attn=linear", "attn.normalize=true"))
+    for override, words in [("attn.num_blocks=4", "does not take num_blocks"), ("+attn.foo=1", "attn.foo"),
+                            ("attn.mixing_extension=nope", "extension must be one of")]:
+        with pytest.raises((ConfigError, ValueError), match=words):
+            model_attention(_cfg(f"task={task}", "attn=mhla", override))
+    with pytest.raises(ConfigError, match="attn.mixing_init"):
+        model_attention(_cfg(f"task={task}", "attn=softmax", "+attn.mixing_init=uniform"))
+    if task == "mqar":  # the model the task builds carries the option
+        model = build_mqar_model(_cfg("task=mqar", "attn=mhla", "attn.mixing_param=softplus"))
+        assert {layer.attn.mixing.parameterization for layer in model.model.layers} == {"softplus"}
 
 
 def test_reset_at_doc_boundary_reaches_the_model(tmp_path):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.language.mqar import auto_block_size, mqar_loss_and_correct, multiquery_ar, power_law_probs
+from models.lm.configuration_mhla_lm import auto_block_size
+from tasks.language.mqar import mqar_loss_and_correct, multiquery_ar, power_law_probs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,7 +132,7 @@ def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     assert all(r["curve"] and 0 <= r["acc"] <= 1 for r in data["results"])
     md = (tmp_path / "grid.md").read_text()
     assert "(n=2)" in md and "does not count" in md  # 2 steps cannot solve MQAR: the cell is flagged
-    assert "model.mixing_param=clamp" in md
+    assert "attn.mixing_param=clamp" in md
     assert (tmp_path / "grid.png").stat().st_size > 1000 and (tmp_path / "grid_curves.png").stat().st_size > 1000
     # eval.py builds MQARTask (task.target of the stored config) and reproduces the run's final accuracy
     from tasks.common.evaluation import evaluate_checkpoint

@@ -1,18 +1,17 @@
 """RoPE (mhla.rope): the rotation against a plain formula, its defining properties, the placement vocabulary,
-and the language model's and the diffusers adapter's placements against each other."""
+and one layer's placements causal (the language model, half-split tables) and bidirectional (a diffusers host,
+interleaved tables) against each other."""
 
 from __future__ import annotations
-
-import types
 
 import pytest
 import torch
 
-from mhla.adapters.diffusers import MHLAAttnProcessor
-from mhla.rope import ROPE_PLACEMENTS, apply_rope, rope_and_feature_map, rope_placement
+from mhla.registry import build_attention
+from mhla.rope import ROPE_PLACEMENTS, RotaryTables, apply_rope, rope_and_feature_map, rope_placement
 from models.lm import ROPE_PLACEMENTS as LM_ROPE_PLACEMENTS
 from models.lm import MHLALMConfig
-from models.lm.modeling_mhla_lm import _LMAttentionMixin, build_lm_attention, rope_cos_sin
+from models.lm.modeling_mhla_lm import build_lm_attention, rope_cos_sin
 
 
 def angles(n: int, pairs: int, offset: int = 0, base: float = 50.0) -> torch.Tensor:
@@ -127,11 +126,11 @@ def test_one_placement_vocabulary():
     assert all(rope_placement(p) == p for p in ROPE_PLACEMENTS)
     with pytest.raises(ValueError, match="rope must be one of"):
         rope_placement("sometimes")
-    assert MHLAAttnProcessor("linear", rope="after").rope == "after_feature_map"  # old adapter spelling
-    assert MHLAAttnProcessor("linear").rope == "before_feature_map"  # the adapter's default, unchanged
-    assert MHLALMConfig(rope="before").rope == "before_feature_map"
+    layer = build_attention({"name": "linear", "rope": "after"}, 16, 2, projections=False)
+    assert layer.rope == "after_feature_map"  # the old adapter spelling
+    assert MHLALMConfig(attn={"name": "mhla", "rope": "before"}).attn["rope"] == "before_feature_map"
     with pytest.raises(ValueError, match="rope"):
-        MHLAAttnProcessor("linear", rope="middle")
+        build_attention({"name": "linear", "rope": "middle"}, 16, 2)
 
 
 def test_rope_and_feature_map_orders():
@@ -151,21 +150,22 @@ def test_rope_and_feature_map_orders():
     torch.testing.assert_close(rope_and_feature_map(q, k, phi, None, "after_feature_map")[0], phi(q))
 
 
-# ------------------------------------------------------------------- LM path vs diffusers adapter path
+# ------------------------------------------------- one layer: causal (LM) vs bidirectional (diffusers host)
 T, C, H, D = 12, 3, 2, 8  # 4 chunks of 3 tokens, 2 heads of 8
 
 
-def lm_and_adapter(kind: str, placement: str, normalize: bool):
-    """The same q, k, v through the LM's attention (causal) and the adapter's processor (non-causal).
+def causal_and_bidirectional(kind: str, placement: str, normalize: bool):
+    """The same q, k, v through the LM's causal layer (half-split tables) and the bidirectional layer a diffusers
+    host runs through :meth:`attend` (interleaved tables, as Wan's), on the first L tokens for every prefix L of
+    whole chunks. The last token of a prefix sees the same keys either way, so there the two must agree.
 
-    Returns the LM's ``o [B, T, H, Dv]``, ``{L: adapter o [B, L, H, Dv] on the first L tokens}`` for every
-    prefix L of whole chunks, the raw projections and rotary tables, and the mixing matrix. The last token
-    of a prefix sees the same keys either way (causal or not), so there the two must agree.
-    """
-    cfg = MHLALMConfig(attn_type=kind, vocab_size=11, hidden_size=16, num_hidden_layers=1, num_heads=H,
-                       key_dim_ratio=1.0, value_dim_ratio=1.0, block_size=C, max_position_embeddings=T,
-                       rope=placement, rope_theta=30.0, normalize=normalize, output_gate=False)
+    Returns the causal ``o [B, T, H, Dv]``, ``{L: bidirectional o [B, L, H, Dv]}``, the raw projections and
+    tables, the mixing matrix and eps."""
     torch.manual_seed(0)
+    cfg = MHLALMConfig(attn={"name": kind, "rope": placement, "normalize": normalize, "gate": False,
+                             **({"block_size": C} if kind == "mhla" else {})},
+                       vocab_size=11, hidden_size=16, num_hidden_layers=1, num_heads=H, key_dim_ratio=1.0,
+                       value_dim_ratio=1.0, max_position_embeddings=T, rope_theta=30.0)
     layer = build_lm_attention(cfg).double()
     mc = None
     if kind == "mhla":
@@ -173,23 +173,28 @@ def lm_and_adapter(kind: str, placement: str, normalize: bool):
             layer.mixing.raw.uniform_(0.05, 1.0, generator=torch.Generator().manual_seed(4))
         mc = layer.mixing(T // C).detach()
     x = torch.randn(2, T, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    cos, sin = rope_cos_sin(torch.arange(T), D, cfg.rope_theta, torch.float64)  # half-split [T, 1, D]
+    rot = rope_cos_sin(torch.arange(T), D, cfg.rope_theta, torch.float64)  # half-split [T, 1, D]
     with torch.no_grad():
-        q, k, v = layer._project(x, (cos, sin))  # the LM's placement
-        o_lm = layer._core(q, k, v, x, None, None, None)
-        q0, k0, v0 = super(_LMAttentionMixin, layer)._project(x)  # raw projections, no phi, no rotation
-    # the adapter takes interleaved pairs (Wan's tables, [1, N, 1, D]): the same rotation on permuted channels
+        q0, k0, v0 = layer._project(x)  # normed projections, no phi, no rotation
+        o_causal = layer.attend(q0, k0, v0, grid=(T,), rope_tables=rot)
+    # the host hands interleaved pairs (Wan's tables, [1, N, 1, D]): the same rotation on permuted channels
     perm = torch.stack([torch.arange(D // 2), torch.arange(D // 2) + D // 2], dim=-1).flatten()
-    qi, ki, ci, si = q0[..., perm], k0[..., perm], cos[None, ..., perm], sin[None, ..., perm]
-    o_ad = {}
+    qi, ki = q0[..., perm], k0[..., perm]
+    ci, si = rot.cos[None, ..., perm], rot.sin[None, ..., perm]
+    o_bi = {}
     for L in range(C, T + 1, C):
         n = L // C
-        proc = MHLAAttnProcessor(kind, blocks=(n,) if kind == "mhla" else None, feature_map=cfg.feature_map,
-                                 normalize=normalize, rope=placement, eps=layer.eps)
-        attn = types.SimpleNamespace(mhla_mixing=lambda n=n: mc[:n, :n]) if kind == "mhla" else None
+        opts = {"name": kind, "rope": placement, "normalize": normalize, "eps": layer.eps}
+        if kind == "mhla":
+            opts["blocks"] = (n,)
+        bi = build_attention(opts, 16, H, projections=False, grid=(L,)).double()
+        if kind == "mhla":
+            with torch.no_grad():
+                bi.mixing.raw.copy_(mc[:n, :n])
         with torch.no_grad():
-            o_ad[L] = proc.attend(attn, qi[:, :L], ki[:, :L], v0[:, :L], (L,), (ci[:, :L], si[:, :L]))
-    return o_lm, o_ad, (q0, k0, v0, cos, sin), mc, layer.eps
+            o_bi[L] = bi.attend(qi[:, :L], ki[:, :L], v0[:, :L], grid=(L,),
+                                rope_tables=RotaryTables(ci[:, :L], si[:, :L], interleaved=True, upcast=True))
+    return o_causal, o_bi, (q0, k0, v0, rot.cos, rot.sin), mc, layer.eps
 
 
 AGREE = [(p, False) for p in ROPE_PLACEMENTS] + [("before_feature_map", True), ("none", True)]
@@ -197,28 +202,41 @@ AGREE = [(p, False) for p in ROPE_PLACEMENTS] + [("before_feature_map", True), (
 
 @pytest.mark.parametrize("kind", ["linear", "mhla"])
 @pytest.mark.parametrize("placement,normalize", AGREE)
-def test_lm_and_diffusers_placements_agree(kind, placement, normalize):
-    """Same placement name, same numbers: every placement without the normaliser, before / none with it."""
-    o_lm, o_ad, *_ = lm_and_adapter(kind, placement, normalize)
-    for L, o in o_ad.items():
-        torch.testing.assert_close(o[:, -1], o_lm[:, L - 1], rtol=1e-10, atol=1e-12)
+def test_causal_and_bidirectional_placements_agree(kind, placement, normalize):
+    """Same placement name, same numbers, whichever table layout the model hands in."""
+    o_causal, o_bi, *_ = causal_and_bidirectional(kind, placement, normalize)
+    for L, o in o_bi.items():
+        torch.testing.assert_close(o[:, -1], o_causal[:, L - 1], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mhla"])
-def test_after_feature_map_normalizer_differs_as_documented(kind):
-    """normalize=True with rope after the feature map: the LM divides by rope(phi(q)) . rope(phi(k)), the
-    adapter by the un-rotated phi(q) . phi(k) (mhla.rope's docstring). Both against that definition."""
-    o_lm, o_ad, (q0, k0, v0, cos, sin), mc, eps = lm_and_adapter(kind, "after_feature_map", True)
+def test_after_feature_map_normalizer_uses_the_unrotated_features(kind):
+    """normalize=True with rope after the feature map: the numerator uses rope(phi(q)) . rope(phi(k)), the
+    normaliser the un-rotated phi(q) . phi(k) (positive), checked against that definition; a causal layer refuses
+    the combination (it would need a second decode state)."""
+    _, o_bi, (q0, k0, v0, cos, sin), mc, eps = causal_and_bidirectional(kind, "none", False)
     phi = lambda t: torch.relu(t) + 1e-6  # noqa: E731  (feature_map="relu")
     qp, kp = phi(q0), phi(k0)
     qr, kr = apply_rope(qp, cos, sin), apply_rope(kp, cos, sin)
-    for L, o in o_ad.items():
-        t = L - 1
-        w = torch.ones(L, dtype=torch.float64) if mc is None else mc[t // C, torch.arange(L) // C]  # [L]
-        num = torch.einsum("bhd,bshd,s,bshe->bhe", qr[:, t], kr[:, :L], w, v0[:, :L])
-        den_rot = torch.einsum("bhd,bshd,s->bh", qr[:, t], kr[:, :L], w)
-        den_plain = torch.einsum("bhd,bshd,s->bh", qp[:, t], kp[:, :L], w)
-        torch.testing.assert_close(o_lm[:, t], num / (den_rot + eps)[..., None], rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(o[:, -1], num / (den_plain + eps)[..., None], rtol=1e-9, atol=1e-12)
-        assert (den_plain > 0).all()
-    assert not torch.allclose(o_ad[T][:, -1], o_lm[:, T - 1])
+    for L in range(C, T + 1, C):
+        n = L // C
+        opts = {"name": kind, "rope": "after_feature_map", "normalize": True}
+        if kind == "mhla":
+            opts["blocks"] = (n,)
+        layer = build_attention(opts, 16, H, projections=False, grid=(L,)).double()
+        if kind == "mhla":
+            with torch.no_grad():
+                layer.mixing.raw.copy_(mc[:n, :n])
+        with torch.no_grad():
+            o = layer.attend(q0[:, :L], k0[:, :L], v0[:, :L], grid=(L,),
+                             rope_tables=RotaryTables(cos[:L], sin[:L]))
+        w = torch.ones(L, L, dtype=torch.float64) if mc is None else mc[torch.arange(L)[:, None] // C,
+                                                                        torch.arange(L)[None] // C]  # [L, L]
+        num = torch.einsum("bthd,bshd,ts,bshe->bthe", qr[:, :L], kr[:, :L], w, v0[:, :L])
+        den = torch.einsum("bthd,bshd,ts->bth", qp[:, :L], kp[:, :L], w)
+        torch.testing.assert_close(o, num / (den + layer.eps)[..., None], rtol=1e-9, atol=1e-12)
+        assert (den > 0).all()
+    with pytest.raises(ValueError, match="no normaliser"):
+        MHLALMConfig(attn={"name": kind, "rope": "after_feature_map", "normalize": True}, hidden_size=16,
+                     num_hidden_layers=1, num_heads=H, vocab_size=11) and build_attention(
+            {"name": kind, "rope": "after_feature_map", "normalize": True}, 16, H, causal=True)

@@ -60,7 +60,7 @@ def test_trained_run_samples_latents_of_the_right_shape(run, loaded):
     trainer, _ = run
     model, cfg, step = loaded
     assert trainer.step == 2 and step == 2
-    assert type(model.transformer_blocks[0].attn1.processor).__name__ == "MHLAAttnProcessor"
+    assert type(model.transformer_blocks[0].attn1.processor).__name__ == "AttentionProcessor"
     assert cfg.model.transformer_config.sample_size == 8          # recorded by the training task
     assert cfg.task.caption_dropout == 0.1                        # sana_mini trains with caption dropout
     text, neg = _text()

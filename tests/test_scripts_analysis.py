@@ -64,10 +64,8 @@ def test_own_attention_matrix_reproduces_the_layer_output(index):
     (_, q, k), = analyze_attention.capture_qk(layer, x)
     kind, A = analyze_attention.own_attention_matrix(layer, q, k)
     assert kind == ("softmax" if index == 0 else "mhla" if index in (2, 3) else "linear")
-    layout = layer._block_layout(layer._grid_for(64, None))
-    xb = layout.raster_to_block_major(x) if layout is not None else x
-    q2, k2, v = layer._project(xb)
-    o = layer._core(q2, k2, v, xb, layer._grid_for(64, None), None, None)     # [B, N, H, Dv]
+    q2, k2, v = layer._project(x)
+    o = layer.attend(q2, k2, v, grid=layer._grid_for(64, None), x=x)     # [B, N, H, Dv], raster order
     torch.testing.assert_close(torch.einsum("bhts,bshd->bthd", A, v), o, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(A.sum(-1), torch.ones_like(A.sum(-1)))
 

@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tasks.common.logger import Media, RunLogger, format_metrics, heatmap_image, split_media
-from tasks.common.trainer import Trainer, available_cpus, cap_num_workers, mixing_matrices
+from tasks.common.hooks import logged_matrices
+from tasks.common.trainer import Trainer, available_cpus, cap_num_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -152,22 +153,22 @@ def test_heatmap_image_is_rgb_with_a_panel_per_head():
     assert heatmap_image(np.zeros((3, 3)), "zeros").std() > 0  # all-zero matrix: still drawn
 
 
-def test_mixing_matrices_finds_the_learnable_mhla_layers():
+def test_logged_matrices_are_the_learnable_mhla_mixing_matrices():
     from mhla.layers import MultiHeadLinearAttention  # noqa: PLC0415
     from mhla.mixing import MixingMatrix  # noqa: PLC0415
     from tasks.classification.task import ClassificationTask  # noqa: PLC0415
 
     model = ClassificationTask(make_cfg(TINY + ["logger=none"])).build_model()
     layers = [n for n, m in model.named_modules() if isinstance(m, MultiHeadLinearAttention)]
-    found = mixing_matrices(model)
-    assert len(layers) == 2 and sorted(found) == sorted(layers)
-    for name, w in found.items():
-        layer = model.get_submodule(name)
+    found = logged_matrices(model)
+    assert len(layers) == 2 and sorted(found) == sorted(f"mixing/{n}" for n in layers)
+    for key, w in found.items():
+        layer = model.get_submodule(key.partition("/")[2])
         torch.testing.assert_close(w, layer.mixing().detach().float())
     frozen = torch.nn.Sequential(torch.nn.Module(), torch.nn.Module())
     frozen[0].mixing = MixingMatrix(3, learnable=False)
     frozen[1].mixing = MixingMatrix(3, num_heads=2)
-    assert {k: tuple(v.shape) for k, v in mixing_matrices(frozen).items()} == {"1": (2, 3, 3)}
+    assert {k: tuple(v.shape) for k, v in logged_matrices(frozen).items()} == {"mixing/1": (2, 3, 3)}
 
 
 # ------------------------------------------------------------------------------------------ runs

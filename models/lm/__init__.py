@@ -4,8 +4,8 @@ Importing this package registers ``model_type="mhla_lm"`` with ``AutoConfig``, `
 ``AutoModelForCausalLM``, so ``AutoModelForCausalLM.from_pretrained(path)`` loads a saved model::
 
     from models.lm import MHLALMConfig, MHLALMForCausalLM
-    model = MHLALMForCausalLM(MHLALMConfig(attn_type="mhla", hidden_size=256, num_hidden_layers=4,
-                                           num_heads=4, vocab_size=8000, block_size=32,
+    model = MHLALMForCausalLM(MHLALMConfig(attn={"name": "mhla", "block_size": 32}, hidden_size=256,
+                                           num_hidden_layers=4, num_heads=4, vocab_size=8000,
                                            max_position_embeddings=256))
     out = model(input_ids, labels=input_ids)            # out.loss, out.logits [B, T, V]
     model.generate(input_ids, max_new_tokens=64, do_sample=False)   # decodes with MHLALMCache
@@ -13,7 +13,7 @@ Importing this package registers ``model_type="mhla_lm"`` with ``AutoConfig``, `
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .configuration_mhla_lm import ATTN_TYPES, ROPE_PLACEMENTS, MHLALMConfig, swiglu_intermediate
+from .configuration_mhla_lm import LM_ATTENTION_DEFAULTS, ROPE_PLACEMENTS, MHLALMConfig, swiglu_intermediate
 from .modeling_mhla_lm import MHLALMCache, MHLALMForCausalLM, MHLALMModel, MHLALMPreTrainedModel
 
 AutoConfig.register(MHLALMConfig.model_type, MHLALMConfig, exist_ok=True)
@@ -21,6 +21,6 @@ AutoModel.register(MHLALMConfig, MHLALMModel, exist_ok=True)
 AutoModelForCausalLM.register(MHLALMConfig, MHLALMForCausalLM, exist_ok=True)
 
 __all__ = [
-    "ATTN_TYPES", "ROPE_PLACEMENTS", "MHLALMCache", "MHLALMConfig", "MHLALMForCausalLM", "MHLALMModel",
+    "LM_ATTENTION_DEFAULTS", "ROPE_PLACEMENTS", "MHLALMCache", "MHLALMConfig", "MHLALMForCausalLM", "MHLALMModel",
     "MHLALMPreTrainedModel", "swiglu_intermediate",
 ]

@@ -1,43 +1,67 @@
-"""``MHLALMConfig``: a decoder-only language model with causal MHLA (or linear / softmax attention).
+"""``MHLALMConfig``: a decoder-only language model with causal MHLA (or any causal registered attention).
 
-Defaults are the paper's 340M model (SPEC.md Table 6): hidden 1024, 24 layers, 4 heads, key dim 0.5 x hidden
-(128 per head), value dim 1 x hidden (256 per head), SwiGLU MLP (GLA's ``hidden_ratio`` 4 rule: 2816), vocab
-32000, tied embeddings, chunks of 64 tokens, context 2048 (M = 32 learned mixing rows).
+Defaults are the paper's 340M model (Table 6): hidden 1024, 24 layers, 4 heads, key dim 0.5 x hidden (128 per
+head), value dim 1 x hidden (256 per head), SwiGLU MLP (GLA's ``hidden_ratio`` 4 rule: 2816), vocab 32000, tied
+embeddings, context 2048.
 
-Paper defaults versus the authors' release (SPEC.md section 2), every difference a field:
+The attention is stored once, as ``config.attn``: a dict with the registered attention's ``name`` and its layer
+options (:mod:`mhla.registry`; the layers of :mod:`mhla.layers`). What is not given takes the paper's language-
+model setting for that attention (:data:`LM_ATTENTION_DEFAULTS`), every difference from the authors' release
+named:
 
-| field | default (ours; the paper where it is explicit) | release |
+| option | default (ours; the paper where it is explicit) | release |
 |---|---|---|
-| ``normalize`` | ``False`` + output RMSNorm (the paper's LM setting) | same |
+| ``normalize`` | ``False`` + ``out_norm`` (output RMSNorm; the paper's LM setting) | same |
 | ``mixing_init`` | ``"uniform"`` (1/(i+1) over past chunks; chosen on MQAR, ``results/mqar/``); the paper's causal ``"locality"`` is an option | ``"uniform"`` |
-| ``output_gate`` | ``True``: RMSNorm(o) * swish(W_g x); Table 6's "340M" is reached only with it (341.2M; 316.0M without) | same |
+| ``gate`` | ``True``: RMSNorm(o) * swish(W_g x); Table 6's "340M" is reached only with it (341.2M; 316.0M without) | same |
 | ``rope`` | ``"after_feature_map"`` (the paper is silent; the release's placement) | same |
-| ``max_position_embeddings`` | learned mixing rows = 2048 / 64; longer inputs extend by ``mixing_extension`` | hard cap at 2048 |
+| ``block_size`` | 64 tokens per chunk (``"auto"``: the smallest power of two >= sqrt(context)) | 64 |
+| ``max_learned_blocks`` | learned mixing rows = context / block_size; longer inputs extend by ``mixing_extension`` | hard cap at 2048 tokens |
 | ``mixing_extension`` | ``"uniform_far"``: rows past the learned ones repeat the last one by distance, the far past shares one coefficient (``results/language/length_extrapolation.md``) | none (capped) |
 | ``mixing_param`` | ``"clamp"`` (paper); ``"log"`` and ``"softplus"`` are options | clamp |
 
-The mixing matrix's learning rate is not a model field (``optim.mixing_lr_scale``, its own AdamW group in
-``train.py``). The LM tasks train it at the full lr, as the paper and the release do: on text it then beats
-linear attention on every seed, while at lr x 0.01 it does not move in a short run and MHLA is linear attention
-up to scale (``results/language/mixing_lr.md``). ``task=mqar`` keeps lr x 0.01 (``results/mqar/README.md``).
+``out_norm`` follows ``normalize`` unless it is given (``out_norm = not normalize``). The mixing matrix's
+learning rate is not a model field (``optim.mixing_lr_scale``): the LM tasks train it at the full lr, as the
+paper and the release do (``results/language/mixing_lr.md``); ``task=mqar`` keeps lr x 0.01.
 
-``rope``: ``"after_feature_map"`` rotates phi(q), phi(k) (release), ``"before_feature_map"`` rotates q, k
-before phi (keeps phi's outputs nonnegative), ``"none"`` (:data:`mhla.rope.ROPE_PLACEMENTS`; the diffusers
-adapter's ``"after"`` / ``"before"`` are accepted and stored under these names). Softmax attention rotates
-q, k for either placement. With ``normalize=True`` the normaliser uses the same (rotated) q, k as the
-numerator, unlike the diffusers adapter's ``"after_feature_map"``, which normalises with the un-rotated
-phi(q), phi(k) (:mod:`mhla.rope`); the default ``normalize=False`` has no normaliser.
+``rope``: ``"after_feature_map"`` rotates phi(q), phi(k) (release), ``"before_feature_map"`` rotates q, k before phi
+(keeps phi's outputs nonnegative), ``"none"`` (no rotary embedding; :data:`mhla.rope.ROPE_PLACEMENTS`). Softmax
+attention rotates q, k for either placement.
+
+Configs saved before the attention was one dict (``attn_type`` plus flat ``feature_map``, ``mixing_init``, ...
+fields) load through :func:`attention_from_legacy_fields`, the one mapping (a committed checkpoint of that format
+is loaded in ``tests/test_lm_model.py``).
 """
 
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 
 from mhla.layouts import ceil_div
-from mhla.mixing import EXTENSION_RULES
+from mhla.registry import AttentionContract, Needs, accepted_options, get_attention_class
 from mhla.rope import ROPE_PLACEMENTS, rope_placement  # noqa: F401 (ROPE_PLACEMENTS: models.lm exports it)
 
-ATTN_TYPES = ("mhla", "linear", "softmax")
+# The paper's language-model setting: "*" for every causal attention that takes the option, then each name's own.
+# ``out_norm`` is left out: it follows ``normalize`` (see the module docstring).
+LM_ATTENTION_DEFAULTS: dict[str, dict] = {
+    "*": {"gate": True, "rope": "after_feature_map", "qk_norm": False, "cpe": False, "short_conv": 0,
+          "feature_map": "relu", "normalize": False},
+    "mhla": {"block_size": 64, "mixing_init": "uniform", "mixing_param": "clamp", "mixing_learnable": True,
+             "mixing_per_head": False, "mixing_extension": "uniform_far", "backend": "auto"},
+}
+# Options the model sets itself when it builds each block's attention.
+LM_FIXED_OPTIONS = ("causal", "head_dim", "value_dim", "qkv_bias", "proj_bias", "grid", "num_prefix_tokens",
+                    "projections", "device", "dtype")
+
+# configs saved before ``attn`` existed: flat field -> attention option
+LEGACY_ATTENTION_FIELDS = {
+    "feature_map": "feature_map", "normalize": "normalize", "output_gate": "gate", "rope": "rope",
+    "mixing_init": "mixing_init", "mixing_per_head": "mixing_per_head", "mixing_param": "mixing_param",
+    "mixing_learnable": "mixing_learnable", "mixing_extension": "mixing_extension", "qk_norm": "qk_norm",
+    "cpe": "cpe", "cpe_kernel": "cpe_kernel", "short_conv": "short_conv", "attn_backend": "backend",
+    "block_size": "block_size", "max_learned_blocks": "max_learned_blocks"}
 
 
 def swiglu_intermediate(hidden_size: int, hidden_ratio: float = 4.0, multiple_of: int = 256) -> int:
@@ -46,32 +70,87 @@ def swiglu_intermediate(hidden_size: int, hidden_ratio: float = 4.0, multiple_of
     return multiple_of * ceil_div(inner, multiple_of)
 
 
+def auto_block_size(seq_len: int) -> int:
+    """MHLA chunk length for a context of ``N`` tokens: the smallest power of two ``C >= sqrt(N)``, so the
+    number of blocks ``M = N / C`` satisfies the paper's ``M^2 <= N`` (64 -> 8, 128 -> 16, 256 -> 16)."""
+    return 1 << math.ceil(math.log2(math.sqrt(seq_len)))
+
+
+def attention_contract(model_cfg) -> AttentionContract:
+    """What the language model of ``model_cfg`` asks of its attention (``model.arch``): ``mhla_lm`` (ours) a causal
+    registered attention with a decode cache and packed sequences, with the paper's LM defaults
+    (:data:`LM_ATTENTION_DEFAULTS`); ``llama`` (Transformer++) its own softmax attention."""
+    name = f"model={model_cfg.get('name', 'lm')}"
+    arch = model_cfg.get("arch", "mhla_lm")
+    needs = Needs(causal=True, decoding=True, varlen=True, rope=True)
+    if arch == "llama":
+        return AttentionContract(model=name, needs=needs, native_only=True,
+                                 native={"softmax": "transformers' LlamaAttention (Transformer++)"})
+    if arch != "mhla_lm":
+        raise ValueError(f"model.arch={arch} is trained outside train.py (flash-linear-attention / flame; see the "
+                         "cell's config); train.py builds model.arch=mhla_lm (any causal attention) or llama")
+    context = int(model_cfg.max_position_embeddings)
+    return AttentionContract(model=name, needs=needs, defaults={k: dict(v) for k, v in LM_ATTENTION_DEFAULTS.items()},
+                             fixed=LM_FIXED_OPTIONS, probes=(({"causal": True}, {}),),
+                             prepare=lambda options: complete_lm_attention(options, context))
+
+
+def complete_lm_attention(attn: dict, max_position_embeddings: int) -> dict:
+    """``attn`` with every option of the paper's LM setting filled in: the defaults of its name, ``out_norm =
+    not normalize`` unless given, ``block_size="auto"`` resolved, and MHLA's ``max_learned_blocks`` (context /
+    block size). Raises ValueError for an attention without a causal form or an option it does not take."""
+    attn = {k: v for k, v in dict(attn).items() if v is not None}
+    name = attn.get("name", "mhla")
+    cls = get_attention_class(name)
+    if not cls.supports.causal:
+        raise ValueError(f"attn={name} has no causal form; the language model takes a causal attention")
+    accepted = accepted_options(cls)
+    out = {"name": name}
+    out.update({k: v for k, v in LM_ATTENTION_DEFAULTS["*"].items() if accepted is None or k in accepted})
+    out.update(LM_ATTENTION_DEFAULTS.get(name, {}))
+    out.update(attn)
+    if "normalize" in out and "out_norm" not in attn:
+        out["out_norm"] = not out["normalize"]
+    out["rope"] = rope_placement(out.get("rope", "none"))
+    if out.get("block_size") == "auto":
+        out["block_size"] = auto_block_size(max_position_embeddings)
+    if name == "mhla" and out.get("max_learned_blocks") is None:
+        out["max_learned_blocks"] = max(1, max_position_embeddings // int(out["block_size"]))
+    unknown = sorted(k for k in out if k != "name" and accepted is not None and k not in accepted)
+    if unknown:
+        raise ValueError(f"attn={name} does not take {unknown}; its options: {', '.join(sorted(accepted))}")
+    return out
+
+
+def attention_from_legacy_fields(kwargs: dict) -> dict:
+    """The ``attn`` dict of a config saved with ``attn_type`` and flat attention fields (pops them from
+    ``kwargs``); options the attention does not take are dropped (the old config stored every field for every
+    attention type), and ``out_norm`` follows ``normalize`` as it did then."""
+    name = kwargs.pop("attn_type")
+    accepted = accepted_options(get_attention_class(name))
+    attn = {"name": name}
+    for old, new in LEGACY_ATTENTION_FIELDS.items():
+        if old in kwargs:
+            value = kwargs.pop(old)
+            if accepted is None or new in accepted:
+                attn[new] = value
+    return attn
+
+
 class MHLALMConfig(PretrainedConfig):
     """Config of :class:`models.lm.MHLALMForCausalLM` (``model_type = "mhla_lm"``).
 
     Args:
-        attn_type: ``"mhla"`` | ``"linear"`` (plain causal linear attention) | ``"softmax"`` (SDPA, same code).
+        attn: the attention of every block: a name (``"mhla"``, ``"linear"``, ``"softmax"``, ...) or a dict with
+            ``name`` and layer options; unset options take :data:`LM_ATTENTION_DEFAULTS` (module docstring).
+            Stored complete.
         vocab_size, hidden_size, num_hidden_layers, num_heads: sizes.
         key_dim_ratio / value_dim_ratio: total key (query) / value width as a fraction of ``hidden_size``
             (GLA's ``expand_k`` / ``expand_v``); per-head dims are these widths / ``num_heads``.
         intermediate_size: SwiGLU width (None: :func:`swiglu_intermediate`).
-        block_size: MHLA chunk length C. max_position_embeddings: training context; MHLA learns
-            ``max_learned_blocks`` (default ``max_position_embeddings // block_size``) mixing rows and extends
-            beyond them by ``mixing_extension`` (no length cap anywhere).
-        feature_map: phi for MHLA / linear attention (``mhla.feature_maps``). normalize: keep the paper's
-            normalizer (``False``: drop it and RMSNorm the output, the paper's LM setting).
-        output_gate: GLA-style ``RMSNorm(o) * swish(W_g x)``. rope, rope_theta: rotary embedding placement.
-        mixing_init, mixing_per_head, mixing_param, mixing_learnable: see :class:`mhla.mixing.MixingMatrix`.
-        mixing_extension: rule for the mixing rows past ``max_learned_blocks`` (:data:`mhla.mixing.EXTENSION_RULES`;
-            ``"uniform_far"``; configs saved before this field existed load with it too).
-        qk_norm: RMSNorm per head on q and k. cpe / cpe_kernel: causal depthwise conv on V (off).
-        short_conv: kernel of a causal depthwise conv + SiLU on the projected q, k and v (fla's
-            ``ShortConvolution``, ``conv_size=4`` in GLA / Gated DeltaNet; 0: off, the paper's LM). It lets a
-            layer copy the previous tokens into each position, which linear attention cannot do sharply.
-            Training and full-sequence evaluation only: cached decoding and packed (``cu_seqlens`` / padded)
-            calls raise NotImplementedError.
+        max_position_embeddings: the training context (MHLA learns context / block_size mixing rows; no cap).
+        rope_theta: base of the rotary embedding (used when ``attn["rope"]`` is not ``"none"``).
         rms_norm_eps, initializer_range, tie_word_embeddings: as in Llama.
-        attn_backend: op backend (``"auto"`` | ``"torch"`` | ``"triton"`` | ``"reference"``).
     """
 
     model_type = "mhla_lm"
@@ -79,7 +158,7 @@ class MHLALMConfig(PretrainedConfig):
 
     def __init__(
         self,
-        attn_type: str = "mhla",
+        attn: dict | str | None = None,
         vocab_size: int = 32000,
         hidden_size: int = 1024,
         num_hidden_layers: int = 24,
@@ -87,26 +166,10 @@ class MHLALMConfig(PretrainedConfig):
         key_dim_ratio: float = 0.5,
         value_dim_ratio: float = 1.0,
         intermediate_size: int | None = None,
-        block_size: int = 64,
         max_position_embeddings: int = 2048,
-        max_learned_blocks: int | None = None,
-        feature_map: str = "relu",
-        normalize: bool = False,
-        output_gate: bool = True,
-        rope: str = "after_feature_map",
         rope_theta: float = 10000.0,
-        mixing_init: str = "uniform",
-        mixing_per_head: bool = False,
-        mixing_param: str = "clamp",
-        mixing_learnable: bool = True,
-        mixing_extension: str = "uniform_far",
-        qk_norm: bool = False,
-        cpe: bool = False,
-        cpe_kernel: int = 3,
-        short_conv: int = 0,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
-        attn_backend: str = "auto",
         use_cache: bool = True,
         tie_word_embeddings: bool = True,
         bos_token_id: int | None = 1,
@@ -114,17 +177,20 @@ class MHLALMConfig(PretrainedConfig):
         pad_token_id: int | None = None,
         **kwargs,
     ):
-        if attn_type not in ATTN_TYPES:
-            raise ValueError(f"attn_type must be one of {ATTN_TYPES}, got {attn_type!r}")
-        rope = rope_placement(rope)
+        if "attn_type" in kwargs:
+            if attn is not None:
+                raise ValueError("pass attn (the attention dict) or the legacy attn_type fields, not both")
+            attn = attention_from_legacy_fields(kwargs)
+        legacy = sorted(set(kwargs) & set(LEGACY_ATTENTION_FIELDS))
+        if legacy:
+            raise ValueError(f"{legacy} are options of the attention: pass attn={{'name': ..., {legacy[0]!r}: ...}}")
+        attn = {"name": attn} if isinstance(attn, str) else dict(attn or {"name": "mhla"})
+        self.attn = complete_lm_attention(attn, max_position_embeddings)
         key_dim, value_dim = int(hidden_size * key_dim_ratio), int(hidden_size * value_dim_ratio)
         if key_dim % num_heads or value_dim % num_heads:
             raise ValueError(f"key dim {key_dim} and value dim {value_dim} must be divisible by num_heads={num_heads}")
-        if rope != "none" and (key_dim // num_heads) % 2:
+        if self.attn["rope"] != "none" and (key_dim // num_heads) % 2:
             raise ValueError(f"RoPE needs an even per-head key dim, got {key_dim // num_heads}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.attn_type = attn_type
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -133,33 +199,21 @@ class MHLALMConfig(PretrainedConfig):
         self.key_dim_ratio = key_dim_ratio
         self.value_dim_ratio = value_dim_ratio
         self.intermediate_size = intermediate_size or swiglu_intermediate(hidden_size)
-        self.block_size = block_size
         self.max_position_embeddings = max_position_embeddings
-        self.max_learned_blocks = max_learned_blocks or max(1, max_position_embeddings // block_size)
-        self.feature_map = feature_map
-        self.normalize = normalize
-        self.output_gate = output_gate
-        self.rope = rope
         self.rope_theta = rope_theta
-        self.mixing_init = mixing_init
-        self.mixing_per_head = mixing_per_head
-        self.mixing_param = mixing_param
-        self.mixing_learnable = mixing_learnable
-        if mixing_extension not in EXTENSION_RULES:
-            raise ValueError(f"mixing_extension must be one of {', '.join(EXTENSION_RULES)}, got {mixing_extension!r}")
-        self.mixing_extension = mixing_extension
-        self.qk_norm = qk_norm
-        self.cpe = cpe
-        self.cpe_kernel = cpe_kernel
-        if short_conv < 0:
-            raise ValueError(f"short_conv must be >= 0 (0: off), got {short_conv}")
-        self.short_conv = short_conv
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
-        self.attn_backend = attn_backend
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
+
+    @property
+    def attn_name(self) -> str:
+        return self.attn["name"]
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.attn.get("rope", "none") != "none"
 
     @property
     def head_dim(self) -> int:

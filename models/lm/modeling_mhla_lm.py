@@ -1,8 +1,10 @@
 """A decoder-only language model with causal MHLA, as a transformers model (``AutoModelForCausalLM``).
 
 Block (as GLA / Transformer++): ``h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h))``, final RMSNorm, tied LM
-head. The attention is the library's layer (:mod:`mhla.layers`: ``MultiHeadLinearAttention`` with
-``causal=True``, ``LinearAttention`` or ``SoftmaxAttention``); this file only adds RoPE and the model glue.
+head. The attention is the registered layer ``config.attn`` built through :func:`mhla.registry.build_attention`
+(``MultiHeadLinearAttention`` with ``causal=True``, ``LinearAttention``, ``SoftmaxAttention``, ...); the layer
+applies the feature map and the rotary tables the model passes with each call (:class:`mhla.rope.RotaryTables`);
+this file adds the tables and the model glue.
 
 Decoding: :class:`MHLALMCache` (a transformers ``Cache``) holds one :class:`mhla.layers.AttentionCache` per
 layer: the MHLA decode state (:class:`mhla.MHLAState`: every finished chunk's summary plus the running one),
@@ -33,112 +35,32 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from mhla.feature_maps import get_feature_map
-from mhla.layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
+from mhla.layers import AttentionCache
 from mhla.mixing import MixingMatrix
 from mhla.ops.varlen import token_index
-from mhla.rope import apply_rope, rope_and_feature_map
+from mhla.registry import build_attention
+from mhla.rope import RotaryTables
 
 from .configuration_mhla_lm import MHLALMConfig
 
 
 # ------------------------------------------------------------------------------------------- RoPE
-def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32) -> RotaryTables:
     """Rotary tables for ``positions [T]`` or ``[B, T]`` -> cos, sin ``[T or B x T, 1, dim]`` (fp32 math).
 
-    Half-split layout (``cat([a, a])``), for :func:`mhla.rope.apply_rope` with ``interleaved=False``.
+    Half-split layout (``cat([a, a])``, :func:`mhla.rope.apply_rope` with ``interleaved=False``).
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
     ang = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
     ang = torch.cat([ang, ang], dim=-1).unsqueeze(-2)  # [..., T, 1, dim]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-class _LMAttentionMixin:
-    """Makes a library attention layer apply the LM's feature map and RoPE in ``_project``.
-
-    The layer is built with ``feature_map="identity"`` so its ``_core`` sees the final q, k; this mixin
-    applies phi and the rotation in the configured order (:func:`mhla.rope.rope_and_feature_map`; the layer's
-    normaliser, when ``normalize=True``, sees the same q, k as the numerator: see :mod:`mhla.rope`).
-    The rotary tables come with each call: ``layer(x, cache=..., cu_seqlens=..., rope_tables=(cos, sin))``
-    (:meth:`mhla.layers.AttentionBase.forward` hands them to ``_project``).
-    """
-
-    def setup_lm(self, feature_map: str | None, rope: str, short_conv: int = 0) -> None:
-        self.lm_feature_map = get_feature_map(feature_map) if feature_map else None
-        self.lm_rope = rope
-        self.short_conv = None
-        if short_conv:  # one depthwise conv over the channels of q | k | v, as fla's three ShortConvolutions
-            channels = self.num_heads * (2 * self.head_dim + self.value_dim)
-            self.short_conv = nn.Conv1d(channels, channels, short_conv, groups=channels, bias=False,
-                                        device=self.qkv.weight.device, dtype=self.qkv.weight.dtype)
-
-    def forward(self, x, *args, cache=None, cu_seqlens=None, **kwargs):
-        if self.short_conv is not None and (cache is not None or cu_seqlens is not None):
-            raise NotImplementedError(
-                "short_conv is for training and full-sequence evaluation: cached decoding and packed / padded "
-                "calls keep no conv state yet (call with use_cache=False and no attention_mask)")
-        return super().forward(x, *args, cache=cache, cu_seqlens=cu_seqlens, **kwargs)
-
-    def _apply_short_conv(self, q, k, v):
-        """Causal depthwise conv (kernel ``K``, left zero padding) + SiLU over the tokens of q, k ``[B, T, H, D]``
-        and v ``[B, T, H, Dv]``, channel by channel (token ``t`` sees ``t - K + 1 .. t``)."""
-        B, T, H, D = q.shape
-        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1).transpose(1, 2)
-        qkv = F.silu(self.short_conv(F.pad(qkv, (self.short_conv.kernel_size[0] - 1, 0)))).transpose(1, 2)
-        q, k, v = qkv.split([H * D, H * D, v.shape[2] * v.shape[3]], dim=-1)
-        return q.reshape(B, T, H, D), k.reshape(B, T, H, D), v.reshape(B, T, H, -1)
-
-    def _project(self, x, rope_tables=None):
-        """``x [B, T, C]`` -> q, k ``[B, T, H, D]`` (normed, short-convolved, rotated, feature-mapped),
-        v ``[B, T, H, Dv]``.
-
-        ``rope_tables``: half-split ``(cos, sin)`` of the T positions (:func:`rope_cos_sin`); None: none."""
-        q, k, v = super()._project(x)
-        if self.short_conv is not None:
-            q, k, v = self._apply_short_conv(q, k, v)
-        rot = None
-        if rope_tables is not None:
-            cos, sin = rope_tables
-            rot = lambda t: apply_rope(t, cos, sin)  # noqa: E731
-        q, k, _, _ = rope_and_feature_map(q, k, self.lm_feature_map, rot, self.lm_rope)
-        return q, k, v
-
-
-class LMMultiHeadLinearAttention(_LMAttentionMixin, MultiHeadLinearAttention):
-    """Causal MHLA with the LM's RoPE placement."""
-
-
-class LMLinearAttention(_LMAttentionMixin, LinearAttention):
-    """Causal linear attention with the LM's RoPE placement (the plain linear-attention baseline)."""
-
-
-class LMSoftmaxAttention(_LMAttentionMixin, SoftmaxAttention):
-    """Causal softmax attention (SDPA + KV cache), the same-code control."""
+    return RotaryTables(ang.cos().to(dtype), ang.sin().to(dtype))
 
 
 def build_lm_attention(config: MHLALMConfig) -> nn.Module:
-    """The attention layer of one block, built from the config."""
-    common = dict(
-        head_dim=config.head_dim, value_dim=config.head_value_dim, qkv_bias=False, proj_bias=False,
-        qk_norm=config.qk_norm, causal=True, cpe=config.cpe, cpe_kernel=config.cpe_kernel,
-        gate=config.output_gate, backend=config.attn_backend,
-    )
-    if config.attn_type == "softmax":
-        layer = LMSoftmaxAttention(config.hidden_size, config.num_heads, **common)
-        layer.setup_lm(None, config.rope, config.short_conv)
-        return layer
-    common.update(feature_map="identity", normalize=config.normalize, out_norm=not config.normalize)
-    if config.attn_type == "linear":
-        layer = LMLinearAttention(config.hidden_size, config.num_heads, **common)
-    else:
-        layer = LMMultiHeadLinearAttention(
-            config.hidden_size, config.num_heads, block_size=config.block_size,
-            mixing_init=config.mixing_init, mixing_learnable=config.mixing_learnable,
-            mixing_per_head=config.mixing_per_head, mixing_param=config.mixing_param,
-            max_learned_blocks=config.max_learned_blocks, mixing_extension=config.mixing_extension, **common)
-    layer.setup_lm(config.feature_map, config.rope, config.short_conv)
-    return layer
+    """The attention layer of one block: the registered attention ``config.attn`` (name + options), causal, with
+    the model's head dims and no projection biases."""
+    return build_attention(config.attn, config.hidden_size, config.num_heads, causal=True, head_dim=config.head_dim,
+                           value_dim=config.head_value_dim, qkv_bias=False, proj_bias=False)
 
 
 # ------------------------------------------------------------------------------------------ cache
@@ -427,7 +349,7 @@ class MHLALMModel(MHLALMPreTrainedModel):
             h = self._forward_packed(h, packed, position_ids, past_key_values)
             return BaseModelOutputWithPast(last_hidden_state=h, past_key_values=past_key_values)
         rope_tables = None
-        if self.config.rope != "none":
+        if self.config.uses_rope:
             if position_ids is None:
                 position_ids = torch.arange(past, past + T, device=h.device)
             rope_tables = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, h.dtype)
@@ -468,7 +390,7 @@ class MHLALMModel(MHLALMPreTrainedModel):
         lengths = packed.cu_seqlens.diff().long()
         x = packed.pack(h)
         rope_tables = None
-        if self.config.rope != "none":
+        if self.config.uses_rope:
             seen = cache.sequence_seen(packed.num_seqs, h.device) if cache is not None else lengths * 0
             positions = packed.positions(position_ids, seen)
             rope_tables = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)

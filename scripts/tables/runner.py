@@ -14,6 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tasks.common.checkpoint import atomic_save
+from tasks.common.config import model_attention
 from tasks.common.launch import run_training
 
 from . import config, registry
@@ -100,7 +101,7 @@ def export_pretrained(overrides: list[str], run_dir: str) -> dict:
         from models.dit import build_dit  # noqa: PLC0415  (models/ pulls in timm)
 
         cfg, _ = config.compose(overrides)
-        model = build_dit(cfg.model, cfg.attn)
+        model = build_dit(cfg.model, model_attention(cfg))
         path = os.path.join(run_dir, "checkpoints", "last.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         atomic_save({"config": OmegaConf.to_container(cfg, resolve=True), "model": model.state_dict(), "step": 0},

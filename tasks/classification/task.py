@@ -12,7 +12,7 @@ from timm.data import Mixup
 
 from models.vit import build_vit
 from models.vlt import build_vlt
-from tasks.common.config import ConfigError
+from tasks.common.config import ConfigError, model_attention
 from tasks.common.trainer import Task
 from tasks.common.utils import count_flops
 
@@ -40,11 +40,11 @@ class ClassificationTask(Task):
     def build_model(self) -> nn.Module:
         self.check_data()
         kind = self.cfg.model.get("kind", "vit")
+        attn = model_attention(self.cfg)
         if kind == "vit":
-            return build_vit(self.cfg.model, self.cfg.attn)
+            return build_vit(self.cfg.model, attn)
         if kind == "vlt":
             m = self.cfg.model
-            attn = OmegaConf.to_container(self.cfg.attn, resolve=True)
             return build_vlt(m.variant, linear_attn=attn, img_size=int(m.img_size), num_classes=int(m.num_classes),
                              in_chans=int(m.get("in_chans", 3)), head_dim=int(m.get("head_dim", 2048)),
                              stage_num_blocks=tuple(m.stage_num_blocks), drop_path_rate=m.get("drop_path_rate"))
@@ -118,7 +118,7 @@ class ClassificationTask(Task):
         def unpadded_flops(px: int) -> int:
             cfg = OmegaConf.merge(m, {"img_size": px, "input_size": px, "pad_to": None})
             with torch.random.fork_rng(devices=[]):  # the run's RNG stream stays as without this count
-                net = build_vit(cfg, self.cfg.attn).to(device)
+                net = build_vit(cfg, model_attention(self.cfg)).to(device)
             return count_flops(net, torch.zeros(1, in_chans, px, px, device=device))
 
         n = tokens(size)

@@ -14,6 +14,9 @@ import pickle
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+
+from .config import upgrade_config
 
 from .fileio import atomic_write
 
@@ -65,6 +68,12 @@ def load_run_checkpoint(path: str | os.PathLike, map_location="cpu", require: tu
         raise NotACheckpointError(f"not a checkpoint of this project: {path} ({what}; train.py writes "
                                   f"<run_dir>/checkpoints/last.pt and best.pt)")
     return state
+
+
+def run_config(state: dict):
+    """The resolved config stored in a ``train.py`` checkpoint, as an OmegaConf ``DictConfig``, in today's schema
+    (a config written before the attention schema is mapped by :func:`tasks.common.config.upgrade_config`)."""
+    return upgrade_config(OmegaConf.create(state["config"]))
 
 
 def find_checkpoint(path: str | os.PathLike, which: str = "last") -> Path:

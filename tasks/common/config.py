@@ -2,8 +2,9 @@
 
 Hydra already rejects unknown keys (``foo=1`` -> "Key 'foo' is not in struct"); :func:`apply_overrides` does
 the same for configs read back from a checkpoint (``eval.py``). This module checks what only the values or the
-combination of groups can tell: an attention a model cannot take, a block layout that does not tile the model's
-token grid, a missing data root, a schedule that trains nothing.
+combination of groups can tell: an attention a model cannot take or an ``attn.*`` option that would not take effect
+(:func:`model_attention`, the one place a run's attention is resolved), a block layout that does not tile the
+model's token grid, a missing data root, a schedule that trains nothing.
 
 It also holds the resolvers of ``hydra.run.dir`` (:func:`register_resolvers`).
 """
@@ -16,59 +17,65 @@ from pathlib import Path
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from mhla.layouts import BlockLayout, layout_from_num_blocks
-from mhla.registry import list_attentions
+from mhla.registry import accepted_options, check_attention, get_attention_class, resolve_attention
+from models.attention import attention_contract
 
 
 class ConfigError(ValueError):
     """A config that cannot run, with a message that says how to fix it."""
 
 
-def _token_grid(model_cfg) -> tuple[int, int] | None:
-    if model_cfg.get("kind") not in ("vit", "dit", "dig"):
-        return None
-    img = int(model_cfg.get("pad_to") or model_cfg.get("img_size") or model_cfg.input_size)  # DiT: input_size
-    patch = int(model_cfg.patch_size)
-    if img % patch:
-        raise ConfigError(f"model.img_size/pad_to={img} is not a multiple of model.patch_size={patch}")
-    return img // patch, img // patch
-
-
-def check_attention_fits_model(cfg) -> None:
-    attn = cfg.attn
-    supported = cfg.model.get("attentions")
-    # a model may list its own built-in attention (e.g. SANA's "native" ReLU linear attention)
-    model_native = supported is not None and attn.name in supported
-    if attn.name not in list_attentions() and not model_native:
-        raise ConfigError(f"attn={attn.name} is not a registered attention; choose one of {list_attentions()}")
-    if supported is not None and attn.name not in supported:
-        raise ConfigError(
-            f"model={cfg.model.name} cannot take attn={attn.name}; it supports {list(supported)}")
-    if cfg.model.get("kind") == "vlt" and attn.name == "mhla":
-        size = int(cfg.model.img_size)
-        blocks = attn.get("num_blocks")
-        for stage, (grid, m) in enumerate(zip((size // 4, size // 8), cfg.model.stage_num_blocks)):
-            try:
-                layout_from_num_blocks((grid, grid), int(blocks if blocks is not None else m))
-            except ValueError as e:
-                raise ConfigError(
-                    f"VLT stage {stage + 1} has a {grid}x{grid} token grid that M={blocks or m} blocks do not tile "
-                    f"({e}); set model.stage_num_blocks (defaults [49, 16] at 224 px) or model.img_size") from None
-        return
-    grid = _token_grid(cfg.model)
-    if grid is None or attn.name != "mhla":
-        return
+def model_attention(cfg) -> dict:
+    """The attention this run builds: ``cfg.attn`` resolved against the model's attention contract
+    (:func:`models.attention.attention_contract`, :func:`mhla.registry.resolve_attention`): ``{"name": ...,
+    option: value, ...}`` with every option set. Raises :class:`ConfigError` for an attention the model cannot
+    run (the message lists the ones it can), or an ``attn.*`` option that would not take effect (it names it)."""
     try:
-        if attn.get("block") is not None:
-            BlockLayout(grid, tuple(attn.block))
-        else:
-            layout_from_num_blocks(grid, int(attn.num_blocks))
+        contract = attention_contract(cfg.model)
+        options = resolve_attention(cfg.attn, contract)
+        check_attention(options, contract)
     except ValueError as e:
-        raise ConfigError(
-            f"attn=mhla with num_blocks={attn.get('num_blocks')} block={attn.get('block')} does not fit the "
-            f"{grid[0]}x{grid[1]} token grid of model={cfg.model.name} ({e}). Choose attn.num_blocks so that "
-            f"sqrt(M) divides {grid[0]} (e.g. 4, 16, 64 on a 16x16 grid), or change model.pad_to / image size"
-        ) from None
+        raise ConfigError(str(e)) from None
+    return options
+
+
+# The one mapping of configs written before the attention schema (``attn.*`` for every model): the language models
+# kept their attention options as model.* fields, DiG chose GLA with model.token_mixer, MALA / RALA called their
+# 2-D RoPE switch attn.rope. (A committed pre-schema checkpoint is loaded in tests/test_attention_schema.py.)
+LEGACY_LM_ATTENTION_FIELDS = {
+    "feature_map": "feature_map", "normalize": "normalize", "output_gate": "gate", "rope": "rope",
+    "mixing_init": "mixing_init", "mixing_per_head": "mixing_per_head", "mixing_param": "mixing_param",
+    "mixing_learnable": "mixing_learnable", "mixing_extension": "mixing_extension", "qk_norm": "qk_norm",
+    "cpe": "cpe", "cpe_kernel": "cpe_kernel", "short_conv": "short_conv", "attn_backend": "backend",
+    "block_size": "block_size", "max_learned_blocks": "max_learned_blocks"}
+
+
+def upgrade_config(cfg):
+    """``cfg`` (a run's stored config) in today's schema, changed in place and returned; a config of today is
+    returned as it is. Options that the stored attention does not take are dropped (the old LM config carried
+    every field for every attention); the old LM rule ``out_norm = not normalize`` is kept by the LM itself."""
+    model, attn = cfg.get("model"), cfg.get("attn")
+    if model is None or attn is None:
+        return cfg
+    with open_dict(cfg):
+        if model.get("kind") == "lm" and any(k in model for k in LEGACY_LM_ATTENTION_FIELDS):
+            # the LMs read only attn.name then (the other attn.* values were the vision group's, unused)
+            accepted = accepted_options(get_attention_class(attn.name)) or set(LEGACY_LM_ATTENTION_FIELDS.values())
+            new_attn = {"name": attn.name}
+            for old, new in LEGACY_LM_ATTENTION_FIELDS.items():
+                value = model.pop(old, None)
+                if new in accepted and value is not None:
+                    new_attn[new] = value
+            cfg.attn = OmegaConf.create(new_attn)
+            model.pop("mhla_num_blocks", None)
+        if model.get("kind") == "dig" and "token_mixer" in model:
+            mixer, chunk, backend = model.pop("token_mixer"), model.pop("gla_chunk", None), model.pop("gla_backend", None)
+            if mixer == "gla":
+                cfg.attn = OmegaConf.create({"name": "gla", "chunk": chunk, "backend": backend})
+        if cfg.attn.get("name") in ("mala", "rala") and "rope" in cfg.attn:
+            cfg.attn.rope_2d = cfg.attn.pop("rope")
+        model.pop("attentions", None)
+    return cfg
 
 
 def check_data(cfg) -> None:
@@ -143,7 +150,7 @@ def validate_config(cfg) -> None:
             raise ConfigError(f"the config has no '{key}' group; add {key}=... to the command")
     check_data(cfg)
     check_trainer(cfg)
-    check_attention_fits_model(cfg)
+    model_attention(cfg)
 
 
 def apply_overrides(cfg, overrides: list[str]) -> None:

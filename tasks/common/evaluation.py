@@ -11,10 +11,9 @@ misspelled key is an error, ``+key=value`` adds a key). The task is the class th
 
 from __future__ import annotations
 
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from .checkpoint import load_run_checkpoint, model_weights
+from .checkpoint import load_run_checkpoint, model_weights, run_config
 from .config import apply_overrides, check_eval_batch_size
 from .data import ResumableSampler
 from .distributed import setup_distributed
@@ -28,7 +27,7 @@ def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool =
     :func:`tasks.common.trainer.task_class`), and the model with the EMA (``use_ema``) or raw weights, in eval
     mode."""
     state = load_run_checkpoint(ckpt_path)
-    cfg = OmegaConf.create(state["config"])
+    cfg = run_config(state)
     apply_overrides(cfg, overrides or [])  # a misspelled key is an error, as in train.py
     check_eval_batch_size(cfg)
     task = task_class(cfg)(cfg)

@@ -7,28 +7,37 @@ import math
 import torch
 import torch.nn as nn
 
-
-def is_mixing_param(name: str) -> bool:
-    """True for an MHLA mixing-matrix parameter (``MixingMatrix.raw``, named ``...mixing.raw``)."""
-    return name.endswith("mixing.raw")
+from .hooks import optim_groups
 
 
-def param_groups(model: nn.Module, weight_decay: float, mixing_lr_scale: float = 1.0,
-                 mixing_weight_decay: float = 0.0, mixing_freeze_steps: int = 0) -> list[dict]:
-    """AdamW groups: weights with decay; biases, norms and position tables without; MHLA mixing on its own.
+def group_settings(cfg, group: str) -> dict:
+    """``optim.<group>_lr_scale`` (default 1), ``_weight_decay`` (default 0) and ``_freeze_steps`` (default 0),
+    validated."""
+    scale = float(cfg.get(f"{group}_lr_scale", 1.0))
+    if not scale >= 0:
+        raise ValueError(f"optim.{group}_lr_scale must be >= 0, got {scale}")
+    freeze = cfg.get(f"{group}_freeze_steps", 0) or 0
+    if isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 0:
+        raise ValueError(f"optim.{group}_freeze_steps must be an integer >= 0, got {freeze!r}")
+    return {"lr_scale": scale, "weight_decay": float(cfg.get(f"{group}_weight_decay", 0.0)), "freeze_steps": freeze}
 
-    The mixing-matrix group has learning rate ``mixing_lr_scale x`` the base lr and weight decay
-    ``mixing_weight_decay`` (the group is left out when the model has no learnable mixing). Each group carries
-    ``lr_scale``, which :func:`build_optimizer` multiplies into its lr (the scheduler scales every group alike),
-    and ``freeze_steps``: :func:`build_scheduler` holds that group's lr at 0 for its first ``freeze_steps`` steps
-    (``mixing_freeze_steps`` for the mixing group, 0 for the others).
+
+def param_groups(model: nn.Module, weight_decay: float, cfg=None) -> list[dict]:
+    """AdamW groups: weights with decay; biases, norms and position tables without; and one group for each
+    ``optim_group`` that the model's modules name (:mod:`tasks.common.hooks`; MHLA's mixing matrix: "mixing"),
+    with the settings of :func:`group_settings` read from ``cfg`` (the ``optim`` config).
+
+    Each group carries ``lr_scale``, which :func:`build_optimizer` multiplies into its lr (the scheduler scales
+    every group alike), and ``freeze_steps``: :func:`build_scheduler` holds that group's lr at 0 for its first
+    ``freeze_steps`` steps. A named group is left out when the model has no trainable parameter in it.
     """
-    decay, no_decay, mixing = [], [], []
+    owner = optim_groups(model)
+    decay, no_decay, named = [], [], {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if is_mixing_param(name):
-            mixing.append(p)
+        if id(p) in owner:
+            named.setdefault(owner[id(p)], []).append(p)
         elif p.ndim <= 1 or "pos_embed" in name or name.endswith(".bias"):
             no_decay.append(p)
         else:
@@ -37,25 +46,21 @@ def param_groups(model: nn.Module, weight_decay: float, mixing_lr_scale: float =
         {"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0, "freeze_steps": 0},
         {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0, "freeze_steps": 0},
     ]
-    if mixing:
-        groups.append({"params": mixing, "weight_decay": mixing_weight_decay, "lr_scale": mixing_lr_scale,
-                       "freeze_steps": mixing_freeze_steps})
+    for group, params in named.items():
+        groups.append({"params": params, "name": group, **group_settings(cfg or {}, group)})
     return groups
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    """``cfg``: name (adamw), lr, weight_decay, betas, eps, mixing_lr_scale, mixing_weight_decay,
-    mixing_freeze_steps (the mixing matrix's lr is 0 for that many steps, then follows the schedule)."""
+    """``cfg``: name (adamw), lr, weight_decay, betas, eps, and the settings of the modules' optimizer groups
+    (``<group>_lr_scale``, ``<group>_weight_decay``, ``<group>_freeze_steps``; MHLA: ``mixing_lr_scale``, ...)."""
     name = cfg.get("name", "adamw")
     if name != "adamw":
         raise ValueError(f"optim.name={name!r} is not supported; use adamw")
-    scale = float(cfg.get("mixing_lr_scale", 1.0))
-    if not scale >= 0:
-        raise ValueError(f"optim.mixing_lr_scale must be >= 0, got {scale}")
-    freeze = cfg.get("mixing_freeze_steps", 0) or 0
-    if isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 0:
-        raise ValueError(f"optim.mixing_freeze_steps must be an integer >= 0, got {freeze!r}")
-    groups = param_groups(model, cfg.weight_decay, scale, float(cfg.get("mixing_weight_decay", 0.0)), freeze)
+    for key in cfg:  # every group's settings are validated, also when the model has no such group
+        if str(key).endswith("_lr_scale"):
+            group_settings(cfg, str(key)[: -len("_lr_scale")])
+    groups = param_groups(model, cfg.weight_decay, cfg)
     for g in groups:
         g["lr"] = cfg.lr * g["lr_scale"]
     return torch.optim.AdamW(

@@ -2,8 +2,9 @@
 
 A task supplies a :class:`Task` (model, datasets, loss, evaluation); :class:`Trainer` does the rest:
 devices and ``torchrun`` (DDP, or FSDP with ``trainer.strategy=fsdp``), seeds, AdamW with a cosine
-schedule and warmup, gradient clipping, mixed precision (bf16 autocast on GPU), EMA, MHLA mixing-matrix
-projection after each optimizer step, progress bars, periodic evaluation, atomic checkpoints (``last.pt``
+schedule and warmup, gradient clipping, mixed precision (bf16 autocast on GPU), EMA, the modules' training
+hooks (:mod:`tasks.common.hooks`: optimizer groups, a call after each optimizer step, matrices to log), progress
+bars, periodic evaluation, atomic checkpoints (``last.pt``
 and ``best.pt``) with exact resume, and logging (stdout, ``train.log``, ``metrics.jsonl``, W&B offline by
 default).
 
@@ -16,8 +17,8 @@ drop-path). ``trainer.resume``: ``auto`` (this run folder's ``last.pt`` if there
 there), or a run folder / checkpoint path.
 
 Logging: each record goes with the same keys to ``metrics.jsonl``, W&B and the text lines
-(:mod:`tasks.common.logger`); with W&B, a heatmap of every learnable MHLA mixing matrix at each evaluation
-(``mixing/<layer>``) and the :class:`~tasks.common.logger.Media` that a task's ``evaluate`` (``eval/<name>``)
+(:mod:`tasks.common.logger`); with W&B, a heatmap of every matrix the modules log at each evaluation (MHLA's
+mixing matrices: ``mixing/<layer>``) and the :class:`~tasks.common.logger.Media` that a task's ``evaluate`` (``eval/<name>``)
 or ``after_fit`` (``final/<name>``) returns. Checkpoints hold the W&B run id, so a resumed run continues the
 same W&B run.
 
@@ -49,13 +50,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from mhla.mixing import MixingMatrix
-
 from .checkpoint import CheckpointManager, find_checkpoint, load_run_checkpoint
 from .config import ConfigError, check_trainer
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
+from .hooks import after_optimizer_step, logged_matrices
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
 from .progress import ProgressLoader
@@ -146,32 +146,12 @@ def task_class(cfg) -> type[Task]:
     return cls
 
 
-def project_mixing_(model: nn.Module) -> None:
-    """Keep every MHLA mixing matrix in its feasible set (the paper's clipping to [0, 1])."""
-    for m in model.modules():
-        if hasattr(m, "project_") and callable(m.project_) and m is not model:
-            m.project_()
-
-
-@torch.no_grad()
-def mixing_matrices(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The effective learnable mixing matrix of every MHLA layer of ``model`` (``[M, M]`` or ``[H, M, M]``,
-    float32 on the CPU), by the name of the layer that holds it (``blocks.0.attn``). Frozen matrices are left
-    out, and so are matrices that are not whole here (sharded by FSDP)."""
-    out = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, MixingMatrix) or not m.learnable:
-            continue
-        if m.raw.dim() in (2, 3) and tuple(m.raw.shape[-2:]) == (m.num_blocks, m.num_blocks):
-            out[name.rpartition(".")[0] or name] = m().detach().float().cpu()  # the attention layer's name
-    return out
-
-
-def mixing_heatmaps(model: nn.Module, step: int) -> dict[str, Media]:
-    """``{"mixing/<layer>": Media}``: a heatmap image of each of :func:`mixing_matrices`."""
-    return {f"mixing/{name}": Media(heatmap_image(w.numpy(), f"{name} mixing matrix, step {step}"),
-                                    caption=f"step {step}")
-            for name, w in mixing_matrices(model).items()}
+def matrix_heatmaps(model: nn.Module, step: int) -> dict[str, Media]:
+    """``{"<kind>/<layer>": Media}``: a heatmap image of each matrix the model's modules log
+    (:func:`tasks.common.hooks.logged_matrices`; MHLA: ``mixing/<layer>``)."""
+    return {key: Media(heatmap_image(w.numpy(), f"{key.partition('/')[2]} {key.partition('/')[0]} matrix, step {step}"),
+                       caption=f"step {step}")
+            for key, w in logged_matrices(model).items()}
 
 
 def available_cpus() -> int:
@@ -640,7 +620,7 @@ class Trainer:
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.scheduler.step()
-        project_mixing_(run.model)
+        after_optimizer_step(run.model)
         if run.ema is not None:
             run.ema.update(run.model)
         return loss, logs, grad_norm
@@ -711,7 +691,7 @@ class Trainer:
                                     enabled=self.dist.is_main and self.tcfg.get("progress_bar", True))
             metrics, media = split_media(self.task.evaluate(target, loader, self.device, self.dist))
         if run.logger is not None and run.logger.logs_media:
-            media = {**{f"eval/{k}": m for k, m in media.items()}, **mixing_heatmaps(target, run.step)}
+            media = {**{f"eval/{k}": m for k, m in media.items()}, **matrix_heatmaps(target, run.step)}
             run.logger.log_media(media, run.step)
         return metrics
 

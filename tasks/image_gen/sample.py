@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from mhla.layouts import ceil_div
 from models.dit import build_dit
-from tasks.common.checkpoint import load_checkpoint, model_weights
+from tasks.common.checkpoint import load_checkpoint, model_weights, run_config
+from tasks.common.config import model_attention
 from tasks.common.distributed import cleanup, setup_distributed
 from tasks.image_gen.npz import save_npz
 from tasks.image_gen.sampling import generate
@@ -38,16 +39,16 @@ from tasks.image_gen.vae import load_vae
 def load_model(ckpt_path: str, weights: str = "ema", device="cpu"):
     """Rebuild the DiT of a ``train.py`` checkpoint and load its (EMA) weights. Returns ``(model, cfg, step)``."""
     state = load_checkpoint(ckpt_path, map_location="cpu")
-    cfg = OmegaConf.create(state["config"])
+    cfg = run_config(state)
     cfg.model.pretrained = None
-    model = build_dit(cfg.model, cfg.attn)
+    model = build_dit(cfg.model, model_attention(cfg))
     model.load_state_dict(model_weights(state, weights))
     return model.to(device).eval(), cfg, int(state.get("step", 0))
 
 
 def run_name(cfg, step: int, args) -> str:
-    a = cfg.attn
-    attn = a.name + "".join(f"-{k}" for k in ("cpe", "gate") if a.get(k))
+    a = model_attention(cfg)
+    attn = a["name"] + "".join(f"-{k}" for k in ("cpe", "gate") if a.get(k))
     return f"{cfg.model.name}-{attn}-{step:07d}-cfg{args.cfg_scale:g}-{args.method}{args.steps}-seed{args.seed}"
 
 

@@ -10,7 +10,8 @@ import os
 from omegaconf import OmegaConf
 
 from models.sana import sana_config, swap_attention
-from tasks.common.checkpoint import find_checkpoint, load_checkpoint, model_weights
+from tasks.common.checkpoint import find_checkpoint, load_checkpoint, model_weights, run_config
+from tasks.common.config import model_attention
 
 
 def transformer_config(model_cfg) -> dict:
@@ -41,9 +42,9 @@ def load_sana_checkpoint(ckpt: str, weights: str = "ema", device="cpu", which: s
     from diffusers import SanaTransformer2DModel  # noqa: PLC0415
 
     state = load_checkpoint(find_checkpoint(ckpt, which), map_location="cpu")
-    cfg = OmegaConf.create(state["config"])
+    cfg = run_config(state)
     model = SanaTransformer2DModel(**transformer_config(OmegaConf.to_container(cfg.model, resolve=True)))
-    swap_attention(model, OmegaConf.to_container(cfg.attn, resolve=True))
+    swap_attention(model, model_attention(cfg))
     model.load_state_dict(model_weights(state, weights))
     for p in model.parameters():
         p.requires_grad_(False)

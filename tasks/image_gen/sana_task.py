@@ -32,6 +32,7 @@ import torch.nn as nn
 from omegaconf import OmegaConf, open_dict
 
 from models.sana import build_sana, sana_config
+from tasks.common.config import model_attention
 from tasks.common.flow_matching import flow_matching_loss
 from tasks.common.trainer import Task, Trainer
 from tasks.image_gen.sana_prompts import NEGATIVE_FILE, load_negative, stack_captions
@@ -98,7 +99,7 @@ class SanaFinetuneTask(Task):
     monitor_mode = "min"
 
     def build_model(self) -> nn.Module:
-        model = build_sana(self.cfg.model, self.cfg.attn)
+        model = build_sana(self.cfg.model, model_attention(self.cfg))
         if OmegaConf.is_config(self.cfg):
             # Record the transformer's own config with the run (checkpoints save the run config), so the sampler
             # (tasks.image_gen.sana_checkpoint) rebuilds the same architecture without the pretrained folder.

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from models.dig import build_dig
 from models.dit import build_dit
-from tasks.common.config import ConfigError
+from tasks.common.config import ConfigError, model_attention
 from tasks.common.distributed import barrier, setup_distributed
 from tasks.common.logger import Media
 from tasks.common.trainer import Task
@@ -50,17 +50,17 @@ class ImageGenTask(Task):
                 f"(download it from https://dl.fbaipublicfiles.com/DiT/models/); without it {self.cfg.model.name} "
                 f"would train from scratch")
         kind = self.cfg.model.get("kind", "dit")
-        if kind == "dig":  # DiG (models/dig.py): a DiT subclass with GLA / MHLA token mixers
-            return build_dig(self.cfg.model, self.cfg.attn)
+        if kind == "dig":  # DiG (models/dig.py): a DiT subclass whose blocks scan with GLA (attn=gla) or run MHLA
+            return build_dig(self.cfg.model, model_attention(self.cfg))
         if kind != "dit":
             raise ValueError(f"model.kind={kind!r} is not a generation model (dit | dig)")
 
-        return build_dit(self.cfg.model, self.cfg.attn)
+        return build_dit(self.cfg.model, model_attention(self.cfg))
 
     def describe_model(self, model) -> str:
-        a = self.cfg.attn
+        a = model_attention(self.cfg)
         extras = "".join(f"+{k}" for k in ("cpe", "gate") if a.get(k))
-        return f"{self.cfg.model.name} with {a.name}{extras} attention"
+        return f"{self.cfg.model.name} with {a['name']}{extras} attention"
 
     def example_input(self, device):
         m = self.cfg.model

@@ -36,7 +36,8 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from tasks.common.checkpoint import load_checkpoint, model_weights
+from tasks.common.checkpoint import load_checkpoint, model_weights, run_config
+from tasks.common.config import model_attention
 from tasks.common.utils import system_info
 from tasks.language.eval_ppl import EvalSettings, evaluate_lambada, evaluate_wikitext
 from tasks.language.lm_eval_adapter import HAVE_LM_EVAL, INSTALL_HELP, TABLE6_TASKS, MHLAEvalLM, run_lm_eval
@@ -93,10 +94,10 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu", dty
         if ckpt is None:
             raise FileNotFoundError(f"{path} holds neither config.json nor checkpoints/best.pt|last.pt")
     state = load_checkpoint(ckpt, map_location="cpu")
-    cfg = state["config"]
+    cfg = run_config(state)
     weights = model_weights(state)  # the EMA weights when the run kept them
     vocab = next(v.shape[0] for k, v in weights.items() if k.endswith("embed_tokens.weight"))
-    model = build_lm(OmegaConf.create(cfg["model"]), cfg["attn"]["name"], vocab)
+    model = build_lm(cfg.model, model_attention(cfg), vocab)
     model.load_state_dict(weights)
     return model.to(device).eval(), _tokenizer_from(tokenizer, cfg)
 

@@ -24,7 +24,6 @@ successive weighted draws (``numpy.random.choice(replace=False, p=p)``, Zoology'
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -34,9 +33,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
-from mhla.mixing import MixingMatrix
+from mhla.mixing import mixing_matrices
+from models.lm import MHLALMConfig, MHLALMForCausalLM
+from tasks.common.config import model_attention
 from tasks.common.trainer import Task
-from tasks.language.task import check_lm_attn_keys
 
 
 def power_law_probs(space: int, power_a: float) -> np.ndarray:
@@ -100,25 +100,15 @@ class MQARDataset(Dataset):
         return self.inputs[i], self.labels[i]
 
 
-def auto_block_size(seq_len: int) -> int:
-    """MHLA chunk length for a sequence of ``N`` tokens: the smallest power of two ``C >= sqrt(N)``, so the
-    number of blocks ``M = N / C`` satisfies the paper's ``M^2 <= N`` (64 -> 8, 128 -> 16, 256 -> 16)."""
-    return 1 << math.ceil(math.log2(math.sqrt(seq_len)))
-
-
 def build_mqar_model(cfg) -> nn.Module:
-    """Our causal LM (``models.lm.MHLALMForCausalLM``) with ``attn_type = cfg.attn.name`` and ``cfg.model``'s sizes."""
-    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415  (imports transformers)
-
-    check_lm_attn_keys(cfg)
+    """Our causal LM (``models.lm.MHLALMForCausalLM``) with the run's resolved attention and ``cfg.model``'s sizes
+    (context = ``data.seq_len``)."""
     m = OmegaConf.to_container(cfg.model, resolve=True) if OmegaConf.is_config(cfg.model) else dict(cfg.model)
-    for key in ("name", "kind", "mhla_num_blocks", "attentions"):
-        m.pop(key, None)
-    if m.get("block_size") in (None, "auto"):
-        m["block_size"] = auto_block_size(int(cfg.data.seq_len))
-    m.setdefault("max_position_embeddings", int(cfg.data.seq_len))
-    config = MHLALMConfig(attn_type=cfg.attn.name, vocab_size=int(cfg.data.vocab_size), bos_token_id=None,
-                          eos_token_id=None, pad_token_id=None, **m)
+    sizes = {k: m[k] for k in ("hidden_size", "num_hidden_layers", "num_heads", "key_dim_ratio", "value_dim_ratio",
+                               "intermediate_size", "rope_theta", "tie_word_embeddings") if m.get(k) is not None}
+    config = MHLALMConfig(attn=model_attention(cfg), vocab_size=int(cfg.data.vocab_size), bos_token_id=None,
+                          eos_token_id=None, pad_token_id=None,
+                          max_position_embeddings=int(m.get("max_position_embeddings") or cfg.data.seq_len), **sizes)
     return MHLALMForCausalLM(config)
 
 
@@ -153,7 +143,7 @@ def mixing_shares(model: nn.Module) -> dict:
     Uniform rows give ``mean 1/(i+1)`` for both.
     """
     out = {}
-    for layer, m in enumerate(mod for mod in model.modules() if isinstance(mod, MixingMatrix)):
+    for layer, m in enumerate(mixing_matrices(model).values()):
         w = m().detach().float()
         w = w.mean(0) if w.dim() == 3 else w                          # per-head matrices: their mean
         rows = w[1:] / w[1:].sum(-1, keepdim=True).clamp_min(1e-12)   # [M-1, M]
@@ -174,8 +164,9 @@ class MQARTask(Task):
 
     def describe_model(self, model: nn.Module) -> str:
         c = model.config
-        return (f"{self.cfg.model.name} ({c.num_hidden_layers} layers, width {c.hidden_size}, {c.num_heads} heads, "
-                f"MHLA chunk {c.block_size}) with {self.cfg.attn.name} attention")
+        chunk = f", MHLA chunk {c.attn['block_size']}" if "block_size" in c.attn else ""
+        return (f"{self.cfg.model.name} ({c.num_hidden_layers} layers, width {c.hidden_size}, {c.num_heads} heads"
+                f"{chunk}) with {c.attn_name} attention")
 
     def build_datasets(self):
         d = self.cfg.data

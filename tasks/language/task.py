@@ -10,47 +10,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
-from tasks.common.config import ConfigError
+from models.lm import MHLALMConfig, MHLALMForCausalLM
+from models.lm.baselines import build_transformer_pp
+from tasks.common.config import ConfigError, model_attention
 from tasks.common.trainer import Task
 
 from .data import build_lm_datasets, packed_forward_kwargs
 
-# The language models (task=lm_*, task=mqar) take only the attention's NAME from the attn group; their attention
-# options are model.* keys. Any other attn.* value that differs from the group's file would compose and do
-# nothing, so it is refused with the model.* key to use instead.
-LM_ATTN_KEY_TO_MODEL_KEY = {
-    "feature_map": "model.feature_map", "normalize": "model.normalize", "mixing_init": "model.mixing_init",
-    "mixing_learnable": "model.mixing_learnable", "mixing_per_head": "model.mixing_per_head",
-    "mixing_param": "model.mixing_param", "cpe": "model.cpe", "cpe_kernel": "model.cpe_kernel",
-    "gate": "model.output_gate", "backend": "model.attn_backend",
-    "num_blocks": "model.block_size (tokens per chunk)"}
-
-
-def check_lm_attn_keys(cfg) -> None:
-    """Raise if ``cfg.attn`` sets anything but ``name`` away from ``configs/attn/<name>.yaml`` (an LM ignores it)."""
-    attn = cfg.get("attn")
-    if attn is None:
-        return
-    path = Path(__file__).resolve().parents[2] / "configs" / "attn" / f"{attn.name}.yaml"
-    if not path.is_file():
-        return
-    default = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    for k, v in default.items():  # "${model.x}" in the group's file: its value in this config
-        if isinstance(v, str) and v.startswith("${") and v.endswith("}"):
-            default[k] = OmegaConf.select(cfg, v[2:-1])
-    given = OmegaConf.to_container(attn, resolve=True)
-    changed = sorted(k for k in given if k != "name" and given[k] != default.get(k, object()))
-    if changed:
-        hints = ", ".join(f"attn.{k} -> {LM_ATTN_KEY_TO_MODEL_KEY.get(k, 'no LM equivalent')}" for k in changed)
-        raise ValueError(f"the language models read only attn.name; attn.{', attn.'.join(changed)} would be ignored. "
-                         f"Set the model key instead: {hints}.")
-
-
-def build_lm(model_cfg, attn_name: str, vocab_size: int, eos_id: int | None = None) -> nn.Module:
-    """The model of ``model.arch``: ``mhla_lm`` (MHLA / linear / softmax by ``attn``) or ``llama``
-    (Transformer++); ``model.*`` fields map to the config fields of the same name."""
+def build_lm(model_cfg, attn: dict, vocab_size: int, eos_id: int | None = None) -> nn.Module:
+    """The model of ``model.arch`` with the resolved attention ``attn`` (:func:`tasks.common.config.model_attention`):
+    ``mhla_lm`` (ours, any causal registered attention) or ``llama`` (Transformer++, its own softmax attention);
+    the other ``model.*`` fields map to the transformers config fields of the same name."""
     arch = model_cfg.get("arch", "mhla_lm")
     common = dict(vocab_size=vocab_size, hidden_size=int(model_cfg.hidden_size),
                   num_hidden_layers=int(model_cfg.num_hidden_layers),
@@ -58,22 +29,11 @@ def build_lm(model_cfg, attn_name: str, vocab_size: int, eos_id: int | None = No
                   tie_word_embeddings=bool(model_cfg.get("tie_word_embeddings", True)),
                   bos_token_id=eos_id, eos_token_id=eos_id)
     if arch == "llama":
-        from models.lm.baselines import build_transformer_pp  # noqa: PLC0415  (imports transformers)
-
-        if attn_name != "softmax":
-            raise ValueError(f"model.arch=llama is Transformer++ (softmax attention); use attn=softmax, not {attn_name}")
         return build_transformer_pp(num_attention_heads=int(model_cfg.num_heads),
                                     intermediate_size=model_cfg.get("intermediate_size"), **common)
-    if arch != "mhla_lm":
-        raise ValueError(f"model.arch must be mhla_lm or llama, got {arch!r}")
-    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415  (imports transformers)
-
-    fields = ("num_heads", "key_dim_ratio", "value_dim_ratio", "intermediate_size", "block_size",
-              "max_learned_blocks", "feature_map", "normalize", "output_gate", "rope", "rope_theta",
-              "mixing_init", "mixing_per_head", "mixing_param", "mixing_learnable", "mixing_extension", "qk_norm", "cpe",
-              "cpe_kernel", "short_conv", "attn_backend")
+    fields = ("num_heads", "key_dim_ratio", "value_dim_ratio", "intermediate_size", "rope_theta")
     extra = {k: model_cfg[k] for k in fields if k in model_cfg and model_cfg[k] is not None}
-    return MHLALMForCausalLM(MHLALMConfig(attn_type=attn_name, **common, **extra))
+    return MHLALMForCausalLM(MHLALMConfig(attn=dict(attn), **common, **extra))
 
 
 class LanguageModelingTask(Task):
@@ -99,12 +59,11 @@ class LanguageModelingTask(Task):
 
     def build_model(self) -> nn.Module:
         _, _, tok, _ = self.data()
-        check_lm_attn_keys(self.cfg)
         arch = self.cfg.model.get("arch", "mhla_lm")
         if self.cfg.data.get("reset_at_doc_boundary", False) and arch != "mhla_lm":
             raise ConfigError(f"data.reset_at_doc_boundary=true needs our LM (model.arch=mhla_lm, which takes "
                               f"cu_seqlens); model.arch={arch} does not: set data.reset_at_doc_boundary=false")
-        return build_lm(self.cfg.model, self.cfg.attn.name, len(tok), tok.eos_token_id)
+        return build_lm(self.cfg.model, model_attention(self.cfg), len(tok), tok.eos_token_id)
 
     def _packed(self, batch) -> dict:
         """``cu_seqlens`` of the documents in a packed batch when ``data.reset_at_doc_boundary`` (else ``{}``)."""

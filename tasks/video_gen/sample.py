@@ -19,6 +19,7 @@ import re
 import torch
 from omegaconf import OmegaConf
 
+from tasks.common.checkpoint import run_config
 from tasks.video_gen.media import save_gif, save_mp4
 from tasks.video_gen.task import VideoGenTask
 
@@ -46,7 +47,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     state = torch.load(args.ckpt, map_location="cpu", weights_only=False)
-    cfg = OmegaConf.create(state["config"])
+    cfg = run_config(state)
     if args.wan:
         cfg.model.pretrained = args.wan
     if args.text_emb_dir:

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from models.wan import build_wan, load_vae, token_grid
 from tasks.common import flow_matching as fm
-from tasks.common.config import ConfigError
+from tasks.common.config import ConfigError, model_attention
 from tasks.common.logger import Media
 from tasks.common.trainer import Task
 
@@ -63,17 +63,17 @@ class VideoGenTask(Task):
                 raise ConfigError("model.coord_channels adds input channels: only for a random-init model "
                                   "(model.pretrained=null)")
             m = OmegaConf.merge(m, {"in_channels": int(m.in_channels) + 3})  # x_t + (frame, row, column)
-        transformer = build_wan(m, self.cfg.attn, grid=self.grid)
+        transformer = build_wan(m, model_attention(self.cfg), grid=self.grid)
         kw = dict(text_pool=bool(m.get("text_pool", False)), coord_channels=coords)
         if self.word_text:
             return VideoDenoiser(transformer, len(VOCAB), int(m.text_dim), **kw)
         return VideoDenoiser(transformer, **kw)
 
     def describe_model(self, model) -> str:
-        a = self.cfg.attn
-        layers = a.get("layers", "all") if a.name != "softmax" else "-"
-        blocks = f", blocks {list(a.blocks)}" if a.name == "mhla" and a.get("blocks") else ""
-        return (f"{self.cfg.model.name} (Wan-shaped) with {a.name} self-attention (layers: {layers}{blocks}), "
+        a = model_attention(self.cfg)
+        layers = a.get("layers", "all") if a["name"] != "softmax" else "-"
+        blocks = f", blocks {list(a['blocks'])}" if a["name"] == "mhla" and a.get("blocks") else ""
+        return (f"{self.cfg.model.name} (Wan-shaped) with {a['name']} self-attention (layers: {layers}{blocks}), "
                 f"token grid {self.grid} = {math.prod(self.grid)} tokens")
 
     # -------------------------------------------------------------------------------------- data

@@ -1,0 +1,55 @@
+"""Which attention a model takes: one dispatcher from a model config to its family's attention contract.
+
+Every model family says what it asks of its attention in its own module, next to the code that builds it, as
+``attention_contract(model_cfg) -> mhla.registry.AttentionContract`` (needs, per-attention defaults, the options it
+sets itself, its own built-in attentions). :func:`attention_contract` picks the family by ``model.kind`` and adds the
+model config's own ``attn_defaults`` (``{attention name: {option: value}}``, ``"*"`` for every attention that takes
+the option), so a config file can change a default for one model without touching the attention's file.
+
+    contract = attention_contract(cfg.model)
+    options = mhla.registry.resolve_attention(cfg.attn, contract)   # {"name": "mhla", ...every option...}
+
+The family modules are imported on use (the language model imports transformers, SANA and Wan diffusers).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from mhla.registry import AttentionContract, get_attention_class, list_attentions, with_defaults
+
+FAMILIES = {
+    "vit": "models.vit",
+    "vlt": "models.vlt",
+    "dit": "models.dit",
+    "dig": "models.dig",
+    "lm": "models.lm.configuration_mhla_lm",
+    "wan": "models.wan",
+    "sana": "models.sana",
+}
+
+
+def _plain(value):
+    if hasattr(value, "items"):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and not isinstance(value, (str, bytes))):
+        return [_plain(v) for v in value]
+    return value
+
+
+def attention_contract(model_cfg) -> AttentionContract:
+    """The attention contract of ``model_cfg`` (its family's, plus the config's ``attn_defaults``)."""
+    kind = model_cfg.get("kind")
+    if kind not in FAMILIES:
+        raise ValueError(f"model.kind={kind!r} has no attention contract; known kinds: {', '.join(FAMILIES)}")
+    contract = importlib.import_module(FAMILIES[kind]).attention_contract(model_cfg)
+    own = _plain(model_cfg.get("attn_defaults") or {})
+    star = own.pop("*", {})
+    for name, options in contract.defaults.items():  # the config's "*" beats the family's per-name defaults
+        options.update({k: v for k, v in star.items() if name == "*" or k in options})
+    if star:
+        contract.defaults.setdefault("*", {}).update(star)
+    for name, options in own.items():  # (MHLA's blocks here drop the family's num_blocks default, and so on)
+        cls = get_attention_class(name) if name in list_attentions() else None
+        contract.defaults[name] = with_defaults(options, contract.defaults.get(name, {}), cls)
+    return contract

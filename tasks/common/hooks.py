@@ -1,0 +1,43 @@
+"""Training hooks that a model's modules provide: the trainer knows no attention, only these names.
+
+A module (anywhere in the model) may define:
+
+* ``optim_group``: a class attribute naming the optimizer group of its OWN parameters (not its children's); the
+  group's settings are ``optim.<group>_lr_scale`` (x the base lr, default 1), ``optim.<group>_weight_decay``
+  (default 0) and ``optim.<group>_freeze_steps`` (lr 0 for that many steps, default 0). MHLA's mixing matrix
+  (:class:`mhla.mixing.MixingMatrix`) is in the group ``"mixing"``.
+* ``after_optimizer_step()``: called after every optimizer step (MHLA: clip the mixing matrix to [0, 1]).
+* ``logged_matrices() -> {kind: tensor [R, C] or [H, R, C]}``: matrices logged as heatmaps at each evaluation, as
+  ``<kind>/<name of the module's parent>`` (MHLA: ``mixing/blocks.0.attn``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def optim_groups(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): group}`` for the parameters whose module names an ``optim_group``."""
+    return {id(p): m.optim_group for m in model.modules() if getattr(m, "optim_group", None)
+            for p in m.parameters(recurse=False)}
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Call every module's ``after_optimizer_step`` hook."""
+    for m in model.modules():
+        hook = getattr(m, "after_optimizer_step", None)
+        if callable(hook) and m is not model:
+            hook()
+
+
+@torch.no_grad()
+def logged_matrices(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{"<kind>/<parent module name>": matrix}`` of every module's ``logged_matrices`` hook."""
+    out = {}
+    for name, m in model.named_modules():
+        hook = getattr(m, "logged_matrices", None)
+        if callable(hook) and m is not model:
+            for kind, w in hook().items():
+                out[f"{kind}/{name.rpartition('.')[0] or name}"] = w
+    return out
