@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .feature_maps import focused_feature
 from .layers import AttentionBase
-from .ops.validation import accumulation_dtype
+from .ops.utils import accumulation_dtype
 from .registry import register_attention
 from .rope import apply_rope
 

@@ -25,8 +25,7 @@ from .feature_maps import get_feature_map
 from .layouts import BlockLayout, ceil_div, layout_1d, layout_from_num_blocks
 from .mixing import MixingMatrix
 from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
-from .ops.validation import check_cu_seqlens
-from .ops.varlen import run_varlen, sequence_bounds, unbind_state
+from .ops.utils import check_cu_seqlens, run_varlen, sequence_bounds, unbind_state
 from .registry import register_attention
 
 

@@ -36,7 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from mhla.feature_maps import get_feature_map
 from mhla.layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
 from mhla.mixing import MixingMatrix
-from mhla.ops.varlen import token_index
+from mhla.ops.utils import token_index
 from mhla.rope import apply_rope, rope_and_feature_map
 
 from .configuration_mhla_lm import MHLALMConfig
