@@ -11,8 +11,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mhla.ops import MHLAState, init_state, linear_attention, mhla_attention, softmax_attention
-from mhla.ops import mhla_causal_torch
+from mhla.ops import (
+    MHLAState,
+    init_state,
+    linear_attention,
+    mhla_attention,
+    mhla_causal_torch,
+    softmax_attention,
+)
 from mhla.ops.utils import CALL_COST_TOKENS, bucket_sequences, run_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
