@@ -21,10 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .feature_maps import focused_feature
+from .feature_maps import focused_feature, get_feature_map
 from .layers import AttentionBase
-from .ops.validation import accumulation_dtype
-from .feature_maps import get_feature_map
+from .ops.utils import accumulation_dtype
 from .registry import Supports, register_attention
 from .rope import apply_rope
 

@@ -38,8 +38,7 @@ from .feature_maps import get_feature_map
 from .layouts import BlockLayout, ceil_div, layout_for_grid, resolve_blocks
 from .mixing import MixingMatrix
 from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
-from .ops.validation import check_cu_seqlens
-from .ops.varlen import run_varlen, sequence_bounds, unbind_state
+from .ops.utils import check_cu_seqlens, run_varlen, sequence_bounds, unbind_state
 from .registry import Supports, register_attention
 from .rope import RotaryTables, rope_and_feature_map, rope_placement
 
@@ -342,7 +341,7 @@ class AttentionBase(nn.Module):
             grid_size: the token grid of this input when it differs from the one the layer was built for.
             cache: causal decoding / chunked prefill; updated in place (create with ``AttentionCache()``).
             cu_seqlens: causal 1-D layers; ``x: [1, total_T, C]`` holds ``N`` sequences packed along the tokens
-                (``cu_seqlens: [N + 1]`` offsets, :mod:`mhla.ops.varlen`), each attended as if alone; the
+                (``cu_seqlens: [N + 1]`` offsets, :mod:`mhla.ops.utils.varlen`), each attended as if alone; the
                 cache then holds per-sequence states (:class:`AttentionCache`).
             rope_tables: the rotary tables of the tokens of ``x`` (:class:`mhla.rope.RotaryTables`, or a
                 half-split ``(cos, sin)``), for layers built with ``rope`` other than ``"none"``.

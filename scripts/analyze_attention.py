@@ -40,7 +40,7 @@ import torch
 from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
 from mhla.layouts import ceil_div, layout_from_num_blocks
 from mhla.mixing import mixing_init
-from mhla.ops.reference import mhla_attention_matrix
+from mhla.ops import mhla_attention_matrix
 from tasks.common.checkpoint import find_checkpoint
 from tasks.common.evaluation import load_run
 from tasks.common.launch import mean_std

@@ -49,7 +49,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import mhla
 from mhla.mixing import distances_1d, mixing_init
-from mhla.ops.varlen import bucket_sequences, default_call_cost_tokens
+from mhla.ops.utils import bucket_sequences, default_call_cost_tokens
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.utils import load_average, system_info
 
@@ -303,7 +303,7 @@ VARLEN_TIME_METHOD = (
     "(time.perf_counter), GPU CUDA events. fwd under torch.no_grad(); fwd+bwd backpropagates a fixed random "
     "output gradient to q, k, v and the mixing matrix.")
 VARLEN_PADDING_NOTE = (
-    "How (a) runs (mhla.ops.varlen.run_varlen, no states): the documents are sorted by length and cut into "
+    "How (a) runs (mhla.ops.utils.run_varlen, no states): the documents are sorted by length and cut into "
     "length buckets by a dynamic program that minimises padded tokens + call_cost_tokens x buckets "
     "(call_cost_tokens: the fixed cost of one op call in tokens, {cost} on {device}); each bucket runs as "
     "one right-padded batch [bucket size, longest in bucket, H, D] (a bucket of one: the document's own slice, "

@@ -1,11 +1,11 @@
 """The Triton kernels (backend="triton") against the torch path: forward and every gradient.
 
 Without a GPU the kernels run in Triton's CPU interpreter. Triton reads ``TRITON_INTERPRET`` when
-``@triton.jit`` decorates a function: our kernels (when ``mhla.kernels`` is imported) and triton.language's own
-helpers (when triton is first imported, which other test modules do indirectly through diffusers /
-transformers). So ``tests/conftest.py`` sets it before anything is collected, and this module sets it again
-for a run of this file alone. It is only set when CUDA is absent, so on a GPU machine the same tests run the
-compiled kernels on CUDA tensors, and the ``gpu`` tests add bf16 checks at realistic shapes.
+``@triton.jit`` decorates a function: our kernels (when ``mhla.ops.mhla.triton`` is imported) and
+triton.language's own helpers (when triton is first imported, which other test modules do indirectly through
+diffusers / transformers). So ``tests/conftest.py`` sets it before anything is collected, and this module sets
+it again for a run of this file alone. It is only set when CUDA is absent, so on a GPU machine the same tests
+run the compiled kernels on CUDA tensors, and the ``gpu`` tests add bf16 checks at realistic shapes.
 
 Criterion (``check_against_torch``): the output and the gradients of q, k, v and mixing of the loss
 ``sum(o * w)`` (fixed random ``w``) are compared with the torch path run in float64 on the same (rounded)
@@ -35,8 +35,8 @@ pytest.importorskip("triton")
 
 from mhla.ops import mhla_attention
 
-triton_backend = pytest.importorskip("mhla.kernels.triton_backend")
-if not triton_backend.available():  # e.g. mhla.kernels was imported before TRITON_INTERPRET was set
+triton_backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
+if not triton_backend.available():  # e.g. the kernels were imported before TRITON_INTERPRET was set
     pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)",
                 allow_module_level=True)
 
@@ -244,7 +244,7 @@ def test_official_normalizer_and_fp64_use_the_torch_path():
 def test_noncausal_state_is_rejected():
     q, k, v, mix, _ = make_inputs(1, 32, 2, 8, 8, 4, per_head=False, dtype=torch.float32)
     with pytest.raises(ValueError, match="causal=True only"):
-        triton_backend.mhla_attention(q, k, v, mix, 8, output_final_state=True)
+        triton_backend.mhla_triton(q, k, v, mix, 8, output_final_state=True)
 
 
 # ------------------------------------------------------------------------------------------- compiling
@@ -259,8 +259,8 @@ def test_kernels_compile_for_h100_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "mhla.kernels.compile_check", "--quick", "--arch", "90"],
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    cmd = [sys.executable, "-m", "mhla.ops.mhla.triton.compile_check", "--quick", "--arch", "90"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode == 3:
         pytest.skip(f"cannot compile for CUDA here: {proc.stderr.strip()[-300:]}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -309,7 +309,7 @@ def test_interpreter_needs_triton_imported_after_the_variable():
     import sys
 
     code = ("import os, triton; os.environ['TRITON_INTERPRET'] = '1'\n"
-            "from mhla.kernels import utils, triton_backend\n"
+            "from mhla.ops.mhla.triton import utils, backend as triton_backend\n"
             "print(utils.INTERPRET_AT_IMPORT, utils.INTERPRETER_USABLE, triton_backend.available())\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""

@@ -30,7 +30,7 @@ def rand_mixing(M, *, seed=1, dtype=F64, device="cpu"):
 
 def triton_ready() -> bool:
     try:
-        from mhla.kernels import triton_backend  # noqa: PLC0415
+        from mhla.ops.mhla.triton import backend as triton_backend  # noqa: PLC0415
     except Exception:
         return False
     return triton_backend.available()
@@ -120,8 +120,7 @@ def test_nonfinite_token_reaches_no_earlier_output(backend, C, name, value, norm
 @pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_linear_attention_nonfinite_token_reaches_no_earlier_output(impl, C, name, value, normalize):
-    from mhla.ops.linear import linear_attention  # noqa: PLC0415
-    from mhla.ops.reference import linear_attention_reference  # noqa: PLC0415
+    from mhla.ops.linear import linear_attention, linear_attention_reference  # noqa: PLC0415
 
     T, pos = 32, 20
     q, k, v = rand_qkv(2, T, 2, 4, 3)

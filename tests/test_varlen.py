@@ -11,9 +11,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mhla.ops import MHLAState, init_state, linear_attention, mhla_attention, softmax_attention
-from mhla.ops.causal import mhla_causal_torch
-from mhla.ops.varlen import CALL_COST_TOKENS, bucket_sequences, run_varlen
+from mhla.ops import (
+    MHLAState,
+    init_state,
+    linear_attention,
+    mhla_attention,
+    mhla_causal_torch,
+    softmax_attention,
+)
+from mhla.ops.utils import CALL_COST_TOKENS, bucket_sequences, run_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STATE_FIELDS = ("block_summaries", "block_key_sums", "current_summary", "current_key_sum")
@@ -169,7 +175,7 @@ def test_reference_backend_and_fp32_default_path():
 # -------------------------------------------------------------------------------------------- Triton
 def _triton_or_skip():
     pytest.importorskip("triton")
-    backend = pytest.importorskip("mhla.kernels.triton_backend")
+    backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
     if not backend.available():
         pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)")
 
@@ -371,7 +377,7 @@ def test_bad_varlen_calls():
 def test_mixing_values_are_checked_once_per_varlen_call(monkeypatch):
     """A NaN or negative mixing is refused by the variable-length call, and its values are scanned once per call,
     not once per length bucket (the scan was most of a bucket call's cost at large M)."""
-    from mhla.ops import api, causal
+    from mhla.ops.mhla import api, chunk
 
     lengths = [2, 3, 300, 700]  # too different to share a padded bucket
     q, k, v, mix, _ = make_inputs(lengths, M=175)
@@ -381,7 +387,7 @@ def test_mixing_values_are_checked_once_per_varlen_call(monkeypatch):
     with pytest.raises(ValueError, match="nonnegative"):
         mhla_attention(q, k, v, -mix, 4, causal=True, cu_seqlens=cu)
     scans = []
-    for mod in (api, causal):
+    for mod in (api, chunk):
         real = mod.check_mixing
         monkeypatch.setattr(mod, "check_mixing", lambda *a, _real=real, **kw: (
             scans.append(kw.get("check_values", True)), _real(*a, **kw))[1])

@@ -1,19 +1,37 @@
-"""Functional ops. Layout everywhere: ``[batch, seq, heads, dim]``."""
+"""Functional ops, one folder per op as in flash-linear-attention. Layout: ``[batch, seq, heads, dim]``.
 
-from .api import BACKENDS, mhla_attention, resolve_backend
-from .causal import MHLAState, init_state, mhla_causal_torch, mhla_decode_step
-from .linear import linear_attention, softmax_attention
-from .noncausal import mhla_noncausal_torch
-from .reference import (
-    linear_attention_reference,
+    mhla/      Multi-Head Linear Attention: ``mhla_attention`` (the entry point), its state, the dense
+               reference (``naive``), the chunked torch forms (``chunk``), decoding (``decode``) and the
+               fused Triton kernels (``triton``, optional)
+    linear/    plain linear attention: ``naive`` (dense reference) and ``chunk`` (``linear_attention``)
+    softmax    ``softmax_attention`` (SDPA)
+    utils/     shared by every op: input checks, variable-length batches, causal sums
+
+Imports go downwards only: ``utils`` imports nothing of the ops; each op imports ``utils`` and its own
+modules; this file re-exports the public API (and the helpers the layers and models use).
+"""
+
+from .linear import linear_attention, linear_attention_reference
+from .mhla import (
+    BACKENDS,
+    MHLAState,
+    init_state,
+    mhla_attention,
     mhla_attention_matrix,
+    mhla_causal_torch,
+    mhla_decode_step,
     mhla_effective_weights,
+    mhla_noncausal_torch,
     mhla_reference,
+    resolve_backend,
 )
+from .softmax import softmax_attention
+from .utils import check_cu_seqlens, run_varlen, sequence_bounds, token_index, unbind_state
 
 __all__ = [
     "BACKENDS",
     "MHLAState",
+    "check_cu_seqlens",
     "init_state",
     "linear_attention",
     "linear_attention_reference",
@@ -25,5 +43,9 @@ __all__ = [
     "mhla_noncausal_torch",
     "mhla_reference",
     "resolve_backend",
+    "run_varlen",
+    "sequence_bounds",
     "softmax_attention",
+    "token_index",
+    "unbind_state",
 ]

@@ -15,7 +15,7 @@ learned ``max_learned_blocks`` rows extend by the config's ``mixing_extension`` 
 
 Padding and packed documents (:class:`PackedBatch`): a 2-D ``attention_mask`` with zeros (left or right
 padding, as ``generate()`` and tokenizers make them) or ``cu_seqlens`` (documents packed in a row) turns the
-call into one variable-length call (:mod:`mhla.ops.varlen`): the real tokens of every row / document are
+call into one variable-length call (:mod:`mhla.ops.utils.varlen`): the real tokens of every row / document are
 packed into ``[1, total, C]`` and attended as if alone (MHLA chunks start at each sequence's first token,
 RoPE positions count its real tokens only), so pad tokens change nothing, and the outputs at pad positions
 are zeros. The cache then holds one state per sequence (:class:`mhla.layers.AttentionCache`).
@@ -37,7 +37,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from mhla.layers import AttentionCache
 from mhla.mixing import MixingMatrix
-from mhla.ops.varlen import token_index
+from mhla.ops.utils import token_index
 from mhla.registry import build_attention
 from mhla.rope import RotaryTables
 
@@ -195,7 +195,7 @@ class PackedBatch:
     Attributes:
         keep: ``[B, T]`` bool, the real tokens (packed in row-major order), or None: every token, the rows
             flattened (documents packed with ``cu_seqlens``).
-        cu_seqlens: ``[N + 1]`` int32 offsets of the packed sequences (:mod:`mhla.ops.varlen`).
+        cu_seqlens: ``[N + 1]`` int32 offsets of the packed sequences (:mod:`mhla.ops.utils.varlen`).
         shape: ``(B, T)``.
     """
 

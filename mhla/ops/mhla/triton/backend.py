@@ -1,7 +1,7 @@
 """The ``backend="triton"`` entry point: layout, dtypes, mixing shapes and state around the Functions.
 
-:func:`mhla_attention` has the contract of :func:`mhla.ops.mhla_attention` (which validates the inputs
-and calls it), and returns the same values as the torch path up to rounding:
+:func:`mhla_triton` has the contract of :func:`mhla.ops.mhla_attention` (which validates the inputs and
+calls it; ``cu_seqlens`` is handled there) and returns the same values as the torch path up to rounding:
 
 * layout ``[B, T, H, D]`` in and out (the kernels read it in place, strided by heads);
 * ``mixing`` ``[M, M]`` (shared) or ``[H, M, M]`` (per head), any float dtype (read as fp32);
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.causal import MHLAState, mhla_causal_torch
-from ..ops.noncausal import mhla_noncausal_torch
-from ..ops.validation import check_state, normalizer_mode
+from ...utils import normalizer_mode
+from ..chunk import mhla_causal_torch, mhla_noncausal_torch
+from ..state import MHLAState, check_state
 from .causal import mhla_causal_triton
 from .noncausal import mhla_noncausal_triton
 from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES
@@ -47,7 +47,7 @@ def _check_device(q: torch.Tensor) -> None:
         )
 
 
-def mhla_attention(
+def mhla_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

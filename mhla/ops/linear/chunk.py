@@ -1,6 +1,7 @@
-"""Plain linear attention and softmax attention with the ops' layout ``[batch, seq, heads, dim]``.
+"""Plain linear attention with the ops' layout ``[batch, seq, heads, dim]``: non-causal, and the causal
+chunkwise form with a state ``(S, z)`` and variable-length batches.
 
-These are the baselines MHLA is compared with, and the M = 1 special case of MHLA.
+The baseline MHLA is compared with, and the M = 1 special case of MHLA.
 """
 
 from __future__ import annotations
@@ -8,24 +9,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layouts import ceil_div
-from .causal import causal_product
-from .validation import (
+from ...layouts import ceil_div
+from ..utils import (
     accumulation_dtype,
+    causal_product,
     check_block_size,
     check_cu_seqlens,
     check_qkv,
     check_varlen_states,
+    exclusive_cumsum,
     normalizer_mode,
+    run_varlen,
 )
-from .varlen import run_varlen
-
-
-def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``y_i = sum_{j < i} x_j`` along ``dim``, without the ``cumsum - x`` subtraction that lets a non-finite
-    ``x_i`` reach ``y_i``."""
-    shifted = torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), x.narrow(dim, 0, x.shape[dim] - 1)], dim)
-    return shifted.cumsum(dim)
 
 
 def linear_attention(
@@ -51,7 +46,7 @@ def linear_attention(
             the tokens before this call (chunked prefill / decoding).
         output_final_state: causal only; also return ``(S, z)`` after these tokens.
         cu_seqlens: causal only; ``[N + 1]`` offsets of ``N`` sequences packed as ``[1, total_T, ...]``
-            (:mod:`mhla.ops.varlen`), each computed as if alone. States are then per sequence: a list of
+            (:mod:`mhla.ops.utils.varlen`), each computed as if alone. States are then per sequence: a list of
             ``N`` ``(S [1, H, D, Dv], z [1, H, D])`` (None entries start empty), in and out.
     Returns:
         ``[B, Tq, H, Dv]`` in the dtype of ``v`` (and the state when ``output_final_state``). Summaries
@@ -126,47 +121,3 @@ def linear_attention(
     if output_final_state:
         return out, (s0 + summaries.sum(1), z0 + key_sums.sum(1))
     return out
-
-
-def softmax_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Softmax attention through ``torch.nn.functional.scaled_dot_product_attention``.
-
-    Args:
-        q: ``[B, Tq, H, D]``, k: ``[B, T, H, D]``, v: ``[B, T, H, Dv]`` (raw, not feature-mapped).
-        scale: defaults to ``D ** -0.5``.
-        cu_seqlens: causal only, without ``attn_mask``; ``[N + 1]`` offsets of ``N`` sequences packed as
-            ``[1, total_T, ...]`` (:mod:`mhla.ops.varlen`): every query reads the keys of its own sequence.
-    Returns:
-        ``[B, Tq, H, Dv]``. On CUDA, SDPA picks FlashAttention / memory-efficient kernels when it can.
-    """
-    check_qkv(q, k, v, same_length=False)
-    if cu_seqlens is not None:
-        if not causal or attn_mask is not None:
-            raise ValueError("cu_seqlens (variable-length sequences) is for causal=True without attn_mask")
-        check_qkv(q, k, v)
-        check_cu_seqlens(cu_seqlens, q)
-
-        def op(q, k, v, _state, _final):
-            return softmax_attention(q, k, v, causal=True, scale=scale, dropout_p=dropout_p)
-
-        return run_varlen(op, (q, k, v), cu_seqlens)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=causal,
-        scale=scale,
-    )
-    return out.transpose(1, 2)

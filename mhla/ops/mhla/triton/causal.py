@@ -1,7 +1,7 @@
 """Causal (chunkwise) MHLA with Triton kernels: forward, backward and a recurrent state (autograd.Function).
 
 Blocks are contiguous runs of ``C`` tokens (the last may be partial); the kernels cut each block into
-chunks of ``BT`` tokens (:func:`mhla.kernels.utils.chunk_tile`; any ``C`` works, a partial last chunk
+chunks of ``BT`` tokens (:func:`mhla.ops.mhla.triton.utils.chunk_tile`; any ``C`` works, a partial last chunk
 is masked). For token ``t`` in chunk ``j`` of block ``i``, with ``m = Mix[i, i]``:
 
     P_i = sum_{b < i} Mix[i, b] S_b                         mixed prefix of the earlier blocks  (torch GEMM)
@@ -13,13 +13,13 @@ is masked). For token ``t`` in chunk ``j`` of block ``i``, with ``m = Mix[i, i]`
 ``o_t = sum_{s <= t} Mix[b(t), b(s)] (q_t . k_s) v_s / (sum_{s <= t} Mix[b(t), b(s)] q_t . k_s + eps)``.
 
 Backward (``dn_t = do_t / d_t``, ``dd_t = -(do_t . o_t) / d_t``; the kernels are in
-:mod:`mhla.kernels.chunk`):
+:mod:`mhla.ops.mhla.triton.chunk`):
 
     dP_i = sum_{t in i} q_t dn_t^T              dR_j = sum_{t in block i, after chunk j} q_t dn_t^T
     dS_b = sum_{i > b} Mix[i, b] dP_i           (+ the gradient of a returned state's summaries)
     dMix[i, b] = <dP_i, S_b> + <dp_i, z_b>      (b < i)
     dMix[i, i] = sum_{j in i} <q_j^T dn_j, R_j> + <q_j^T dd_j, r_j> + sum_{s <= t in j} (q_t . k_s) dA[t, s]
-    dq, dk, dv: see :mod:`mhla.kernels.chunk` (``dA[t, s] = dn_t . v_s + dd_t``).
+    dq, dk, dv: see :mod:`mhla.ops.mhla.triton.chunk` (``dA[t, s] = dn_t . v_s + dd_t``).
 
 State (chunked prefill): a call may continue after ``P`` tokens summarised in an
 :class:`mhla.ops.MHLAState`: the ``first = P // C`` finished block summaries join the mix as extra
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.causal import causal_product
+from ...utils import causal_product
 from .chunk import (
     Geometry,
     bwd_block_grads,
@@ -63,8 +63,8 @@ def _causal_coefficients(mix: torch.Tensor, first: int, NB: int):
 
 
 def _mix_earlier(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None):
-    """``mix_summaries`` (:mod:`mhla.kernels.chunk`) for the causal coefficients: row ``i`` reads only the
-    blocks before it, even when a later summary is not finite (:func:`mhla.ops.causal.causal_product`,
+    """``mix_summaries`` (:mod:`mhla.ops.mhla.triton.chunk`) for the causal coefficients: row ``i`` reads
+    only the blocks before it, even when a later summary is not finite (:func:`mhla.ops.utils.causal_product`,
     without its host sync).
 
     ``coeff [1 or H, NB, N]``, ``S_all [B, H, N, D, Dv]``, ``Z_all [B, H, N, D]`` or None ->

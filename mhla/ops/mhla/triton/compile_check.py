@@ -1,4 +1,6 @@
-"""Compile every kernel variant for a CUDA arch without a GPU: ``python -m mhla.kernels.compile_check``.
+"""Compile every kernel variant for a CUDA arch without a GPU.
+
+Run ``python -m mhla.ops.mhla.triton.compile_check [--arch 90] [--quick]``.
 
 The CPU interpreter checks what the kernels compute but not that they compile (loop-carried types,
 ``tl.dot`` shapes, shared memory). This runs Triton's real pipeline (TTIR -> PTX -> cubin with the

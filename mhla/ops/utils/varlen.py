@@ -134,7 +134,7 @@ def run_varlen(op, xs, cu_seqlens: torch.Tensor, *, initial_state=None, output_f
         op: ``op(*xs, initial_state, output_final_state)`` on dense tensors ``[B, T, ...]``; returns ``o``
             ``[B, T, ...]``, or ``(o, state)`` when ``output_final_state``.
         xs: the op's token-aligned inputs, each ``[1, total_T, ...]`` (e.g. ``(q, k, v)``).
-        cu_seqlens: ``[N + 1]``, already validated (:func:`mhla.ops.validation.check_cu_seqlens`).
+        cu_seqlens: ``[N + 1]``, already validated (:func:`mhla.ops.utils.validation.check_cu_seqlens`).
         initial_state: None, or a list of ``N`` per-sequence states (batch 1; None entries start empty).
         output_final_state: also return the list of the ``N`` final states.
         empty_state: ``empty_state()`` is the state of an empty sequence that had no initial state (needed

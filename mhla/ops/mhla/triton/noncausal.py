@@ -14,7 +14,7 @@ Backward, with ``dn_t = do_t / d_t`` and ``dd_t = -(do_t . o_t) / d_t``:
     dS_b   = sum_i Mix[i, b] dS~_i,     dz_b = sum_i Mix[i, b] dz~_i                    (torch GEMMs)
     dk_s   = dS_b v_s + dz_b,           dv_s = dS_b^T k_s                               (kernels)
 
-These are the ``m_i = 0`` case of the chunked kernels in :mod:`mhla.kernels.chunk`.
+These are the ``m_i = 0`` case of the chunked kernels in :mod:`mhla.ops.mhla.triton.chunk`.
 The release's ``normalize="official"`` form is not implemented here (the backend routes it to torch).
 """
 

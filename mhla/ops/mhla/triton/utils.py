@@ -1,6 +1,6 @@
 """Small helpers shared by the Triton kernels: interpreter detection, tile sizes, autotune configs, dtypes.
 
-Nothing here launches a kernel. The module imports ``triton``; :mod:`mhla.kernels.triton_backend` catches
+Nothing here launches a kernel. The module imports ``triton``; :mod:`mhla.ops.mhla.triton.backend` catches
 the ``ImportError`` where triton is missing.
 """
 

@@ -1,33 +1,36 @@
-"""Public entry point ``mhla_attention``: validates inputs and dispatches to a backend.
+"""The public entry point ``mhla_attention``: validates inputs and dispatches to a backend.
 
-Backends:
-    ``"torch"``      chunked PyTorch (O(T d^2 + M^2 d^2)); runs everywhere, the reference fast path.
-    ``"reference"``  the dense O(T^2) definition (tests and analysis only).
-    ``"triton"``     fused kernels (CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``), when built.
+Backends (the implementations beside this module):
+    ``"torch"``      chunked PyTorch (O(T d^2 + M^2 d^2)), :mod:`.chunk`; runs everywhere, the reference fast
+                     path.
+    ``"reference"``  the dense O(T^2) definition, :mod:`.naive` (tests and analysis only).
+    ``"triton"``     fused kernels, :mod:`.triton` (CUDA, or the CPU interpreter with ``TRITON_INTERPRET=1``),
+                     when built. Imported lazily: importing this module never imports triton.
     ``"auto"``       ``"triton"`` for CUDA tensors when the kernels are available, else ``"torch"``.
+
+Variable-length calls (``cu_seqlens``) run every sequence through :func:`mhla.ops.utils.run_varlen`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layouts import ceil_div
-from .causal import MHLAState, init_state, mhla_causal_torch
-from .noncausal import mhla_noncausal_torch
-from .reference import mhla_reference
-from .validation import (
+from ...layouts import ceil_div
+from ..utils import (
     accumulation_dtype,
     check_block_size,
-    check_causal,
     check_cu_seqlens,
     check_eps,
     check_mixing,
     check_qkv,
-    check_state,
     check_varlen_states,
     normalizer_mode,
+    run_varlen,
+    unbind_state,
 )
-from .varlen import run_varlen, unbind_state
+from .chunk import mhla_causal_torch, mhla_noncausal_torch
+from .naive import mhla_reference
+from .state import MHLAState, check_causal, check_state, init_state
 
 BACKENDS = ("auto", "torch", "reference", "triton")
 
@@ -35,10 +38,10 @@ BACKENDS = ("auto", "torch", "reference", "triton")
 def _triton_backend():
     """The Triton backend module, or None when it is not importable here."""
     try:
-        from ..kernels import triton_backend  # noqa: PLC0415  (optional triton; TRITON_INTERPRET set first)
+        from .triton import backend  # noqa: PLC0415  (optional triton; TRITON_INTERPRET set first)
     except Exception:  # ImportError, or triton failing to initialise without a GPU
         return None
-    return triton_backend if triton_backend.available() else None
+    return backend if backend.available() else None
 
 
 def resolve_backend(backend: str, q: torch.Tensor, *, causal: bool = False) -> str:
@@ -52,7 +55,7 @@ def resolve_backend(backend: str, q: torch.Tensor, *, causal: bool = False) -> s
         return "torch"
     if backend == "triton" and _triton_backend() is None:
         raise ValueError(
-            "backend='triton' needs the fused kernels (mhla.kernels) and triton with a CUDA device "
+            "backend='triton' needs the fused kernels (mhla.ops.mhla.triton) and triton with a CUDA device "
             "(or TRITON_INTERPRET=1 set before import, for the CPU interpreter); use backend='torch'"
         )
     return backend
@@ -92,14 +95,15 @@ def mhla_attention(
         initial_state: causal only; continue after the tokens summarised in this state (chunked prefill).
         output_final_state: causal only; also return the state after these tokens.
         cu_seqlens: causal only; a packed batch of ``N`` variable-length sequences in flash-linear-attention's
-            convention (:mod:`mhla.ops.varlen`): ``q, k: [1, total_T, H, D]``, ``v: [1, total_T, H, Dv]``,
-            ``cu_seqlens: [N + 1]`` int32/int64 (0 first, ``total_T`` last, non-decreasing; sequence ``n`` is
-            tokens ``cu_seqlens[n]:cu_seqlens[n + 1]``, possibly empty). Every sequence is computed as if
-            alone: its blocks start at its own first token, and ``mixing`` needs ``ceil(L_n / C)`` rows for
-            the longest (counting its state's tokens). States are per sequence: ``initial_state`` is a list
-            of ``N`` :class:`MHLAState` of batch 1 (None entries start empty; a single ``MHLAState`` of batch
-            ``N``, all sequences after the same tokens, is split), and ``output_final_state`` returns a list
-            of ``N`` :class:`MHLAState` of batch 1 (an empty sequence keeps its initial state).
+            convention (:mod:`mhla.ops.utils.varlen`): ``q, k: [1, total_T, H, D]``,
+            ``v: [1, total_T, H, Dv]``, ``cu_seqlens: [N + 1]`` int32/int64 (0 first, ``total_T`` last,
+            non-decreasing; sequence ``n`` is tokens ``cu_seqlens[n]:cu_seqlens[n + 1]``, possibly empty).
+            Every sequence is computed as if alone: its blocks start at its own first token, and ``mixing``
+            needs ``ceil(L_n / C)`` rows for the longest (counting its state's tokens). States are per
+            sequence: ``initial_state`` is a list of ``N`` :class:`MHLAState` of batch 1 (None entries start
+            empty; a single ``MHLAState`` of batch ``N``, all sequences after the same tokens, is split), and
+            ``output_final_state`` returns a list of ``N`` :class:`MHLAState` of batch 1 (an empty sequence
+            keeps its initial state).
     Returns:
         ``o: [B, T, H, Dv]`` with the dtype of ``v``; ``(o, state)`` when ``output_final_state``
         (``[1, total_T, H, Dv]`` and a list of ``N`` states with ``cu_seqlens``).
@@ -140,7 +144,8 @@ def mhla_attention(
     if which == "reference":
         return mhla_reference(q, k, v, mixing, block_size, causal=False, normalize=mode, eps=eps)
     if which == "triton":
-        return _triton_backend().mhla_attention(q, k, v, mixing, block_size, causal=False, normalize=mode, eps=eps)
+        return _triton_backend().mhla_triton(q, k, v, mixing, block_size, causal=False, normalize=mode,
+                                             eps=eps)
     return mhla_noncausal_torch(q, k, v, mixing, block_size, normalize=mode, eps=eps)
 
 
@@ -150,7 +155,7 @@ def _causal_op(which: str, mixing: torch.Tensor, block_size: int, mode: str, eps
         return lambda q, k, v, _state, _final: mhla_reference(q, k, v, mixing, block_size, causal=True,
                                                               normalize=mode, eps=eps)
     if which == "triton":
-        fn = _triton_backend().mhla_attention
+        fn = _triton_backend().mhla_triton
         return lambda q, k, v, state, final: fn(q, k, v, mixing, block_size, causal=True, normalize=mode, eps=eps,
                                                 initial_state=state, output_final_state=final)
     return lambda q, k, v, state, final: mhla_causal_torch(q, k, v, mixing, block_size, normalize=mode, eps=eps,
@@ -160,7 +165,7 @@ def _causal_op(which: str, mixing: torch.Tensor, block_size: int, mode: str, eps
 def _mhla_varlen(q, k, v, mixing, block_size, cu_seqlens, *, normalize, eps, backend, initial_state,
                  output_final_state):
     """``mhla_attention(causal=True, cu_seqlens=...)``: validate, then run every sequence as if alone
-    (:func:`mhla.ops.varlen.run_varlen`). Shapes as :func:`mhla_attention`."""
+    (:func:`mhla.ops.utils.run_varlen`). Shapes as :func:`mhla_attention`."""
     check_qkv(q, k, v)
     check_block_size(block_size)
     eps = check_eps(eps)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts import ceil_div
-from .causal import causal_product
-from .validation import check_block_size, check_eps, check_mixing, check_qkv, normalizer_mode
+from ...layouts import ceil_div
+from ..utils import causal_product, check_block_size, check_eps, check_mixing, check_qkv, normalizer_mode
 
 
 def _per_head_mixing(mixing: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -112,27 +111,4 @@ def mhla_reference(
         qz = torch.einsum("bjwhd,bjhd->bjwh", qb, zb)  # q_{j,w} . z_j
         den = torch.einsum("hij,bjwh->biwh", mix, qz) + eps
         out = out / den.reshape(B, T, H, 1)
-    return out
-
-
-def linear_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    normalize: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Plain linear attention from its dense definition: ``W[t, s] = q_t . k_s``. Shapes as MHLA."""
-    scores = torch.einsum("bthd,bshd->bhts", q, k)
-    if causal:
-        T = q.shape[1]
-        mask = torch.ones(T, k.shape[1], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, 0.0)
-        out = causal_product(lambda x: torch.einsum("bhts,bshe->bthe", scores, x), v, 1)
-    else:
-        out = torch.einsum("bhts,bshe->bthe", scores, v)
-    if normalize:
-        out = out / (scores.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
     return out

@@ -1,4 +1,5 @@
-"""Input checks shared by the functional ops.
+"""Input checks shared by the functional ops (the checks of MHLA's causal state are with the state, in
+:mod:`mhla.ops.mhla.state`).
 
 Every public op validates its inputs here so that a bad call fails with a ``ValueError`` that says what
 is wrong and how to fix it, instead of a shape error deep inside an einsum.
@@ -10,8 +11,6 @@ import math
 import numbers
 
 import torch
-
-from ..layouts import ceil_div
 
 _NORMALIZE_MODES = {True: "paper", False: "none", "paper": "paper", "none": "none", "official": "official"}
 
@@ -73,63 +72,6 @@ def check_eps(eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
         raise ValueError(f"eps must be a positive float (e.g. 1e-6), got {eps!r}")
     return float(eps)
-
-
-def check_state(state, q: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
-    """Check a causal state (:class:`mhla.ops.MHLAState`) can continue a call on ``q: [B, T, H, D]``,
-    ``v: [B, T, H, Dv]`` with blocks of ``block_size`` tokens."""
-    from .causal import MHLAState  # noqa: PLC0415  (causal.py imports this module)
-
-    if not isinstance(state, MHLAState):
-        raise ValueError(
-            f"the causal state must be an MHLAState (from init_state or output_final_state=True), "
-            f"got {type(state).__name__}"
-        )
-    if state.block_size != block_size:
-        raise ValueError(f"state was built with block_size {state.block_size}, call uses {block_size}")
-    acc = accumulation_dtype(q.dtype)
-    for name in ("block_summaries", "block_key_sums", "current_summary", "current_key_sum"):
-        t = getattr(state, name)
-        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        if got != acc:
-            raise ValueError(
-                f"state.{name} must be a {acc} tensor for {q.dtype} inputs (the ops accumulate in {acc}), "
-                f"got {got}; build the state from inputs of the same dtype"
-            )
-    B, _, H, D = q.shape
-    want = (B, H, D, v.shape[-1])
-    got = tuple(state.current_summary.shape)
-    if got != want:
-        raise ValueError(f"state summary has shape {got}, expected [B, H, D, Dv] = {want}")
-    finished = state.num_tokens // block_size
-    if state.block_summaries.shape[2] != finished:
-        raise ValueError(
-            f"state has {state.block_summaries.shape[2]} finished blocks but {state.num_tokens} tokens "
-            f"of {block_size} make {finished}"
-        )
-
-
-def check_causal(q, k, v, mixing, block_size, *, normalize, eps, state=None) -> str:
-    """The checks of every causal entry point (``mhla_attention(causal=True)``, ``mhla_decode_step``).
-
-    Args:
-        q, k: ``[B, T, H, D]``; v: ``[B, T, H, Dv]``; mixing: ``[M, M]`` or ``[H, M, M]``.
-        state: None, or the state the call continues (``M`` must then cover its tokens too).
-    Returns:
-        the normalizer mode, ``"paper"`` or ``"none"``.
-    """
-    check_qkv(q, k, v)
-    check_block_size(block_size)
-    check_eps(eps)
-    mode = normalizer_mode(normalize)
-    if mode == "official":
-        raise ValueError("normalize='official' is the release's non-causal vision normalizer only")
-    seen = 0
-    if state is not None:
-        check_state(state, q, v, block_size)
-        seen = state.num_tokens
-    check_mixing(mixing, q.shape[2], ceil_div(seen + q.shape[1], block_size))
-    return mode
 
 
 def check_mixing(
