@@ -4,155 +4,25 @@
 ``log a_t = logsigmoid(x W1 W2 + b) / 16`` (``W1: C x 16``, ``W2: 16 x d_k``), ``d_k = C / 2``, ``d_v = C`` over ``H``
 heads; q, k, v, g projections without bias; output ``W_o(RMSNorm_head(o) * swish(x W_g))``.
 
-* :func:`gla_chunked` is the fast form (chunks of ``L`` tokens; pairwise gate ratios inside a chunk, a state
-  between chunks), :func:`gla_recurrent` the token-by-token reference it is tested against. On CUDA, when
-  flash-linear-attention imports, :func:`gla` runs fla's Triton kernel ``fla.ops.gla.chunk_gla`` instead
-  (:func:`gla_fla`; ``backend="auto" | "torch" | "fla"``, see :func:`resolve_gla_backend`).
+* the op is :mod:`mhla.ops.gla` (:func:`~mhla.ops.gla.gla_chunked`, the torch chunked form; the token-by-token
+  reference :func:`~mhla.ops.gla.gla_recurrent`; fla's Triton ``chunk_gla`` on CUDA when flash-linear-attention
+  imports: ``backend="auto" | "torch" | "fla"``, :func:`~mhla.ops.gla.resolve_gla_backend`).
 * :class:`GatedLinearAttention` (``attn=gla``) runs the recurrence over the tokens in the order it is given them
   (a scan): DiG (:mod:`models.dig`) permutes the tokens into each block's scan direction around it.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .ops.gla import GLA_BACKENDS, gla, gla_recurrent, resolve_gla_backend
 from .registry import Supports, register_attention
 
-GLA_BACKENDS = ("auto", "torch", "fla")
 
 
 # ------------------------------------------------------------------------------------------- GLA ops
-def gla_recurrent(q, k, v, log_a, scale: float | None = None):
-    """Reference GLA, one token at a time. ``q, k, log_a: [B, T, H, Dk]``, ``v: [B, T, H, Dv]`` -> ``[B, T, H, Dv]``.
-
-    ``S_t = diag(exp(log_a_t)) S_{t-1} + k_t^T v_t``;  ``o_t = (scale * q_t) S_t`` (scale default ``Dk^-1/2``).
-    """
-    B, T, H, Dk = q.shape
-    scale = Dk ** -0.5 if scale is None else scale
-    S = q.new_zeros(B, H, Dk, v.shape[-1])
-    out = []
-    for t in range(T):
-        S = S * log_a[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
-        out.append(torch.einsum("bhd,bhde->bhe", q[:, t] * scale, S))
-    return torch.stack(out, dim=1)
-
-
-def gla_chunked(q, k, v, log_a, chunk: int = 16, scale: float | None = None):
-    """GLA in chunks of ``chunk`` tokens (same inputs / output as :func:`gla_recurrent`).
-
-    Inside a chunk, with ``b_t = sum_{s <= t} log_a_s`` (cumulative within the chunk):
-    ``o_t = (q_t * e^{b_t}) S_prev + sum_{s <= t} (sum_d q_td k_sd e^{b_td - b_sd}) v_s``, where the pairwise
-    exponent is ``<= 0`` (no overflow); the state after the chunk is
-    ``S = diag(e^{b_L}) S_prev + sum_s (k_s * e^{b_L - b_s})^T v_s``. Cost ``O(T L Dk + T Dk Dv)`` per head.
-    Accumulates in fp32 for half-precision inputs.
-    """
-    B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
-    scale = Dk ** -0.5 if scale is None else scale
-    dtype = q.dtype
-    f = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    pad = (-T) % chunk
-    if pad:  # zero keys/values and zero log-gates (a = 1) in the padding: the causal outputs are unchanged
-        q, k, v, log_a = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, log_a))
-    n = (T + pad) // chunk
-    # [B, H, n, L, d]
-    q, k, v, log_a = (x.to(f).reshape(B, n, chunk, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v, log_a))
-    q = q * scale
-    b = log_a.cumsum(dim=3)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # intra-chunk scores A[t, s] = sum_d q_td k_sd exp(b_td - b_sd), s <= t
-    diff = (b[..., :, None, :] - b[..., None, :, :]).masked_fill(~causal[..., None], float("-inf"))
-    scores = torch.einsum("bhntd,bhnsd,bhntsd->bhnts", q, k, diff.exp())
-    intra = scores @ v                                             # [B, H, n, L, Dv]
-    # chunk-major copies so the per-chunk matmuls below read contiguous memory: [n, B, H, L, d]
-    q_in = (q * b.exp()).permute(2, 0, 1, 3, 4).contiguous()                      # weights on the carried state
-    k_out = (k * (b[..., -1:, :] - b).exp()).permute(2, 0, 1, 4, 3).contiguous()  # into the next state (T)
-    v_c = v.permute(2, 0, 1, 3, 4).contiguous()
-    decay = b[..., -1, :].exp().permute(2, 0, 1, 3)[..., None]                    # [n, B, H, Dk, 1]
-    S = q.new_zeros(B, H, Dk, Dv)
-    inter = []
-    for i in range(n):
-        inter.append(q_in[i] @ S)
-        S = torch.baddbmm(S.mul(decay[i]).view(-1, Dk, Dv), k_out[i].view(-1, Dk, chunk),
-                          v_c[i].view(-1, chunk, Dv)).view(B, H, Dk, Dv)
-    o = intra + torch.stack(inter, dim=2)
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, n * chunk, H, Dv)[:, :T]
-    return o.to(dtype)
-
-
-@functools.cache
-def _fla_chunk_gla():
-    """``fla.ops.gla.chunk_gla``, or None when flash-linear-attention does not import here (cached: asked once)."""
-    try:
-        from fla.ops.gla import chunk_gla  # noqa: PLC0415  (optional: flash-linear-attention, GPU + Triton)
-    except Exception:  # noqa: BLE001 - fla raises more than ImportError without a GPU / Triton
-        return None
-    return chunk_gla
-
-
-def resolve_gla_backend(backend: str, q: torch.Tensor) -> str:
-    """The backend ``backend`` means for inputs like ``q``: ``"torch"`` (:func:`gla_chunked`) or ``"fla"``
-    (:func:`gla_fla`).
-
-    ``"auto"``: ``"fla"`` for CUDA tensors when fla imports, else ``"torch"`` (CPU inputs never import fla).
-    ``"fla"``: raises ImportError when fla does not import, and ValueError for non-CUDA inputs unless
-    ``TRITON_INTERPRET=1`` (Triton's CPU interpreter; a debugging path: fla 0.6.0 under triton 3.8 also needs the
-    two shims in ``tests/test_dig_fla.py``, and it is slow).
-    """
-    if backend not in GLA_BACKENDS:
-        raise ValueError(f"GLA backend must be one of {GLA_BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if backend == "auto":
-        return "fla" if q.is_cuda and _fla_chunk_gla() is not None else "torch"
-    if _fla_chunk_gla() is None:
-        raise ImportError(
-            "GLA backend='fla' needs flash-linear-attention (fla.ops.gla.chunk_gla; Triton, a GPU): pip install "
-            "flash-linear-attention, or use backend='torch' / 'auto'")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"GLA backend='fla' runs fla's Triton kernels on CUDA tensors; got tensors on {q.device}. Move them to "
-            "the GPU or use backend='torch' / 'auto' (or TRITON_INTERPRET=1, set before import, for Triton's CPU "
-            "interpreter)")
-    return "fla"
-
-
-def gla_fla(q, k, v, log_a, scale: float | None = None):
-    """GLA by flash-linear-attention's chunked Triton kernel; same inputs / output as :func:`gla_recurrent`.
-
-    The mapping onto ``fla.ops.gla.chunk_gla(q, k, v, g, scale=None, initial_state=None,
-    output_final_state=False, ...) -> (o, final_state)`` (fla 0.6.0) is the identity:
-
-    * layout: fla's default is ours, time-major ``[B, T, H, K]`` for ``q, k, g`` and ``[B, T, H, V]`` for ``v``
-      and ``o`` (no head-first transpose; fla makes the inputs contiguous);
-    * gate: fla's ``g`` is the per-key log forget gate, ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t``, i.e. our
-      ``log_a`` (``logsigmoid(.) / 16``, ``<= 0``) as it is;
-    * scale: ``o_t = (scale * q_t) S_t`` with the same default ``K^-1/2``;
-    * no initial state, no final state (``final_state`` is None); fla picks its own chunk length
-      (``min(64, max(16, next_pow2(T)))``), so :func:`gla_chunked`'s ``chunk`` does not apply;
-    * any ``T`` (fla masks the last chunk); fp32 / fp16 / bf16 with fp32 accumulation; output cast to
-      ``q.dtype`` (fla returns ``v``'s dtype).
-    """
-    chunk_gla = _fla_chunk_gla()
-    if chunk_gla is None:
-        raise ImportError("gla_fla needs flash-linear-attention: pip install flash-linear-attention")
-    o, _ = chunk_gla(q, k, v, log_a, scale=scale, initial_state=None, output_final_state=False)
-    return o.to(q.dtype)
-
-
-def gla(q, k, v, log_a, chunk: int = 16, scale: float | None = None, backend: str = "auto"):
-    """GLA (same inputs / output as :func:`gla_recurrent`) on the backend :func:`resolve_gla_backend` picks:
-    fla's ``chunk_gla`` on CUDA when fla imports, else :func:`gla_chunked` (``chunk``: its chunk length)."""
-    if resolve_gla_backend(backend, q) == "fla":
-        return gla_fla(q, k, v, log_a, scale=scale)
-    return gla_chunked(q, k, v, log_a, chunk, scale=scale)
-
-
 @register_attention("gla")
 class GatedLinearAttention(nn.Module):
     """GLA as DiG uses it (fla's ``GatedLinearAttention`` with ``expand_k=0.5, expand_v=1``, gate rank 16,

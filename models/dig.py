@@ -3,14 +3,11 @@
 DiT's skeleton (patch embedding, sin-cos positions, timestep / label embedders, adaLN-Zero, final layer; all
 imported from :mod:`models.dit`) with a different block (BASELINES.md section 5):
 
-* token mixer: **gated linear attention** (GLA, Yang et al. 2024): ``d_k = C / 2``, ``d_v = C`` over ``H`` heads;
-  q, k, v, g projections without bias; a low-rank data-dependent forget gate
-  ``log a_t = logsigmoid(x W1 W2 + b) / 16`` (``W1: C x 16``, ``W2: 16 x d_k``); the causal recurrence
-  ``S_t = diag(a_t) S_{t-1} + k_t^T v_t``, ``o_t = (q_t / sqrt(d_k)) S_t``; output ``W_o(RMSNorm_head(o) * swish(x W_g))``.
-  :func:`gla_chunked` is the fast form (chunks of ``L`` tokens; pairwise gate ratios inside a chunk, a state
-  between chunks), :func:`gla_recurrent` the token-by-token reference it is tested against. On CUDA, when
-  flash-linear-attention imports, :func:`gla` runs fla's Triton kernel ``fla.ops.gla.chunk_gla`` instead
-  (:func:`gla_fla`; ``backend="auto" | "torch" | "fla"``, see :func:`resolve_gla_backend`).
+* token mixer: **gated linear attention** (GLA, Yang et al. 2024; the registered ``attn=gla``,
+  :class:`mhla.gla.GatedLinearAttention` and its op :mod:`mhla.ops.gla`): ``d_k = C / 2``, ``d_v = C`` over ``H``
+  heads; q, k, v, g projections without bias; a low-rank data-dependent forget gate
+  ``log a_t = logsigmoid(x W1 W2 + b) / 16``; the causal recurrence ``S_t = diag(a_t) S_{t-1} + k_t^T v_t``,
+  ``o_t = (q_t / sqrt(d_k)) S_t``; output ``W_o(RMSNorm_head(o) * swish(x W_g))``.
 * MLP: SwiGLU with ``256 * ceil(floor(8C/3) / 256)`` hidden units (1024 at C = 384), no biases.
 * SREM: the scan direction cycles row-major forward, row-major backward, column-major forward, column-major
   backward over blocks ``i % 4`` (the release reverses the sequence after every block and transposes after every

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from mhla.gla import GatedLinearAttention, gla_chunked, gla_recurrent
+from mhla.gla import GatedLinearAttention
+from mhla.ops.gla import gla_chunked, gla_recurrent
 from models.dig import DiG, build_dig, scan_permutation
 
 

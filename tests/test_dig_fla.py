@@ -1,4 +1,4 @@
-"""DiG's GLA on flash-linear-attention's ``chunk_gla`` (mhla.gla.gla_fla) against the torch ``gla_chunked``.
+"""DiG's GLA on flash-linear-attention's ``chunk_gla`` (mhla.ops.gla.gla_fla) against the torch ``gla_chunked``.
 
 * CPU, always: the backend dispatch (``auto`` picks torch on CPU; ``fla`` without fla, or on CPU tensors, raises
   a clear error) and the argument wiring, with a stand-in for ``chunk_gla``.
@@ -24,8 +24,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mhla.gla as dig
-from mhla.gla import GatedLinearAttention, gla, gla_chunked, resolve_gla_backend
+import mhla.ops.gla as dig
+from mhla.gla import GatedLinearAttention
+from mhla.ops.gla import gla, gla_chunked, resolve_gla_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,7 +143,8 @@ for name, module in list(sys.modules.items()):
     if name.startswith("fla.ops"):
         module.range = _range
 
-from mhla.gla import GatedLinearAttention, gla, gla_chunked, resolve_gla_backend
+from mhla.gla import GatedLinearAttention
+from mhla.ops.gla import gla, gla_chunked, resolve_gla_backend
 
 assert resolve_gla_backend("fla", torch.zeros(1)) == "fla" and resolve_gla_backend("auto", torch.zeros(1)) == "torch"
 out = {}
