@@ -12,7 +12,7 @@ diagonal are ignored. Its row ``i`` must exist for every block the sequence touc
 State (:class:`MHLAState`): the summaries of every *finished* block (each one is needed separately,
 because every later block mixes them with its own row of coefficients), the running summary of the
 current block, and the number of tokens seen. Memory is O(T / C * D * Dv), cost per decoded token
-O(D * Dv), plus one re-mix O(i * D * Dv) at each block boundary (SPEC.md section 1).
+O(D * Dv), plus one re-mix O(i * D * Dv) at each block boundary (docs/method.md#decoding-state).
 
 Causality holds whatever the values: a NaN or inf in token ``s`` reaches the outputs ``t >= s`` only. The
 masked terms of a causal sum are never multiplied in (``0 * nan`` is ``nan``); see :func:`causal_product`.

@@ -1,10 +1,10 @@
 """``MHLALMConfig``: a decoder-only language model with causal MHLA (or linear / softmax attention).
 
-Defaults are the paper's 340M model (SPEC.md Table 6): hidden 1024, 24 layers, 4 heads, key dim 0.5 x hidden
+Defaults are the paper's 340M model (docs/paper_tables.md#table-6): hidden 1024, 24 layers, 4 heads, key dim 0.5 x hidden
 (128 per head), value dim 1 x hidden (256 per head), SwiGLU MLP (GLA's ``hidden_ratio`` 4 rule: 2816), vocab
 32000, tied embeddings, chunks of 64 tokens, context 2048 (M = 32 learned mixing rows).
 
-Paper defaults versus the authors' release (SPEC.md section 2), every difference a field:
+Paper defaults versus the authors' release (docs/method.md#language-model), every difference a field:
 
 | field | default (ours; the paper where it is explicit) | release |
 |---|---|---|
