@@ -87,7 +87,7 @@ lm-mini:
 bench-generation:
 	$(PY) scripts/bench_generation.py
 
-# Length extrapolation (README "Causal mixing beyond the learned size"): trains lm_mini-sized MHLA / linear /
+# Length extrapolation (docs/decisions.md#causal-mixing-beyond-the-learned-size): trains lm_mini-sized MHLA / linear /
 # softmax models at 256 tokens (seed SEED; skipped when DIR/<attn> has a checkpoint), then evaluates them to 4k
 # tokens with every mixing extension rule. ~7 min on 2 cores; EXTRA='k=v ...' adds training overrides. Committed runs: results/language/length_extrapolation*.md
 .PHONY: length-extrapolation

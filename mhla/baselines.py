@@ -1,4 +1,4 @@
-"""The Table 2 baseline attentions, built from ``../shared/BASELINES.md`` (sections 1-4 and 12).
+"""The Table 2 baseline attentions, built from ``docs/baselines.md`` (FLatten to RALA, quoted baselines).
 
 All four share the constructor and forward of :mod:`mhla.layers` and register themselves by name:
 
@@ -8,7 +8,7 @@ All four share the constructor and forward of :mod:`mhla.layers` and register th
     ``rala``     Rank-Augmented Linear Attention (CVPR'25)
 
 They need the token grid (``grid=(H, W)``) for their convolutions and positional terms. Class tokens are not
-supported here (``num_prefix_tokens`` must be 0): MHLA's DeiT setting uses average pooling. As BASELINES.md
+supported here (``num_prefix_tokens`` must be 0): MHLA's DeiT setting uses average pooling. As docs/baselines.md
 notes, the published DeiT numbers of FLatten / InLine / MALA come from class-token models at 224 px; we
 build them in the same "avg-pool + pad-to-256" setting as MHLA, so a re-run measures that setting.
 """
@@ -83,7 +83,7 @@ class _GridBaseline(AttentionBase):
 
 @register_attention("focused")
 class FocusedLinearAttention(_GridBaseline):
-    """FLatten's focused linear attention (BASELINES.md section 1; their 2024 mean-normalised form).
+    """FLatten's focused linear attention (docs/baselines.md#flatten; their 2024 mean-normalised form).
 
     phi_p(x) = f_p(relu(x) + 1e-6) / softplus(scale), the power ``p`` and norm restoration over the full
     ``C``-dim vector before the head split; a learnable positional encoding (zero-init) added to K before
@@ -124,7 +124,7 @@ class FocusedLinearAttention(_GridBaseline):
 
 @register_attention("inline")
 class InLineAttention(_GridBaseline):
-    """InLine attention (BASELINES.md section 2): injective (subtractive) normalisation, phi = identity.
+    """InLine attention (docs/baselines.md#inline): injective (subtractive) normalisation, phi = identity.
 
     ``x_i = q_i kv + (1 - q_i . kbar * s) vbar`` with ``kv = sum_j k_j^T v_j * s / N``, ``s = d^-1/2``
     (weights sum to 1 for every query, may be negative), plus a dynamic per-sample 3 x 3 depthwise conv
@@ -189,7 +189,7 @@ class _GatedRoPEBaseline(_GridBaseline):
 
 @register_attention("mala")
 class MagnitudeAwareLinearAttention(_GatedRoPEBaseline):
-    """MALA (BASELINES.md section 3): ``Y_i = rho(q_i) kv (1 + 1/(z_i + 1e-6)) - z_i vbar`` with
+    """MALA (docs/baselines.md#mala): ``Y_i = rho(q_i) kv (1 + 1/(z_i + 1e-6)) - z_i vbar`` with
     ``z_i = phi(q_i) . mean_j phi(k_j) d^-1/2`` (un-rotated) and ``kv = sum_j rho(phi(k_j))^T v_j d^-1/2 / N``."""
 
     def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
@@ -206,7 +206,7 @@ class MagnitudeAwareLinearAttention(_GatedRoPEBaseline):
 
 @register_attention("rala")
 class RankAugmentedLinearAttention(_GatedRoPEBaseline):
-    """RALA (BASELINES.md section 4): token weights ``alpha = softmax_j(mean(phi(q)) . phi(k_j) d^-1/2)``,
+    """RALA (docs/baselines.md#rala): token weights ``alpha = softmax_j(mean(phi(q)) . phi(k_j) d^-1/2)``,
     ``k~_j = N alpha_j phi(k_j)``, ``Y_i = rho(phi(q_i)) [sum_j rho(k~_j)^T v_j / N] / (phi(q_i) . mean_j k~_j + 1e-6)``."""
 
     def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):

@@ -39,7 +39,7 @@ def softplus_feature(x: torch.Tensor) -> torch.Tensor:
 
 
 def focused_feature(x: torch.Tensor, p: float = 3.0, eps: float = 1e-6) -> torch.Tensor:
-    """FLatten's focused map (BASELINES.md section 1). Nonnegative.
+    """FLatten's focused map (docs/baselines.md#flatten). Nonnegative.
 
     ``y = relu(x) + eps``, then ``f_p(y) = (||y|| / ||y^p||) * y^p`` (elementwise power, norms over the
     last dim): the norm of ``y`` is kept, its direction is pulled toward its largest coordinates.

@@ -1,6 +1,6 @@
 """The mixing matrix ``Mc`` (``[M, M]``, row ``i`` = query block ``i``): initialisations, learnable module.
 
-Initialisations (:func:`mixing_init`): the paper's locality init (SPEC.md 1.5, row-normalised, per-row max
+Initialisations (:func:`mixing_init`): the paper's locality init (docs/method.md#mixing-initialisation, row-normalised, per-row max
 distance), the authors' release variant (global max distance, column-normalised) as ``locality_official``,
 and the ablation inits (uniform, identity, cos, exp, gaussian, local).
 
@@ -96,7 +96,7 @@ def mixing_init(
 ) -> torch.Tensor:
     """Initial mixing matrix ``[M, M]`` (nonnegative) from block-centre distances ``d [M, M]``.
 
-    Kinds (SPEC.md 1.5 and the ablations):
+    Kinds (docs/method.md#mixing-initialisation and the ablations):
         ``locality`` (paper default): ``1 - d(i, j) / max_k d(i, k)``, max over the WHOLE row (paper section
             4.2), then, when causal, the upper triangle masked (Appendix C), then normalised. Causal row ``i``
             thus keeps a nonzero weight on block 0 while ``i < (M - 1) / 2``. A row whose max is 0

@@ -4,7 +4,7 @@
     model = timm.create_model("deit_tiny_patch16_224_mhla")                 # M = 16, paper setting
     model = timm.create_model("deit_small_patch16_224_softmax", cpe=True)    # options go to the attention
 
-Paper setting (SPEC.md Table 2, BASELINES.md section 7): average pooling instead of the class token
+Paper setting (docs/paper_tables.md#table-2, docs/baselines.md#deit-setting): average pooling instead of the class token
 (timm then applies the final norm after pooling), qk RMSNorm, the learned absolute position embedding,
 CPE (depthwise 3x3 conv on V inside every attention) as an option, and 224 px inputs zero-padded to 256 px
 so that 16 x 16 patches form 4 x 4 blocks of 4 x 4 tokens (M = 16). ``img_size`` sets the input resolution

@@ -1,7 +1,7 @@
 """DiG (Zhu et al., "DiG: Scalable and Efficient Diffusion Models with Gated Linear Attention", CVPR 2025).
 
 DiT's skeleton (patch embedding, sin-cos positions, timestep / label embedders, adaLN-Zero, final layer; all
-imported from :mod:`models.dit`) with a different block (BASELINES.md section 5):
+imported from :mod:`models.dit`) with a different block (docs/baselines.md#dig):
 
 * token mixer: **gated linear attention** (GLA, Yang et al. 2024; the registered ``attn=gla``,
   :class:`mhla.gla.GatedLinearAttention` and its op :mod:`mhla.ops.gla`): ``d_k = C / 2``, ``d_v = C`` over ``H``

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from mhla.adapters.diffusers import swap_self_attention
 from mhla.registry import AttentionContract, Needs
 
-# BASELINES.md section 8 (scripts/convert_sana_to_diffusers.py, SanaMS_600M_P1_D28); sample_size 32 = 1024 px.
+# docs/baselines.md#sana-06b (scripts/convert_sana_to_diffusers.py, SanaMS_600M_P1_D28); sample_size 32 = 1024 px.
 SANA_600M = dict(in_channels=32, out_channels=32, num_attention_heads=36, attention_head_dim=32, num_layers=28,
                  num_cross_attention_heads=16, cross_attention_head_dim=72, cross_attention_dim=1152,
                  caption_channels=2304, mlp_ratio=2.5, attention_bias=False, sample_size=32, patch_size=1,

@@ -1,6 +1,6 @@
 """Vision Transformers (timm's ``VisionTransformer``) with any registered attention.
 
-The paper's DeiT setting (SPEC.md Table 2): average pooling instead of the class token, qk RMSNorm, CPE
+The paper's DeiT setting (docs/paper_tables.md#table-2): average pooling instead of the class token, qk RMSNorm, CPE
 (kernel 3) as an option, and 224 px inputs zero-padded to 256 px so that 16 x 16 patches form 4 x 4 blocks
 of 4 x 4 tokens (M = 16).
 """

@@ -1,4 +1,4 @@
-"""VLT: the RAVLT / MAViT vision linear transformer backbone (BASELINES.md section 4) with any attention in its
+"""VLT: the RAVLT / MAViT vision linear transformer backbone (docs/baselines.md#vlt) with any attention in its
 two linear stages; MHLA-VLT puts MHLA there (M = 49 on the 56 x 56 stage-1 grid, M = 16 on the 28 x 28
 stage-2 grid at 224 px) and keeps softmax attention in stages 3-4.
 
@@ -12,8 +12,8 @@ residual depthwise 3x3, 1x1 conv, ratio 3.5; LayerScale init 1), conv3x3-s2 + BN
 counts match the paper's MHLA-VLT: 16M / 27M; RAVLT uses 1024).
 
 Attention wrapper. The paper's MHLA-VLT "strictly follows" RALA, whose attention in every stage (linear stages 1-2
-and softmax stages 3-4) is ``proj((Y + LePE_5x5(V)) * O)`` with an output gate ``O = W_o x`` (BASELINES.md
-sections 3, 4, 12). ``rala`` / ``mala`` layers hold that wrapper themselves (mhla/baselines.py
+and softmax stages 3-4) is ``proj((Y + LePE_5x5(V)) * O)`` with an output gate ``O = W_o x`` (docs/baselines.md
+#vlt). ``rala`` / ``mala`` layers hold that wrapper themselves (mhla/baselines.py
 ``_GatedRoPEBaseline``). For the other attentions the wrapper is built from the shared layer options
 (:data:`WRAPPER_DEFAULTS`): ``cpe`` with ``cpe_kernel: 5`` is the LePE (a depthwise 5 x 5 conv on V added to the
 attention output, as ``_GatedRoPEBaseline.lepe``) and ``gate`` the output gate. These are defaults: an attention

@@ -4,7 +4,7 @@
     model = build_wan(cfg.model, cfg.attn)          # pretrained from model.pretrained, or random init
     apply_attention(model, {"name": "mhla", "blocks": [7, 3, 5], "layers": "hybrid", ...})
 
-Wan2.1-T2V-1.3B (BASELINES.md section 9): 30 layers, width 1536 = 12 heads x 128, FFN 8960, patch (1, 2, 2),
+Wan2.1-T2V-1.3B (docs/baselines.md#wan21-t2v-13b): 30 layers, width 1536 = 12 heads x 128, FFN 8960, patch (1, 2, 2),
 16 latent channels, UMT5-XXL text (4096-dim, 512 tokens), qk RMSNorm across heads, 1419M params. The VAE
 compresses (4, 8, 8): 81 frames at 480 x 800 -> latents 21 x 60 x 100 -> 21 x 30 x 50 = 31,500 tokens.
 
@@ -35,7 +35,7 @@ from mhla.registry import AttentionContract, Needs
 
 from .weights import MissingWeightsError, require_local_weights  # noqa: F401  (MissingWeightsError: re-exported)
 
-# WanTransformer3DModel config of Wan2.1-T2V-1.3B (diffusers' conversion script; BASELINES.md section 9).
+# WanTransformer3DModel config of Wan2.1-T2V-1.3B (diffusers' conversion script; docs/baselines.md#wan21-t2v-13b).
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,

@@ -16,7 +16,7 @@ Writes ``results/bench/models_<device>.json`` and ``.md`` with a machine header 
 shared machine other processes inflate wall-clock times), and ``.png`` (time against N per attention, log-log;
 ``--plot-only`` redraws it from the ``.json``).
 
-The paper's claim (SPEC.md): at 512 px MHLA has about 2x the throughput of self-attention and is on par with
+The paper's claim (docs/paper_tables.md#speed-claims): at 512 px MHLA has about 2x the throughput of self-attention and is on par with
 linear attention (Table 7b: DiT-S/2 512 px, 435 img/s for M = 16 on their GPU).
 """
 
@@ -201,7 +201,7 @@ def to_markdown(data: dict) -> str:
         s, lin, m = d.get("softmax"), d.get("linear"), d.get("mhla")
         lines.append(f"| {model} | {res} | {n} | {mode} | {cell(s)} | {cell(lin)} | {cell(m)} | {ratio(m, s)} | "
                      f"{ratio(m, lin)} |")
-    lines += ["", "Paper (SPEC.md): MHLA about 2x the throughput of self-attention at 512 px and on par with linear "
+    lines += ["", "Paper (docs/paper_tables.md#speed-claims): MHLA about 2x the throughput of self-attention at 512 px and on par with linear "
               "attention (GPU). CPU numbers measure FLOP-bound behaviour on this machine only."]
     return "\n".join(lines) + "\n"
 

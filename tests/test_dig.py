@@ -82,7 +82,7 @@ def test_dig_s2_size_and_forward_signature():
     cfg = OmegaConf.create({"kind": "dig", "variant": "DiG-S", "patch_size": 2, "input_size": 32, "num_classes": 1000})
     model = build_dig(cfg, {"name": "gla"})
     n = sum(p.numel() for p in model.parameters()) - model.pos_embed.numel()
-    assert abs(n / 1e6 - 32.98) < 0.02, n  # BASELINES.md section 5: ~32.98M
+    assert abs(n / 1e6 - 32.98) < 0.02, n  # docs/baselines.md#dig: ~32.98M
     assert model.blocks[0].mlp.down_proj.in_features == 1024
 
 

@@ -1,6 +1,6 @@
 """Paper fidelity of the experiment recipes: Table 5 (FlashAttention row evaluation-only, release training
 details), Table 2b (VLT wrapper, parameter counts, re-run baseline cells), Table 3a assumptions, Table 7a CPE,
-Table 8 tasks and the Chinese metric, Tables 6 / 8 baseline numbers (only SPEC.md's)."""
+Table 8 tasks and the Chinese metric, Tables 6 / 8 baseline numbers (only docs/paper_tables.md's)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_vlt_mhla_cells_have_rala_wrapper_and_paper_params(cell, paper_m):
 
 
 @pytest.mark.parametrize("cell,row,top1,counted", [
-    ("table2/vlt_t_rala", "RAVLT-T*", 82.3, 14.90),   # BASELINES.md: RAVLT-T 14.90M (README 15M)
+    ("table2/vlt_t_rala", "RAVLT-T*", 82.3, 14.90),   # docs/baselines.md#vlt: RAVLT-T 14.90M (README 15M)
     ("table2/vlt_t_mala", "MAViT-T*", 82.4, 16.45),   # MAViT-T 16.45M
     ("table2/vlt_s_mala", "MAViT-S*", 84.3, 27.14),   # MAViT-S 27.14M
 ])
@@ -209,11 +209,11 @@ def test_passage_retrieval_zh_scores_the_paragraph_id():
 
 # ------------------------------------------------------------------------------ Tables 6 / 8 paper numbers
 
-SPEC_TABLE8 = {"mhla": 7.41, "mamba": 6.97, "transformer_pp": 6.92, "gdn": 6.86}  # SPEC.md Table 8
+SPEC_TABLE8 = {"mhla": 7.41, "mamba": 6.97, "transformer_pp": 6.92, "gdn": 6.86}  # docs/paper_tables.md#table-8
 SPEC_TABLE6_MHLA = {"mmlu": 23.7, "wino": 51.3, "piqa": 64.4, "arc_c": 25.9, "obqa": 33.4, "arc_e": 46.5,
                     "boolq": 61.3, "avg": 47.1, "wiki_ppl": 38.31, "lambada_ppl": 71.64}
-# Not in SPEC.md: the authors' project page (DAGroup-PKU/MHLA, branch `page`, index.html), bar charts
-# "CSR Average" and "LongBench Average"; its MHLA bars (47.1, 7.41) agree with SPEC.md.
+# Not in the paper (docs/paper_tables.md): the authors' project page (DAGroup-PKU/MHLA, branch `page`, index.html), bar charts
+# "CSR Average" and "LongBench Average"; its MHLA bars (47.1, 7.41) agree with the paper (docs/paper_tables.md).
 PAGE_TABLE8 = {"gla": 6.53, "mamba2": 6.62}
 PAGE_TABLE6_AVG = {"gla": 46.0, "transformer_pp": 46.8, "mamba": 46.4, "mamba2": 47.0, "gdn": 46.9}
 
@@ -223,7 +223,7 @@ def test_table6_and_table8_paper_numbers_come_from_the_spec_or_the_authors_page(
         p8 = make_cfg([f"experiment=table8/{cell}"]).paper
         if cell in SPEC_TABLE8:
             assert p8.longbench_avg == SPEC_TABLE8[cell]
-        else:  # not in SPEC.md: the project page's number, with the comment saying where it comes from
+        else:  # not in the paper (docs/paper_tables.md): the project page's number, with the comment saying where it comes from
             assert p8.longbench_avg == PAGE_TABLE8[cell]
             assert "project page" in experiment_text(f"table8/{cell}")
         p6 = OmegaConf.to_container(make_cfg([f"experiment=table6/{cell}"]).paper)

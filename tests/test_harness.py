@@ -140,14 +140,14 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
                 yield from numbers(v)
 
     # every cell states its table and the paper's number(s) (top-1, FID, VBench, perplexities, LongBench
-    # average, ...); a baseline whose numbers SPEC.md does not give says so with nulls
+    # average, ...); a baseline whose numbers the paper (docs/paper_tables.md) does not give says so with nulls
     paper = OmegaConf.to_container(cfg.paper, resolve=True)
     assert paper.get("table"), f"{experiment}: no paper.table"
     values = [v for k, v in paper.items() if k not in ("table", "row")]
     assert any(v > 0 for v in numbers(values)) or all(v is None for v in values), \
         f"{experiment}: paper block has neither numbers nor explicit nulls: {paper}"
     if experiment.split("/")[0] in ("table2", "table3", "table3b", "table4", "table12", "table13"):
-        assert any(v > 0 for v in numbers(values)), f"{experiment}: SPEC.md gives this cell's number"
+        assert any(v > 0 for v in numbers(values)), f"{experiment}: docs/paper_tables.md gives this cell's number"
     validate_config(cfg)
 
 

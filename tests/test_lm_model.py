@@ -53,7 +53,7 @@ def test_paper_340m_size():
 
     one, two = count(1), count(2)
     n = one + 23 * (two - one)
-    assert 330e6 < n < 350e6, n  # GLA 340M tied: 341.7M (BASELINES.md section 6); the output gate is needed for 340M
+    assert 330e6 < n < 350e6, n  # GLA 340M tied: 341.7M (docs/baselines.md#lm-baselines); the output gate is needed for 340M
 
 
 @pytest.mark.parametrize("attn_type", ATTNS)
@@ -92,7 +92,7 @@ def test_generate_greedy_parity(attn_type):
 
 
 def test_decoding_uses_earlier_context():
-    """The release's cached path ignores earlier chunks (SPEC.md 2); ours must not: changing the first
+    """The release's cached path ignores earlier chunks (docs/method.md#release-differences); ours must not: changing the first
     token changes the logits of a token decoded 5 chunks later."""
     model = tiny("mhla").double()
     _randomize_mixing(model)

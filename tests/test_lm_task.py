@@ -120,7 +120,7 @@ def test_transformer_pp_size():
         return sum(p.numel() for p in build_transformer_pp(num_hidden_layers=layers).parameters())
 
     one, two = count(1), count(2)
-    assert one + 23 * (two - one) == pytest.approx(341.1e6, rel=2e-3)  # BASELINES.md section 6 (tied)
+    assert one + 23 * (two - one) == pytest.approx(341.1e6, rel=2e-3)  # docs/baselines.md#lm-baselines (tied)
 
 
 def test_fla_baselines_optional():

@@ -1,4 +1,4 @@
-"""Language-model baselines of Tables 6 / 8 in the same harness (sizes: ../shared/BASELINES.md section 6).
+"""Language-model baselines of Tables 6 / 8 in the same harness (sizes: docs/baselines.md#lm-baselines).
 
 * Transformer++: transformers' ``LlamaForCausalLM`` (RoPE theta 1e4, SwiGLU, RMSNorm eps 1e-6, no biases).
   At 340M: hidden 1024, 24 layers, 16 heads of 64, SwiGLU 2816, vocab 32000, tied embeddings (341.1M).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .configuration_mhla_lm import swiglu_intermediate
 
-# 340M-class configs (BASELINES.md section 6; tie pinned explicitly, counts are what we get)
+# 340M-class configs (docs/baselines.md#lm-baselines; tie pinned explicitly, counts are what we get)
 FLA_340M = {
     "gla": dict(hidden_size=1024, num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1.0, hidden_ratio=4,
                 use_gk=True, use_gv=False, attn_mode="chunk", norm_eps=1e-6),

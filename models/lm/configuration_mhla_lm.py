@@ -1,13 +1,13 @@
 """``MHLALMConfig``: a decoder-only language model with causal MHLA (or any causal registered attention).
 
-Defaults are the paper's 340M model (Table 6): hidden 1024, 24 layers, 4 heads, key dim 0.5 x hidden (128 per
-head), value dim 1 x hidden (256 per head), SwiGLU MLP (GLA's ``hidden_ratio`` 4 rule: 2816), vocab 32000, tied
-embeddings, context 2048.
+Defaults are the paper's 340M model (docs/paper_tables.md#table-6): hidden 1024, 24 layers, 4 heads, key dim
+0.5 x hidden (128 per head), value dim 1 x hidden (256 per head), SwiGLU MLP (GLA's ``hidden_ratio`` 4 rule: 2816),
+vocab 32000, tied embeddings, context 2048.
 
 The attention is stored once, as ``config.attn``: a dict with the registered attention's ``name`` and its layer
 options (:mod:`mhla.registry`; the layers of :mod:`mhla.layers`). What is not given takes the paper's language-
 model setting for that attention (:data:`LM_ATTENTION_DEFAULTS`), every difference from the authors' release
-named:
+(docs/method.md#language-model) named:
 
 | option | default (ours; the paper where it is explicit) | release |
 |---|---|---|

@@ -87,7 +87,7 @@ def run_cell(table: str, cell, args, seed: int | None = None) -> dict:
     if scale == "full" and info["kind"] == "sana":
         rec["todo"] = (f"FID / CLIP / GenEval: torchrun --nproc_per_node={n} -m tasks.image_gen.sana_sample --ckpt "
                        f"{run_dir} --pipeline <Sana_600M_1024px_diffusers> --prompts <MJHQ-30K meta_data.json> "
-                       f"--clip <clip-vit-large-patch14> --reference <MJHQ-30K/images> (README, SANA)")
+                       f"--clip <clip-vit-large-patch14> --reference <MJHQ-30K/images> (docs/tasks/image_generation.md#sana)")
         print("  " + rec["todo"], flush=True)
     return rec
 

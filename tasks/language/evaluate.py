@@ -193,9 +193,9 @@ def reproduce_table6(args) -> str:
                 status = f"failed: {type(e).__name__}: {str(e)[:120]}"
         rows.append([cell, paper.get("row", ""), "ours" if ours else status] + [_fmt(ours.get(c)) for c in cols])
         records.append({"cell": cell, "paper": paper, "ours": ours, "status": status})
-    notes = ["340M language models (SPEC.md Table 6). Accuracies in %, `avg` = mean of the six commonsense columns "
+    notes = ["340M language models (docs/paper_tables.md#table-6). Accuracies in %, `avg` = mean of the six commonsense columns "
              "(Wino, PIQA, ARC-c, OBQA, ARC-e, BoolQ); Wiki ppl = lm-eval `wikitext` word perplexity; LAMBADA ppl "
-             "= `lambada_openai` perplexity. Paper numbers: SPEC.md; the baselines' commonsense averages come from the authors' "
+             "= `lambada_openai` perplexity. Paper numbers: docs/paper_tables.md; the baselines' commonsense averages come from the authors' "
              "project page (the `paper:` block of each config says so). A `paper` value is blank where neither gives it.",
              "", f"Command: `make reproduce-table6 CKPT_DIR={args.ckpt_dir}"
              + (f" LM_EVAL_DATA={args.lm_eval_data}" if args.lm_eval_data else "") + "`"
@@ -230,9 +230,9 @@ def reproduce_table8(args) -> str:
         records.append({"cell": cell, "paper": paper, "ours": scores, "status": status})
     groups = "; ".join(f"{g}: " + ", ".join(f"{abbr} = {name}" for abbr, name in tasks)
                        for g, tasks in TABLE8_GROUPS.items())
-    notes = [f"LongBench (SPEC.md Table 8), the paper's 14 tasks in its column order ({groups}), "
+    notes = [f"LongBench (docs/paper_tables.md#table-8), the paper's 14 tasks in its column order ({groups}), "
              "official prompts, greedy decoding, middle truncation to "
-             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). Paper averages: SPEC.md, "
+             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). Paper averages: the paper (docs/paper_tables.md), "
              "and for GLA / Mamba2 the authors' project page. A blank paper value: neither gives it.", "",
              f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir}"
              + (f" LONGBENCH={args.longbench}`" if args.longbench else "` (no LONGBENCH data given)")

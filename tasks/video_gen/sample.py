@@ -6,7 +6,7 @@
 
 Defaults are the paper's / Wan's: 50 Euler steps, CFG 5.0, shift 3.0. Writes
 ``<out>/<run>_steps50_cfg5.0_shift3.0_seed0/<index>_<prompt slug>.mp4`` and ``.gif`` (one per prompt, the
-layout VBench's custom-prompt mode reads: point VBench at that folder; README). ``--encode-only`` writes the
+layout VBench's custom-prompt mode reads: point VBench at that folder; docs/tasks/video.md). ``--encode-only`` writes the
 UMT5 embeddings of the prompts to ``--text-emb-dir`` and stops (precomputed text embeddings).
 """
 

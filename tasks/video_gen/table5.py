@@ -14,7 +14,7 @@ Without ``--run`` (or without the weights / data) it prints the commands of each
 paper's numbers, our measured per-step latency where a benchmark result exists
 (``results/bench/video_wan1.3b_cuda.json`` from ``scripts/bench_video.py --preset wan1.3b``; the scaled-down
 CPU result, ``results/bench/video_cpu.json``, is listed separately), and marks the VBench columns as an
-external step (README). ``results/table5.png`` sets the latency ratios side by side (``--plot-only`` redraws it).
+external step (docs/tasks/video.md). ``results/table5.png`` sets the latency ratios side by side (``--plot-only`` redraws it).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def write_table(out: str) -> str:
     lines = ["# Table 5: Wan2.1-T2V-1.3B video generation (81 frames, 480 x 800, 31,500 tokens)", "",
              "Paper numbers beside ours. VBench (quality / semantic / total) is an EXTERNAL step: run VBench on the",
              "sample folders written by `python -m tasks.video_gen.sample` (fine-tuned rows) and",
-             "`python -m tasks.video_gen.table5 --sample-pretrained wan_flash` (README, video generation section).",
+             "`python -m tasks.video_gen.table5 --sample-pretrained wan_flash` (docs/tasks/video.md).",
              "Fine-tuning needs the Wan2.1 weights and a video dataset on GPUs; neither was available here, so no",
              "VBench score of ours is reported.", "",
              "| attention | paper quality | paper semantic | paper total | paper latency (s) | ours VBench | "

@@ -76,7 +76,7 @@ def mhla_attention(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ):
-    """Multi-Head Linear Attention (token-level heads), SPEC.md section 1.
+    """Multi-Head Linear Attention (token-level heads), docs/method.md.
 
     Args:
         q, k: ``[B, T, H, D]``, already passed through a nonnegative feature map.
@@ -89,7 +89,7 @@ def mhla_attention(
         causal: chunkwise causal form (language models).
         normalize: ``True`` (paper: divide by ``q . z~ + eps``), ``False`` (no denominator; LM and video
             use an output RMSNorm instead), or ``"official"`` (the authors' release's vision normalizer,
-            SPEC.md section 2; non-causal only).
+            docs/method.md#vision-normaliser; non-causal only).
         eps: a positive float added to the denominator.
         backend: ``"auto"``, ``"torch"``, ``"reference"`` or ``"triton"`` (module docstring).
         initial_state: causal only; continue after the tokens summarised in this state (chunked prefill).

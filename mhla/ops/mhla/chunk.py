@@ -19,7 +19,8 @@ may be partial. A query ``t`` in block ``i`` reads
 
 (the denominator only when normalizing). ``mixing`` is read as lower-triangular: entries above the
 diagonal are ignored. Its row ``i`` must exist for every block the sequence touches. A call may continue
-an :class:`~mhla.ops.mhla.state.MHLAState` (chunked prefill) and return the state after its tokens.
+an :class:`~mhla.ops.mhla.state.MHLAState` (chunked prefill) and return the state after its tokens
+(docs/method.md#decoding-state).
 
 Causality holds whatever the values: a NaN or inf in token ``s`` reaches the outputs ``t >= s`` only. The
 masked terms of a causal sum are never multiplied in (``0 * nan`` is ``nan``); see

@@ -1,7 +1,7 @@
 """The dense definition of MHLA: the test oracle and the source of attention maps for analysis.
 
 Everything here materialises the full ``T x T`` effective attention matrix, so it costs O(T^2) memory.
-It is written to read like SPEC.md section 1.4, not to be fast.
+It is written to read like docs/method.md#mixing-matrix, not to be fast.
 
 Effective weight of query ``t`` on key ``s`` (blocks ``i = b(t)``, ``j = b(s)``, ``b(t) = t // block_size``):
 
@@ -84,7 +84,7 @@ def mhla_reference(
     ``normalize="official"`` reproduces the authors' release's vision normalizer (non-causal only): the
     denominator of query ``t`` (block ``i``, position ``w`` inside its block) is
     ``sum_j mixing[i, j] * (q_{j, w} . z_j) + eps``, where ``q_{j, w}`` is the query at the *same position
-    of block j* and ``z_j`` the key sum of block j. Its rows do not sum to 1 (SPEC.md section 2).
+    of block j* and ``z_j`` the key sum of block j. Its rows do not sum to 1 (docs/method.md#vision-normaliser).
     """
     check_qkv(q, k, v)
     check_block_size(block_size)
