@@ -85,7 +85,8 @@ class AttentionBase(nn.Module):
         cpe: add a depthwise convolution of V on the token grid (kernel ``cpe_kernel``) to the output.
         gate: output gate. ``True`` / ``"swish"``: ``RMSNorm(o) * swish(W_g x)`` (GLA-style); ``"linear"``:
             ``(o + cpe) * (W_o x + b)`` without a norm (RALA's wrapper, used by VLT). out_norm: RMSNorm on each
-            head's output without a gate (the paper's LM / video setting with ``normalize=False``).
+            head's output without a gate (the paper's LM / video setting with ``normalize=False``); ``None`` (the
+            default): only the swish gate's.
         rope: where the model's rotary tables apply (:data:`mhla.rope.ROPE_PLACEMENTS`): ``"none"`` (default),
             ``"before_feature_map"``, ``"after_feature_map"``; only attentions whose ``supports.rope`` is set
             take another value, and they then need ``rope_tables`` with each call.
@@ -102,6 +103,7 @@ class AttentionBase(nn.Module):
 
     supports: ClassVar[Supports] = Supports()
     exclusive_options: ClassVar[tuple[tuple[str, ...], ...]] = ()  # alternatives: setting one drops the others' defaults
+    excluded_options: ClassVar[tuple[str, ...]] = ()  # options of a base class that this class sets itself
 
     def __init__(
         self,
@@ -117,7 +119,7 @@ class AttentionBase(nn.Module):
         cpe: bool = False,
         cpe_kernel: int = 3,
         gate: bool | str = False,
-        out_norm: bool = False,
+        out_norm: bool | None = None,
         rope: str = "none",
         short_conv: int = 0,
         attn_drop: float = 0.0,
@@ -167,6 +169,9 @@ class AttentionBase(nn.Module):
         qk_inner, v_inner = num_heads * self.head_dim, num_heads * self.value_dim
         self.cpe_kernel = cpe_kernel
         self.gate_kind = gate_kind(gate)
+        if self.gate_kind == "swish" and out_norm is False:
+            raise ValueError(f"{name}: the swish gate is RMSNorm(o) * swish(W_g x), it has its own output RMSNorm; "
+                             "out_norm=false would not remove it (drop out_norm, or set gate=false / linear)")
         # Submodules in a fixed order: weight init (timm's, transformers') draws random numbers module by module.
         self.qkv = nn.Linear(dim, 2 * qk_inner + v_inner, bias=qkv_bias, **dd) if projections else None
         self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm and projections else nn.Identity()
@@ -188,7 +193,7 @@ class AttentionBase(nn.Module):
         """The options this layer runs with, read from the layer itself (what a test compares with the config)."""
         out = {"causal": self.causal, "rope": self.rope, "cpe": self.cpe is not None,
                "cpe_kernel": self.cpe_kernel, "gate": self.gate_kind or False,
-               "out_norm": self.out_norm is not None and self.gate_kind != "swish",
+               "out_norm": self.out_norm is not None,
                "short_conv": self.short_conv.kernel_size[0] if self.short_conv is not None else 0,
                "num_prefix_tokens": self.num_prefix_tokens, "grid": self.grid, "projections": self.projections,
                "head_dim": self.head_dim, "value_dim": self.value_dim}
@@ -570,6 +575,11 @@ class MultiHeadLinearAttention(KernelAttention):
             if self.grid is not None:
                 out["block"] = self.layout_for(self.grid).block
         return out
+
+    @property
+    def layout(self) -> BlockLayout | None:
+        """The block layout of the grid the layer was built for (None: causal, or no grid given)."""
+        return None if self.causal or self.grid is None else self.layout_for(self.grid)
 
     def layout_for(self, grid: tuple[int, ...]) -> BlockLayout:
         """The block layout of ``grid`` (blocks per axis fixed at build; the block shape follows the grid)."""

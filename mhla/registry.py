@@ -29,6 +29,7 @@ Every registered class takes ``(dim, num_heads, **options)`` and is called as ``
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -180,7 +181,8 @@ def attentions_for(needs: Needs) -> list[str]:
 
 
 def accepted_options(cls) -> set[str] | None:
-    """Keyword names the class accepts along its ``__init__`` chain; None when it takes ``**kwargs`` freely."""
+    """Keyword names the class accepts along its ``__init__`` chain, less its ``excluded_options`` (options of a
+    base class it sets itself); None when it takes ``**kwargs`` freely."""
     names: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
@@ -189,19 +191,26 @@ def accepted_options(cls) -> set[str] | None:
         params = inspect.signature(init).parameters
         names |= {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            return names - {"self", "dim", "num_heads"}
+            return names - {"self", "dim", "num_heads"} - set(getattr(cls, "excluded_options", ()))
     return None
 
 
 def _plain(cfg) -> tuple[str, dict]:
-    """``(name, options)`` of a name or a mapping with ``name`` (an OmegaConf ``DictConfig`` works too)."""
+    """``(name, options)`` of a name or a mapping with ``name`` (an OmegaConf ``DictConfig`` works too).
+
+    A mapping may also say where its attention is defined, ``module: my_package.my_attention``: that module is
+    imported (its ``@register_attention`` runs) before the name is looked up, so an attention defined outside
+    this package needs only its own file and its YAML (``docs/adding_an_attention.md``)."""
     if isinstance(cfg, str):
         return cfg, {}
     if isinstance(cfg, Mapping) or hasattr(cfg, "items"):
         options = {str(k): _plain_value(v) for k, v in cfg.items()}
         name = options.pop("name", None)
+        module = options.pop("module", None)
         if name is None:
             raise ValueError(f"attention config needs a 'name'; registered: {', '.join(list_attentions())}")
+        if module is not None:
+            importlib.import_module(str(module))
         return str(name), options
     raise ValueError(f"attention config must be a name or a mapping, got {type(cfg).__name__}")
 

@@ -12,7 +12,7 @@ everything else (Mix-FFN, adaLN-single, NoPE) as is.
     v = model(latents [B, 32, H, W], encoder_hidden_states [B, L, 2304], timestep [B]).sample
 
 ``attn.name``: any registered attention that runs inside diffusers' projections (``mhla``: M blocks over the latent
-grid, 16 = 4 x 4 at 1024 px; ``linear``: plain linear attention; ...) or ``native`` / ``sana`` (keep SANA's own ReLU
+grid, 16 = 4 x 4 at 1024 px; ``linear``: plain linear attention; ...) or ``native`` (keep SANA's own ReLU
 linear attention, the baseline row).
 """
 
@@ -37,7 +37,7 @@ SANA_TINY = dict(SANA_600M, in_channels=8, out_channels=8, num_attention_heads=4
                  num_layers=2, num_cross_attention_heads=4, cross_attention_head_dim=16, cross_attention_dim=64,
                  caption_channels=32, sample_size=8)
 CONFIGS = {"sana_600m": SANA_600M, "sana_tiny": SANA_TINY}
-NATIVE = ("native", "sana")
+NATIVE = ("native",)
 
 
 def sana_config(name_or_dict) -> dict:

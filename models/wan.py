@@ -122,6 +122,9 @@ def attention_layers(attn_cfg, num_layers: int) -> list[int]:
     """Indices of the self-attention layers that get the new attention (``attn.layers``)."""
     a = _plain(attn_cfg)
     layers = a.get("layers", "all")
+    if layers != "hybrid" and (a.get("softmax_every") is not None or a.get("softmax_offset") is not None):
+        raise ValueError(f"attn.softmax_every / attn.softmax_offset choose the softmax layers of attn.layers=hybrid; "
+                         f"with attn.layers={layers} they would change nothing")
     if layers in (None, "all"):
         return list(range(num_layers))
     if layers == "hybrid":

@@ -57,19 +57,12 @@ def test_task_config_names_its_class(task):
     assert qualname(task_class(cfg)) == EXPECTED[task]
 
 
-def test_configs_from_before_task_target_map_through_task_module():
+def test_task_class_refuses_configs_without_a_task_class():
     from tasks.common.config import ConfigError  # noqa: PLC0415
-    from tasks.common.trainer import LEGACY_TASK_MODULES, task_class  # noqa: PLC0415
+    from tasks.common.trainer import task_class  # noqa: PLC0415
 
-    # the task.module values of the configs of then, and the class each one's run() built
-    assert LEGACY_TASK_MODULES == {
-        "tasks.classification.train": CLASSIFICATION, "tasks.image_gen.train": IMAGE_GEN,
-        "tasks.image_gen.sana_task": SANA, "tasks.language.train": LANGUAGE, "tasks.language.mqar": MQAR,
-        "tasks.video_gen.train": VIDEO}
-    for module, target in LEGACY_TASK_MODULES.items():
-        assert qualname(task_class(OmegaConf.create({"task": {"module": module}}))) == target
     with pytest.raises(ConfigError, match=r"\+task\.target="):
-        task_class(OmegaConf.create({"task": {"module": "tasks.nowhere.train"}}))
+        task_class(OmegaConf.create({"task": {"module": "tasks.language.mqar"}}))
     for bad in ("tasks.classification.task.NoSuchTask", "tasks.nowhere.task.Task", "torch.nn.Linear", "Task"):
         with pytest.raises(ConfigError, match="is not a Task subclass"):
             task_class(OmegaConf.create({"task": {"target": bad}}))
@@ -120,28 +113,33 @@ def test_eval_rebuilds_the_task_of_a_checkpoint_and_its_metrics(task, tmp_path):
     assert again == pytest.approx({k: metrics[k] for k in again}, rel=1e-5, abs=1e-6)
 
 
-def test_a_checkpoint_from_before_task_target_still_evaluates(tmp_path, capsys):
-    """A checkpoint whose stored config has ``task.module`` and no ``task.target`` loads through the legacy
-    map; one with neither is refused with the fix (``+task.target=...``), which then works."""
+def test_a_checkpoint_from_before_the_attention_schema_evaluates(tmp_path, capsys):
+    """A real checkpoint written before attn.* was every model's schema (tests/data/mqar_legacy_run.pt: an MQAR
+    run with model.mixing_init=locality, model.cpe=true, model.output_gate=true) loads through the one config
+    mapping (tasks.common.config.upgrade_config) and gives the logits it gave then; without a task class a
+    config is refused with the fix (``+task.target=...``), which then works."""
     from eval import main  # noqa: PLC0415
-    from tasks.common.evaluation import evaluate_checkpoint  # noqa: PLC0415
-    from train import run  # noqa: PLC0415
+    from tasks.common.evaluation import load_run  # noqa: PLC0415
 
-    metrics = run(make_cfg(["task=mqar", *COMMON, *tiny_overrides("mqar", tmp_path)]), str(tmp_path / "run"))
-    ckpt = tmp_path / "run" / "checkpoints" / "last.pt"
-    state = torch.load(ckpt, weights_only=False)
+    src = os.path.join(ROOT, "tests", "data", "mqar_legacy_run.pt")
+    cfg, _, model, _ = load_run(src)
+    assert (cfg.attn.mixing_init, cfg.attn.cpe, cfg.attn.gate) == ("locality", True, True)
+    assert "mixing_init" not in cfg.model
+    layer = model.model.layers[0].attn
+    assert layer.mixing.init == "locality" and layer.cpe is not None and layer.gate is not None
+    expected = torch.load(src, weights_only=False)["expected"]
+    with torch.no_grad():
+        assert torch.equal(model(expected["input_ids"], use_cache=False).logits, expected["logits"])
+    state = torch.load(src, weights_only=False)
     old = OmegaConf.create(state["config"])
     with open_dict(old):
         del old.task["target"]
-        old.task.module = "tasks.language.mqar"
     state["config"] = OmegaConf.to_container(old)
+    ckpt = tmp_path / "no_target.pt"
     torch.save(state, ckpt)
-    again = evaluate_checkpoint(str(ckpt))
-    assert again == pytest.approx({k: metrics[k] for k in again}, rel=1e-5, abs=1e-6)
-    with open_dict(old):
-        del old.task["module"]
-    state["config"] = OmegaConf.to_container(old)
-    torch.save(state, ckpt)
-    assert main([f"ckpt={ckpt}"]) == 2
+    overrides = ["data.num_test=32"]
+    assert main([f"ckpt={ckpt}", *overrides]) == 2
     assert "+task.target=" in capsys.readouterr().err
-    assert main([f"ckpt={ckpt}", f"+task.target={MQAR}"]) == 0
+    assert main([f"ckpt={ckpt}", f"+task.target={MQAR}", *overrides]) == 0
+
+

@@ -20,7 +20,8 @@ model setting for that attention (:data:`LM_ATTENTION_DEFAULTS`), every differen
 | ``mixing_extension`` | ``"uniform_far"``: rows past the learned ones repeat the last one by distance, the far past shares one coefficient (``results/language/length_extrapolation.md``) | none (capped) |
 | ``mixing_param`` | ``"clamp"`` (paper); ``"log"`` and ``"softplus"`` are options | clamp |
 
-``out_norm`` follows ``normalize`` unless it is given (``out_norm = not normalize``). The mixing matrix's
+``out_norm`` follows ``normalize`` unless it is given (``out_norm = not normalize``; with the swish gate, whose
+``RMSNorm(o) * swish(W_g x)`` has its own output norm, it is left unset). The mixing matrix's
 learning rate is not a model field (``optim.mixing_lr_scale``): the LM tasks train it at the full lr, as the
 paper and the release do (``results/language/mixing_lr.md``); ``task=mqar`` keeps lr x 0.01.
 
@@ -109,8 +110,8 @@ def complete_lm_attention(attn: dict, max_position_embeddings: int) -> dict:
     out.update({k: v for k, v in LM_ATTENTION_DEFAULTS["*"].items() if accepted is None or k in accepted})
     out.update(LM_ATTENTION_DEFAULTS.get(name, {}))
     out.update(attn)
-    if "normalize" in out and "out_norm" not in attn:
-        out["out_norm"] = not out["normalize"]
+    if "normalize" in out and "out_norm" not in attn and out.get("gate") in (False, None, "none", "linear"):
+        out["out_norm"] = not out["normalize"]  # (the swish gate has its own RMSNorm)
     out["rope"] = rope_placement(out.get("rope", "none"))
     if out.get("block_size") == "auto":
         out["block_size"] = auto_block_size(max_position_embeddings)

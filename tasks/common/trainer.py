@@ -108,30 +108,17 @@ class Task:
         return {}
 
 
-# ``task.module`` of the configs from before ``task.target`` (checkpoints of then store it) -> its Task class
-LEGACY_TASK_MODULES = {
-    "tasks.classification.train": "tasks.classification.task.ClassificationTask",
-    "tasks.image_gen.train": "tasks.image_gen.task.ImageGenTask",
-    "tasks.image_gen.sana_task": "tasks.image_gen.sana_task.SanaFinetuneTask",
-    "tasks.language.train": "tasks.language.task.LanguageModelingTask",
-    "tasks.language.mqar": "tasks.language.mqar.MQARTask",
-    "tasks.video_gen.train": "tasks.video_gen.task.VideoGenTask",
-}
-
-
 def task_class(cfg) -> type[Task]:
     """The :class:`Task` subclass a run's config names in ``task.target`` (e.g.
     ``tasks.classification.task.ClassificationTask``; every ``configs/task/*.yaml`` sets it).
 
     ``train.py`` builds its run from it and ``eval.py`` a checkpoint's (from the config stored in it), so both
-    pick the same class. A config without ``task.target`` (a checkpoint written before the key existed) falls
-    back on its ``task.module`` through :data:`LEGACY_TASK_MODULES`; anything else is a :class:`ConfigError`.
+    pick the same class. A config without ``task.target`` is a :class:`ConfigError` that says how to name one.
     """
-    target = cfg.task.get("target") or LEGACY_TASK_MODULES.get(cfg.task.get("module"))
+    target = cfg.task.get("target")
     if not target:
         raise ConfigError(
-            f"the config names no task class: no task.target, and task.module={cfg.task.get('module')} is "
-            f"not one of {sorted(LEGACY_TASK_MODULES)}; pass +task.target=<module>.<Task subclass>, e.g. "
+            "the config names no task class (no task.target); pass +task.target=<module>.<Task subclass>, e.g. "
             "+task.target=tasks.classification.task.ClassificationTask")
     module_name, _, name = str(target).rpartition(".")
     try:
