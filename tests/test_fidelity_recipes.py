@@ -119,7 +119,7 @@ def test_vlt_mhla_cells_have_rala_wrapper_and_paper_params(cell, paper_m):
     cfg, model = build_cell(cell)
     assert cfg.attn.cpe is True and cfg.attn.cpe_kernel == 5 and cfg.attn.gate == "linear"
     for s, stage in enumerate(model.stages):
-        for block in stage:
+        for block in stage.blocks:
             attn = block.attn
             assert isinstance(attn, MultiHeadLinearAttention if s < 2 else SoftmaxAttention)
             assert attn.cpe is not None and attn.cpe.kernel_size == (5, 5)  # LePE 5x5 on V
@@ -140,7 +140,7 @@ def test_vlt_rerun_baseline_cells(cell, row, top1, counted):
     assert cfg.model.head_dim == (1024 if "rala" in cell else 2048)
     assert abs(n_params(model) - counted) < 0.05
     # RALA / MALA hold their own wrapper: no second LePE on top of it
-    assert all(block.attn.cpe is None for stage in model.stages[:2] for block in stage)
+    assert all(block.attn.cpe is None for stage in model.stages[:2] for block in stage.blocks)
 
 
 # ------------------------------------------------------------------------------ Table 3a / 7a
