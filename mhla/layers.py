@@ -104,6 +104,7 @@ class AttentionBase(nn.Module):
     supports: ClassVar[Supports] = Supports()
     exclusive_options: ClassVar[tuple[tuple[str, ...], ...]] = ()  # alternatives: setting one drops the others' defaults
     excluded_options: ClassVar[tuple[str, ...]] = ()  # options of a base class that this class sets itself
+    dependent_options: ClassVar[dict[str, str]] = {"cpe_kernel": "cpe"}  # option -> the option it needs
 
     def __init__(
         self,

@@ -272,12 +272,16 @@ def resolve_attention(cfg, contract: AttentionContract) -> dict:
 
 def with_defaults(options: dict, defaults: dict, cls) -> dict:
     """``defaults`` under ``options``, where an option of one of the class's ``exclusive_options`` groups (e.g.
-    MHLA's ``blocks`` / ``block`` / ``num_blocks``) drops the defaults of its alternatives."""
+    MHLA's ``blocks`` / ``block`` / ``num_blocks``) drops the defaults of its alternatives, and an option turned
+    off drops the defaults of the ones that depend on it (``dependent_options``: ``cpe_kernel`` on ``cpe``)."""
     out = dict(defaults)
     for group in getattr(cls, "exclusive_options", ()):
         if set(group) & set(options):
             for k in group:
                 out.pop(k, None)
+    for child, parent in getattr(cls, "dependent_options", {}).items():  # e.g. cpe_kernel means nothing without cpe
+        if parent in options and not options[parent] and child not in options:
+            out.pop(child, None)
     out.update(options)
     return out
 
@@ -299,8 +303,12 @@ def check_attention(options: dict, contract: AttentionContract, num_heads: int =
     for fixed, defaults in contract.probes:
         opts = with_defaults(layer_options, defaults.get(name, {}), cls)
         fixed = {k: v for k, v in fixed.items() if accepted is None or k in accepted}
-        with torch.device("meta"):
-            build_attention(opts, num_heads * head_dim, num_heads, **fixed)
+        try:
+            with torch.device("meta"):
+                build_attention(opts, num_heads * head_dim, num_heads, **fixed)
+        except ValueError as e:
+            where = f" on its {'x'.join(map(str, fixed['grid']))} token grid" if fixed.get("grid") else ""
+            raise ValueError(f"{contract.model}{where}: attn={name}: {e}") from None
 
 
 def choices(contract: AttentionContract) -> list[str]:

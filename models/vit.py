@@ -48,10 +48,14 @@ def attention_contract(model_cfg) -> AttentionContract:
     return AttentionContract(model=f"model={model_cfg.get('name', 'vit')}", needs=needs, defaults=defaults,
                              fixed=VIT_FIXED_OPTIONS, probes=(probe,) if img % patch == 0 else ())
 
-# timm's optimizer factory (``create_optimizer_v2``) matches ``no_weight_decay()`` names as fnmatch patterns.
-# MHLA's learned block-mixing matrices (``...mixing.raw``, 2-D) get no weight decay, as in this repo's
-# trainer (tasks/common/optim.py: their own group, ``optim.mixing_weight_decay`` 0 by default).
-NO_DECAY_PATTERNS = frozenset({"*mixing.raw"})
+
+def grouped_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the parameters whose module names an optimizer group (the ``optim_group`` hook of
+    tasks/common/hooks.py: MHLA's mixing matrices). timm's optimizer factory (``create_optimizer_v2``) keeps the
+    names of ``no_weight_decay()`` out of weight decay, as this repo's trainer does for those groups
+    (``optim.mixing_weight_decay`` 0 by default)."""
+    return {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() if getattr(m, "optim_group", None)
+            for pn, _ in m.named_parameters(recurse=False)}
 
 # Keyword arguments that timm's ``build_model_with_cfg`` consumes itself (pretrained config, feature
 # extraction) or that ``timm.create_model`` passes to every entrypoint: model arguments, never attention ones.
@@ -165,13 +169,14 @@ class PaddedPatchEmbed(PatchEmbed):
 
 class AttnVisionTransformer(VisionTransformer):
     """timm's ``VisionTransformer`` with a registered attention (``attn_layer`` from
-    :func:`mhla.adapters.timm.timm_attn_layer`); the only addition: :meth:`no_weight_decay` also names MHLA's
-    mixing matrices. Build it with :func:`create_vit` (or the registered ``deit_*`` models)."""
+    :func:`mhla.adapters.timm.timm_attn_layer`); the only addition: :meth:`no_weight_decay` also names the
+    parameters of the attention's optimizer groups (MHLA's mixing matrices). Build it with :func:`create_vit` (or
+    the registered ``deit_*`` models)."""
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        """timm's names (``pos_embed``, ``cls_token``, ...) and :data:`NO_DECAY_PATTERNS`."""
-        return set(super().no_weight_decay()) | NO_DECAY_PATTERNS
+        """timm's names (``pos_embed``, ``cls_token``, ...) and :func:`grouped_parameter_names`."""
+        return set(super().no_weight_decay()) | grouped_parameter_names(self)
 
 
 VIT_PARAMS = init_params(VisionTransformer) - {"attn_layer", "embed_layer"}

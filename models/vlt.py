@@ -64,7 +64,7 @@ from mhla.registry import (
     with_defaults,
 )
 
-from .vit import NO_DECAY_PATTERNS, NoPretrainedWeights, image_pretrained_cfg, init_params, split_model_kwargs
+from .vit import NoPretrainedWeights, grouped_parameter_names, image_pretrained_cfg, init_params, split_model_kwargs
 
 # The RALA wrapper from the shared attention options, for attentions that do not hold it (module docstring).
 WRAPPER_DEFAULTS = {"cpe": True, "cpe_kernel": 5, "gate": "linear"}
@@ -166,8 +166,7 @@ class VLT(nn.Module):
         softmax_attn = {k: v for k, v in dict(softmax_attn or {"name": "softmax"}).items() if v is not None}
         for cfg in (linear_attn, softmax_attn):
             if cfg.get("name") not in OWN_WRAPPER:
-                for key, value in WRAPPER_DEFAULTS.items():
-                    cfg.setdefault(key, value)
+                cfg.update(with_defaults(cfg, WRAPPER_DEFAULTS, get_attention_class(cfg["name"])))
         size = to_2tuple(img_size)
         if size[0] % 32 or size[1] % 32:
             raise ValueError(f"VLT needs an image size divisible by 32, got {img_size}")
@@ -202,8 +201,9 @@ class VLT(nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        """Names / fnmatch patterns kept out of weight decay by timm's optimizer factory: MHLA's mixing."""
-        return set(NO_DECAY_PATTERNS)
+        """Names kept out of weight decay by timm's optimizer factory: the attention's optimizer groups (MHLA's
+        mixing matrices; :func:`models.vit.grouped_parameter_names`)."""
+        return grouped_parameter_names(self)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:

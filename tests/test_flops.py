@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import models  # noqa: F401  (registers the DeiT models)
-from mhla.registry import build_attention, list_attentions
+from mhla.registry import accepted_options, build_attention, get_attention_class, list_attentions
 from models.deit import deit
 from tasks.common.utils import count_flops, sdpa_flop_formulas
 
@@ -148,7 +148,9 @@ def test_every_registered_attention_core_is_counted(attn):
     """The FLOPs a layer does outside its child modules (the attention itself, not qkv / proj / convs) are at
     least linear attention's two D x Dv products per token and head, whatever the attention."""
     N, C, H = 64, 32, 2
-    layer = build_attention({"name": attn, **({"num_blocks": 16} if attn == "mhla" else {})}, C, H, grid=[8, 8])
+    takes_grid = "grid" in (accepted_options(get_attention_class(attn)) or {"grid"})
+    layer = build_attention({"name": attn, **({"num_blocks": 16} if attn == "mhla" else {})}, C, H,
+                            **({"grid": [8, 8]} if takes_grid else {}))
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=sdpa_flop_formulas()) as counter:
         layer(torch.randn(1, N, C))
     counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}

@@ -91,7 +91,7 @@ def test_npz_is_the_same_for_one_or_two_ranks(mnist_run, tmp_path):
 def test_non_tiling_block_count_fails_at_start():
     from tasks.common.config import ConfigError, validate_config
 
-    with pytest.raises(ConfigError, match="sqrt"):
+    with pytest.raises(ConfigError, match="cannot tile"):
         validate_config(make_cfg(["task=mnist_gen", "attn.num_blocks=9"]))
 
 

@@ -277,13 +277,14 @@ def test_evaluate_loads_hf_folders_and_trainer_checkpoints(tmp_path):
     from tasks.language.task import build_lm
 
     tok = _word_tokenizer(tmp_path / "tok")
-    model_cfg = {"arch": "mhla_lm", "hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2, "block_size": 4,
+    model_cfg = {"kind": "lm", "arch": "mhla_lm", "hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2,
                  "max_position_embeddings": 16}
+    attn = {"name": "mhla", "block_size": 4}
     torch.manual_seed(0)
-    model = build_lm(OmegaConf.create(model_cfg), "mhla", 10).eval()
+    model = build_lm(OmegaConf.create(model_cfg), attn, 10).eval()
     # a Trainer checkpoint (weights + the run's config) and an EMA variant
     ckpt = {"model": model.state_dict(), "ema": None,
-            "config": {"model": model_cfg, "attn": {"name": "mhla"}, "data": {"tokenizer": str(tmp_path / "tok")}}}
+            "config": {"model": model_cfg, "attn": attn, "data": {"tokenizer": str(tmp_path / "tok")}}}
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     torch.save(ckpt, tmp_path / "run" / "checkpoints" / "best.pt")
     ids = torch.tensor([[2, 3, 4, 5, 2, 6, 9]])

@@ -90,7 +90,7 @@ def attention_contract(model_cfg) -> AttentionContract:
     if arch != "mhla_lm":
         raise ValueError(f"model.arch={arch} is trained outside train.py (flash-linear-attention / flame; see the "
                          "cell's config); train.py builds model.arch=mhla_lm (any causal attention) or llama")
-    context = int(model_cfg.max_position_embeddings)
+    context = int(model_cfg.get("max_position_embeddings") or 2048)
     return AttentionContract(model=name, needs=needs, defaults={k: dict(v) for k, v in LM_ATTENTION_DEFAULTS.items()},
                              fixed=LM_FIXED_OPTIONS, probes=(({"causal": True}, {}),),
                              prepare=lambda options: complete_lm_attention(options, context))

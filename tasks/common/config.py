@@ -68,6 +68,8 @@ def upgrade_config(cfg):
                     new_attn[new] = value
             cfg.attn = OmegaConf.create(new_attn)
             model.pop("mhla_num_blocks", None)
+            if model.get("max_position_embeddings") is None and cfg.get("data", {}).get("seq_len") is not None:
+                model.max_position_embeddings = cfg.data.seq_len  # (MQAR's builder took it from the data then)
         if model.get("kind") == "dig" and "token_mixer" in model:
             mixer, chunk, backend = model.pop("token_mixer"), model.pop("gla_chunk", None), model.pop("gla_backend", None)
             if mixer == "gla":
