@@ -18,8 +18,10 @@ A layer has two halves:
   diffusers processor run the same code. :meth:`AttentionBase.finish_heads` applies the per-head output
   RMSNorm.
 
-Token order: layers take and return tokens in the model's natural (raster) order, prefix tokens first; MHLA
-permutes the grid tokens to block-major order inside :meth:`attend` (:class:`mhla.layouts.BlockLayout`).
+Token order: layers take and return tokens in the model's natural (raster) order, prefix tokens first. MHLA's
+:meth:`attend` permutes the grid tokens to block-major order and back (:class:`mhla.layouts.BlockLayout`); its
+:meth:`forward` permutes the layer input instead and runs the projections in block-major order too (the same
+values; the order of the token sums in the weight gradients is then the one it has always been).
 
 Prefix tokens (class / register tokens, ``num_prefix_tokens > 0``): grid tokens use MHLA over the grid
 tokens only; prefix tokens, as queries, read all tokens (prefix and grid) with plain linear attention.
@@ -367,15 +369,34 @@ class AttentionBase(nn.Module):
             return self._forward_varlen(x, attn_mask, cache, cu_seqlens, rope_tables)
         P = self.num_prefix_tokens
         grid = self._grid_for(x.shape[1] - P, grid_size)
+        layout = self._token_layout(grid)
+        if layout is not None:  # a layer with blocks works in block-major order from its input on: per-token ops
+            # do not care, and the token order (the order of the sums of the weight gradients) stays the same
+            x = torch.cat([x[:, :P], layout.raster_to_block_major(x[:, P:])], dim=1)
         q, k, v = self._project(x)
         cpe_out = None
         if self.cpe is not None:
             vg = v[:, P:].reshape(x.shape[0], -1, self.num_heads * self.value_dim)
-            cpe_out = self._apply_cpe(vg, grid, cache)
+            if layout is not None:
+                cpe_out = layout.raster_to_block_major(self._apply_cpe(layout.block_major_to_raster(vg), grid, cache))
+            else:
+                cpe_out = self._apply_cpe(vg, grid, cache)
             if P:
                 cpe_out = torch.cat([cpe_out.new_zeros(x.shape[0], P, cpe_out.shape[-1]), cpe_out], dim=1)
-        o = self.attend(q, k, v, grid=grid, rope_tables=rope_tables, cache=cache, attn_mask=attn_mask, x=x)
-        return self._finish(o, x, cpe_out)
+        if layout is not None and rope_tables is not None:  # the tables follow their tokens
+            rope_tables = RotaryTables(*rope_tables) if isinstance(rope_tables, tuple) else rope_tables
+            rope_tables = rope_tables.permute_tokens(
+                lambda t: torch.cat([t[:, :P], layout.raster_to_block_major(t[:, P:])], dim=1))
+        kw = dict(rope_tables=rope_tables, cache=cache, attn_mask=attn_mask, x=x)
+        o = self.attend(q, k, v, grid=grid, **kw) if layout is None else self._attend_blocked(q, k, v, layout, **kw)
+        y = self._finish(o, x, cpe_out)
+        if layout is not None:
+            y = torch.cat([y[:, :P], layout.block_major_to_raster(y[:, P:])], dim=1)
+        return y
+
+    def _token_layout(self, grid):
+        """The block layout whose block-major order :meth:`forward` works in (None: the model's order)."""
+        return None
 
     def _forward_varlen(self, x, attn_mask, cache: AttentionCache | None, cu_seqlens, rope_tables):
         """:meth:`forward` on a packed batch ``x: [1, total_T, C]`` of ``N`` causal 1-D sequences."""
@@ -604,6 +625,18 @@ class MultiHeadLinearAttention(KernelAttention):
         q, k, v = (torch.cat([t[:, :P], to_b(t[:, P:])], dim=1) if P else to_b(t) for t in (q, k, v))
         if rope_tables is not None and self.rope != "none":
             rope_tables = rope_tables.permute_tokens(to_b)
+        o = self._attend_blocked(q, k, v, layout, rope_tables=rope_tables)
+        return torch.cat([o[:, :P], to_r(o[:, P:])], dim=1) if P else to_r(o)
+
+    def _token_layout(self, grid):
+        return None if self.causal else self.layout_for(grid)
+
+    def _attend_blocked(self, q, k, v, layout: BlockLayout, *, rope_tables=None, cache=None, attn_mask=None, x=None):
+        """:meth:`attend` on tokens already in ``layout``'s block-major order (prefix tokens first); the output in
+        the same order."""
+        if attn_mask is not None:
+            raise ValueError("MultiHeadLinearAttention does not take attn_mask")
+        P = self.num_prefix_tokens
         mixing = self.mixing()
 
         def op(q, k, v, normalize):
@@ -614,8 +647,7 @@ class MultiHeadLinearAttention(KernelAttention):
             op_ = linear_attention(q[:, :P], k, v, normalize=normalize is not False, eps=self.eps)
             return torch.cat([op_, og], dim=1)
 
-        o = self._kernel_op(op, q, k, v, rope_tables)
-        return torch.cat([o[:, :P], to_r(o[:, P:])], dim=1) if P else to_r(o)
+        return self._kernel_op(op, q, k, v, rope_tables)
 
     def _causal(self, q, k, v, cache: AttentionCache | None, rope_tables):
         q, k, _, _ = self._features(q, k, rope_tables)

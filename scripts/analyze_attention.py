@@ -118,7 +118,7 @@ def capture_qk(model, x) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
     """Run ``model(x)`` once; return ``(layer, q, k)`` for every softmax / linear / MHLA layer, in model order.
 
     ``q, k: [B, N, H, d]`` are the outputs of the layer's qk norms (after the projection, before the feature
-    map; the model's token order).
+    map; in the order the layer works in: block-major inside MHLA layers).
     """
     layers = [m for m in model.modules() if isinstance(m, (SoftmaxAttention, LinearAttention,
                                                           MultiHeadLinearAttention))]
@@ -152,11 +152,9 @@ def own_attention_matrix(layer, q: torch.Tensor, k: torch.Tensor) -> tuple[str, 
             C = layer.block_size
             mixing = layer.mixing(ceil_div(N, C)).detach().double()
             return "mhla", mhla_attention_matrix(fq, fk, mixing, C, causal=True, eps=0.0)
-        layout = layer.layout_for(layer._grid_for(N, None))  # blocks are contiguous in block-major order
-        to_b, inv = layout.raster_to_block_major, layout.inverse_permutation()
+        layout = layer.layout_for(layer._grid_for(N, None))  # the layer works in its block-major order
         mixing = layer.mixing().detach().double()
-        A = mhla_attention_matrix(to_b(fq), to_b(fk), mixing, layout.block_size, eps=0.0)
-        return "mhla", A[..., inv, :][..., inv]  # back to the model's (raster) token order
+        return "mhla", mhla_attention_matrix(fq, fk, mixing, layout.block_size, eps=0.0)
     if isinstance(layer, LinearAttention):
         fq, fk = layer.feature_map(q), layer.feature_map(k)
         w = torch.einsum("bthd,bshd->bhts", fq, fk)

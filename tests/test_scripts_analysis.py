@@ -64,8 +64,11 @@ def test_own_attention_matrix_reproduces_the_layer_output(index):
     (_, q, k), = analyze_attention.capture_qk(layer, x)
     kind, A = analyze_attention.own_attention_matrix(layer, q, k)
     assert kind == ("softmax" if index == 0 else "mhla" if index in (2, 3) else "linear")
-    q2, k2, v = layer._project(x)
-    o = layer.attend(q2, k2, v, grid=layer._grid_for(64, None), x=x)     # [B, N, H, Dv], raster order
+    layout = layer._token_layout(layer._grid_for(64, None))  # MHLA works in its block-major order
+    xb = layout.raster_to_block_major(x) if layout is not None else x
+    q2, k2, v = layer._project(xb)
+    o = (layer.attend(q2, k2, v, grid=layer._grid_for(64, None), x=xb) if layout is None
+         else layer._attend_blocked(q2, k2, v, layout))     # [B, N, H, Dv]
     torch.testing.assert_close(torch.einsum("bhts,bshd->bthd", A, v), o, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(A.sum(-1), torch.ones_like(A.sum(-1)))
 
