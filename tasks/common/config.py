@@ -41,7 +41,7 @@ def model_attention(cfg) -> dict:
 
 # The one mapping of configs written before the attention schema (``attn.*`` for every model): the language models
 # kept their attention options as model.* fields, DiG chose GLA with model.token_mixer, MALA / RALA called their
-# 2-D RoPE switch attn.rope. (A committed pre-schema checkpoint is loaded in tests/test_attention_schema.py.)
+# 2-D RoPE switch attn.rope. (A committed pre-schema checkpoint is loaded in tests/test_eval_dispatch.py.)
 LEGACY_LM_ATTENTION_FIELDS = {
     "feature_map": "feature_map", "normalize": "normalize", "output_gate": "gate", "rope": "rope",
     "mixing_init": "mixing_init", "mixing_per_head": "mixing_per_head", "mixing_param": "mixing_param",

@@ -19,6 +19,8 @@ from typing import Callable, Iterable
 
 from tqdm import tqdm
 
+from .records import read_run_record
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _METRIC = re.compile(r"([\w/]+)=([-\d.eE+naninf]+)")
 
@@ -38,8 +40,10 @@ def run_training(overrides: list[str], threads: int | None = None, launcher: lis
         launcher: the command that runs ``train.py`` (default: this Python; e.g. ``["torchrun", "--nproc_per_node=8"]``).
 
     Returns:
-        ``{"command", "seconds", "metrics", "params_M"}`` for a run that printed its ``final:`` line, else
-        ``{"command", "seconds", "error"}`` with the last lines of its output.
+        ``{"command", "seconds", "metrics", "params_M", "run"}`` for a run that printed its ``final:`` line
+        (``run``: the run's own record, :mod:`tasks.common.records`, when ``overrides`` name its folder with
+        ``hydra.run.dir=``: resolved config, commit, machine, load), else ``{"command", "seconds", "error"}``
+        with the last lines of its output.
     """
     cmd = [*(launcher or [sys.executable]), os.path.join(ROOT, "train.py"), *overrides]
     env = dict(os.environ)
@@ -57,6 +61,10 @@ def run_training(overrides: list[str], threads: int | None = None, launcher: lis
         return rec
     params = re.search(r"([\d.]+)M params", proc.stdout)
     rec.update(metrics=metrics, params_M=float(params.group(1)) if params else None)
+    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
+    record = read_run_record(run_dir) if run_dir else None
+    if record is not None:  # the resolved config, code version, machine and load of the run (tasks.common.records)
+        rec["run"] = {k: record.get(k) for k in ("commit", "dirty", "machine", "load_before", "load_after", "config")}
     return rec
 
 

@@ -59,7 +59,16 @@ from .hooks import after_optimizer_step, logged_matrices
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
 from .progress import ProgressLoader
-from .utils import count_flops, count_parameters, rng_state, seed_everything, set_rng_state, system_info
+from .records import write_run_record
+from .utils import (
+    count_flops,
+    count_parameters,
+    load_average,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+    system_info,
+)
 
 
 class Task:
@@ -448,6 +457,7 @@ class Trainer:
             TrainingInterrupted: after SIGINT / SIGTERM, once ``last.pt`` is saved and the logger finished.
         """
         check_trainer(self.cfg)
+        started, load_before = time.time(), load_average()
         if self.dist.is_main:
             open_run_log(self.run_dir)
         with StopSignals() as stop:
@@ -461,6 +471,8 @@ class Trainer:
                 raise
             finally:
                 run.logger.finish(exit_code=exit_code)
+        if self.dist.is_main:  # the run's record: resolved config, code version, machine and its load
+            write_run_record(self.run_dir, self.cfg, metrics, seconds=time.time() - started, load_before=load_before)
         barrier(self.dist)
         return metrics
 
