@@ -120,7 +120,7 @@ class AttentionContract:
         host_options: options the host model consumes instead of the layer, by attention name (``"*"``: any);
             e.g. Wan's ``layers`` (which self-attention layers get the attention).
         native: the model's built-in attentions that are not registered (``{name: what it is}``); they take no
-            options except the host's.
+            options.
         refused: ``{option: why}``, options the model cannot honour whatever the attention (e.g. ``cpe`` in a
             host that owns the projections).
         probes: the layers to check at start, one per distinct setting: ``(model-set options, {name: defaults of
@@ -236,7 +236,7 @@ def resolve_attention(cfg, contract: AttentionContract) -> dict:
     given = {k: v for k, v in given.items() if v is not None}
     host = contract.host_keys(name)
     if name in contract.native:
-        extra = sorted(set(given) - host)
+        extra = sorted(given)
         if extra:
             raise ValueError(f"attn={name} is {contract.model}'s own attention ({contract.native[name]}); it takes "
                              f"no options, but attn.{', attn.'.join(extra)} {'is' if len(extra) == 1 else 'are'} "

@@ -20,8 +20,8 @@ stages 1-2 and softmax stages 3-4) is ``proj((Y + LePE_5x5(V)) * O)`` with an ou
 (mhla/baselines.py ``_GatedRoPEBaseline``). For the other attentions the wrapper is built from the shared
 layer options (:data:`WRAPPER_DEFAULTS`): ``cpe`` with ``cpe_kernel: 5`` is the LePE (a depthwise 5 x 5 conv
 on V added to the attention output, as ``_GatedRoPEBaseline.lepe``) and ``gate`` the output gate. These are
-defaults: an attention config that sets them wins (the Hydra ``attn/*.yaml`` files set ``cpe: false``, so
-the Table 2b cells set the wrapper explicitly; the softmax stages, built here, always get the defaults).
+defaults: an attention config that sets them wins (from Hydra they are the model's defaults,
+:func:`attention_contract`; the softmax stages, built here, always get them).
 ``gate: linear`` is RALA's linear gate ``(o + LePE(V)) * (W_o x + b)``. One difference is left: the softmax
 stages have no 2-D RoPE.
 

@@ -13,10 +13,10 @@ Attention variants (``attn`` config; only the self-attention ``attn1`` changes, 
     ``linear``   plain linear attention (ReLU features): Table 5's "Linear" row
     ``mhla``     MHLA over a 3-D block grid ``blocks`` (default 7 x 3 x 5 = 105 blocks of 3 x 10 x 10),
                  ``layers: all`` ("MHLA" row) or ``layers: hybrid`` (2/3 of the layers, "MHLA Hybrid" row)
-Options read from ``attn`` (defaults = the paper's video setting): ``normalize: false`` with
-``out_norm: true`` (output RMSNorm), ``feature_map: relu``, ``rope: after`` (``before`` | ``none``),
-``mixing_init: locality``, ``layers: all | hybrid | [indices]``, ``softmax_every: 3``, ``softmax_offset: 2``
-(hybrid: layers 2, 5, 8, ... keep softmax; our choice, the paper does not say which layers).
+Options read from ``attn`` (:func:`attention_contract`; defaults = the paper's video setting): ``normalize: false``
+with ``out_norm: true`` (output RMSNorm), ``rope: after_feature_map`` (``before_feature_map`` | ``none``), MHLA's
+locality init; host options ``layers: all | hybrid | [indices]``, with ``hybrid`` ``softmax_every`` (3) and
+``softmax_offset`` (2: layers 2, 5, 8, ... keep softmax; the paper does not say which layers).
 
 Local weights only: ``model.pretrained`` is a folder in diffusers format (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``);
 a missing folder raises :class:`MissingWeightsError` that says what to download and where.
@@ -115,7 +115,13 @@ def attention_contract(model_cfg) -> AttentionContract:
         model=f"model={model_cfg.get('name', 'wan')}", needs=Needs(grid_rank=3, rope=True, host_projections=True),
         defaults=defaults, fixed=("grid", "causal", "projections", "head_dim", "value_dim", "num_prefix_tokens"),
         host_options={"*": HOST_OPTIONS}, native={"softmax": "Wan's own processor (SDPA / FlashAttention)"},
-        refused=refused)
+        refused=refused, prepare=_check_layer_options)
+
+
+def _check_layer_options(options: dict) -> dict:
+    """The host options' start-of-run check (:func:`attention_layers` on a 30-layer model)."""
+    attention_layers(options, 30)
+    return options
 
 
 def attention_layers(attn_cfg, num_layers: int) -> list[int]:

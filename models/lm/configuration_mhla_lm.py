@@ -56,7 +56,8 @@ LM_ATTENTION_DEFAULTS: dict[str, dict] = {
 LM_FIXED_OPTIONS = ("causal", "head_dim", "value_dim", "qkv_bias", "proj_bias", "grid", "num_prefix_tokens",
                     "projections", "device", "dtype")
 
-# configs saved before ``attn`` existed: flat field -> attention option
+# configs saved before ``attn`` existed: flat field -> attention option (the one mapping: the transformers config
+# here, and tasks.common.config.upgrade_config for the train.py configs of then)
 LEGACY_ATTENTION_FIELDS = {
     "feature_map": "feature_map", "normalize": "normalize", "output_gate": "gate", "rope": "rope",
     "mixing_init": "mixing_init", "mixing_per_head": "mixing_per_head", "mixing_param": "mixing_param",

@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from mhla.registry import accepted_options, check_attention, get_attention_class, resolve_attention
 from models.attention import attention_contract
+from models.lm.configuration_mhla_lm import LEGACY_ATTENTION_FIELDS
 
 
 class ConfigError(ValueError):
@@ -42,12 +43,6 @@ def model_attention(cfg) -> dict:
 # The one mapping of configs written before the attention schema (``attn.*`` for every model): the language models
 # kept their attention options as model.* fields, DiG chose GLA with model.token_mixer, MALA / RALA called their
 # 2-D RoPE switch attn.rope. (A committed pre-schema checkpoint is loaded in tests/test_eval_dispatch.py.)
-LEGACY_LM_ATTENTION_FIELDS = {
-    "feature_map": "feature_map", "normalize": "normalize", "output_gate": "gate", "rope": "rope",
-    "mixing_init": "mixing_init", "mixing_per_head": "mixing_per_head", "mixing_param": "mixing_param",
-    "mixing_learnable": "mixing_learnable", "mixing_extension": "mixing_extension", "qk_norm": "qk_norm",
-    "cpe": "cpe", "cpe_kernel": "cpe_kernel", "short_conv": "short_conv", "attn_backend": "backend",
-    "block_size": "block_size", "max_learned_blocks": "max_learned_blocks"}
 
 
 def upgrade_config(cfg):
@@ -58,11 +53,11 @@ def upgrade_config(cfg):
     if model is None or attn is None:
         return cfg
     with open_dict(cfg):
-        if model.get("kind") == "lm" and any(k in model for k in LEGACY_LM_ATTENTION_FIELDS):
+        if model.get("kind") == "lm" and any(k in model for k in LEGACY_ATTENTION_FIELDS):
             # the LMs read only attn.name then (the other attn.* values were the vision group's, unused)
-            accepted = accepted_options(get_attention_class(attn.name)) or set(LEGACY_LM_ATTENTION_FIELDS.values())
+            accepted = accepted_options(get_attention_class(attn.name)) or set(LEGACY_ATTENTION_FIELDS.values())
             new_attn = {"name": attn.name}
-            for old, new in LEGACY_LM_ATTENTION_FIELDS.items():
+            for old, new in LEGACY_ATTENTION_FIELDS.items():
                 value = model.pop(old, None)
                 if new in accepted and value is not None:
                     new_attn[new] = value
