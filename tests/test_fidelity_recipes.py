@@ -234,3 +234,15 @@ def test_table6_and_table8_paper_numbers_come_from_the_spec_or_the_authors_page(
             assert numbers == {"avg": PAGE_TABLE6_AVG[cell]}
             assert "project page" in experiment_text(f"table6/{cell}")
             assert "left blank, not guessed" in experiment_text(f"table6/{cell}")
+
+
+def test_table6_columns_use_the_papers_metrics():
+    """The paper's Table 6 header: Wino acc, PIQA acc, ARC-c acc_n, OBQA acc_n, ARC-e acc_n, BoolQ acc (acc_n =
+    lm-eval's ``acc_norm``); the commonsense average is over those six."""
+    from tasks.language import evaluate as ev
+
+    assert ev.TABLE6_METRIC == {"mmlu": "acc", "wino": "acc", "piqa": "acc", "arc_c": "acc_norm",
+                                "obqa": "acc_norm", "arc_e": "acc_norm", "boolq": "acc"}
+    res = {task: {"acc,none": 0.25, "acc_norm,none": 0.75} for _, task, _ in ev.TABLE6_COLUMNS}
+    row = ev.table6_row(res)
+    assert row["piqa"] == 25.0 and row["arc_e"] == 75.0 and row["arc_c"] == 75.0 and row["wino"] == 25.0

@@ -45,10 +45,12 @@ from tasks.language.task import build_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# lm-eval metric of each Table 6 column (acc_norm where the fla line of work reports it)
-TABLE6_COLUMNS = (("mmlu", "mmlu", "acc"), ("wino", "winogrande", "acc"), ("piqa", "piqa", "acc_norm"),
+# lm-eval metric of each Table 6 column: the paper's header (Wino acc, PIQA acc, ARC-c acc_n, OBQA acc_n,
+# ARC-e acc_n, BoolQ acc; acc_n = lm-eval's length-normalised ``acc_norm``). MMLU: acc.
+TABLE6_COLUMNS = (("mmlu", "mmlu", "acc"), ("wino", "winogrande", "acc"), ("piqa", "piqa", "acc"),
                   ("arc_c", "arc_challenge", "acc_norm"), ("obqa", "openbookqa", "acc_norm"),
-                  ("arc_e", "arc_easy", "acc"), ("boolq", "boolq", "acc"))
+                  ("arc_e", "arc_easy", "acc_norm"), ("boolq", "boolq", "acc"))
+TABLE6_METRIC = {col: metric for col, _, metric in TABLE6_COLUMNS}
 COMMONSENSE = ("wino", "piqa", "arc_c", "obqa", "arc_e", "boolq")
 
 
@@ -126,6 +128,12 @@ def _lm_eval_table6(model_path: str, tokenizer: str | None, out_dir: str, batch_
         json.dump({"results": res, "versions": out.get("versions"), "n-shot": out.get("n-shot"),
                    "config": out.get("config"), "lm_eval": _lm_eval_version(), "limit": limit}, f, indent=2,
                   default=str)
+    return table6_row(res)
+
+
+def table6_row(res: dict) -> dict:
+    """The Table 6 columns from lm-eval's ``results`` (``{task: {"<metric>,none": value}}``): each accuracy with the
+    metric of the paper's header (:data:`TABLE6_COLUMNS`), in %; the two perplexities; LAMBADA accuracy."""
     row = {col: 100 * res[task][f"{metric},none"] for col, task, metric in TABLE6_COLUMNS if task in res}
     if "wikitext" in res:
         row["wiki_ppl"] = res["wikitext"]["word_perplexity,none"]
@@ -161,7 +169,8 @@ def _fmt(v, digits=2) -> str:
 
 def reproduce_table6(args) -> str:
     cols = ["mmlu", "wino", "piqa", "arc_c", "obqa", "arc_e", "boolq", "avg", "wiki_ppl", "lambada_ppl"]
-    header = ["cell", "model", "source"] + cols
+    header = ["cell", "model", "source"] + [f"{c} ({TABLE6_METRIC[c].replace('acc_norm', 'acc_n')})"
+                                            if c in TABLE6_METRIC else c for c in cols]
     rows, records = [], []
     for cell, paper in table_cells("6"):
         rows.append([cell, paper.get("row", ""), "paper"] + [_fmt(paper.get(c)) for c in cols])
@@ -201,6 +210,9 @@ def reproduce_table6(args) -> str:
              + (f" (lm-evaluation-harness {_lm_eval_version()}, zero-shot"
                 + (f", limit {args.limit} examples per task" if args.limit else "") + ")"
                 if HAVE_LM_EVAL else " (lm_eval not installed: see below)")]
+    notes += ["", "Metrics: each accuracy column is the lm-eval metric of the paper's header, in brackets "
+                  "(`acc_n` = lm-eval's length-normalised `acc_norm`): " + ", ".join(
+                      f"{col} {task} `{metric}`" for col, task, metric in TABLE6_COLUMNS) + "."]
     if not HAVE_LM_EVAL:
         notes += ["", "To fill the accuracy columns:", "", "```", INSTALL_HELP, "```"]
     return _write("6", header, rows, notes, records)
