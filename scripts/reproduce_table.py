@@ -30,6 +30,11 @@ Tables (``make reproduce-table<id>`` takes the same ids; ``--table 3`` is Table 
 * delegates - 5: ``python -m tasks.video_gen.table5``; 6 / 8: ``python -m tasks.language.evaluate table6|table8``;
   mqar: ``scripts/run_mqar.py --scale <scale>``. Arguments after ``--`` go to them unchanged.
 
+Inputs: every full-scale cell declares what it reads from disk (``inputs:`` of its config: ImageNet, the
+SD-VAE, released weights, the FID reference of its resolution, ...). If one is missing nothing starts: the
+message lists each missing input, where to download it and the option that points to it (``--no-fid`` trains the
+generation cells without FID, and then needs no reference). ``train.py`` refuses the same way.
+
 Each table goes to ``results/table<id>[_mini].md`` (and ``.json``) with the paper's numbers beside ours, the
 command and the machine. A table whose cells do not exist yet is reported as such (exit 2); nothing is run.
 ``--only CELL ...`` reruns some cells and keeps the others' saved results; ``--jobs N`` runs N at a time; an
@@ -76,6 +81,9 @@ def main(argv=None) -> int:
                    help="ADM reference batch (or stats .npz) per resolution for FID, e.g. "
                         "256=VIRTUAL_imagenet256_labeled.npz 512=VIRTUAL_imagenet512.npz; a reference of another "
                         "image size than its key or the samples is refused")
+    p.add_argument("--no-fid", action="store_true",
+                   help="generation cells: train only, no FID (then no --fid-ref is needed; score later with "
+                        "tasks.image_gen.sample --ref)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="benchmarks (Tables 7b, 14): default cuda (full), cpu (mini)")
     p.add_argument("--bench-batch", type=int, default=None, help="benchmark batch (default 32 on GPU, 1 on CPU)")

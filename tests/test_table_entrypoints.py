@@ -73,6 +73,18 @@ def _first(table, n=2):
     return [c.name for c in registry.table_cells(table)[:n]]
 
 
+def inputs_for(table, root) -> list[str]:
+    """Runner arguments that give a table's full-scale cells their declared inputs (stand-ins under ``root``):
+    ``--fid-ref`` per resolution, then ``--`` and the overrides of the first cell's ``key`` inputs (the cells of
+    one table share them)."""
+    from helpers.inputs import fake_fid_refs, fake_inputs  # noqa: PLC0415
+
+    cell = registry.table_cells(table)[0]
+    cfg, _ = config.compose(cell.overrides)
+    refs = [f"{k}={v}" for k, v in fake_fid_refs(root).items()]
+    return ["--fid-ref", *refs, "--", *fake_inputs(cfg, root)]
+
+
 CELL_TABLES = [t for t, s in registry.TABLES.items() if s.kind == "cells"]
 
 
@@ -100,8 +112,9 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
         assert rt.main(argv) == 2
         assert "no cells yet" in capsys.readouterr().err and not fake.runs and not list(tmp_path.iterdir())
         return
-    extra = ["model.pretrained=/ckpt/DiT-XL-2-256x256.pt"] if spec.id == "3b" else []
-    assert rt.main([*argv, "--only", *names, "--", *extra]) == 0
+    given = inputs_for(spec.id, tmp_path)  # the cells' declared inputs: without them nothing starts
+    extra = given[given.index("--") + 1:]
+    assert rt.main([*argv, "--only", *names, *given]) == 0
     md = (tmp_path / f"{spec.results_stem('full')}.md").read_text()
     rows = json.loads((tmp_path / f"{spec.results_stem('full')}.json").read_text())["rows"]
     assert [r["cell"] for r in rows] == names
@@ -128,13 +141,17 @@ def test_table_3b_adds_the_self_attention_baseline(monkeypatch, tmp_path, capsys
     cells = {c.name: c for c in registry.table_cells("3b")}
     base = cells["dit_xl2_256_softmax_pretrained"]
     assert base.eval_only and base.paper["fid"] == 9.62 and base.paper["fid_cfg"] == 2.27
+    given = inputs_for("3b", tmp_path)
+    weights = next(o for o in given if o.startswith("model.pretrained="))
     # without the released weights nothing starts: the fine-tune would silently train from scratch
-    assert rt.main(["--table", "3b", "--results-dir", str(tmp_path)]) == 1
-    assert not fake.runs and not fake.exports
-    assert "needs model.pretrained" in (tmp_path / "table3b.md").read_text()
-    assert rt.main(["--table", "3b", "--results-dir", str(tmp_path), "--", "model.pretrained=/w.pt"]) == 0
+    assert rt.main(["--table", "3b", "--results-dir", str(tmp_path), *[o for o in given if o != weights]]) == 2
+    err = capsys.readouterr().err
+    assert not fake.runs and not fake.exports and not (tmp_path / "table3b.md").exists()
+    assert "model.pretrained=/models/DiT-XL-2-256x256.pt" in err and "dl.fbaipublicfiles.com/DiT" in err
+    assert "(cells: dit_xl2_256_mhla_finetune, dit_xl2_256_softmax_pretrained)" in err
+    assert rt.main(["--table", "3b", "--results-dir", str(tmp_path), *given]) == 0
     (export,) = fake.exports
-    assert "attn=softmax" in export and "model.pretrained=/w.pt" in export
+    assert "attn=softmax" in export and weights in export
     assert len(fake.runs) == len(cells) - 1  # the baseline trains nothing
     # FID without and with guidance (cfg 1.5) for every cell, at 256 px
     assert sorted(f for f in fake.fids if f[0] == base.name) == [(base.name, 256, 1.0), (base.name, 256, 1.5)]

@@ -58,7 +58,7 @@ def run_cell(table: str, cell, args, seed: int | None = None) -> dict:
     if seed is not None:
         overrides.append(f"seed={seed}")
     overrides += [f"hydra.run.dir={run_dir}", *extra]
-    problem = config.check_config(spec, overrides, scale)
+    problem = config.check_config(spec, overrides, scale, args)
     if problem:
         print(f"  {cell.name}: {problem}", flush=True)
         return {**base, "command": "python train.py " + " ".join(overrides), "seconds": 0.0, "error": problem}
@@ -78,7 +78,7 @@ def run_cell(table: str, cell, args, seed: int | None = None) -> dict:
         print(f"  FAILED:\n{rec.pop('error_tail', rec['error'])}", flush=True)
         return rec
     print(f"  final: {rec['metrics']}  ({rec['seconds']:.0f}s)", flush=True)
-    if scale == "full" and info["kind"] == "generation":
+    if scale == "full" and info["kind"] == "generation" and not getattr(args, "no_fid", False):
         for cfg_scale in spec.cfg_scales:
             suffix = "" if cfg_scale == 1.0 else "_cfg"
             fid = sample_fid(spec, cell, run_dir, n, info["image_size"], cfg_scale, args)

@@ -2,8 +2,9 @@
 
 Hydra already rejects unknown keys (``foo=1`` -> "Key 'foo' is not in struct"); :func:`apply_overrides` does
 the same for configs read back from a checkpoint (``eval.py``). This module checks what only the values or the
-combination of groups can tell: an attention a model cannot take, a block layout that does not tile the model's
-token grid, a missing data root, a schedule that trains nothing.
+combination of groups can tell: the inputs a recipe declares (``inputs:``: data, weights) that are not on disk,
+an attention a model cannot take, a block layout that does not tile the model's token grid, a missing data root,
+a schedule that trains nothing.
 
 It also holds the resolvers of ``hydra.run.dir`` (:func:`register_resolvers`).
 """
@@ -88,6 +89,84 @@ def check_data(cfg) -> None:
         raise ConfigError(f"data.batch_size must be >= 1, got {data.batch_size}")
 
 
+# ------------------------------------------------------------------------------ declared inputs
+# A full-scale recipe declares what it reads from disk under the top-level ``inputs:`` of its config (the task
+# configs of the paper recipes, and cells with inputs of their own): ``{name: entry}`` with
+#   what:   the input in words;  get: where / how to download it;  put: an example local path (the message's fix)
+#   key:    the config option that points to it (checked by train.py and by scripts/reproduce_table.py), or
+#   option: an option of scripts/reproduce_table.py (``fid_ref``: ``--fid-ref RES=PATH``), checked by the runner, or
+#   step:   the later command that reads it and checks it itself (listed in the message, never blocking)
+#   file:   true for a single file (default: a folder);  marker: path(s) inside the folder that must exist
+# The CPU proxies (scale=mini/...) replace the task, so their configs declare nothing.
+RUNNER_OPTIONS = {"fid_ref": "--fid-ref {res}={path} (make: REF='{res}={path}')"}
+
+
+def declared_inputs(cfg) -> dict:
+    """``{name: entry}`` of the config's ``inputs:`` (resolved; entries set to null dropped)."""
+    inputs = cfg.get("inputs") if hasattr(cfg, "get") else None
+    if not inputs:
+        return {}
+    plain = OmegaConf.to_container(inputs, resolve=True) if OmegaConf.is_config(inputs) else dict(inputs)
+    return {name: entry for name, entry in plain.items() if entry}
+
+
+def _input_problem(entry: dict, value) -> str | None:
+    """Why ``value`` (the path given for ``entry``) does not hold the input, or None."""
+    if value in (None, "", "???"):
+        return "not set"
+    path = os.path.expanduser(str(value))
+    if not os.path.exists(path):
+        return f"{path} does not exist"
+    if entry.get("file"):
+        return None if os.path.isfile(path) else f"{path} is not a file"
+    if not os.path.isdir(path):
+        return f"{path} is not a folder"
+    markers = entry.get("marker") or []
+    absent = [m for m in ([markers] if isinstance(markers, str) else markers)
+              if not os.path.exists(os.path.join(path, m))]
+    return f"{path} has no {' or '.join(absent)}" if absent else None
+
+
+def input_message(name: str, entry: dict, problem: str, res=None) -> str:
+    """One missing input: what it is, why it is refused, what to download and where to put it."""
+    put = entry.get("put", "/path/to/" + name)
+    if entry.get("key"):
+        where = f"pass {entry['key']}={put}"
+    else:
+        where = "pass " + RUNNER_OPTIONS.get(entry.get("option"), "--{option} {path}").format(
+            res=res, path=put, option=entry.get("option"))
+    return (f"{entry.get('what', name)} ({entry.get('key') or entry.get('option')}: {problem}). Get it: "
+            f"{entry.get('get', 'see the config')}. Put it at e.g. {put} and {where}")
+
+
+def missing_inputs(cfg, options: dict | None = None) -> list[str]:
+    """Messages for the declared inputs (:func:`declared_inputs`) that are unset or absent on disk: entries with a
+    ``key`` always; entries with an ``option`` when ``options`` has it (the runner passes its option values,
+    ``{"fid_ref": path or None}``; train.py none); ``step`` entries never (their command checks them)."""
+    out = []
+    res = OmegaConf.select(cfg, "data.image_size", default=None) if OmegaConf.is_config(cfg) else None
+    for name, entry in declared_inputs(cfg).items():
+        if entry.get("key"):
+            value = OmegaConf.select(cfg, entry["key"], default=None)
+        elif entry.get("option") in (options or {}):
+            value = options[entry["option"]]
+        else:
+            continue
+        problem = _input_problem(entry, value)
+        if problem:
+            out.append(input_message(name, entry, problem, res))
+    return out
+
+
+def check_inputs(cfg) -> None:
+    """Refuse to start a recipe whose declared inputs (``key`` entries) are missing: one message listing each,
+    with what to download and where to put it (nothing is downloaded at run time)."""
+    missing = missing_inputs(cfg)
+    if missing:
+        raise ConfigError("this recipe needs inputs that are not here (nothing is downloaded at run time):\n- "
+                          + "\n- ".join(missing))
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -141,6 +220,7 @@ def validate_config(cfg) -> None:
     for key in ("task", "model", "attn", "data", "optim", "sched", "trainer"):
         if key not in cfg or cfg[key] is None:
             raise ConfigError(f"the config has no '{key}' group; add {key}=... to the command")
+    check_inputs(cfg)
     check_data(cfg)
     check_trainer(cfg)
     check_attention_fits_model(cfg)

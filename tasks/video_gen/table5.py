@@ -122,6 +122,16 @@ def sample_pretrained(row: str, wan: str | None, prompts, out: str = SAMPLES, *,
     return folder
 
 
+def missing_row_inputs(wan: str | None, data: str | None) -> list[str]:
+    """What the rows need and is not here (:func:`tasks.common.config.missing_inputs` of each row's config with
+    ``--wan`` as ``model.pretrained`` and ``--data`` as ``data.root``), each message once."""
+    from tasks.common.config import missing_inputs  # noqa: PLC0415
+
+    given = [f"model.pretrained={wan}" if wan else "model.pretrained=null", f"data.root={data}" if data else
+             "data.root=null"]
+    return list(dict.fromkeys(m for row in ROWS for m in missing_inputs(row_config(row, given))))
+
+
 def load_bench(name: str):
     path = os.path.join(ROOT, "results", "bench", name)
     return json.load(open(path)) if os.path.isfile(path) else None
@@ -235,10 +245,13 @@ def main(argv=None) -> None:
         sample_pretrained(args.sample_pretrained, args.wan, args.prompts, args.samples_out,
                           batch_size=args.batch_size)
         return
-    ready = bool(args.wan and os.path.isdir(args.wan) and args.data and os.path.isdir(args.data))
-    if not ready:
-        print("Wan2.1 weights (--wan / WAN_PATH) or video data (--data / VIDEO_DATA) missing: printing the commands. "
-              "Download Wan-AI/Wan2.1-T2V-1.3B-Diffusers to a local folder.")
+    missing = missing_row_inputs(args.wan, args.data)
+    ready = not missing
+    if missing:
+        print("The rows' declared inputs (`inputs:` of configs/task/wan_finetune.yaml) are not all here: "
+              + ("nothing runs" if args.run else "printing the commands") + ".\n- " + "\n- ".join(missing))
+        if args.run:
+            raise SystemExit(2)
     for row in ROWS:
         for cmd in commands(row, args.wan or "/path/to/Wan2.1-T2V-1.3B-Diffusers", args.data or "/path/to/videos",
                             args.gpus, args.prompts):
