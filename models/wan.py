@@ -16,7 +16,8 @@ Attention variants (``attn`` config; only the self-attention ``attn1`` changes, 
 Options read from ``attn`` (defaults = the paper's video setting): ``normalize: false`` with
 ``out_norm: true`` (output RMSNorm), ``feature_map: relu``, ``rope: after`` (``before`` | ``none``),
 ``mixing_init: locality``, ``layers: all | hybrid | [indices]``, ``softmax_every: 3``, ``softmax_offset: 2``
-(hybrid: layers 2, 5, 8, ... keep softmax; our choice, the paper does not say which layers).
+(hybrid: the layers ``i % softmax_every == softmax_offset`` keep softmax; Table 5's config sets offset 0, the
+authors' release: layers 0, 3, ..., 27; the paper does not say which layers).
 
 Local weights only: ``model.pretrained`` is a folder in diffusers format (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``);
 a missing folder raises :class:`MissingWeightsError` that says what to download and where.

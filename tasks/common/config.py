@@ -101,13 +101,24 @@ def check_data(cfg) -> None:
 RUNNER_OPTIONS = {"fid_ref": "--fid-ref {res}={path} (make: REF='{res}={path}')"}
 
 
+def _top_mapping(cfg, key: str) -> dict:
+    node = cfg.get(key) if hasattr(cfg, "get") else None
+    if not node:
+        return {}
+    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    return {name: entry for name, entry in plain.items() if entry}
+
+
 def declared_inputs(cfg) -> dict:
     """``{name: entry}`` of the config's ``inputs:`` (resolved; entries set to null dropped)."""
-    inputs = cfg.get("inputs") if hasattr(cfg, "get") else None
-    if not inputs:
-        return {}
-    plain = OmegaConf.to_container(inputs, resolve=True) if OmegaConf.is_config(inputs) else dict(inputs)
-    return {name: entry for name, entry in plain.items() if entry}
+    return _top_mapping(cfg, "inputs")
+
+
+def assumptions(cfg) -> dict:
+    """``{topic: text}`` of the config's ``assumptions:``: what a cell's recipe chooses where the paper is silent,
+    or where it departs from the paper (entries set to null dropped: a cell can drop one it inherits). The results
+    writers print them beside the cell's numbers."""
+    return _top_mapping(cfg, "assumptions")
 
 
 def _input_problem(entry: dict, value) -> str | None:
