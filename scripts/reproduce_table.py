@@ -38,7 +38,8 @@ generation cells without FID, and then needs no reference). ``train.py`` refuses
 Each table goes to ``results/table<id>[_mini].md`` (and ``.json``) with the paper's numbers beside ours, the
 command and the machine. A table whose cells do not exist yet is reported as such (exit 2); nothing is run.
 ``--only CELL ...`` reruns some cells and keeps the others' saved results; ``--jobs N`` runs N at a time; an
-interrupted full-scale cell continues from its run folder (``outputs/table<id>/<cell>``) with
+interrupted full-scale cell continues from its run folder (``outputs/table<id>/<cell>/<settings>``, the settings
+that tell runs apart: model, resolution, attention, M, seed, schedule) with
 ``-- trainer.resume=auto``. ``--plot-only`` redraws a cell table's plot (``results/<table>[_mini].png``: the
 paper's number and ours per cell) from its ``.json`` without running anything.
 """
@@ -52,7 +53,7 @@ import sys
 
 # siblings: scripts/ is on sys.path (Python puts the running script's folder there; tests/conftest.py too)
 from eval_fid import parse_fid_refs
-from tables import builders, figures, proxy2, registry
+from tables import builders, figures, proxy2, registry, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--plot-only", action="store_true",
                    help="cell tables: redraw results/<table>[_mini].png from its .json, run nothing (Tables 5 and "
                         "mqar: pass it after --, to their entry point)")
+    p.add_argument("--rewrite", action="store_true",
+                   help="cell tables: write results/<table>[_mini].md again from its .json (the cells' current "
+                        "paper numbers and assumptions beside the saved rows, their machine and date); runs nothing")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every cell (e.g. data.root=...); for "
                                             "Tables 5 / 6 / 8 / mqar, the arguments of their entry point")
     args = p.parse_args(argv)
@@ -113,6 +117,8 @@ def main(argv=None) -> int:
         return 2
     if args.plot_only and spec.kind == "cells":
         return figures.redraw(spec, args)
+    if args.rewrite and spec.kind == "cells":
+        return writers.rewrite(spec, args)
     if spec.kind == "delegate":
         return builders.run_delegate(spec, args)
     if spec.kind == "bench":

@@ -263,7 +263,8 @@ def test_table6_and_table8_paper_numbers_come_from_the_spec_or_the_authors_page(
             assert p8.longbench_avg == PAGE_TABLE8[cell]
             assert "project page" in experiment_text(f"table8/{cell}")
         p6 = OmegaConf.to_container(make_cfg([f"experiment=table6/{cell}"]).paper)
-        numbers = {k: v for k, v in p6.items() if k not in ("table", "row")}
+        assert f"{p6['params_M']}M" in p6["row"]  # the size of the paper's row label (results/params.md)
+        numbers = {k: v for k, v in p6.items() if k not in ("table", "row", "params_M")}
         if cell == "mhla":
             assert numbers == SPEC_TABLE6_MHLA
         else:  # only the commonsense average is known for the baselines; the other columns stay blank

@@ -17,7 +17,7 @@ import eval_fid
 import numpy as np
 import pytest
 import reproduce_table as rt
-from tables import benchmark, config, registry, runner
+from tables import benchmark, config, registry, runner, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_FID = runner.sample_fid  # the real one (Launcher replaces it)
@@ -127,7 +127,8 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
         assert not extra or run["overrides"][-len(extra):] == extra
     for cell in registry.table_cells(spec.id):
         if cell.name in names:  # the paper's numbers beside ours
-            value = next(v for k, v in cell.paper.items() if k not in ("table", "row"))
+            key = next(k for k in cell.paper if k not in ("table", "row"))
+            value = writers.paper_value(cell.paper, key)  # with the paper's spread where it gives one
             assert f"| {cell.name} | {cell.paper.get('row', '')} | {value} |" in md
     if spec.id in ("3a", "7b", "12", "3b"):
         assert fake.fids and all(size in (256, 512) for _, size, _ in fake.fids)
@@ -353,7 +354,8 @@ def test_reproduce_table_routes_each_resolution_to_its_reference(monkeypatch, tm
     for name, size in (("dit_s2_512_mhla", 512), ("dit_s2_256_mhla", 256)):
         cell = next(c for c in registry.table_cells("3a") if c.name == name)
         run_dir = str(tmp_path / f"run{size}")
-        assert SAMPLE_FID(spec, cell, run_dir, 1, size, 1.0, args) == {"fid": 1.0}
+        out = SAMPLE_FID(spec, cell, run_dir, 1, size, 1.0, args)
+        assert out == {"fid": 1.0, "samples": os.path.relpath(str(tmp_path), ROOT)}
     assert seen == [("s512.npz", "VIRTUAL_imagenet512.npz", 512), ("s256.npz", "VIRTUAL_imagenet256_labeled.npz", 256)]
     # the samples are checked too: a reference slipped in under the wrong key is refused at scoring time
     monkeypatch.setattr(eval_fid, "evaluate", real_evaluate)

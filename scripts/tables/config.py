@@ -4,11 +4,12 @@ start (:func:`check_config`: it composes, and at full scale its declared inputs 
 
 from __future__ import annotations
 
+import functools
 import os
 
 from omegaconf import open_dict
 
-from tasks.common.config import missing_inputs
+from tasks.common.config import assumptions, missing_inputs
 
 from .registry import CONFIGS, Cell, Table
 
@@ -30,6 +31,20 @@ def compose(overrides: list[str]):
     with open_dict(cfg):
         cfg.pop("hydra")
     return cfg, choices
+
+
+@functools.lru_cache(maxsize=None)
+def _assumptions(overrides: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    return tuple(assumptions(compose(list(overrides))[0]).items())
+
+
+def cell_assumptions(cell: Cell) -> dict:
+    """``{topic: text}``: the ``assumptions:`` of the cell's full-scale config (where its recipe chooses what the
+    paper does not state, or departs from it); ``{}`` when it does not compose."""
+    try:
+        return dict(_assumptions(tuple(cell.overrides)))
+    except Exception:  # noqa: BLE001  (a config being written: composing it reports the error elsewhere)
+        return {}
 
 
 def cell_kind(task_module: str) -> str:

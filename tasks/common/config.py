@@ -178,6 +178,72 @@ def check_inputs(cfg) -> None:
                           + "\n- ".join(missing))
 
 
+# ------------------------------------------------------------------------------ what distinguishes two runs
+def run_settings(cfg) -> dict:
+    """The settings that tell two table cells (or two seeds of one) apart, from a composed config: ``model``,
+    ``resolution`` (px, video ``FxHxW`` px, LM context), ``attention`` (name and its non-default options),
+    ``M`` (MHLA's token-level heads), ``seed`` and ``schedule`` (steps or epochs). Sample folders, run folders and
+    result records carry them (:func:`settings_tag`)."""
+    m, a, d, t = cfg.model, cfg.get("attn") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
+    model = str(m.get("name"))
+    if m.get("arch") not in (None, "mhla_lm"):
+        model += f"-{m.arch}"
+    if d.get("num_frames") and d.get("height"):
+        res = f"{d.num_frames}x{d.height}x{d.width}"
+    elif d.get("image_size") and m.get("kind") in ("dit", "dig"):
+        res = str(d.image_size)
+    elif m.get("img_size"):
+        res = str(m.get("input_size") or m.img_size) + (f"pad{m.pad_to}" if m.get("pad_to") and
+                                                        m.pad_to != (m.get("input_size") or m.img_size) else "")
+    elif d.get("seq_len"):
+        res = f"ctx{d.seq_len}"
+    else:
+        res = None
+    if m.get("pretrained"):
+        model += "-ft"  # fine-tuned from released weights
+    name = str(a.get("name", ""))
+    if m.get("token_mixer") not in (None, "attn"):  # DiG: its own GLA instead of the attention of attn
+        name = str(m.token_mixer)
+    attn = name
+    if a.get("cpe"):
+        attn += "+cpe" + (f"{a.cpe_kernel}" if a.get("cpe_kernel") not in (None, 3) else "")
+    if a.get("gate"):
+        attn += "+gate" + (f"-{a.gate}" if a.gate is not True else "")
+    if name == "mhla":
+        if a.get("mixing_init") not in (None, "locality"):
+            attn += f"-{a.mixing_init}"
+        if a.get("mixing_learnable") is False:
+            attn += "-frozen"
+    if a.get("layers") not in (None, "all") and name != "softmax":
+        attn += f"-layers{a.layers}" if isinstance(a.layers, str) else "-layers" + ".".join(map(str, a.layers))
+    if a.get("head_width"):
+        attn += f"-hw{a.head_width}"
+    if name in ("linear", "mhla") and "normalize" in a and a.get("normalize") is not True:
+        attn += "-nonorm" if a.normalize is False else f"-norm{a.normalize}"
+    blocks = None
+    if name == "mhla":
+        if a.get("blocks"):
+            blocks = "x".join(map(str, a.blocks))
+        elif a.get("num_blocks") is not None:
+            blocks = str(a.num_blocks)
+        elif m.get("stage_num_blocks"):
+            blocks = "-".join(map(str, m.stage_num_blocks))
+    steps = t.get("max_steps")
+    schedule = f"{steps}steps" if steps else (f"{t.get('max_epochs')}ep" if t.get("max_epochs") else None)
+    return {"model": model, "resolution": res, "attention": attn, "M": blocks, "seed": cfg.get("seed"),
+            "schedule": schedule}
+
+
+def settings_tag(settings) -> str:
+    """:func:`run_settings` (or a config) as one folder-safe name, e.g.
+    ``dit_s_2-256px-mhla+cpe+gate-M16-seed0-400000steps``."""
+    s = settings if isinstance(settings, dict) else run_settings(settings)
+    parts = [s["model"], f"{s['resolution']}px" if s.get("resolution") and s["resolution"][0].isdigit()
+             else s.get("resolution"), s["attention"], f"M{s['M']}" if s.get("M") else None,
+             f"seed{s['seed']}" if s.get("seed") is not None else None, s.get("schedule")]
+    return "-".join(str(p).replace("/", "_").replace(" ", "") for p in parts if p)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
