@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .configuration_mhla_lm import swiglu_intermediate
 
-# 340M-class configs (BASELINES.md section 6; tie pinned explicitly, counts are what we get, fla 0.6.0 on the meta
+# 340M-class configs (flame / fla-legacy; tie pinned explicitly, counts are what we get, fla 0.6.0 on the meta
 # device = fla_param_count). The paper's labels (Table 6): GLA 340M, Mamba 390M, Mamba2 340M, GDN 360M.
 #   gla     flame / fla-legacy, tied: 341.7M
 #   mamba   flame's, untied: 385.6M. dt_rank 64 = ceil(1024 / 16), what fla builds: its MambaConfig key is dt_rank

@@ -115,6 +115,20 @@ def table_cells(table: str) -> list[tuple[str, dict]]:
     return out
 
 
+def assumption_notes(table: str = "6") -> list[str]:
+    """The ``assumptions:`` of the Table 6 cells' configs (the models Tables 6 and 8 evaluate), as markdown."""
+    lines = []
+    for p in sorted(glob.glob(os.path.join(ROOT, "configs", "experiment", "table6", "*.yaml"))):
+        with open(p) as f:
+            notes = (yaml.safe_load(f) or {}).get("assumptions") or {}
+        cell = os.path.splitext(os.path.basename(p))[0]
+        lines += [f"- `{cell}` ({k}): ASSUMPTION {' '.join(str(v).split())}" for k, v in notes.items() if v]
+    if not lines:
+        return []
+    return ["", f"Model sizes (Table {table} evaluates the models of configs/experiment/table6/; parameters and GMACs "
+                "of every cell: results/params.md):", "", *lines]
+
+
 def _lm_eval_table6(model_path: str, tokenizer: str | None, out_dir: str, batch_size: int, device: str,
                     data_root: str | None = None, limit: int | None = None, max_length: int | None = None) -> dict:
     """Run the harness on Table 6's tasks (:data:`TABLE6_TASKS`); returns ``{column: value}`` for the tasks it
@@ -213,6 +227,7 @@ def reproduce_table6(args) -> str:
     notes += ["", "Metrics: each accuracy column is the lm-eval metric of the paper's header, in brackets "
                   "(`acc_n` = lm-eval's length-normalised `acc_norm`): " + ", ".join(
                       f"{col} {task} `{metric}`" for col, task, metric in TABLE6_COLUMNS) + "."]
+    notes += assumption_notes("6")
     if not HAVE_LM_EVAL:
         notes += ["", "To fill the accuracy columns:", "", "```", INSTALL_HELP, "```"]
     return _write("6", header, rows, notes, records)
@@ -248,6 +263,7 @@ def reproduce_table8(args) -> str:
              f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir}"
              + (f" LONGBENCH={args.longbench}`" if args.longbench else "` (no LONGBENCH data given)")
              + (f" (limit {args.limit} examples per task)" if args.limit else "")]
+    notes += assumption_notes("8")
     return _write("8", header, rows, notes, records)
 
 
