@@ -21,6 +21,7 @@ help:
 	@echo "make bench-generation / bench-video - LM decoding and video (Wan-shaped, CPU preset) benchmarks"
 	@echo "make length-extrapolation [SEED=0] - lm_mini MHLA / linear / softmax at 256 tokens, evaluated to 4k (~15 min)"
 	@echo "make plots     - redraw the committed benchmark and table plots (<stem>.png) from their .json; runs nothing"
+	@echo "make params    - parameters and GMACs of every table cell beside the paper's -> results/params.md (~10 min, CPU)"
 	@echo "make clean     - remove .venv and build files"
 	@echo "make help      - this list"
 	@echo ""
@@ -150,6 +151,12 @@ reproduce-mqar: $(VENV)/.installed
 
 bench-video: $(VENV)/.installed
 	$(PY) scripts/bench_video.py --preset cpu
+
+# Parameters and GMACs of every table cell (full-scale configs, random weights, the paper's resolution), beside
+# the paper's numbers; the counting convention is in the file. tests/test_params_table.py checks it.
+.PHONY: params
+params: $(VENV)/.installed
+	$(PY) scripts/count_params.py
 
 # Every writer draws its plot with its table; --plot-only redraws one from the committed .json alone.
 .PHONY: plots

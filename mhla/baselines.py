@@ -10,7 +10,9 @@ All four share the constructor and forward of :mod:`mhla.layers` and register th
 They need the token grid (``grid=(H, W)``) for their convolutions and positional terms. Class tokens are not
 supported here (``num_prefix_tokens`` must be 0): MHLA's DeiT setting uses average pooling. As docs/baselines.md
 notes, the published DeiT numbers of FLatten / InLine / MALA come from class-token models at 224 px; we
-build them in the same "avg-pool + pad-to-256" setting as MHLA, so a re-run measures that setting.
+build them in the same "avg-pool + pad-to-256" setting as MHLA, so a re-run measures that setting (Table 2's
+Focused LA cell runs 224 px unpadded, its positional encoding being per token; its InLine cell runs InLine's
+6 heads through ``head_width``: the experiment configs say why).
 """
 
 from __future__ import annotations
@@ -129,17 +131,30 @@ class InLineAttention(_GridBaseline):
     ``x_i = q_i kv + (1 - q_i . kbar * s) vbar`` with ``kv = sum_j k_j^T v_j * s / N``, ``s = d^-1/2``
     (weights sum to 1 for every query, may be negative), plus a dynamic per-sample 3 x 3 depthwise conv
     on V whose kernel an MLP predicts from the mean token.
+
+    ``head_width``: InLine's own channels per head, in place of the model's head count (``num_heads = dim //
+    head_width``): InLine-DeiT-T runs 6 heads of 32 where DeiT-T has 3 of 64, and its residual MLP
+    (``10 C^2 / heads`` parameters) is what makes the paper's 6.5M. None: the model's ``num_heads``.
     """
 
-    def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "identity", **kwargs):
+    def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "identity", head_width: int | None = None,
+                 **kwargs):
+        if head_width:
+            if dim % int(head_width):
+                raise ValueError(f"InLine head_width={head_width} does not divide the width {dim}")
+            num_heads = dim // int(head_width)
         super().__init__(dim, num_heads, **kwargs)
         self._set_feature_map(feature_map)
+        self.head_width = dim // num_heads
         c = num_heads * self.value_dim
         self.residual = nn.Sequential(
             nn.Conv1d(dim, c, 1, groups=num_heads if dim % num_heads == 0 else 1),
             nn.GELU(),
             nn.Conv1d(c, 9 * c, 1, groups=num_heads),
         )
+
+    def settings(self) -> dict:
+        return {**super().settings(), "head_width": self.head_width}
 
     def attend(self, q, k, v, *, grid, rope_tables=None, cache=None, attn_mask=None, x=None):
         B, N, H, D = q.shape

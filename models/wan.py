@@ -16,7 +16,8 @@ Attention variants (``attn`` config; only the self-attention ``attn1`` changes, 
 Options read from ``attn`` (:func:`attention_contract`; defaults = the paper's video setting): ``normalize: false``
 with ``out_norm: true`` (output RMSNorm), ``rope: after_feature_map`` (``before_feature_map`` | ``none``), MHLA's
 locality init; host options ``layers: all | hybrid | [indices]``, with ``hybrid`` ``softmax_every`` (3) and
-``softmax_offset`` (2: layers 2, 5, 8, ... keep softmax; the paper does not say which layers).
+``softmax_offset`` (2): the layers ``i % softmax_every == softmax_offset`` keep softmax (Table 5's hybrid cell sets
+offset 0, the authors' release: layers 0, 3, ..., 27; the paper does not say which layers).
 
 Local weights only: ``model.pretrained`` is a folder in diffusers format (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``);
 a missing folder raises :class:`MissingWeightsError` that says what to download and where.

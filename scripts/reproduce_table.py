@@ -30,10 +30,16 @@ Tables (``make reproduce-table<id>`` takes the same ids; ``--table 3`` is Table 
 * delegates - 5: ``python -m tasks.video_gen.table5``; 6 / 8: ``python -m tasks.language.evaluate table6|table8``;
   mqar: ``scripts/run_mqar.py --scale <scale>``. Arguments after ``--`` go to them unchanged.
 
+Inputs: every full-scale cell declares what it reads from disk (``inputs:`` of its config: ImageNet, the
+SD-VAE, released weights, the FID reference of its resolution, ...). If one is missing nothing starts: the
+message lists each missing input, where to download it and the option that points to it (``--no-fid`` trains the
+generation cells without FID, and then needs no reference). ``train.py`` refuses the same way.
+
 Each table goes to ``results/table<id>[_mini].md`` (and ``.json``) with the paper's numbers beside ours, the
 command and the machine. A table whose cells do not exist yet is reported as such (exit 2); nothing is run.
 ``--only CELL ...`` reruns some cells and keeps the others' saved results; ``--jobs N`` runs N at a time; an
-interrupted full-scale cell continues from its run folder (``outputs/table<id>/<cell>``) with
+interrupted full-scale cell continues from its run folder (``outputs/table<id>/<cell>/<settings>``, the settings
+that tell runs apart: model, resolution, attention, M, seed, schedule) with
 ``-- trainer.resume=auto``. ``--plot-only`` redraws a cell table's plot (``results/<table>[_mini].png``: the
 paper's number and ours per cell) from its ``.json`` without running anything.
 """
@@ -47,7 +53,7 @@ import sys
 
 # siblings: scripts/ is on sys.path (Python puts the running script's folder there; tests/conftest.py too)
 from eval_fid import parse_fid_refs
-from tables import builders, figures, proxy2, registry
+from tables import builders, figures, proxy2, registry, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +82,9 @@ def main(argv=None) -> int:
                    help="ADM reference batch (or stats .npz) per resolution for FID, e.g. "
                         "256=VIRTUAL_imagenet256_labeled.npz 512=VIRTUAL_imagenet512.npz; a reference of another "
                         "image size than its key or the samples is refused")
+    p.add_argument("--no-fid", action="store_true",
+                   help="generation cells: train only, no FID (then no --fid-ref is needed; score later with "
+                        "tasks.image_gen.sample --ref)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="benchmarks (Tables 7b, 14): default cuda (full), cpu (mini)")
     p.add_argument("--bench-batch", type=int, default=None, help="benchmark batch (default 32 on GPU, 1 on CPU)")
@@ -86,6 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--plot-only", action="store_true",
                    help="cell tables: redraw results/<table>[_mini].png from its .json, run nothing (Tables 5 and "
                         "mqar: pass it after --, to their entry point)")
+    p.add_argument("--rewrite", action="store_true",
+                   help="cell tables: write results/<table>[_mini].md again from its .json (the cells' current "
+                        "paper numbers and assumptions beside the saved rows, their machine and date); runs nothing")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every cell (e.g. data.root=...); for "
                                             "Tables 5 / 6 / 8 / mqar, the arguments of their entry point")
     args = p.parse_args(argv)
@@ -105,6 +117,8 @@ def main(argv=None) -> int:
         return 2
     if args.plot_only and spec.kind == "cells":
         return figures.redraw(spec, args)
+    if args.rewrite and spec.kind == "cells":
+        return writers.rewrite(spec, args)
     if spec.kind == "delegate":
         return builders.run_delegate(spec, args)
     if spec.kind == "bench":

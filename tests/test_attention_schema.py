@@ -44,7 +44,7 @@ CANDIDATES = {
     "short_conv": 2, "qk_norm": True, "eps": 1e-5, "backend": "torch", "num_blocks": 1, "block_size": 4,
     "blocks": "ones", "block": "whole", "temperature": 2.0, "focusing_factor": 2.0, "dwc_kernel": 3,
     "rope_2d": False, "lepe_kernel": 3, "chunk": 8, "expand_k": 1.0, "expand_v": 0.5, "gate_rank": 8,
-    "gate_norm": 8.0, "layers": "hybrid", "softmax_every": 2, "softmax_offset": 1,
+    "gate_norm": 8.0, "layers": "hybrid", "softmax_every": 2, "softmax_offset": 1, "head_width": 8,
 }
 HOST = ("layers", "softmax_every", "softmax_offset")
 

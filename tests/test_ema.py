@@ -45,3 +45,28 @@ def test_deit_recipe_uses_the_constant_decay():
     with initialize_config_dir(config_dir=configs, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["task=imagenet", "model=deit_t"])
     assert cfg.trainer.ema.enabled and cfg.trainer.ema.decay == 0.99996 and cfg.trainer.ema.warmup is False
+
+
+@pytest.mark.parametrize("which", ["both", True, False])
+def test_evaluate_both_reports_the_model_and_its_ema(tmp_path, which):
+    """``trainer.ema.evaluate: both`` (the ImageNet recipe, Table 2): the model's metrics under their names (the
+    headline, as DeiT reports) and the EMA's as ``ema_<name>``; ``true`` / ``false``: one of them, unprefixed."""
+    import os  # noqa: PLC0415
+
+    from hydra import compose, initialize_config_dir  # noqa: PLC0415
+
+    from train import run  # noqa: PLC0415
+
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    tiny = ["logger=none", "trainer.progress_bar=false", "trainer.count_flops=false", "data.limit=256",
+            "data.eval_limit=128", "data.batch_size=64", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
+            "trainer.max_steps=3", "trainer.ema.enabled=true", "trainer.ema.decay=0.5",
+            f"trainer.ema.evaluate={str(which).lower()}"]
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=tiny)
+        imagenet = compose(config_name="train", overrides=["task=imagenet"])
+    assert imagenet.trainer.ema.evaluate == "both"
+    metrics = run(cfg, str(tmp_path))
+    assert "top1" in metrics and ("ema_top1" in metrics) == (which == "both")
+    if which == "both":
+        assert metrics["ema_loss"] != metrics["loss"]  # two different sets of weights were evaluated

@@ -117,12 +117,14 @@ def _experiments():
 
 @pytest.mark.parametrize("experiment", _experiments())
 def test_every_experiment_composes_and_validates(experiment, tmp_path):
+    from helpers.inputs import fake_inputs  # noqa: PLC0415
+
     from tasks.common.config import ConfigError, validate_config
 
     cfg = make_cfg([f"experiment={experiment}"])
-    extra = []
-    if "root" in cfg.data:  # data that lives in a local folder: point it at an existing one
-        extra.append(f"data.root={tmp_path}")
+    extra = fake_inputs(cfg, tmp_path)  # the inputs the cell declares (data roots, weights): stand-ins
+    if "root" in cfg.data and not any(o.startswith("data.root=") for o in extra):
+        extra.append(f"data.root={tmp_path}")  # data that lives in a local folder: point it at an existing one
     if OmegaConf.is_missing(cfg.model, "pretrained"):  # a fine-tuning cell: its checkpoint is mandatory
         extra.append(f"model.pretrained={tmp_path / 'ckpt.pt'}")
     if extra:

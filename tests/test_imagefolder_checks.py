@@ -251,17 +251,22 @@ def test_image_gen_task_checks_the_root_before_the_model(tmp_path, monkeypatch, 
         ImageGenTask(cfg).build_model()
 
 
-def test_table3b_finetune_refuses_to_start_without_the_released_checkpoint(tmp_path, monkeypatch):
-    import tasks.image_gen.task as image_gen_task  # noqa: PLC0415
-    from tasks.image_gen.task import ImageGenTask  # noqa: PLC0415
+def test_table3b_finetune_refuses_to_start_without_the_released_checkpoint(tmp_path):
+    """The cell declares the released weights as an input (``inputs.dit_xl2_weights``): train.py's config check
+    refuses without them (the run would otherwise train DiT-XL/2 from scratch) and names the file and its URL."""
+    from tasks.common.config import validate_config  # noqa: PLC0415
 
-    def refuse(*args, **kwargs):
-        raise ModelBuilt
-
-    monkeypatch.setattr(image_gen_task, "build_dit", refuse)
-    make_tree(tmp_path, ["cat"], None)
-    base = ["experiment=table3b/dit_xl2_256_mhla_finetune", "logger=none", f"data.root={tmp_path}"]
-    with pytest.raises(ConfigError, match="model.pretrained=/path/to/DiT-XL-2-256x256.pt"):
-        ImageGenTask(make_cfg(base)).build_model()
-    with pytest.raises(ModelBuilt):
-        ImageGenTask(make_cfg([*base, f"model.pretrained={tmp_path}/DiT-XL-2-256x256.pt"])).build_model()
+    make_tree(tmp_path / "imagenet", ["cat"], None)
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text("{}")
+    base = ["experiment=table3b/dit_xl2_256_mhla_finetune", "logger=none", f"data.root={tmp_path / 'imagenet'}",
+            f"data.vae_path={tmp_path / 'vae'}"]
+    with pytest.raises(ConfigError, match="DiT-XL-2-256x256.pt") as e:
+        validate_config(make_cfg(base))
+    assert "https://dl.fbaipublicfiles.com/DiT/models/DiT-XL-2-256x256.pt" in str(e.value)
+    assert "model.pretrained=/models/DiT-XL-2-256x256.pt" in str(e.value) and "data.root" not in str(e.value)
+    weights = tmp_path / "DiT-XL-2-256x256.pt"
+    with pytest.raises(ConfigError, match="does not exist"):
+        validate_config(make_cfg([*base, f"model.pretrained={weights}"]))
+    weights.write_bytes(b"")
+    validate_config(make_cfg([*base, f"model.pretrained={weights}"]))

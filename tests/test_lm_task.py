@@ -133,6 +133,40 @@ def test_fla_baselines_optional():
     assert sum(p.numel() for p in build_fla_model("gla").parameters()) == pytest.approx(341.7e6, rel=5e-3)
 
 
+# fla 0.6.0 (flash-linear-attention + fla-core), every baseline built from FLA_340M on the meta device
+FLA_META_COUNTS = {("gla", True): 341_707_776, ("gla", False): 374_475_776, ("mamba", False): 385_565_696,
+                   ("mamba", True): 352_797_696, ("mamba2", True): 349_619_712, ("mamba2", False): 382_387_712,
+                   ("gated_deltanet", True): 366_763_200, ("gated_deltanet", False): 399_531_200}
+
+
+def test_fla_baseline_sizes_match_the_papers_labels():
+    """The analytic count (no fla needed) equals fla's; every baseline within 3% of its Table 6 label (GLA 340M,
+    Mamba 390M, Mamba2 340M, GDN 360M); flame's own GDN config (21 layers, 6 x 256, expand_v 2) is 512M."""
+    from models.lm.baselines import FLA_340M, FLA_TIED, fla_available, fla_param_count
+
+    for (name, tie), n in FLA_META_COUNTS.items():
+        assert fla_param_count(name, tie_word_embeddings=tie)["params"] == n, (name, tie)
+    labels = {"gla": 340, "mamba": 390, "mamba2": 340, "gated_deltanet": 360}
+    for name, label in labels.items():
+        assert abs(fla_param_count(name)["params"] / 1e6 / label - 1) < 0.03, name
+    assert fla_param_count("gated_deltanet", num_hidden_layers=21, num_heads=6, head_dim=256, expand_v=2,
+                           tie_word_embeddings=False)["params"] == 512_272_124
+    assert "dt_rank" in FLA_340M["mamba"] and "time_step_rank" not in FLA_340M["mamba"]  # fla's key
+    if fla_available():  # the live check where fla imports
+        import torch
+        from fla import models as fla_models
+        from transformers import AutoModelForCausalLM
+
+        from models.lm.baselines import FLA_CLASSES
+
+        for name in FLA_340M:
+            cfg = getattr(fla_models, FLA_CLASSES[name])(vocab_size=32000, tie_word_embeddings=FLA_TIED[name],
+                                                         **FLA_340M[name])
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg)
+            assert sum(p.numel() for p in model.parameters()) == fla_param_count(name)["params"], name
+
+
 @pytest.mark.parametrize("source", ["hf_disk", "parquet", "jsonl"])
 def test_local_dataset_sources(tmp_path, source):
     import datasets

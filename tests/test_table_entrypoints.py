@@ -17,7 +17,7 @@ import eval_fid
 import numpy as np
 import pytest
 import reproduce_table as rt
-from tables import benchmark, config, registry, runner
+from tables import benchmark, config, registry, runner, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_FID = runner.sample_fid  # the real one (Launcher replaces it)
@@ -73,6 +73,18 @@ def _first(table, n=2):
     return [c.name for c in registry.table_cells(table)[:n]]
 
 
+def inputs_for(table, root) -> list[str]:
+    """Runner arguments that give a table's full-scale cells their declared inputs (stand-ins under ``root``):
+    ``--fid-ref`` per resolution, then ``--`` and the overrides of the first cell's ``key`` inputs (the cells of
+    one table share them)."""
+    from helpers.inputs import fake_fid_refs, fake_inputs  # noqa: PLC0415
+
+    cell = registry.table_cells(table)[0]
+    cfg, _ = config.compose(cell.overrides)
+    refs = [f"{k}={v}" for k, v in fake_fid_refs(root).items()]
+    return ["--fid-ref", *refs, "--", *fake_inputs(cfg, root)]
+
+
 CELL_TABLES = [t for t, s in registry.TABLES.items() if s.kind == "cells"]
 
 
@@ -100,8 +112,9 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
         assert rt.main(argv) == 2
         assert "no cells yet" in capsys.readouterr().err and not fake.runs and not list(tmp_path.iterdir())
         return
-    extra = ["model.pretrained=/ckpt/DiT-XL-2-256x256.pt"] if spec.id == "3b" else []
-    assert rt.main([*argv, "--only", *names, "--", *extra]) == 0
+    given = inputs_for(spec.id, tmp_path)  # the cells' declared inputs: without them nothing starts
+    extra = given[given.index("--") + 1:]
+    assert rt.main([*argv, "--only", *names, *given]) == 0
     md = (tmp_path / f"{spec.results_stem('full')}.md").read_text()
     rows = json.loads((tmp_path / f"{spec.results_stem('full')}.json").read_text())["rows"]
     assert [r["cell"] for r in rows] == names
@@ -114,7 +127,8 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
         assert not extra or run["overrides"][-len(extra):] == extra
     for cell in registry.table_cells(spec.id):
         if cell.name in names:  # the paper's numbers beside ours
-            value = next(v for k, v in cell.paper.items() if k not in ("table", "row"))
+            key = next(k for k in cell.paper if k not in ("table", "row"))
+            value = writers.paper_value(cell.paper, key)  # with the paper's spread where it gives one
             assert f"| {cell.name} | {cell.paper.get('row', '')} | {value} |" in md
     if spec.id in ("3a", "7b", "12", "3b"):
         assert fake.fids and all(size in (256, 512) for _, size, _ in fake.fids)
@@ -128,13 +142,17 @@ def test_table_3b_adds_the_self_attention_baseline(monkeypatch, tmp_path, capsys
     cells = {c.name: c for c in registry.table_cells("3b")}
     base = cells["dit_xl2_256_softmax_pretrained"]
     assert base.eval_only and base.paper["fid"] == 9.62 and base.paper["fid_cfg"] == 2.27
+    given = inputs_for("3b", tmp_path)
+    weights = next(o for o in given if o.startswith("model.pretrained="))
     # without the released weights nothing starts: the fine-tune would silently train from scratch
-    assert rt.main(["--table", "3b", "--results-dir", str(tmp_path)]) == 1
-    assert not fake.runs and not fake.exports
-    assert "needs model.pretrained" in (tmp_path / "table3b.md").read_text()
-    assert rt.main(["--table", "3b", "--results-dir", str(tmp_path), "--", "model.pretrained=/w.pt"]) == 0
+    assert rt.main(["--table", "3b", "--results-dir", str(tmp_path), *[o for o in given if o != weights]]) == 2
+    err = capsys.readouterr().err
+    assert not fake.runs and not fake.exports and not (tmp_path / "table3b.md").exists()
+    assert "model.pretrained=/models/DiT-XL-2-256x256.pt" in err and "dl.fbaipublicfiles.com/DiT" in err
+    assert "(cells: dit_xl2_256_mhla_finetune, dit_xl2_256_softmax_pretrained)" in err
+    assert rt.main(["--table", "3b", "--results-dir", str(tmp_path), *given]) == 0
     (export,) = fake.exports
-    assert "attn=softmax" in export and "model.pretrained=/w.pt" in export
+    assert "attn=softmax" in export and weights in export
     assert len(fake.runs) == len(cells) - 1  # the baseline trains nothing
     # FID without and with guidance (cfg 1.5) for every cell, at 256 px
     assert sorted(f for f in fake.fids if f[0] == base.name) == [(base.name, 256, 1.0), (base.name, 256, 1.5)]
@@ -336,7 +354,8 @@ def test_reproduce_table_routes_each_resolution_to_its_reference(monkeypatch, tm
     for name, size in (("dit_s2_512_mhla", 512), ("dit_s2_256_mhla", 256)):
         cell = next(c for c in registry.table_cells("3a") if c.name == name)
         run_dir = str(tmp_path / f"run{size}")
-        assert SAMPLE_FID(spec, cell, run_dir, 1, size, 1.0, args) == {"fid": 1.0}
+        out = SAMPLE_FID(spec, cell, run_dir, 1, size, 1.0, args)
+        assert out == {"fid": 1.0, "samples": os.path.relpath(str(tmp_path), ROOT)}
     assert seen == [("s512.npz", "VIRTUAL_imagenet512.npz", 512), ("s256.npz", "VIRTUAL_imagenet256_labeled.npz", 256)]
     # the samples are checked too: a reference slipped in under the wrong key is refused at scoring time
     monkeypatch.setattr(eval_fid, "evaluate", real_evaluate)

@@ -3,8 +3,9 @@
 * Transformer++: transformers' ``LlamaForCausalLM`` (RoPE theta 1e4, SwiGLU, RMSNorm eps 1e-6, no biases).
   At 340M: hidden 1024, 24 layers, 16 heads of 64, SwiGLU 2816, vocab 32000, tied embeddings (341.1M).
 * GLA, Mamba, Mamba2, Gated DeltaNet: flash-linear-attention (``fla``) models at the flame / fla-legacy
-  340M configs. ``fla`` needs a GPU (Triton kernels) and is an optional extra: without it,
-  :func:`build_fla_model` raises an ImportError that says how to install it.
+  340M configs, sized to the paper's Table 6 labels where those configs are not (:data:`FLA_340M`). ``fla`` needs
+  a GPU (Triton kernels) and is an optional extra: without it, :func:`build_fla_model` raises an ImportError
+  that says how to install it, and :func:`fla_param_count` counts them analytically.
 
 ``attn_type="softmax"`` in :class:`models.lm.MHLALMForCausalLM` is the same-code softmax control (MHLA's
 block, key dim 0.5x); Transformer++ is the literature baseline.
@@ -14,17 +15,26 @@ from __future__ import annotations
 
 from .configuration_mhla_lm import swiglu_intermediate
 
-# 340M-class configs (docs/baselines.md#lm-baselines; tie pinned explicitly, counts are what we get)
+# 340M-class configs (docs/baselines.md#lm-baselines; flame / fla-legacy; tie pinned explicitly, counts are what we get, fla 0.6.0 on the meta
+# device = fla_param_count). The paper's labels (Table 6): GLA 340M, Mamba 390M, Mamba2 340M, GDN 360M.
+#   gla     flame / fla-legacy, tied: 341.7M
+#   mamba   flame's, untied: 385.6M. dt_rank 64 = ceil(1024 / 16), what fla builds: its MambaConfig key is dt_rank
+#           (the time_step_rank=128 this dict passed before was HF's name, silently ignored by fla)
+#   mamba2  flame's layers, TIED: 349.6M (untied, flame's: 382.4M); the paper's 340M fits the tied model
+#   gated_deltanet  flame's "340M" (21 layers, 6 heads x 256, expand_v 2) counts 512.3M untied. Here shaped like
+#           the paper's other 340M models (hidden 1024, 24 layers, 4 heads, value width = hidden, tied) with GDN's
+#           head dim 256 (expand_v 1): 366.8M, the paper's 360M (its config is not published)
 FLA_340M = {
     "gla": dict(hidden_size=1024, num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1.0, hidden_ratio=4,
                 use_gk=True, use_gv=False, attn_mode="chunk", norm_eps=1e-6),
     "mamba": dict(hidden_size=1024, num_hidden_layers=48, state_size=16, expand=2, conv_kernel=4,
-                  time_step_rank=128, norm_eps=1e-5),
+                  dt_rank=64, norm_eps=1e-5),
     "mamba2": dict(hidden_size=1024, num_hidden_layers=48, state_size=128, head_dim=64, expand=2, n_groups=1,
                    conv_kernel=4, chunk_size=256, norm_eps=1e-5),
-    "gated_deltanet": dict(hidden_size=1024, num_hidden_layers=21, num_heads=6, head_dim=256, expand_v=2,
+    "gated_deltanet": dict(hidden_size=1024, num_hidden_layers=24, num_heads=4, head_dim=256, expand_v=1,
                            use_short_conv=True, conv_size=4, use_gate=True),
 }
+FLA_TIED = {"gla": True, "mamba": False, "mamba2": True, "gated_deltanet": True}  # tie_word_embeddings
 FLA_CLASSES = {"gla": "GLAConfig", "mamba": "MambaConfig", "mamba2": "Mamba2Config",
                "gated_deltanet": "GatedDeltaNetConfig"}
 
@@ -69,7 +79,48 @@ def build_fla_model(name: str, vocab_size: int = 32000, tie_word_embeddings: boo
             f"Import failed with: {e!r}") from e
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    tie = {"gla": True}.get(name, False) if tie_word_embeddings is None else tie_word_embeddings
+    tie = FLA_TIED[name] if tie_word_embeddings is None else tie_word_embeddings
     cfg = getattr(fla_models, FLA_CLASSES[name])(vocab_size=vocab_size, tie_word_embeddings=tie,
                                                   **{**FLA_340M[name], **overrides})
     return AutoModelForCausalLM.from_config(cfg)
+
+
+def fla_param_count(name: str, vocab_size: int = 32000, tie_word_embeddings: bool | None = None,
+                    **overrides) -> dict:
+    """What :func:`build_fla_model` builds, counted analytically from fla 0.6.0's layer definitions (no ``fla``
+    needed; ``tests/test_lm_task.py`` checks it against fla on the meta device): ``{"params": parameters,
+    "macs_per_token": multiply-adds of one token through the projections, the MLPs, the short / causal convs
+    and the output head}``. The recurrence itself (the state update and read-out, the "attention matmuls") is
+    not in ``macs_per_token``."""
+    if name not in FLA_340M:
+        raise ValueError(f"unknown fla baseline {name!r}; choose one of {sorted(FLA_340M)}")
+    c = {"hidden_ratio": 4, "conv_size": 4, "conv_kernel": 4, **FLA_340M[name], **overrides}
+    d, n_layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    tie = FLA_TIED[name] if tie_word_embeddings is None else tie_word_embeddings
+    mlp = 3 * d * swiglu_intermediate(d, c["hidden_ratio"])  # gate, up, down (fla's GatedMLP)
+    if name == "gla":
+        kd, vd, r = int(d * c["expand_k"]), int(d * c["expand_v"]), 16  # gate low rank 16
+        proj = 2 * d * kd + 2 * d * vd + vd * d + d * r + r * kd  # q, k, v, g, o; the low-rank forget gate
+        layer, conv = proj + kd + vd // int(c["num_heads"]) + mlp + 2 * d, 0  # + its bias, g_norm, two norms
+    elif name == "mamba":
+        e, s, r, k = int(c["expand"]) * d, int(c["state_size"]), int(c["dt_rank"]), int(c["conv_kernel"])
+        proj = d * 2 * e + e * (r + 2 * s) + r * e + e * d  # in, x, dt, out projections
+        conv = e * k
+        layer = proj + conv + e + e + e * s + e + d  # conv bias, dt bias, A_log, D, norm (no MLP)
+        mlp = 0
+    elif name == "mamba2":
+        e, s, k = int(c["expand"]) * d, int(c["state_size"]), int(c["conv_kernel"])
+        h, g = e // int(c["head_dim"]), int(c["n_groups"])
+        proj = d * (2 * e + 2 * g * s + h) + e * d  # in (x, z, B, C, dt), out
+        conv = (e + 2 * g * s) * k
+        layer = proj + conv + (e + 2 * g * s) + 3 * h + e + d  # conv bias, dt_bias / A_log / D, gated norm, norm
+        mlp = 0
+    else:  # gated_deltanet
+        h, hd = int(c["num_heads"]), int(c["head_dim"])
+        kd, vd, k = h * hd, int(h * hd * c["expand_v"]), int(c["conv_size"])
+        proj = 2 * d * kd + 2 * d * vd + vd * d + 2 * d * h  # q, k, v, g, o; a, b
+        conv = (2 * kd + vd) * k if c.get("use_short_conv", True) else 0
+        layer = proj + conv + 2 * h + vd // h + mlp + 2 * d  # A_log, dt_bias, o_norm, two norms
+    embeddings = vocab_size * d * (1 if tie else 2)
+    params = n_layers * layer + embeddings + d  # + the final norm
+    return {"params": params, "macs_per_token": n_layers * (proj + conv + mlp) + vocab_size * d}

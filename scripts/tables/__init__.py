@@ -15,6 +15,8 @@ one job per module:
   (``--plot-only`` redraws it from the ``.json``).
 * :mod:`.builders` - one table end to end, per family: cells (with seeds and ``--only``), bench, delegate.
 * :mod:`.proxy2` - Table 2's seeded CPU proxy (``--table 2 --scale mini``), its table and plot.
+* :mod:`.params` - ``results/params.md``: every cell's parameters and GMACs beside the paper's
+  (``scripts/count_params.py``, ``make params``).
 
 Modules call each other's functions through the module (``registry.table_cells(...)``), not through names
 imported from it, so a test that monkeypatches a function where it is defined changes every caller."""

@@ -8,7 +8,7 @@ import sys
 
 from tasks.common.launch import mean_std, run_parallel
 
-from . import benchmark, registry, runner, writers
+from . import benchmark, config, registry, runner, writers
 from .registry import Cell, NoCells, Table
 
 
@@ -42,9 +42,15 @@ def run_cells_table(spec: Table, args) -> int:
     if args.scale == "mini" and spec.mini is None:
         print(f"Table {spec.id} has no CPU proxy (its cells need {spec.needs}).", file=sys.stderr)
         return 2
-    if args.scale == "full" and not args.bench_only and not (args.gpus or runner.gpu_count()):
-        print("the full scale needs CUDA GPUs; use --scale mini on a CPU", file=sys.stderr)
-        return 2
+    if args.scale == "full" and not args.bench_only:
+        missing = preflight(spec, [c for c in todo_cells if not args.only or c.name in args.only], args)
+        if missing:
+            print(f"Table {spec.id}: nothing started; these cells need inputs that are not here (each cell's "
+                  f"config declares them under `inputs:`):\n" + "\n".join(missing), file=sys.stderr)
+            return 2
+        if not (args.gpus or runner.gpu_count()):
+            print("the full scale needs CUDA GPUs; use --scale mini on a CPU", file=sys.stderr)
+            return 2
     seeds = args.seeds if args.seeds is not None else (list(spec.seeds) or None)
     args.seeds = seeds
     previous = writers.previous_rows(spec, args) if (args.only or args.bench_only) else {}
@@ -90,6 +96,17 @@ def run_bench_table(spec: Table, args) -> int:
     md = writers.write_bench_table(spec, args, bench)
     print(f"wrote {md}")
     return 0 if "rows" in bench else 1
+
+
+def preflight(spec: Table, cells: list[Cell], args) -> list[str]:
+    """Before anything starts at full scale: one line per problem (a config that does not compose, a declared
+    input that is not here: what to download and where to put it) with the cells it stops."""
+    extra = list(getattr(args, "extra", []) or [])
+    stopped: dict[str, list[str]] = {}
+    for cell in cells:
+        for problem in config.config_problems(spec, [*cell.overrides, *extra], "full", args):
+            stopped.setdefault(problem, []).append(cell.name)
+    return [f"- {problem}\n  (cells: {', '.join(names)})" for problem, names in stopped.items()]
 
 
 def aggregate(recs: list[dict]) -> dict:

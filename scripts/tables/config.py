@@ -1,12 +1,15 @@
 """A cell's ``train.py`` config: composed with Hydra as ``train.py`` would (:func:`compose`), what the runner
 needs from it (:func:`cell_info`), its CPU proxy's ``scale`` option (:func:`mini_option`) and whether it can
-start (:func:`check_config`)."""
+start (:func:`check_config`: it composes, and at full scale its declared inputs are here)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
+
+from tasks.common.config import assumptions, missing_inputs
 
 from .registry import CONFIGS, Cell, Table
 
@@ -28,6 +31,20 @@ def compose(overrides: list[str]):
     with open_dict(cfg):
         cfg.pop("hydra")
     return cfg, choices
+
+
+@functools.lru_cache(maxsize=None)
+def _assumptions(overrides: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    return tuple(assumptions(compose(list(overrides))[0]).items())
+
+
+def cell_assumptions(cell: Cell) -> dict:
+    """``{topic: text}``: the ``assumptions:`` of the cell's full-scale config (where its recipe chooses what the
+    paper does not state, or departs from it); ``{}`` when it does not compose."""
+    try:
+        return dict(_assumptions(tuple(cell.overrides)))
+    except Exception:  # noqa: BLE001  (a config being written: composing it reports the error elsewhere)
+        return {}
 
 
 def cell_kind(task_module: str) -> str:
@@ -58,17 +75,34 @@ def mini_option(info: dict) -> str:
     raise ValueError(f"no CPU proxy for model={info['model']}: add configs/scale/mini/{info['model']}.yaml")
 
 
-def check_config(spec: Table, overrides: list[str], scale: str) -> str | None:
-    """Why a run with ``overrides`` cannot start (it does not compose, or a key the full scale needs is unset),
-    or None."""
+def runner_options(spec: Table, cfg, args) -> dict:
+    """The values of the runner options a cell's inputs may name (``option:`` entries): ``fid_ref``, the
+    ``--fid-ref`` of the cell's resolution (``--no-fid``: not needed, FID is skipped)."""
+    if getattr(args, "no_fid", False):
+        return {}
+    refs = getattr(args, "fid_refs", None) or {}
+    res = cfg.get("data", {}).get("image_size")
+    return {"fid_ref": refs.get(int(res)) if isinstance(res, int) else None}
+
+
+def config_problems(spec: Table, overrides: list[str], scale: str, args=None) -> list[str]:
+    """Why a run with ``overrides`` cannot start: it does not compose, or (full scale) inputs its config declares
+    (``inputs:``, :func:`tasks.common.config.missing_inputs`) are not here, one message each saying what to
+    download and where to put it. ``args``: the runner's options (``--fid-ref``, ``--no-fid``)."""
     try:
         cfg, _ = compose(overrides)
     except Exception as e:  # noqa: BLE001
-        return f"the config does not compose: {str(e).splitlines()[0]}"
-    if scale == "full":
-        unset = [k for k in spec.requires if OmegaConf.select(cfg, k, default=None) in (None, "", "???")]
-        if unset:
-            return "needs " + ", ".join(f"{k}=..." for k in unset) + " (give it after --)"
-    return None
+        return [f"the config does not compose: {str(e).splitlines()[0]}"]
+    return missing_inputs(cfg, runner_options(spec, cfg, args)) if scale == "full" else []
+
+
+def check_config(spec: Table, overrides: list[str], scale: str, args=None) -> str | None:
+    """:func:`config_problems` in one line, or None when the run can start."""
+    problems = config_problems(spec, overrides, scale, args)
+    if not problems:
+        return None
+    if problems[0].startswith("the config does not compose"):
+        return problems[0]
+    return "needs inputs that are not here (give the options after --): " + " | ".join(problems)
 
 

@@ -27,9 +27,9 @@ class Table:
     mini: str | None = "proxy"           # None: no CPU proxy (the reason is in `needs`)
     derived: str | None = None           # the sweep the cells come from while the folder does not exist
     bench: str | None = None             # BENCH key measured with (or as) the table
-    requires: tuple[str, ...] = ()       # config keys the full scale needs from the command line
     cfg_scales: tuple[float, ...] = (1.0,)  # image generation: guidance scales sampled for FID
-    needs: str = ""                      # what the full scale needs (data, weights), for --list and the README
+    needs: str = ""                      # what the full scale needs, in short for --list (each cell's config
+    #                                      declares its inputs: `inputs:`, checked by config.check_config)
 
     def results_stem(self, scale: str) -> str:
         return (self.stem or f"table{self.id}") + ("_mini" if scale == "mini" else "")
@@ -41,7 +41,7 @@ TABLES = {t.id: t for t in (
     Table("3a", "class-conditional ImageNet generation: DiT / DiG S-XL at 256 / 512 px (FID-50K)", "cells",
           folder="table3", stem="table3", needs="ImageNet, SD-VAE, ADM FID references (256 and 512 px), GPUs"),
     Table("3b", "DiT-XL/2 fast adaptation from the released weights (FID-50K, IS, sFID; cfg 1.5)", "cells",
-          folder="table3b", mini=None, requires=("model.pretrained",), cfg_scales=(1.0, 1.5),
+          folder="table3b", mini=None, cfg_scales=(1.0, 1.5),
           needs="DiT-XL-2-256x256.pt, ImageNet, SD-VAE, ADM 256 px reference, GPUs"),
     Table("4", "SANA-0.6B fine-tuned with MHLA (FID, CLIP, GenEval)", "cells", folder="table4",
           needs="SANA-0.6B diffusers weights, caption latents, MJHQ-30K, CLIP, GenEval, GPUs"),

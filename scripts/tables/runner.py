@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tasks.common.checkpoint import atomic_save
-from tasks.common.config import model_attention
+from tasks.common.config import model_attention, run_settings, settings_tag
 from tasks.common.launch import run_training
 
 from . import config, registry
@@ -28,9 +28,11 @@ def gpu_count() -> int:
         return 0
 
 
-def run_dir_for(spec: Table, cell: Cell, args, seed: int | None) -> str:
-    return os.path.join(ROOT, "outputs", spec.results_stem(args.scale),
-                        cell.name + (f"_s{seed}" if seed is not None else ""))
+def run_dir_for(spec: Table, cell: Cell, args, tag: str) -> str:
+    """``outputs/<table>[_mini]/<cell>/<settings tag>``: the tag (:func:`tasks.common.config.settings_tag` of the
+    run's composed config: model, resolution, attention, M, seed, schedule) keeps two seeds, or a run with other
+    overrides, out of each other's folder; the same command finds its folder again (``trainer.resume=auto``)."""
+    return os.path.join(ROOT, "outputs", spec.results_stem(args.scale), cell.name, tag)
 
 
 def run_cell(table: str, cell, args, seed: int | None = None) -> dict:
@@ -47,7 +49,6 @@ def run_cell(table: str, cell, args, seed: int | None = None) -> dict:
     except Exception as e:  # noqa: BLE001
         return {**base, "seconds": 0.0, "error": f"the config does not compose: {str(e).splitlines()[0]}"}
     base.update(kind=info["kind"], num_blocks=info["num_blocks"], image_size=info["image_size"])
-    run_dir = run_dir_for(spec, cell, args, seed)
     overrides = list(cell.overrides)
     if scale == "mini":
         if spec.mini is None or cell.eval_only:
@@ -58,8 +59,14 @@ def run_cell(table: str, cell, args, seed: int | None = None) -> dict:
             return {**base, "seconds": 0.0, "error": str(e)}
     if seed is not None:
         overrides.append(f"seed={seed}")
+    try:
+        settings = run_settings(config.compose([*overrides, *extra])[0])
+    except Exception as e:  # noqa: BLE001
+        return {**base, "seconds": 0.0, "error": f"the config does not compose: {str(e).splitlines()[0]}"}
+    run_dir = run_dir_for(spec, cell, args, settings_tag(settings))
+    base.update(settings=settings, run_dir=os.path.relpath(run_dir, ROOT))
     overrides += [f"hydra.run.dir={run_dir}", *extra]
-    problem = config.check_config(spec, overrides, scale)
+    problem = config.check_config(spec, overrides, scale, args)
     if problem:
         print(f"  {cell.name}: {problem}", flush=True)
         return {**base, "command": "python train.py " + " ".join(overrides), "seconds": 0.0, "error": problem}
@@ -79,10 +86,12 @@ def run_cell(table: str, cell, args, seed: int | None = None) -> dict:
         print(f"  FAILED:\n{rec.pop('error_tail', rec['error'])}", flush=True)
         return rec
     print(f"  final: {rec['metrics']}  ({rec['seconds']:.0f}s)", flush=True)
-    if scale == "full" and info["kind"] == "generation":
+    if scale == "full" and info["kind"] == "generation" and not getattr(args, "no_fid", False):
         for cfg_scale in spec.cfg_scales:
             suffix = "" if cfg_scale == 1.0 else "_cfg"
             fid = sample_fid(spec, cell, run_dir, n, info["image_size"], cfg_scale, args)
+            if fid.get("samples"):
+                rec.setdefault("samples", []).append(fid.pop("samples"))
             rec["metrics"].update({k + suffix: v for k, v in fid.items()})
     if scale == "full" and info["kind"] == "sana":
         rec["todo"] = (f"FID / CLIP / GenEval: torchrun --nproc_per_node={n} -m tasks.image_gen.sana_sample --ckpt "
@@ -115,7 +124,8 @@ def export_pretrained(overrides: list[str], run_dir: str) -> dict:
 def sample_fid(spec: Table, cell: Cell, run_dir: str, n: int, image_size: int, cfg_scale: float, args) -> dict:
     """Full-scale generation cells: 50k samples (250 DDPM steps, guidance ``cfg_scale``) -> FID, sFID, IS,
     precision, recall against the ``--fid-ref`` of the cell's resolution (``scripts/eval_fid.py`` refuses a
-    reference of another image size)."""
+    reference of another image size). The samples go to ``samples/<table>/<cell>/<run name>`` (the sampler's run
+    name: the run's settings, its step and the sampling settings); ``"samples"`` in the result is that folder."""
     refs = getattr(args, "fid_refs", None) or {}
     ref = refs.get(int(image_size or 0))
     if not ref:
@@ -124,7 +134,8 @@ def sample_fid(spec: Table, cell: Cell, run_dir: str, n: int, image_size: int, c
         return {}
     cmd = ["torchrun", f"--nproc_per_node={n}", "-m", "tasks.image_gen.sample", "--ckpt",
            os.path.join(run_dir, "checkpoints", "last.pt"), "--num-samples", "50000", "--steps", "250",
-           "--cfg-scale", f"{cfg_scale:g}", "--out", os.path.join(ROOT, "samples", spec.results_stem(args.scale))]
+           "--cfg-scale", f"{cfg_scale:g}", "--out", os.path.join(ROOT, "samples", spec.results_stem(args.scale),
+                                                                   cell.name)]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wrote = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("wrote ")]
@@ -132,12 +143,14 @@ def sample_fid(spec: Table, cell: Cell, run_dir: str, n: int, image_size: int, c
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         print(f"  sampling FAILED: {tail[0]}", flush=True)
         return {"sampling_error": tail[0]}
+    folder = os.path.relpath(os.path.dirname(wrote[-1]), ROOT)
     try:
         res = eval_fid.evaluate(wrote[-1], ref, ref_size=int(image_size), device="cuda")
     except eval_fid.ReferenceMismatch as e:
         print(f"  FID refused: {e}", flush=True)
-        return {"fid_error": str(e)}
-    return {k: v for k, v in res.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return {"fid_error": str(e), "samples": folder}
+    return {**{k: v for k, v in res.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+            "samples": folder}
 
 
 def delegate(cmd: list[str]) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 from tasks.common.fileio import atomic_write
 from tasks.common.utils import system_info
 
-from . import figures, registry
+from . import config, figures, registry
 from .registry import BENCH, ROOT, Cell, Table
 
 
@@ -29,17 +29,22 @@ def write_text(path: str, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
-LABELS = {"top1": "top-1", "top5": "top-5", "fid": "FID", "fid_cfg": "FID (cfg 1.5)", "is": "IS",
+LABELS = {"top1": "top-1", "ema_top1": "top-1 of the EMA", "top5": "top-5", "fid": "FID", "fid_cfg": "FID (cfg 1.5)", "is": "IS",
           "inception_score": "IS", "inception_score_cfg": "IS (cfg 1.5)", "sfid": "sFID", "sfid_cfg": "sFID (cfg 1.5)",
           "precision": "precision", "recall": "recall", "clip": "CLIP", "geneval": "GenEval",
           "throughput": "throughput (img/s)", "loss": "held-out loss (proxy)", "mse": "eps-MSE",
-          "latency_s": "latency (s)", "lit_fid": "LiT FID (quoted)"}
-PERCENT = ("top1", "top5")
+          "latency_s": "latency (s)", "lit_fid": "LiT FID (quoted)", "params_M": "params (M)",
+          "gflops": "GFLOPs (MACs)"}
+PERCENT = ("top1", "ema_top1", "top5")
+HEADLINE_CLASSIFICATION = (  # full-scale classification cells evaluate both (task=imagenet: trainer.ema.evaluate both)
+    "Headline: `top-1` is the trained model's own accuracy, as DeiT reports it; `top-1 of the EMA` is its "
+    "exponential moving average (decay 0.99996, DeiT's) on the same validation set. The paper does not say which "
+    "it reports.")
 
 
 def ours_columns(kind: str, scale: str, spec: Table) -> list[str]:
     if kind == "classification":
-        return ["top1", "top5"]
+        return ["top1", "top5"] + (["ema_top1"] if scale == "full" else [])
     if kind == "generation" and scale == "mini":
         return ["loss", "mse"]
     if kind == "generation":
@@ -83,26 +88,34 @@ MINI_NOTES = {"classification": MINI_NOTE_CLASSIFICATION, "generation": MINI_NOT
               "sana": MINI_NOTE_SANA}
 
 
-def table_preamble(table: str, mini: bool, proxy_note: str, argv: list[str] | None = None) -> list[str]:
-    """Title, the proxy note (mini scale only), the command and the machine: the top of every results table."""
+def table_preamble(table: str, mini: bool, proxy_note: str, argv: list[str] | None = None,
+                   machine: dict | None = None) -> list[str]:
+    """Title, the proxy note (mini scale only), the command and the machine (``machine``: the one the rows were
+    measured on, when the table is rewritten from its .json; default this one): the top of every results table."""
     lines = [f"# Table {table}" + (" - CPU PROXY (SCALE=mini), not the paper's setting" if mini else ""), ""]
     if mini and proxy_note:
         lines += [proxy_note, ""]
     cmd = f"Command: `make reproduce-table{table}" + (" SCALE=mini" if mini else "") + "`"
     if argv is not None:
         cmd += f" (`python scripts/reproduce_table.py {' '.join(argv)}`)"
-    return lines + [cmd, "", f"Machine: {json.dumps(system_info())}", ""]
+    return lines + [cmd, "", f"Machine: {json.dumps(machine or system_info())}", ""]
 
 
-def write_table(table: str, args, rows: list[tuple[Cell, dict]], bench: dict | None = None) -> str:
-    """``results/<stem>.md`` and ``.json``: per cell the paper's numbers beside ours (mean ± std with seeds)."""
+def write_table(table: str, args, rows: list[tuple[Cell, dict]], bench: dict | None = None,
+                machine: dict | None = None, date: str | None = None) -> str:
+    """``results/<stem>.md`` and ``.json``: per cell the paper's numbers beside ours (mean ± std with seeds), the
+    settings of each run and the assumptions of each cell. ``machine`` / ``date``: those of the measured rows
+    (:func:`rewrite`); default now, here."""
     spec = registry.table_spec(table)
     mini = args.scale == "mini"
     kinds = [r.get("kind") for _, r in rows if r.get("kind")]
     kind = max(set(kinds), key=kinds.count) if kinds else "classification"
     note = " ".join(dict.fromkeys(MINI_NOTES.get(k, "") for k in (kinds or [kind])))
-    lines = table_preamble(spec.id, mini, note, getattr(args, "argv", None))
+    machine = machine or system_info()
+    lines = table_preamble(spec.id, mini, note, getattr(args, "argv", None), machine)
     lines += [f"{spec.title}."]
+    if kind == "classification" and not mini:
+        lines += ["", HEADLINE_CLASSIFICATION]
     sources = sorted({c.source for c, _ in rows if c.source and not c.source.startswith("configs/experiment")})
     if sources:
         lines += ["", "Cells: " + "; ".join(sources) + (f" (configs/experiment/{spec.folder}/ does not exist)"
@@ -115,7 +128,8 @@ def write_table(table: str, args, rows: list[tuple[Cell, dict]], bench: dict | N
     refs = getattr(args, "fid_refs", None)
     if refs and not mini:
         lines += ["", "FID references: " + ", ".join(f"{k} px: `{v}`" for k, v in sorted(refs.items()))]
-    paper_keys = list(dict.fromkeys(k for c, _ in rows for k in c.paper if k not in ("table", "row")))
+    paper_keys = list(dict.fromkeys(k for c, _ in rows for k in c.paper if k not in ("table", "row")
+                                    and not (k.endswith("_std") and k[:-4] in c.paper)))
     ours = ours_columns(kind, args.scale, spec) + (["throughput"] if bench and "rows" in bench else [])
     head = (["cell", "row"] + [f"paper {LABELS.get(k, k)}" for k in paper_keys]
             + [f"ours {LABELS.get(k, k)}" for k in ours] + (["n"] if seeds else []) + ["params (M)", "time (s)"])
@@ -130,7 +144,7 @@ def write_table(table: str, args, rows: list[tuple[Cell, dict]], bench: dict | N
             if "throughput" in ours:
                 vals[-1] = f"{thr[res['num_blocks']]:.2f}" if res.get("num_blocks") in thr else ""
         lines.append("| " + " | ".join([cell.name, str(cell.paper.get("row", ""))]
-                                       + [str(cell.paper.get(k, "")) for k in paper_keys] + vals
+                                       + [paper_value(cell.paper, k) for k in paper_keys] + vals
                                        + ([str(res.get("n", ""))] if seeds else [])
                                        + [str(res.get("params_M") or ""), f"{res.get('seconds', 0):.0f}"]) + " |")
     todo = [f"- {c.name}: {r['todo']}" for c, r in rows if r.get("todo")]
@@ -139,25 +153,88 @@ def write_table(table: str, args, rows: list[tuple[Cell, dict]], bench: dict | N
         lines += ["", "Not computed by this runner (external step):", *todo]
     if failed:
         lines += ["", "Failed runs:", *failed]
+    lines += settings_lines(rows)
     if bench:
         lines += ["", "## Throughput across M (scripts/bench_models.py timing)", ""]
         lines += bench_lines(spec.bench, bench) if "rows" in bench else [f"Benchmark failed: {bench.get('error')}"]
-    saved = [{"cell": c.name, "paper": c.paper, "overrides": c.overrides, **r} for c, r in rows]
+    saved = [{"cell": c.name, "paper": c.paper, "overrides": c.overrides, **r,
+              **({"assumptions": config.cell_assumptions(c)} if config.cell_assumptions(c) else {})} for c, r in rows]
     stem = stem_path(spec, args)
     if figures.metric_key(saved, figures.OURS_ORDER, "metrics"):
         lines += ["", f"Plot: `{os.path.basename(stem)}.png` ({figures.plot_note(spec.id, mini)})."]
-    md = save_table(spec, args, lines, saved, bench)
+    md = save_table(spec, args, lines, saved, bench, machine=machine, date=date)
     figures.plot_table(spec.id, saved, stem + ".png", mini=mini)
     return md
 
 
-def save_table(spec: Table, args, lines: list[str], rows: list[dict], bench: dict | None = None) -> str:
-    """Write ``<results dir>/<stem>.md`` (``lines``) and ``.json`` (the rows); return the .md path."""
+def rewrite(spec: Table, args) -> int:
+    """``--rewrite``: write ``<stem>.md`` (and its .json, .png) again from ``<stem>.json``, with the cells' current
+    paper numbers and assumptions and the measured rows as they are (their command, machine and date kept: the
+    machine from the .json, else from the .md's ``Machine:`` line); runs nothing."""
+    stem = stem_path(spec, args)
+    if not os.path.exists(stem + ".json"):
+        print(f"--rewrite: {stem}.json does not exist (run the table first)")
+        return 2
+    with open(stem + ".json") as f:
+        data = json.load(f)
+    machine = data.get("machine")
+    if machine is None and os.path.exists(stem + ".md"):
+        line = next((x for x in Path(stem + ".md").read_text().splitlines() if x.startswith("Machine: {")), None)
+        machine = json.loads(line.split(": ", 1)[1]) if line else None
+    cells = {c.name: c for c in registry.table_cells(spec.id)}
+    rows = [(cells.get(r["cell"]) or Cell(r["cell"], r.get("overrides", []), r.get("paper", {}), ""),
+             {k: v for k, v in r.items() if k not in ("cell", "paper", "overrides", "assumptions")})
+            for r in data.get("rows", [])]
+    args.argv, args.seeds = data.get("argv"), data.get("seeds")
+    print(f"wrote {write_table(spec.id, args, rows, data.get('bench'), machine=machine, date=data.get('date'))}")
+    return 0
+
+
+def paper_value(paper: dict, key: str) -> str:
+    """The paper's number, with its spread where the paper gives one (``<key>_std``: Table 11's 3 seeds)."""
+    value = paper.get(key, "")
+    std = paper.get(f"{key}_std")
+    if std is None or value == "":
+        return str(value)
+    digits = len(str(value).split(".")[1]) if "." in str(value) else 0
+    return f"{value} ± {std:.{digits}f}"
+
+
+def settings_lines(rows: list[tuple[Cell, dict]]) -> list[str]:
+    """Per cell: the settings of its run (``tasks.common.config.run_settings``: the run folder and sample folders
+    are named after them) and the assumptions of its full-scale config (``assumptions:``)."""
+    out = []
+    for cell, res in rows:
+        notes = config.cell_assumptions(cell)
+        runs = res.get("runs") or [res]
+        folders = [r.get("run_dir") for r in runs if r.get("run_dir")]
+        samples = [s for r in runs for s in r.get("samples", [])]
+        if not (notes or folders):
+            continue
+        head = f"- `{cell.name}`"
+        if folders:
+            head += ": run folder" + ("s " if len(folders) > 1 else " ") + ", ".join(f"`{f}`" for f in folders)
+        if samples:
+            head += "; samples " + ", ".join(f"`{s}`" for s in samples)
+        out += [head] + [f"  - ASSUMPTION ({k}): {v}" for k, v in notes.items()]
+    if not out:
+        return []
+    return ["", "## Settings and assumptions", "",
+            "Each run's folder names the settings that tell it apart (model, resolution, attention, M, seed, "
+            "schedule). ASSUMPTION: where the cell's full-scale recipe chooses what the paper does not state, or "
+            "departs from it (its config's `assumptions:`; at SCALE=mini they describe the full-scale cell, not the "
+            "proxy).", "", *out]
+
+
+def save_table(spec: Table, args, lines: list[str], rows: list[dict], bench: dict | None = None,
+               machine: dict | None = None, date: str | None = None) -> str:
+    """Write ``<results dir>/<stem>.md`` (``lines``) and ``.json`` (the rows, the machine); return the .md path."""
     stem = stem_path(spec, args)
     write_text(stem + ".md", "\n".join(lines) + "\n")
     write_text(stem + ".json", json.dumps(
-        {"table": spec.id, "scale": args.scale, "date": datetime.now(timezone.utc).isoformat(),
-         "argv": getattr(args, "argv", None), "seeds": getattr(args, "seeds", None), "rows": rows,
+        {"table": spec.id, "scale": args.scale, "date": date or datetime.now(timezone.utc).isoformat(),
+         "argv": getattr(args, "argv", None), "seeds": getattr(args, "seeds", None),
+         **({"machine": machine} if machine else {}), "rows": rows,
          **({"bench": bench} if bench else {})}, indent=2, default=str))
     return stem + ".md"
 

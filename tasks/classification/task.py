@@ -14,7 +14,7 @@ from models.vit import build_vit
 from models.vlt import build_vlt
 from tasks.common.config import ConfigError, model_attention
 from tasks.common.trainer import Task
-from tasks.common.utils import count_flops
+from tasks.common.utils import count_flops_split
 
 from .imagenet_data import build_imagenet, check_class_count, check_image_folder
 from .mnist_data import MNIST
@@ -95,14 +95,20 @@ class ClassificationTask(Task):
         """The trainer's optional FLOP hook: when the model zero-pads its input internally (DeiT:
         ``model.pad_to=256`` for 224 px inputs, so :meth:`example_input` is counted at 256 tokens, while the papers
         quote 224 px, 196 tokens), ``(FLOPs at the input size unpadded, words for that count, words for the
-        padded count)``; else None.
+        padded count)``; else None. :meth:`paper_flop_counts` with only its total."""
+        out = self.paper_flop_counts(model, device)
+        return None if out is None else (out[0]["total"], out[1], out[2])
 
-        Counted (:func:`~tasks.common.utils.count_flops`) on the same model built without the padding. When that
-        model cannot be built (MHLA: M = 16 blocks do not tile a 14 x 14 grid), the count is scaled instead, and
-        the words say so: at a fixed block count every FLOP of these ViTs is affine in the token count ``N``
-        (per-token projections, MLPs, convs and block summaries, plus the N-free head and M x M mixing), so the
-        counts of the unpadded model at half (else twice) the padded size and of ``model`` at the padded size
-        give the one at ``N`` exactly. The extra models are built with the global RNG state restored after."""
+    def paper_flop_counts(self, model, device) -> tuple[dict, str, str] | None:
+        """:meth:`paper_flops` with the count split (:func:`~tasks.common.utils.count_flops_split`: ``{"total",
+        "attention"}``, the second being the attention matmuls): ``(counts, words, words for the padded count)``.
+
+        Counted on the same model built without the padding. When that model cannot be built (MHLA: M = 16
+        blocks do not tile a 14 x 14 grid), the counts are scaled instead, and the words say so: at a fixed block
+        count every FLOP of these ViTs is affine in the token count ``N`` (per-token projections, MLPs, convs and
+        block summaries, plus the N-free head and M x M mixing), so the counts of the unpadded model at half (else
+        twice) the padded size and of ``model`` at the padded size give the one at ``N`` exactly (each part
+        separately). The extra models are built with the global RNG state restored after."""
         m = self.cfg.model
         if m.get("kind", "vit") != "vit" or not m.get("pad_to"):
             return None
@@ -115,11 +121,11 @@ class ClassificationTask(Task):
         def tokens(px: int) -> int:
             return (px // patch) ** 2
 
-        def unpadded_flops(px: int) -> int:
+        def unpadded_flops(px: int) -> dict:
             cfg = OmegaConf.merge(m, {"img_size": px, "input_size": px, "pad_to": None})
             with torch.random.fork_rng(devices=[]):  # the run's RNG stream stays as without this count
                 net = build_vit(cfg, model_attention(self.cfg)).to(device)
-            return count_flops(net, torch.zeros(1, in_chans, px, px, device=device))
+            return count_flops_split(net, torch.zeros(1, in_chans, px, px, device=device))
 
         n = tokens(size)
         run_words = f"at {size} px zero-padded to {padded} px ({tokens(padded)} tokens)"
@@ -127,14 +133,15 @@ class ClassificationTask(Task):
             return unpadded_flops(size), f"at {size} px unpadded as in the paper ({n} tokens)", run_words
         except ValueError as err:  # the attention cannot run the unpadded grid (MHLA's blocks)
             reason = str(err).split(";")[0]
-        full = count_flops(model, torch.zeros(1, in_chans, padded, padded, device=device))
+        full = count_flops_split(model, torch.zeros(1, in_chans, padded, padded, device=device))
         for other in (padded // 2, 2 * padded):
             try:
                 f_other = unpadded_flops(other)
             except ValueError:
                 continue
             n_other, n_full = tokens(other), tokens(padded)
-            flops = round(f_other + (full - f_other) * (n - n_other) / (n_full - n_other))
+            flops = {k: round(f_other[k] + (full[k] - f_other[k]) * (n - n_other) / (n_full - n_other))
+                     for k in full}
             return flops, (f"at {size} px unpadded as in the paper ({n} tokens; scaled affinely in the token "
                            f"count from {other} and {padded} px, as this model cannot run unpadded: {reason})"), \
                 run_words

@@ -2,9 +2,10 @@
 
 Hydra already rejects unknown keys (``foo=1`` -> "Key 'foo' is not in struct"); :func:`apply_overrides` does
 the same for configs read back from a checkpoint (``eval.py``). This module checks what only the values or the
-combination of groups can tell: an attention a model cannot take or an ``attn.*`` option that would not take effect
-(:func:`model_attention`, the one place a run's attention is resolved), a block layout that does not tile the
-model's token grid, a missing data root, a schedule that trains nothing.
+combination of groups can tell: the inputs a recipe declares (``inputs:``: data, weights) that are not on disk,
+an attention a model cannot take or an ``attn.*`` option that would not take effect (:func:`model_attention`, the
+one place a run's attention is resolved), a block layout that does not tile the model's token grid, a missing data
+root, a schedule that trains nothing.
 
 It also holds the resolvers of ``hydra.run.dir`` (:func:`register_resolvers`).
 """
@@ -92,6 +93,164 @@ def check_data(cfg) -> None:
         raise ConfigError(f"data.batch_size must be >= 1, got {data.batch_size}")
 
 
+# ------------------------------------------------------------------------------ declared inputs
+# A full-scale recipe declares what it reads from disk under the top-level ``inputs:`` of its config (the task
+# configs of the paper recipes, and cells with inputs of their own): ``{name: entry}`` with
+#   what:   the input in words;  get: where / how to download it;  put: an example local path (the message's fix)
+#   key:    the config option that points to it (checked by train.py and by scripts/reproduce_table.py), or
+#   option: an option of scripts/reproduce_table.py (``fid_ref``: ``--fid-ref RES=PATH``), checked by the runner, or
+#   step:   the later command that reads it and checks it itself (listed in the message, never blocking)
+#   file:   true for a single file (default: a folder);  marker: path(s) inside the folder that must exist
+# The CPU proxies (scale=mini/...) replace the task, so their configs declare nothing.
+RUNNER_OPTIONS = {"fid_ref": "--fid-ref {res}={path} (make: REF='{res}={path}')"}
+
+
+def _top_mapping(cfg, key: str) -> dict:
+    node = cfg.get(key) if hasattr(cfg, "get") else None
+    if not node:
+        return {}
+    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    return {name: entry for name, entry in plain.items() if entry}
+
+
+def declared_inputs(cfg) -> dict:
+    """``{name: entry}`` of the config's ``inputs:`` (resolved; entries set to null dropped)."""
+    return _top_mapping(cfg, "inputs")
+
+
+def assumptions(cfg) -> dict:
+    """``{topic: text}`` of the config's ``assumptions:``: what a cell's recipe chooses where the paper is silent,
+    or where it departs from the paper (entries set to null dropped: a cell can drop one it inherits). The results
+    writers print them beside the cell's numbers."""
+    return _top_mapping(cfg, "assumptions")
+
+
+def _input_problem(entry: dict, value) -> str | None:
+    """Why ``value`` (the path given for ``entry``) does not hold the input, or None."""
+    if value in (None, "", "???"):
+        return "not set"
+    path = os.path.expanduser(str(value))
+    if not os.path.exists(path):
+        return f"{path} does not exist"
+    if entry.get("file"):
+        return None if os.path.isfile(path) else f"{path} is not a file"
+    if not os.path.isdir(path):
+        return f"{path} is not a folder"
+    markers = entry.get("marker") or []
+    absent = [m for m in ([markers] if isinstance(markers, str) else markers)
+              if not os.path.exists(os.path.join(path, m))]
+    return f"{path} has no {' or '.join(absent)}" if absent else None
+
+
+def input_message(name: str, entry: dict, problem: str, res=None) -> str:
+    """One missing input: what it is, why it is refused, what to download and where to put it."""
+    put = entry.get("put", "/path/to/" + name)
+    if entry.get("key"):
+        where = f"pass {entry['key']}={put}"
+    else:
+        where = "pass " + RUNNER_OPTIONS.get(entry.get("option"), "--{option} {path}").format(
+            res=res, path=put, option=entry.get("option"))
+    return (f"{entry.get('what', name)} ({entry.get('key') or entry.get('option')}: {problem}). Get it: "
+            f"{entry.get('get', 'see the config')}. Put it at e.g. {put} and {where}")
+
+
+def missing_inputs(cfg, options: dict | None = None) -> list[str]:
+    """Messages for the declared inputs (:func:`declared_inputs`) that are unset or absent on disk: entries with a
+    ``key`` always; entries with an ``option`` when ``options`` has it (the runner passes its option values,
+    ``{"fid_ref": path or None}``; train.py none); ``step`` entries never (their command checks them)."""
+    out = []
+    res = OmegaConf.select(cfg, "data.image_size", default=None) if OmegaConf.is_config(cfg) else None
+    for name, entry in declared_inputs(cfg).items():
+        if entry.get("key"):
+            value = OmegaConf.select(cfg, entry["key"], default=None)
+        elif entry.get("option") in (options or {}):
+            value = options[entry["option"]]
+        else:
+            continue
+        problem = _input_problem(entry, value)
+        if problem:
+            out.append(input_message(name, entry, problem, res))
+    return out
+
+
+def check_inputs(cfg) -> None:
+    """Refuse to start a recipe whose declared inputs (``key`` entries) are missing: one message listing each,
+    with what to download and where to put it (nothing is downloaded at run time)."""
+    missing = missing_inputs(cfg)
+    if missing:
+        raise ConfigError("this recipe needs inputs that are not here (nothing is downloaded at run time):\n- "
+                          + "\n- ".join(missing))
+
+
+# ------------------------------------------------------------------------------ what distinguishes two runs
+def run_settings(cfg) -> dict:
+    """The settings that tell two table cells (or two seeds of one) apart, from a composed config: ``model``,
+    ``resolution`` (px, video ``FxHxW`` px, LM context), ``attention`` (name and its non-default options),
+    ``M`` (MHLA's token-level heads), ``seed`` and ``schedule`` (steps or epochs). Sample folders, run folders and
+    result records carry them (:func:`settings_tag`)."""
+    m, d, t = cfg.model, cfg.get("data") or {}, cfg.get("trainer") or {}
+    try:  # the attention as the model builds it (null options resolved)
+        a = model_attention(cfg)
+    except ConfigError:  # a cell train.py does not run (e.g. the fla baselines): its config as it stands
+        a = {k: v for k, v in (cfg.get("attn") or {}).items() if v is not None}
+    model = str(m.get("name"))
+    if m.get("arch") not in (None, "mhla_lm"):
+        model += f"-{m.arch}"
+    if d.get("num_frames") and d.get("height"):
+        res = f"{d.num_frames}x{d.height}x{d.width}"
+    elif d.get("image_size") and m.get("kind") in ("dit", "dig"):
+        res = str(d.image_size)
+    elif m.get("img_size"):
+        res = str(m.get("input_size") or m.img_size) + (f"pad{m.pad_to}" if m.get("pad_to") and
+                                                        m.pad_to != (m.get("input_size") or m.img_size) else "")
+    elif d.get("seq_len"):
+        res = f"ctx{d.seq_len}"
+    else:
+        res = None
+    if m.get("pretrained"):
+        model += "-ft"  # fine-tuned from released weights
+    name = str(a.get("name", ""))
+    attn = name
+    if a.get("cpe"):
+        attn += "+cpe" + (f"{a['cpe_kernel']}" if a.get("cpe_kernel") not in (None, 3) else "")
+    if a.get("gate"):
+        attn += "+gate" + (f"-{a['gate']}" if a["gate"] is not True else "")
+    if name == "mhla":
+        if a.get("mixing_init") not in (None, "locality"):
+            attn += f"-{a['mixing_init']}"
+        if a.get("mixing_learnable") is False:
+            attn += "-frozen"
+    layers = a.get("layers")
+    if layers not in (None, "all") and name != "softmax":
+        attn += f"-layers{layers}" if isinstance(layers, str) else "-layers" + ".".join(map(str, layers))
+    if a.get("head_width"):
+        attn += f"-hw{a['head_width']}"
+    if name in ("linear", "mhla") and "normalize" in a and a.get("normalize") is not True:
+        attn += "-nonorm" if a["normalize"] is False else f"-norm{a['normalize']}"
+    blocks = None
+    if name == "mhla":
+        if a.get("blocks"):
+            blocks = "x".join(map(str, a["blocks"]))
+        elif a.get("num_blocks") is not None:
+            blocks = str(a["num_blocks"])
+        elif m.get("stage_num_blocks"):
+            blocks = "-".join(map(str, m.stage_num_blocks))
+    steps = t.get("max_steps")
+    schedule = f"{steps}steps" if steps else (f"{t.get('max_epochs')}ep" if t.get("max_epochs") else None)
+    return {"model": model, "resolution": res, "attention": attn, "M": blocks, "seed": cfg.get("seed"),
+            "schedule": schedule}
+
+
+def settings_tag(settings) -> str:
+    """:func:`run_settings` (or a config) as one folder-safe name, e.g.
+    ``dit_s_2-256px-mhla+cpe+gate-M16-seed0-400000steps``."""
+    s = settings if isinstance(settings, dict) else run_settings(settings)
+    parts = [s["model"], f"{s['resolution']}px" if s.get("resolution") and s["resolution"][0].isdigit()
+             else s.get("resolution"), s["attention"], f"M{s['M']}" if s.get("M") else None,
+             f"seed{s['seed']}" if s.get("seed") is not None else None, s.get("schedule")]
+    return "-".join(str(p).replace("/", "_").replace(" ", "") for p in parts if p)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -145,6 +304,7 @@ def validate_config(cfg) -> None:
     for key in ("task", "model", "attn", "data", "optim", "sched", "trainer"):
         if key not in cfg or cfg[key] is None:
             raise ConfigError(f"the config has no '{key}' group; add {key}=... to the command")
+    check_inputs(cfg)
     check_data(cfg)
     check_trainer(cfg)
     model_attention(cfg)

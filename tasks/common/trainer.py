@@ -679,17 +679,24 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- evaluation, saving
     def _evaluate(self, run: _Run) -> dict:
-        """Evaluate the EMA weights (``trainer.ema.evaluate``) or the model on the eval loader; returns the
-        scalar metrics, after logging the media (the task's, as ``eval/<name>``, and the mixing heatmaps)."""
-        ema = run.ema
-        target = ema.module if (ema is not None and self.tcfg.ema.get("evaluate", True)) else run.model
+        """Evaluate the EMA weights (``trainer.ema.evaluate: true``), the model (``false``) or both (``both``:
+        the model's metrics under their names, the EMA's prefixed ``ema_``, e.g. ``top1`` and ``ema_top1``; the
+        model's drive ``best.pt``) on the eval loader; returns the scalar metrics, after logging the media (the
+        task's, as ``eval/<name>``, and the mixing heatmaps) of the weights whose metrics are unprefixed."""
+        ema, which = run.ema, self.tcfg.ema.get("evaluate", True)
+        if ema is not None and which == "both":
+            ema_metrics = self._evaluate_weights(run, ema.module, log_media=False)
+            return {**self._evaluate_weights(run, run.model), **{f"ema_{k}": v for k, v in ema_metrics.items()}}
+        return self._evaluate_weights(run, ema.module if (ema is not None and which) else run.model)
+
+    def _evaluate_weights(self, run: _Run, target: nn.Module, log_media: bool = True) -> dict:
         target.eval()
         run.eval_loader.generator.manual_seed(loader_seed(run.seed, 0))  # the same for every evaluation
         with _precision_context(self.precision, self.device):
             loader = ProgressLoader(run.eval_loader, f"eval @ step {run.step}",
                                     enabled=self.dist.is_main and self.tcfg.get("progress_bar", True))
             metrics, media = split_media(self.task.evaluate(target, loader, self.device, self.dist))
-        if run.logger is not None and run.logger.logs_media:
+        if log_media and run.logger is not None and run.logger.logs_media:
             media = {**{f"eval/{k}": m for k, m in media.items()}, **matrix_heatmaps(target, run.step)}
             run.logger.log_media(media, run.step)
         return metrics

@@ -165,6 +165,49 @@ def torch_attention_backend(model: nn.Module):
             obj.backend = backend
 
 
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost token-mixing modules of ``model`` (``(name, module)``): every module whose class name holds
+    ``Attention`` (this package's layers and their LM / DiG / timm / diffusers / transformers counterparts: self- and
+    cross-attention), none inside another one."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if "Attention" in type(module).__name__ and not any(name.startswith(p + ".") for p, _ in out):
+            out.append((name, module))
+    return out
+
+
+def count_flops_split(model: nn.Module, *inputs, **kwargs) -> dict:
+    """Forward FLOPs of ``model(*inputs, **kwargs)`` as :func:`count_flops` counts them, split:
+    ``{"total", "attention"}``, where ``attention`` is the attention matmuls, the FLOPs inside the
+    :func:`attention_modules` that are not in one of their ``nn.Linear`` / ``nn.Conv*`` submodules: ``Q K^T`` and
+    ``P V`` of softmax attention (SDPA included), the ``K^T V`` summaries, the mixing and the query products of
+    linear attention and MHLA, a recurrence's matmuls. The input / output projections, gates and convolutions
+    (CPE, LePE, short convs) stay outside it. Papers that quote "FLOPs" of linear-attention models often leave
+    these matmuls out (the MHLA paper's GFLOPs do): ``total - attention`` is that convention."""
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415  (~0.1 s to import)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch_attention_backend(model), \
+                FlopCounterMode(display=False, custom_mapping=sdpa_flop_formulas()) as counter:
+            model(*inputs, **kwargs)
+    finally:
+        model.train(was_training)
+    counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    root = type(model).__name__
+
+    def flops(name: str) -> int:
+        return counts.get(f"{root}.{name}" if name else root, 0)
+
+    attention = 0
+    for name, module in attention_modules(model):
+        projections = sum(flops(f"{name}.{child}") for child, m in module.named_modules()
+                          if child and isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)))
+        attention += flops(name) - projections
+    return {"total": int(counter.get_total_flops()), "attention": int(attention)}
+
+
 def count_flops(model: nn.Module, *inputs, **kwargs) -> int:
     """Forward FLOPs of ``model(*inputs, **kwargs)`` (eval mode, no grad) with ``torch.utils.flop_counter``.
 
@@ -182,15 +225,6 @@ def count_flops(model: nn.Module, *inputs, **kwargs) -> int:
     so the count runs those layers on the torch backend (:func:`torch_attention_backend`; same matmuls).
     Causal attention is counted in full (no halving for the mask), as torch does.
 
-    Papers usually quote MACs ("FLOPs" from fvcore) = this / 2."""
-    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415  (~0.1 s to import)
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), torch_attention_backend(model), \
-                FlopCounterMode(display=False, custom_mapping=sdpa_flop_formulas()) as counter:
-            model(*inputs, **kwargs)
-    finally:
-        model.train(was_training)
-    return int(counter.get_total_flops())
+    Papers usually quote MACs ("FLOPs" from fvcore) = this / 2. :func:`count_flops_split` also gives the part
+    that is attention matmuls."""
+    return count_flops_split(model, *inputs, **kwargs)["total"]

@@ -5,8 +5,9 @@
         --steps 250 --cfg-scale 1.0 --out samples [--ref VIRTUAL_imagenet256_labeled.npz]
     torchrun --nproc_per_node=8 -m tasks.image_gen.sample --ckpt ... (each rank samples its share)
 
-Writes ``<out>/<model>-<attn>-<step>-cfg<scale>-<method><steps>-seed<seed>/samples.npz`` (+ ``metrics.json``
-with ``--ref``). Determinism: global batch ``j`` (``--batch-size`` images) draws its labels and all its noise
+Writes ``<out>/<settings>-step<step>-cfg<scale>-<method><steps>-sampleseed<seed>/samples.npz`` (+ ``metrics.json``
+with ``--ref``), ``<settings>`` naming the run's model, resolution, attention, M, training seed and schedule
+(:func:`tasks.common.config.settings_tag`): two table cells never share a folder. Determinism: global batch ``j`` (``--batch-size`` images) draws its labels and all its noise
 from a generator seeded with ``(seed, j)`` and is sampled by rank ``j % world_size``, so the same seed gives
 the same images whatever the number of processes. Weights: the EMA copy when the checkpoint has one
 (``--weights model`` for the raw ones). Latent models decode with ``data.vae_path`` from the checkpoint's
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 from mhla.layouts import ceil_div
 from models.dit import build_dit
 from tasks.common.checkpoint import load_checkpoint, model_weights, run_config
-from tasks.common.config import model_attention
+from tasks.common.config import model_attention, settings_tag
 from tasks.common.distributed import cleanup, setup_distributed
 from tasks.image_gen.npz import save_npz
 from tasks.image_gen.sampling import generate
@@ -40,16 +41,16 @@ def load_model(ckpt_path: str, weights: str = "ema", device="cpu"):
     """Rebuild the DiT of a ``train.py`` checkpoint and load its (EMA) weights. Returns ``(model, cfg, step)``."""
     state = load_checkpoint(ckpt_path, map_location="cpu")
     cfg = run_config(state)
-    cfg.model.pretrained = None
-    model = build_dit(cfg.model, model_attention(cfg))
+    model = build_dit(OmegaConf.merge(cfg.model, {"pretrained": None}), model_attention(cfg))  # weights: the run's
     model.load_state_dict(model_weights(state, weights))
     return model.to(device).eval(), cfg, int(state.get("step", 0))
 
 
 def run_name(cfg, step: int, args) -> str:
-    a = model_attention(cfg)
-    attn = a["name"] + "".join(f"-{k}" for k in ("cpe", "gate") if a.get(k))
-    return f"{cfg.model.name}-{attn}-{step:07d}-cfg{args.cfg_scale:g}-{args.method}{args.steps}-seed{args.seed}"
+    """The sample folder's name: the run's settings (:func:`~tasks.common.config.settings_tag`: model, resolution,
+    attention, M, training seed, schedule), the checkpoint's step and the sampling settings."""
+    return (f"{settings_tag(cfg)}-step{step:07d}-cfg{args.cfg_scale:g}-{args.method}{args.steps}"
+            f"-sampleseed{args.seed}")
 
 
 def batch_labels_and_generator(seed: int, j: int, n: int, num_classes: int, device):

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from models.dig import build_dig
 from models.dit import build_dit
-from tasks.common.config import ConfigError, model_attention
+from tasks.common.config import model_attention
 from tasks.common.distributed import barrier, setup_distributed
 from tasks.common.logger import Media
 from tasks.common.trainer import Task
@@ -44,11 +44,6 @@ class ImageGenTask(Task):
     # ----------------------------------------------------------------------------------- model
     def build_model(self) -> nn.Module:
         self._check_data_root()  # before the model: a wrong data.root should not wait for the build
-        if self.cfg.model.get("require_pretrained") and not self.cfg.model.get("pretrained"):
-            raise ConfigError(
-                f"this experiment fine-tunes a released checkpoint: set model.pretrained=/path/to/DiT-XL-2-256x256.pt "
-                f"(download it from https://dl.fbaipublicfiles.com/DiT/models/); without it {self.cfg.model.name} "
-                f"would train from scratch")
         kind = self.cfg.model.get("kind", "dit")
         if kind == "dig":  # DiG (models/dig.py): a DiT subclass whose blocks scan with GLA (attn=gla) or run MHLA
             return build_dig(self.cfg.model, model_attention(self.cfg))

@@ -46,10 +46,12 @@ from tasks.language.task import build_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# lm-eval metric of each Table 6 column (acc_norm where the fla line of work reports it)
-TABLE6_COLUMNS = (("mmlu", "mmlu", "acc"), ("wino", "winogrande", "acc"), ("piqa", "piqa", "acc_norm"),
+# lm-eval metric of each Table 6 column: the paper's header (Wino acc, PIQA acc, ARC-c acc_n, OBQA acc_n,
+# ARC-e acc_n, BoolQ acc; acc_n = lm-eval's length-normalised ``acc_norm``). MMLU: acc.
+TABLE6_COLUMNS = (("mmlu", "mmlu", "acc"), ("wino", "winogrande", "acc"), ("piqa", "piqa", "acc"),
                   ("arc_c", "arc_challenge", "acc_norm"), ("obqa", "openbookqa", "acc_norm"),
-                  ("arc_e", "arc_easy", "acc"), ("boolq", "boolq", "acc"))
+                  ("arc_e", "arc_easy", "acc_norm"), ("boolq", "boolq", "acc"))
+TABLE6_METRIC = {col: metric for col, _, metric in TABLE6_COLUMNS}
 COMMONSENSE = ("wino", "piqa", "arc_c", "obqa", "arc_e", "boolq")
 
 
@@ -114,6 +116,20 @@ def table_cells(table: str) -> list[tuple[str, dict]]:
     return out
 
 
+def assumption_notes(table: str = "6") -> list[str]:
+    """The ``assumptions:`` of the Table 6 cells' configs (the models Tables 6 and 8 evaluate), as markdown."""
+    lines = []
+    for p in sorted(glob.glob(os.path.join(ROOT, "configs", "experiment", "table6", "*.yaml"))):
+        with open(p) as f:
+            notes = (yaml.safe_load(f) or {}).get("assumptions") or {}
+        cell = os.path.splitext(os.path.basename(p))[0]
+        lines += [f"- `{cell}` ({k}): ASSUMPTION {' '.join(str(v).split())}" for k, v in notes.items() if v]
+    if not lines:
+        return []
+    return ["", f"Model sizes (Table {table} evaluates the models of configs/experiment/table6/; parameters and GMACs "
+                "of every cell: results/params.md):", "", *lines]
+
+
 def _lm_eval_table6(model_path: str, tokenizer: str | None, out_dir: str, batch_size: int, device: str,
                     data_root: str | None = None, limit: int | None = None, max_length: int | None = None) -> dict:
     """Run the harness on Table 6's tasks (:data:`TABLE6_TASKS`); returns ``{column: value}`` for the tasks it
@@ -127,6 +143,12 @@ def _lm_eval_table6(model_path: str, tokenizer: str | None, out_dir: str, batch_
         json.dump({"results": res, "versions": out.get("versions"), "n-shot": out.get("n-shot"),
                    "config": out.get("config"), "lm_eval": _lm_eval_version(), "limit": limit}, f, indent=2,
                   default=str)
+    return table6_row(res)
+
+
+def table6_row(res: dict) -> dict:
+    """The Table 6 columns from lm-eval's ``results`` (``{task: {"<metric>,none": value}}``): each accuracy with the
+    metric of the paper's header (:data:`TABLE6_COLUMNS`), in %; the two perplexities; LAMBADA accuracy."""
     row = {col: 100 * res[task][f"{metric},none"] for col, task, metric in TABLE6_COLUMNS if task in res}
     if "wikitext" in res:
         row["wiki_ppl"] = res["wikitext"]["word_perplexity,none"]
@@ -162,7 +184,8 @@ def _fmt(v, digits=2) -> str:
 
 def reproduce_table6(args) -> str:
     cols = ["mmlu", "wino", "piqa", "arc_c", "obqa", "arc_e", "boolq", "avg", "wiki_ppl", "lambada_ppl"]
-    header = ["cell", "model", "source"] + cols
+    header = ["cell", "model", "source"] + [f"{c} ({TABLE6_METRIC[c].replace('acc_norm', 'acc_n')})"
+                                            if c in TABLE6_METRIC else c for c in cols]
     rows, records = [], []
     for cell, paper in table_cells("6"):
         rows.append([cell, paper.get("row", ""), "paper"] + [_fmt(paper.get(c)) for c in cols])
@@ -202,6 +225,10 @@ def reproduce_table6(args) -> str:
              + (f" (lm-evaluation-harness {_lm_eval_version()}, zero-shot"
                 + (f", limit {args.limit} examples per task" if args.limit else "") + ")"
                 if HAVE_LM_EVAL else " (lm_eval not installed: see below)")]
+    notes += ["", "Metrics: each accuracy column is the lm-eval metric of the paper's header, in brackets "
+                  "(`acc_n` = lm-eval's length-normalised `acc_norm`): " + ", ".join(
+                      f"{col} {task} `{metric}`" for col, task, metric in TABLE6_COLUMNS) + "."]
+    notes += assumption_notes("6")
     if not HAVE_LM_EVAL:
         notes += ["", "To fill the accuracy columns:", "", "```", INSTALL_HELP, "```"]
     return _write("6", header, rows, notes, records)
@@ -237,6 +264,7 @@ def reproduce_table8(args) -> str:
              f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir}"
              + (f" LONGBENCH={args.longbench}`" if args.longbench else "` (no LONGBENCH data given)")
              + (f" (limit {args.limit} examples per task)" if args.limit else "")]
+    notes += assumption_notes("8")
     return _write("8", header, rows, notes, records)
 
 

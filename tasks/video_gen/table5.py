@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -122,6 +123,16 @@ def sample_pretrained(row: str, wan: str | None, prompts, out: str = SAMPLES, *,
     return folder
 
 
+def missing_row_inputs(wan: str | None, data: str | None) -> list[str]:
+    """What the rows need and is not here (:func:`tasks.common.config.missing_inputs` of each row's config with
+    ``--wan`` as ``model.pretrained`` and ``--data`` as ``data.root``), each message once."""
+    from tasks.common.config import missing_inputs  # noqa: PLC0415
+
+    given = [f"model.pretrained={wan}" if wan else "model.pretrained=null", f"data.root={data}" if data else
+             "data.root=null"]
+    return list(dict.fromkeys(m for row in ROWS for m in missing_inputs(row_config(row, given))))
+
+
 def load_bench(name: str):
     path = os.path.join(ROOT, "results", "bench", name)
     return json.load(open(path)) if os.path.isfile(path) else None
@@ -135,6 +146,39 @@ def paper_rows() -> list[tuple[str, dict, int]]:
         out.append((row, OmegaConf.to_container(cfg.paper, resolve=True),
                     int(cfg.trainer.max_steps) if finetunes(cfg) else 0))
     return out
+
+
+def row_settings(cfg) -> str:
+    """What distinguishes a row's self-attention and training, in words (for the results file)."""
+    from models.wan import attention_layers  # noqa: PLC0415  (diffusers)
+
+    a = cfg.attn
+    if a.name == "softmax":
+        attn = "softmax (the model's own SDPA / FlashAttention)"
+    else:
+        norm = ("normalised" if a.get("normalize") not in (False, None) else "no normalizer") + (
+            ", output RMSNorm" if a.get("out_norm") else ", no output norm")
+        layers = attention_layers(a, int(cfg.model.num_layers))
+        soft = [i for i in range(int(cfg.model.num_layers)) if i not in layers]
+        attn = (f"{a.name} ({norm}, RoPE {a.get('rope')}" + (f", M = {math.prod(a.blocks)} blocks "
+                                                              f"{'x'.join(map(str, a.blocks))}" if a.name == "mhla"
+                                                              else "")
+                + ")" + (f", softmax kept at layers {', '.join(map(str, soft))}" if soft else ", every layer"))
+    train = (f"fine-tuned {int(cfg.trainer.max_steps)} steps at batch {int(cfg.data.batch_size)} per GPU"
+             if finetunes(cfg) else "not fine-tuned")
+    return f"{attn}; {train}"
+
+
+def row_notes() -> list[str]:
+    """Per row: its settings and its assumptions (``assumptions:`` of its config), as markdown lines."""
+    from tasks.common.config import assumptions  # noqa: PLC0415
+
+    lines = []
+    for row in ROWS:
+        cfg = row_config(row)
+        lines.append(f"- {cfg.paper.row} (`experiment=table5/{row}`): {row_settings(cfg)}.")
+        lines += [f"  - ASSUMPTION {k}: {v}" for k, v in assumptions(cfg).items()]
+    return lines
 
 
 def write_table(out: str) -> str:
@@ -169,6 +213,11 @@ def write_table(out: str) -> str:
     if cpu:
         lines.append(f"CPU benchmark (scaled down, `--preset cpu`): {cpu['tokens']} tokens, {cpu['layers']} layers, "
                      f"{cpu['threads']} threads, measured on a shared, loaded 2-core machine.")
+    lines += ["", "Row settings and assumptions (where the paper is silent: the authors' release; each row's config "
+              "lists them under `assumptions:`):", "", *row_notes(), "",
+              "The CPU proxy (`make reproduce-table5 SCALE=mini`, results/table5_mini.md) keeps task=video_mini's own "
+              "settings: its linear row has no normalizer and an output RMSNorm like its MHLA rows, and its hybrid "
+              "keeps softmax at layer 2 of 4."]
     png = os.path.splitext(out)[0] + ".png"
     if gpu or cpu:
         lines += ["", f"Plot: `{os.path.basename(png)}` (speed-up over FlashAttention / softmax per attention: the "
@@ -235,10 +284,13 @@ def main(argv=None) -> None:
         sample_pretrained(args.sample_pretrained, args.wan, args.prompts, args.samples_out,
                           batch_size=args.batch_size)
         return
-    ready = bool(args.wan and os.path.isdir(args.wan) and args.data and os.path.isdir(args.data))
-    if not ready:
-        print("Wan2.1 weights (--wan / WAN_PATH) or video data (--data / VIDEO_DATA) missing: printing the commands. "
-              "Download Wan-AI/Wan2.1-T2V-1.3B-Diffusers to a local folder.")
+    missing = missing_row_inputs(args.wan, args.data)
+    ready = not missing
+    if missing:
+        print("The rows' declared inputs (`inputs:` of configs/task/wan_finetune.yaml) are not all here: "
+              + ("nothing runs" if args.run else "printing the commands") + ".\n- " + "\n- ".join(missing))
+        if args.run:
+            raise SystemExit(2)
     for row in ROWS:
         for cmd in commands(row, args.wan or "/path/to/Wan2.1-T2V-1.3B-Diffusers", args.data or "/path/to/videos",
                             args.gpus, args.prompts):
