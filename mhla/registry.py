@@ -124,7 +124,8 @@ class AttentionContract:
         refused: ``{option: why}``, options the model cannot honour whatever the attention (e.g. ``cpe`` in a
             host that owns the projections).
         probes: the layers to check at start, one per distinct setting: ``(model-set options, {name: defaults of
-            this layer})``, e.g. ``({"grid": (56, 56)}, {"mhla": {"num_blocks": 49}})`` for a VLT stage;
+            this layer})``, e.g. ``({"grid": (56, 56), "dim": 64, "num_heads": 1}, {"mhla": {"num_blocks": 49}})``
+            for a VLT stage (``dim`` / ``num_heads``: the layer's width and heads, when an option depends on them);
             :func:`check_attention` builds each on the meta device, so a block grid that does not tile the token
             grid fails before the model is built.
         prepare: what the model does to the resolved options before it builds its layers (e.g. the language
@@ -302,10 +303,13 @@ def check_attention(options: dict, contract: AttentionContract, num_heads: int =
     layer_options = {k: v for k, v in options.items() if k not in contract.host_keys(name)}
     for fixed, defaults in contract.probes:
         opts = with_defaults(layer_options, defaults.get(name, {}), cls)
+        fixed = dict(fixed)
+        heads = int(fixed.pop("num_heads", num_heads))
+        dim = int(fixed.pop("dim", heads * head_dim))  # the model's width where the probe gives it
         fixed = {k: v for k, v in fixed.items() if accepted is None or k in accepted}
         try:
             with torch.device("meta"):
-                build_attention(opts, num_heads * head_dim, num_heads, **fixed)
+                build_attention(opts, dim, heads, **fixed)
         except ValueError as e:
             where = f" on its {'x'.join(map(str, fixed['grid']))} token grid" if fixed.get("grid") else ""
             raise ValueError(f"{contract.model}{where}: attn={name}: {e}") from None

@@ -354,4 +354,12 @@ def attention_contract(model_cfg) -> AttentionContract:
     return AttentionContract(model=f"model={model_cfg.get('name', 'dit')}", needs=Needs(grid_rank=2),
                              defaults=defaults, fixed=("grid", "qkv_bias", "causal", "num_prefix_tokens",
                                                        "projections", "head_dim", "value_dim"),
-                             probes=(({"grid": (g, g)}, {}),))
+                             probes=(({"grid": (g, g), **_width(model_cfg)}, {}),))
+
+
+def _width(model_cfg) -> dict:
+    """``{"dim", "num_heads"}`` of a DiT / DiG config (explicit, or its ``variant``), for the start-of-run probe."""
+    depth, hidden, heads = DIT_SIZES.get(model_cfg.get("variant"), (None, None, None)) if model_cfg.get(
+        "variant") else (None, None, None)
+    hidden, heads = model_cfg.get("hidden_size") or hidden, model_cfg.get("num_heads") or heads
+    return {"dim": int(hidden), "num_heads": int(heads)} if hidden and heads else {}

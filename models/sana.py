@@ -78,7 +78,8 @@ def attention_contract(model_cfg) -> AttentionContract:
     if not model_cfg.get("pretrained"):  # a released checkpoint's grid is known once it is loaded
         arch = sana_config(model_cfg.get("config", "sana_tiny"))
         g = arch["sample_size"] // arch["patch_size"]
-        probes = (({"grid": (g, g), "projections": False}, {}),)
+        probes = (({"grid": (g, g), "projections": False, "num_heads": arch["num_attention_heads"],
+                    "dim": arch["num_attention_heads"] * arch["attention_head_dim"]}, {}),)
     return AttentionContract(
         model=f"model={model_cfg.get('name', 'sana')}", needs=Needs(grid_rank=2, host_projections=True),
         defaults=defaults, fixed=("grid", "causal", "projections", "head_dim", "value_dim", "num_prefix_tokens"),

@@ -44,7 +44,8 @@ def attention_contract(model_cfg) -> AttentionContract:
     class_token = bool(model_cfg.get("class_token", False))
     needs = Needs(grid_rank=2, prefix_tokens=class_token)
     img, patch = int(model_cfg.get("pad_to") or model_cfg.img_size), int(model_cfg.patch_size)
-    probe = ({"grid": (img // patch, img // patch), "num_prefix_tokens": int(class_token)}, {})
+    probe = ({"grid": (img // patch, img // patch), "num_prefix_tokens": int(class_token),
+              "dim": int(model_cfg.embed_dim), "num_heads": int(model_cfg.num_heads)}, {})
     return AttentionContract(model=f"model={model_cfg.get('name', 'vit')}", needs=needs, defaults=defaults,
                              fixed=VIT_FIXED_OPTIONS, probes=(probe,) if img % patch == 0 else ())
 

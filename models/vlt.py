@@ -365,8 +365,10 @@ def attention_contract(model_cfg) -> AttentionContract:
         if name not in OWN_WRAPPER and (accepted is None or set(WRAPPER_DEFAULTS) <= accepted):
             defaults[name] = dict(WRAPPER_DEFAULTS)
     size = int(model_cfg.img_size)
-    probes = tuple(({"grid": (size // s, size // s)}, {"mhla": {"num_blocks": int(m)}})
-                   for s, m in zip((4, 8), model_cfg.get("stage_num_blocks", (49, 16))))
+    spec = VLT_SPECS.get(model_cfg.get("variant", "t"), VLT_SPECS["t"])
+    probes = tuple(({"grid": (size // s, size // s), "dim": spec["dims"][i], "num_heads": spec["heads"][i]},
+                    {"mhla": {"num_blocks": int(m)}})
+                   for i, (s, m) in enumerate(zip((4, 8), model_cfg.get("stage_num_blocks", (49, 16)))))
     return AttentionContract(model=f"model={model_cfg.get('name', 'vlt')}", needs=Needs(grid_rank=2),
                              defaults=defaults, fixed=("grid", "causal", "num_prefix_tokens", "projections",
                                                        "head_dim", "value_dim", "qkv_bias"), probes=probes)

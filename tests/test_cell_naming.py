@@ -13,7 +13,7 @@ from helpers.inputs import fake_fid_refs, fake_inputs
 from omegaconf import OmegaConf
 from tables import config, registry, runner
 
-from tasks.common.config import run_settings, settings_tag
+from tasks.common.config import model_attention, run_settings, settings_tag
 from tasks.image_gen.sample import run_name
 
 
@@ -63,7 +63,8 @@ def test_sampler_folder_tells_every_generation_cell_apart(every_run):
         if cfg.model.kind not in ("dit", "dig"):
             continue
         name = run_name(cfg, 400000, args)
-        what = OmegaConf.to_container(OmegaConf.create({k: cfg[k] for k in ("model", "attn", "seed")}), resolve=True)
+        what = OmegaConf.to_container(OmegaConf.create({k: cfg[k] for k in ("model", "seed")}), resolve=True)
+        what["attn"] = model_attention(cfg)  # the attention as built (an explicit default = the default)
         what["data"] = cfg.data.image_size
         if name in seen:
             assert seen[name][1] == what, (name, seen[name][0], f"{spec.id}/{cell.name}")

@@ -105,12 +105,13 @@ def test_table5_baselines_and_hybrid_follow_the_release():
     linear (MHLA) attention at ``linear_attn_idx`` (softmax at 0, 3, ..., 27); it trains at batch 4 per GPU. Each
     choice is an assumption of the cell, printed in results/table5.md."""
     from models.wan import attention_layers
-    from tasks.common.config import assumptions
+    from tasks.common.config import assumptions, model_attention
 
     cfgs = {row: make_cfg([f"experiment=table5/{row}"]) for row in TABLE5_ROWS}
-    lin, mhla, hybrid = cfgs["wan_linear"].attn, cfgs["wan_mhla"].attn, cfgs["wan_mhla_hybrid"].attn
-    assert lin.name == "linear" and lin.normalize is True and lin.out_norm is False and lin.rope == "after"
-    assert mhla.normalize is False and mhla.out_norm is True  # the paper's (and the release's) MHLA setting
+    lin, mhla, hybrid = (model_attention(cfgs[r]) for r in ("wan_linear", "wan_mhla", "wan_mhla_hybrid"))
+    assert lin["name"] == "linear" and lin["normalize"] is True and lin["out_norm"] is False
+    assert lin["rope"] == "after_feature_map"
+    assert mhla["normalize"] is False and mhla["out_norm"] is True  # the paper's (and the release's) MHLA setting
     assert attention_layers(hybrid, 30) == RELEASE_LINEAR_ATTN_IDX
     assert attention_layers(mhla, 30) == list(range(30))
     for row, cfg in cfgs.items():
@@ -120,8 +121,8 @@ def test_table5_baselines_and_hybrid_follow_the_release():
         assert ("hybrid_layers" in notes) == (row == "wan_mhla_hybrid")
         assert ("linear_attention" in notes) == (row == "wan_linear")
     # the mini task keeps its own settings (and says so in its results)
-    mini = make_cfg(["task=video_mini", "attn=linear"]).attn
-    assert mini.normalize is False and mini.softmax_offset == 2
+    mini = model_attention(make_cfg(["task=video_mini", "attn=linear", "attn.layers=hybrid"]))
+    assert mini["normalize"] is False and attention_layers(mini, 30)[:2] == [0, 1]  # softmax at 2, 5, ...
     from tasks.video_gen.table5_mini import MINI_VS_FULL
 
     with open(os.path.join(ROOT, "results", "table5_mini.md")) as f:

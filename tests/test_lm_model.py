@@ -46,7 +46,7 @@ def test_paper_340m_size():
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_heads, cfg.vocab_size) == (1024, 24, 4, 32000)
     assert (cfg.head_dim, cfg.head_value_dim, cfg.intermediate_size, cfg.attn["block_size"]) == (128, 256, 2816, 64)
     assert cfg.attn["max_learned_blocks"] == 32 and cfg.tie_word_embeddings
-    assert cfg.attn["name"] == "mhla" and cfg.attn["normalize"] is False and cfg.attn["out_norm"] is True
+    assert cfg.attn["name"] == "mhla" and cfg.attn["normalize"] is False and cfg.attn["gate"] is True  # its RMSNorm
     def count(layers):  # tied: the embedding is counted once
         cfg.num_hidden_layers = layers
         return sum(p.numel() for p in MHLALMForCausalLM(cfg).parameters())

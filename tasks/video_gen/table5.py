@@ -152,17 +152,19 @@ def row_settings(cfg) -> str:
     """What distinguishes a row's self-attention and training, in words (for the results file)."""
     from models.wan import attention_layers  # noqa: PLC0415  (diffusers)
 
-    a = cfg.attn
-    if a.name == "softmax":
+    from tasks.common.config import model_attention  # noqa: PLC0415
+
+    a = model_attention(cfg)  # the attention as the model builds it (null options resolved)
+    if a["name"] == "softmax":
         attn = "softmax (the model's own SDPA / FlashAttention)"
     else:
         norm = ("normalised" if a.get("normalize") not in (False, None) else "no normalizer") + (
             ", output RMSNorm" if a.get("out_norm") else ", no output norm")
         layers = attention_layers(a, int(cfg.model.num_layers))
         soft = [i for i in range(int(cfg.model.num_layers)) if i not in layers]
-        attn = (f"{a.name} ({norm}, RoPE {a.get('rope')}" + (f", M = {math.prod(a.blocks)} blocks "
-                                                              f"{'x'.join(map(str, a.blocks))}" if a.name == "mhla"
-                                                              else "")
+        blocks = a.get("blocks")
+        attn = (f"{a['name']} ({norm}, RoPE {a.get('rope')}" + (f", M = {math.prod(blocks)} blocks "
+                                                                 f"{'x'.join(map(str, blocks))}" if blocks else "")
                 + ")" + (f", softmax kept at layers {', '.join(map(str, soft))}" if soft else ", every layer"))
     train = (f"fine-tuned {int(cfg.trainer.max_steps)} steps at batch {int(cfg.data.batch_size)} per GPU"
              if finetunes(cfg) else "not fine-tuned")
