@@ -61,6 +61,24 @@ class AttentionCache:
     attn: object = None
     conv: torch.Tensor | None = None
 
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds (the op's state, the convolutions' past inputs)."""
+        return tensor_nbytes(self.attn) + tensor_nbytes(self.conv)
+
+
+def tensor_nbytes(obj) -> int:
+    """Bytes of the tensors in a state: a tensor, a tuple / list of states, an object with ``nbytes()`` (such as
+    :class:`mhla.ops.MHLAState`), or None."""
+    if obj is None:
+        return 0
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_nbytes(o) for o in obj)
+    if callable(getattr(obj, "nbytes", None)):
+        return obj.nbytes()
+    raise TypeError(f"cannot size a state of type {type(obj).__name__}")
+
 
 def gate_kind(gate) -> str | None:
     """The output gate named by a layer's ``gate`` option: ``None`` (off), ``"swish"`` or ``"linear"``."""
@@ -650,19 +668,23 @@ class MultiHeadLinearAttention(KernelAttention):
         return self._kernel_op(op, q, k, v, rope_tables)
 
     def _causal(self, q, k, v, cache: AttentionCache | None, rope_tables):
+        """Causal MHLA of ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]``. Without a cache: one call on the dense
+        mixing of the ``ceil(T / C)`` blocks (training). With one: the compact rows of the call's blocks
+        (:meth:`mhla.mixing.MixingMatrix.causal_rows`), so the cached state keeps at most ``M - 1`` block
+        summaries and one folded sum whatever the length (:class:`mhla.ops.MHLAState`)."""
         q, k, _, _ = self._features(q, k, rope_tables)
         C = self.block_size
-        seen = cache.attn.num_tokens if (cache is not None and cache.attn is not None) else 0
-        n_blocks = ceil_div(seen + q.shape[1], C)
-        mixing = self.mixing(n_blocks).to(q.dtype)
         if cache is None:
+            mixing = self.mixing(ceil_div(q.shape[1], C)).to(q.dtype)
             return mhla_attention(q, k, v, mixing, C, causal=True, normalize=self.normalize, eps=self.eps,
                                   backend=self.backend)
         state: MHLAState | None = cache.attn
+        seen = state.num_tokens if state is not None else 0
+        rows = self.mixing.causal_rows(seen // C, ceil_div(seen + q.shape[1], C)).to(q.dtype)
         if q.shape[1] == 1 and state is not None:
-            o, cache.attn = mhla_decode_step(q, k, v, mixing, state, normalize=self.normalize, eps=self.eps)
+            o, cache.attn = mhla_decode_step(q, k, v, rows, state, normalize=self.normalize, eps=self.eps)
             return o
-        o, cache.attn = mhla_attention(q, k, v, mixing, C, causal=True, normalize=self.normalize,
+        o, cache.attn = mhla_attention(q, k, v, rows, C, causal=True, normalize=self.normalize,
                                        eps=self.eps, backend="torch", initial_state=state,
                                        output_final_state=True)
         return o
@@ -673,17 +695,20 @@ class MultiHeadLinearAttention(KernelAttention):
         states = self._varlen_states(cache, "attn", cu_seqlens)
         bounds = sequence_bounds(cu_seqlens)
         seen = [s.num_tokens if s is not None else 0 for s in states] if states else [0] * len(bounds)
-        mixing = self.mixing(max(ceil_div(p + e - b, C) for p, (b, e) in zip(seen, bounds))).to(q.dtype)
+        stop = max(ceil_div(p + e - b, C) for p, (b, e) in zip(seen, bounds))
         kw = dict(normalize=self.normalize, eps=self.eps)
         if cache is None:
+            mixing = self.mixing(stop).to(q.dtype)
             return mhla_attention(q, k, v, mixing, C, causal=True, cu_seqlens=cu_seqlens, backend=self.backend,
                                   **kw)
+        # compact rows of every sequence's blocks (sequences at different positions: the rows between them)
+        rows = self.mixing.causal_rows(min(p // C for p in seen), stop).to(q.dtype)
         if states is not None and all(e - b == 1 and s is not None for (b, e), s in zip(bounds, states)):
             # decoding: one token per sequence, each with its own cached prefix
-            o, cache.attn = run_varlen(lambda q, k, v, st, _: mhla_decode_step(q, k, v, mixing, st, **kw),
+            o, cache.attn = run_varlen(lambda q, k, v, st, _: mhla_decode_step(q, k, v, rows, st, **kw),
                                        (q, k, v), cu_seqlens, initial_state=states, output_final_state=True)
             return o
-        o, cache.attn = mhla_attention(q, k, v, mixing, C, causal=True, cu_seqlens=cu_seqlens, backend="torch",
+        o, cache.attn = mhla_attention(q, k, v, rows, C, causal=True, cu_seqlens=cu_seqlens, backend="torch",
                                        initial_state=states, output_final_state=True, **kw)
         return o
 

@@ -7,9 +7,10 @@ applies the feature map and the rotary tables the model passes with each call (:
 this file adds the tables and the model glue.
 
 Decoding: :class:`MHLALMCache` (a transformers ``Cache``) holds one :class:`mhla.layers.AttentionCache` per
-layer: the MHLA decode state (:class:`mhla.MHLAState`: every finished chunk's summary plus the running one),
-``(S, z)`` for linear attention, the growing ``(k, v)`` for softmax, and the causal CPE's last inputs. A
-prompt is prefilled in one chunked call; each new token is one ``mhla_decode_step``. Greedy outputs with the
+layer: the MHLA decode state (:class:`mhla.MHLAState`: at most ``max_learned_blocks - 1`` finished chunks'
+summaries, one folded sum of the older ones and the running one: constant size at any length), ``(S, z)`` for
+linear attention, the growing ``(k, v)`` for softmax, and the causal CPE's last inputs; :meth:`MHLALMCache.nbytes`
+reports its size. A prompt is prefilled in one chunked call; each new token is one ``mhla_decode_step``. Greedy outputs with the
 cache equal those without it (tests), at any length: there is no position cap (mixing coefficients beyond the
 learned ``max_learned_blocks`` rows extend by the config's ``mixing_extension`` rule, RoPE is computed on the fly).
 
@@ -180,6 +181,10 @@ class MHLALMCache(Cache):
         if len(seq_seen) != num_seqs:
             raise ValueError(f"the cache holds {len(seq_seen)} sequences but this call has {num_seqs}")
         return seq_seen.to(device)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds, all layers (decode states, KV caches, convolution inputs)."""
+        return sum(layer.state.nbytes() for layer in self.layers)
 
     @property
     def is_per_sequence(self) -> bool:

@@ -20,7 +20,9 @@ may be partial. A query ``t`` in block ``i`` reads
 (the denominator only when normalizing). ``mixing`` is read as lower-triangular: entries above the
 diagonal are ignored. Its row ``i`` must exist for every block the sequence touches. A call may continue
 an :class:`~mhla.ops.mhla.state.MHLAState` (chunked prefill) and return the state after its tokens
-(docs/method.md#decoding-state).
+(docs/method.md#decoding-state). ``mixing`` may also be :class:`~mhla.ops.mhla.state.MixingRows`, the compact
+rows of the call's blocks: the state then keeps the blocks of their window and one folded sum, which every
+block reads as one more column with the rows' shared coefficient.
 
 Causality holds whatever the values: a NaN or inf in token ``s`` reaches the outputs ``t >= s`` only. The
 masked terms of a causal sum are never multiplied in (``0 * nan`` is ``nan``); see
@@ -33,7 +35,17 @@ import torch
 
 from ...layouts import ceil_div
 from ..utils import accumulation_dtype, causal_product, check_mixing, normalizer_mode
-from .state import MHLAState, check_state, init_state
+from .state import (
+    MHLAState,
+    MixingRows,
+    check_rows,
+    check_state,
+    check_window,
+    fold_blocks,
+    init_state,
+    rewindow,
+    row_coefficients,
+)
 
 
 def _mix(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -101,11 +113,17 @@ def _mix_rows(mixing: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tens
     return torch.where(keep, mix[:, rows, :cols], 0.0)
 
 
+#: a call with compact mixing rows runs in pieces of at most this many blocks, each continuing the state of the
+#: one before: its work is then O(T * (window + SEGMENT_BLOCKS)) per head, linear in T, where one piece would
+#: mix every block of the call with every earlier one.
+SEGMENT_BLOCKS = 64
+
+
 def mhla_causal_torch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mixing: torch.Tensor,
+    mixing: torch.Tensor | MixingRows,
     block_size: int,
     *,
     normalize="paper",
@@ -118,7 +136,9 @@ def mhla_causal_torch(
     Args:
         q, k: ``[B, T, H, D]``; v: ``[B, T, H, Dv]``; any ``T >= 1``.
         mixing: ``[M, M]`` or ``[H, M, M]`` with ``M >= ceil((P + T) / block_size)``, where ``P`` is the
-            number of tokens already in ``initial_state`` (0 without one).
+            number of tokens already in ``initial_state`` (0 without one); or :class:`MixingRows` covering the
+            blocks ``P // block_size .. ceil((P + T) / block_size) - 1`` (the state then keeps the blocks of
+            their window and folds the others, :class:`MHLAState`).
         initial_state: state after ``P`` tokens (``P`` need not be a multiple of the block size).
         output_final_state: also return the state after ``P + T`` tokens.
     Returns:
@@ -135,25 +155,34 @@ def mhla_causal_torch(
     Dv = v.shape[-1]
     C = block_size
     acc = accumulation_dtype(q.dtype)
+    compact = isinstance(mixing, MixingRows)
     if initial_state is None:
-        state = init_state(B, H, D, Dv, C, device=q.device, dtype=acc)
+        state = init_state(B, H, D, Dv, C, device=q.device, dtype=acc, window=mixing.window if compact else None)
     else:
         check_state(initial_state, q, v, C)
-        state = initial_state
+        check_window(initial_state, mixing)
+        state = rewindow(initial_state, mixing.window) if compact else initial_state
     P = state.num_tokens
     first_block, offset = divmod(P, C)
     total_blocks = ceil_div(P + T, C)
     # shape and rows only: the values were checked once by mhla_attention, and a variable-length call runs
     # this once per length bucket (a full-matrix scan per call was most of its per-call cost)
-    check_mixing(mixing, H, total_blocks, check_values=False)
+    if compact:
+        check_rows(mixing, H, first_block, total_blocks, check_values=False)
+    else:
+        check_mixing(mixing, H, total_blocks, check_values=False)
+    cut = 0
     if offset and offset + T > C:
         # The chunk starts inside a block and runs past it: finish that block first, so that below a chunk
         # either starts on a block boundary or lies inside one block.
-        head = C - offset
+        cut = C - offset
+    elif compact and total_blocks - first_block > SEGMENT_BLOCKS:
+        cut = SEGMENT_BLOCKS * C
+    if cut:
         kw = dict(normalize=mode, eps=eps)
-        o1, mid = mhla_causal_torch(q[:, :head], k[:, :head], v[:, :head], mixing, C, initial_state=state,
+        o1, mid = mhla_causal_torch(q[:, :cut], k[:, :cut], v[:, :cut], mixing, C, initial_state=state,
                                     output_final_state=True, **kw)
-        rest = mhla_causal_torch(q[:, head:], k[:, head:], v[:, head:], mixing, C, initial_state=mid,
+        rest = mhla_causal_torch(q[:, cut:], k[:, cut:], v[:, cut:], mixing, C, initial_state=mid,
                                  output_final_state=output_final_state, **kw)
         if output_final_state:
             return torch.cat([o1, rest[0]], dim=1), rest[1]
@@ -171,9 +200,12 @@ def mhla_causal_torch(
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
     mix = mixing.to(acc)
-    mix_h = mix if mix.dim() == 3 else mix.unsqueeze(0)
     rows = torch.arange(first_block, first_block + nb, device=q.device)
-    diag = mix_h[:, rows, rows].transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
+    if compact:
+        diag = mix.rows(first_block, first_block + nb)[0].transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
+    else:
+        mix_h = mix if mix.dim() == 3 else mix.unsqueeze(0)
+        diag = mix_h[:, rows, rows].transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
 
     # Summaries of the chunk's blocks; the first also holds the state's running sum for that block.
     chunk_summaries = torch.einsum("bnhcd,bnhce->bnhde", kb, vb)
@@ -184,12 +216,25 @@ def mhla_causal_torch(
     chunk_key_sums = torch.cat(
         [chunk_key_sums[:, :1] + state.current_key_sum.unsqueeze(1), chunk_key_sums[:, 1:]], dim=1
     )
-    all_summaries = torch.cat([state.block_summaries.transpose(1, 2), chunk_summaries], dim=1)
-    all_key_sums = torch.cat([state.block_key_sums.transpose(1, 2), chunk_key_sums], dim=1)
+    # The columns every block of the chunk may read: the state's kept blocks (and its folded sum), then the
+    # chunk's own blocks.
+    prev_s, prev_z = state.block_summaries, state.block_key_sums
+    if compact:
+        ids = torch.tensor(state.kept_block_ids() + list(range(first_block, first_block + nb)), device=q.device)
+        coeff = row_coefficients(mix, first_block, nb, ids)  # [H or 1, nb, n_kept + nb]
+        if state.num_folded_blocks:  # the folded blocks: one column, read with the shared coefficient
+            n_prev = prev_s.shape[2]
+            far = mix.rows(first_block, first_block + nb)[3].unsqueeze(-1)
+            coeff = torch.cat([coeff[..., :n_prev], far, coeff[..., n_prev:]], dim=-1)
+            prev_s = torch.cat([prev_s, state.far_summary.unsqueeze(2)], dim=2)
+            prev_z = torch.cat([prev_z, state.far_key_sum.unsqueeze(2)], dim=2)
+    else:
+        coeff = _mix_rows(mix, rows, first_block + nb)
+    coeff = coeff.expand(H, -1, -1)  # [H, nb, n_all]
+    all_summaries = torch.cat([prev_s.transpose(1, 2), chunk_summaries], dim=1)
+    all_key_sums = torch.cat([prev_z.transpose(1, 2), chunk_key_sums], dim=1)
 
     # Inter-block term: every block reads the strictly earlier blocks through its row of the mixing.
-    coeff = _mix_rows(mix, rows, first_block + nb).expand(H, -1, -1)  # [H, nb, n_all]
-
     def mix_earlier(spec, x):  # x: [B, n_all, H, ...] -> [B, nb, H, ...], block i reads blocks j < i
         return causal_product(lambda y: torch.einsum(spec, coeff, y), x, 1, strict=True)
 
@@ -221,18 +266,23 @@ def mhla_causal_torch(
 
     end = P + T
     finished = end // C
-    n_all = first_block + nb
-    if finished == n_all:  # the chunk ended exactly on a block boundary
+    new = finished - first_block  # blocks of the chunk that are finished: nb, or nb - 1
+    if new == nb:  # the chunk ended exactly on a block boundary
         cur_s = torch.zeros_like(state.current_summary)
         cur_z = torch.zeros_like(state.current_key_sum)
     else:
-        cur_s, cur_z = all_summaries[:, -1], all_key_sums[:, -1]
+        cur_s, cur_z = chunk_summaries[:, -1], chunk_key_sums[:, -1]
+    kept_s, kept_z, far_s, far_z = fold_blocks(state, chunk_summaries[:, :new].transpose(1, 2),
+                                               chunk_key_sums[:, :new].transpose(1, 2), finished)
     new_state = MHLAState(
-        block_summaries=all_summaries[:, :finished].transpose(1, 2),
-        block_key_sums=all_key_sums[:, :finished].transpose(1, 2),
+        block_summaries=kept_s,
+        block_key_sums=kept_z,
         current_summary=cur_s,
         current_key_sum=cur_z,
         num_tokens=end,
         block_size=C,
+        window=state.window,
+        far_summary=far_s,
+        far_key_sum=far_z,
     )
     return o, new_state
