@@ -51,19 +51,21 @@ class AttentionCache:
 
     ``attn``: the op's state (:class:`mhla.ops.MHLAState` for MHLA, ``(S, z)`` for linear attention,
     ``(k, v)`` for softmax); ``conv``: the last ``kernel - 1`` values ``[B, kernel - 1, inner]`` for a
-    causal CPE.
+    causal CPE; ``short_conv``: the last ``kernel - 1`` inputs of the short convolution,
+    ``[B, kernel - 1, q | k | v channels]`` (fla's ``ShortConvolution`` cache).
 
-    After a variable-length call (``cu_seqlens``) both are *lists* of ``N`` per-sequence states, each of
+    After a variable-length call (``cu_seqlens``) each is a *list* of ``N`` per-sequence states, each of
     batch 1 (sequences may have consumed different numbers of tokens); a list is how the layers tell the two
     apart. A later variable-length call splits a batched cache into such a list.
     """
 
     attn: object = None
     conv: torch.Tensor | None = None
+    short_conv: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (the op's state, the convolutions' past inputs)."""
-        return tensor_nbytes(self.attn) + tensor_nbytes(self.conv)
+        return tensor_nbytes(self.attn) + tensor_nbytes(self.conv) + tensor_nbytes(self.short_conv)
 
 
 def tensor_nbytes(obj) -> int:
@@ -111,8 +113,8 @@ class AttentionBase(nn.Module):
             ``"before_feature_map"``, ``"after_feature_map"``; only attentions whose ``supports.rope`` is set
             take another value, and they then need ``rope_tables`` with each call.
         short_conv: kernel of a causal depthwise conv + SiLU on the projected q, k and v (fla's
-            ``ShortConvolution``; 0: off). Causal layers only; training and full-sequence calls (no cache, no
-            ``cu_seqlens``).
+            ``ShortConvolution``; 0: off). Causal layers only; a cache keeps its last ``kernel - 1`` inputs
+            (decoding, chunked prefill), and ``cu_seqlens`` convolves every sequence alone.
         attn_drop, proj_drop: dropout on the attention output / after the output projection.
         grid, num_prefix_tokens: the token grid ``(T,)``, ``(H, W)`` or ``(F, H, W)`` and the class / register
             tokens in front of it (used by CPE and by layouts); without ``grid`` the tokens form a 1-D sequence.
@@ -271,9 +273,10 @@ class AttentionBase(nn.Module):
         return out
 
     # ---------------------------------------------------------------------------------- projections
-    def _project(self, x: torch.Tensor):
+    def _project(self, x: torch.Tensor, cache: AttentionCache | None = None, cu_seqlens=None):
         """``x: [B, N, C]`` -> q, k ``[B, N, H, D]`` (normed, short-convolved; not feature-mapped or rotated),
-        v ``[B, N, H, Dv]``."""
+        v ``[B, N, H, Dv]``. ``cache`` / ``cu_seqlens``: the short convolution continues the cached inputs /
+        convolves each packed sequence alone (:meth:`_apply_short_conv`)."""
         B, N, _ = x.shape
         H, D, Dv = self.num_heads, self.head_dim, self.value_dim
         q, k, v = self.qkv(x).split([H * D, H * D, H * Dv], dim=-1)
@@ -281,17 +284,53 @@ class AttentionBase(nn.Module):
         k = self.k_norm(k.view(B, N, H, D))
         v = v.view(B, N, H, Dv)
         if self.short_conv is not None:
-            q, k, v = self._apply_short_conv(q, k, v)
+            q, k, v = self._apply_short_conv(q, k, v, cache, cu_seqlens)
         return q, k, v
 
-    def _apply_short_conv(self, q, k, v):
-        """Causal depthwise conv (kernel ``K``, left zero padding) + SiLU over the tokens of q, k ``[B, T, H, D]``
-        and v ``[B, T, H, Dv]``, channel by channel (token ``t`` sees ``t - K + 1 .. t``)."""
+    def _apply_short_conv(self, q, k, v, cache: AttentionCache | None = None, cu_seqlens=None):
+        """Causal depthwise conv (kernel ``K``) + SiLU over the tokens of q, k ``[B, T, H, D]`` and
+        v ``[B, T, H, Dv]``, channel by channel (token ``t`` sees ``t - K + 1 .. t``; zeros before the first).
+
+        ``cache``: the convolution continues after ``cache.short_conv`` (the last ``K - 1`` inputs, zeros when
+        None) and stores the new last ``K - 1``. ``cu_seqlens`` (``q: [1, total_T, H, D]``): every packed
+        sequence is convolved alone, after its own cached inputs (a list per sequence, as ``cache.conv``)."""
         B, T, H, D = q.shape
-        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1).transpose(1, 2)
-        qkv = F.silu(self.short_conv(F.pad(qkv, (self.short_conv.kernel_size[0] - 1, 0)))).transpose(1, 2)
+        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        if cu_seqlens is not None:
+            qkv = self._short_conv_varlen(qkv, cache, cu_seqlens)
+        else:
+            qkv, past = self._short_conv_step(qkv, cache.short_conv if cache is not None else None)
+            if cache is not None:
+                cache.short_conv = past
         q, k, v = qkv.split([H * D, H * D, v.shape[2] * v.shape[3]], dim=-1)
         return q.reshape(B, T, H, D), k.reshape(B, T, H, D), v.reshape(B, T, H, -1)
+
+    def _short_conv_step(self, x: torch.Tensor, past: torch.Tensor | None):
+        """The short convolution of ``x: [B, T, ch]`` after ``past: [B, K - 1, ch]`` (None: zeros) ->
+        ``(silu(conv) [B, T, ch], the new past [B, K - 1, ch], detached)``."""
+        K = self.short_conv.kernel_size[0]
+        xt = x.transpose(1, 2)
+        full = F.pad(xt, (K - 1, 0)) if past is None else torch.cat([past.transpose(1, 2), xt], dim=2)
+        out = F.silu(self.short_conv(full)).transpose(1, 2)
+        return out, full[:, :, full.shape[2] - (K - 1):].transpose(1, 2).detach()
+
+    def _short_conv_varlen(self, x: torch.Tensor, cache: AttentionCache | None, cu_seqlens) -> torch.Tensor:
+        """:meth:`_short_conv_step` on a packed ``x: [1, total_T, ch]``, every sequence alone after its own past
+        (``cache.short_conv``: a list of per-sequence pasts)."""
+        pasts = self._varlen_states(cache, "short_conv", cu_seqlens)
+
+        def op(x, past, final):
+            out, new_past = self._short_conv_step(x, past)
+            return (out, new_past) if final else out
+
+        def empty():
+            return x.new_zeros(1, self.short_conv.kernel_size[0] - 1, x.shape[2])
+
+        if cache is None:
+            return run_varlen(op, (x,), cu_seqlens)
+        out, cache.short_conv = run_varlen(op, (x,), cu_seqlens, initial_state=pasts, output_final_state=True,
+                                           empty_state=empty)
+        return out
 
     def _grid_for(self, n_grid: int, grid_size) -> tuple[int, ...]:
         if grid_size is not None:
@@ -379,10 +418,6 @@ class AttentionBase(nn.Module):
             raise ValueError(f"{type(self).__name__} was built with causal=False but called with is_causal=True")
         if cache is not None and not self.causal:
             raise ValueError("cache is for causal layers")
-        if self.short_conv is not None and (cache is not None or cu_seqlens is not None):
-            raise NotImplementedError(
-                "short_conv is for training and full-sequence evaluation: cached decoding and packed / padded "
-                "calls keep no conv state yet (call with use_cache=False and no attention_mask)")
         if cu_seqlens is not None:
             return self._forward_varlen(x, attn_mask, cache, cu_seqlens, rope_tables)
         P = self.num_prefix_tokens
@@ -391,7 +426,7 @@ class AttentionBase(nn.Module):
         if layout is not None:  # a layer with blocks works in block-major order from its input on: per-token ops
             # do not care, and the token order (the order of the sums of the weight gradients) stays the same
             x = torch.cat([x[:, :P], layout.raster_to_block_major(x[:, P:])], dim=1)
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, cache)
         cpe_out = None
         if self.cpe is not None:
             vg = v[:, P:].reshape(x.shape[0], -1, self.num_heads * self.value_dim)
@@ -422,15 +457,15 @@ class AttentionBase(nn.Module):
             raise ValueError(f"{type(self).__name__}: cu_seqlens is for causal layers over 1-D sequences")
         if attn_mask is not None:
             raise ValueError("pass either attn_mask or cu_seqlens")
-        q, k, v = self._project(x)
-        check_cu_seqlens(cu_seqlens, q)
+        check_cu_seqlens(cu_seqlens, x.unsqueeze(2))
+        q, k, v = self._project(x, cache, cu_seqlens)
         cpe_out = None
         if self.cpe is not None:
             cpe_out = self._apply_cpe_varlen(v.flatten(2), cache, cu_seqlens)
         return self._finish(self._attend_varlen(q, k, v, cache, cu_seqlens, rope_tables), x, cpe_out)
 
     def _varlen_states(self, cache: AttentionCache | None, field: str, cu_seqlens) -> list | None:
-        """The per-sequence states ``cache.<field>`` (``"attn"`` or ``"conv"``) for a packed call with
+        """The per-sequence states ``cache.<field>`` (``"attn"``, ``"conv"`` or ``"short_conv"``) for a packed call with
         ``cu_seqlens``: None when there are none yet, else a list of ``N`` (a batched cache is split)."""
         state = getattr(cache, field) if cache is not None else None
         if state is None:
