@@ -103,14 +103,12 @@ def mhla_noncausal_torch(
     return out.permute(0, 2, 3, 1, 4).reshape(B, T, H, Dv).to(v.dtype)
 
 
-def _mix_rows(mixing: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tensor:
-    """Strictly-lower-triangular coefficients for global block rows ``rows`` over columns ``0..cols-1``.
-
-    Returns ``[H or 1, len(rows), cols]`` with entry ``mixing[r, c]`` where ``c < r`` else 0.
-    """
+def _mix_rows(mixing: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Strictly-lower-triangular coefficients of the block rows ``first .. first + n - 1`` over the columns
+    ``0 .. first + n - 1``: ``[H or 1, n, first + n]`` with entry ``mixing[r, c]`` where ``c < r`` else 0."""
     mix = mixing if mixing.dim() == 3 else mixing.unsqueeze(0)
-    keep = torch.arange(cols, device=mix.device).unsqueeze(0) < rows.unsqueeze(1)
-    return torch.where(keep, mix[:, rows, :cols], 0.0)
+    keep = torch.ones(n, first + n, dtype=torch.bool, device=mix.device).tril(first - 1)
+    return torch.where(keep, mix[:, first:first + n, :first + n], 0.0)
 
 
 #: a call with compact mixing rows runs in pieces of at most this many blocks, each continuing the state of the
@@ -193,29 +191,35 @@ def mhla_causal_torch(
     # O(T L) whatever the block size. The `offset` tokens of the first block seen before live in the state.
     nb = ceil_div(offset + T, C)
     L = C if nb > 1 else T
+    pad = nb * L - T
 
     def blocks(x):
-        x = torch.nn.functional.pad(x.to(acc), (0, 0, 0, 0, 0, nb * L - T))
+        x = x.to(acc)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
         return x.reshape(B, nb, L, H, x.shape[-1]).transpose(2, 3)  # [B, nb, H, L, d]
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    # Without an initial state nothing is carried in: the state's terms (zeros) are left out, not added.
+    carry = initial_state is not None
     mix = mixing.to(acc)
-    rows = torch.arange(first_block, first_block + nb, device=q.device)
     if compact:
         diag = mix.rows(first_block, first_block + nb)[0].transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
     else:
         mix_h = mix if mix.dim() == 3 else mix.unsqueeze(0)
-        diag = mix_h[:, rows, rows].transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
+        own = mix_h[:, first_block:first_block + nb, first_block:first_block + nb]
+        diag = torch.diagonal(own, dim1=1, dim2=2).transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
 
     # Summaries of the chunk's blocks; the first also holds the state's running sum for that block.
     chunk_summaries = torch.einsum("bnhcd,bnhce->bnhde", kb, vb)
     chunk_key_sums = kb.sum(3)
-    chunk_summaries = torch.cat(
-        [chunk_summaries[:, :1] + state.current_summary.unsqueeze(1), chunk_summaries[:, 1:]], dim=1
-    )
-    chunk_key_sums = torch.cat(
-        [chunk_key_sums[:, :1] + state.current_key_sum.unsqueeze(1), chunk_key_sums[:, 1:]], dim=1
-    )
+    if carry:
+        chunk_summaries = torch.cat(
+            [chunk_summaries[:, :1] + state.current_summary.unsqueeze(1), chunk_summaries[:, 1:]], dim=1
+        )
+        chunk_key_sums = torch.cat(
+            [chunk_key_sums[:, :1] + state.current_key_sum.unsqueeze(1), chunk_key_sums[:, 1:]], dim=1
+        )
     # The columns every block of the chunk may read: the state's kept blocks (and its folded sum), then the
     # chunk's own blocks.
     prev_s, prev_z = state.block_summaries, state.block_key_sums
@@ -229,14 +233,27 @@ def mhla_causal_torch(
             prev_s = torch.cat([prev_s, state.far_summary.unsqueeze(2)], dim=2)
             prev_z = torch.cat([prev_z, state.far_key_sum.unsqueeze(2)], dim=2)
     else:
-        coeff = _mix_rows(mix, rows, first_block + nb)
+        coeff = _mix_rows(mix, first_block, nb)
     coeff = coeff.expand(H, -1, -1)  # [H, nb, n_all]
-    all_summaries = torch.cat([prev_s.transpose(1, 2), chunk_summaries], dim=1)
-    all_key_sums = torch.cat([prev_z.transpose(1, 2), chunk_key_sums], dim=1)
+    if prev_s.shape[2]:
+        all_summaries = torch.cat([prev_s.transpose(1, 2), chunk_summaries], dim=1)
+        all_key_sums = torch.cat([prev_z.transpose(1, 2), chunk_key_sums], dim=1)
+    else:
+        all_summaries, all_key_sums = chunk_summaries, chunk_key_sums
+
+    # The causal sums below are dense products that also multiply the masked (zero) weights by later values;
+    # one host sync says whether every value is finite, and only then are the products taken as they are
+    # (else :func:`causal_product` keeps a non-finite value from reaching earlier outputs).
+    paper = mode == "paper"
+    finite = not torch.compiler.is_compiling() and bool(torch.isfinite(
+        all_summaries.detach().sum() + vb.detach().sum() + (all_key_sums.detach().sum() if paper else 0)))
+
+    def causal(product, x, dim, strict=False):
+        return product(x) if finite else causal_product(product, x, dim, strict=strict, lazy=False)
 
     # Inter-block term: every block reads the strictly earlier blocks through its row of the mixing.
     def mix_earlier(spec, x):  # x: [B, n_all, H, ...] -> [B, nb, H, ...], block i reads blocks j < i
-        return causal_product(lambda y: torch.einsum(spec, coeff, y), x, 1, strict=True)
+        return causal(lambda y: torch.einsum(spec, coeff, y), x, 1, strict=True)
 
     prefix = mix_earlier("hij,bjhde->bihde", all_summaries)
     out = torch.einsum("bnhcd,bnhde->bnhce", qb, prefix)
@@ -245,18 +262,19 @@ def mhla_causal_torch(
     causal_mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     scores = torch.where(causal_mask, torch.einsum("bnhcd,bnhsd->bnhcs", qb, kb), 0.0)
     diag_b = diag.view(1, nb, -1, 1)  # broadcast over [B, nb, H, L]
-    intra = causal_product(lambda x: torch.einsum("bnhcs,bnhse->bnhce", scores, x), vb, 3)
-    # Tokens of the first block that were consumed before this call live in the state's running sum.
-    carried = torch.einsum("bhcd,bhde->bhce", qb[:, 0], state.current_summary)
-    intra = torch.cat([intra[:, :1] + carried.unsqueeze(1), intra[:, 1:]], dim=1)
+    intra = causal(lambda x: torch.einsum("bnhcs,bnhse->bnhce", scores, x), vb, 3)
+    if carry:  # tokens of the first block that were consumed before this call live in the state's running sum
+        carried = torch.einsum("bhcd,bhde->bhce", qb[:, 0], state.current_summary)
+        intra = torch.cat([intra[:, :1] + carried.unsqueeze(1), intra[:, 1:]], dim=1)
     out = out + diag_b.unsqueeze(-1) * intra
 
-    if mode == "paper":
+    if paper:
         prefix_z = mix_earlier("hij,bjhd->bihd", all_key_sums)
         den = torch.einsum("bnhcd,bnhd->bnhc", qb, prefix_z)
         intra_z = scores.sum(-1)
-        carried_z = torch.einsum("bhcd,bhd->bhc", qb[:, 0], state.current_key_sum)
-        intra_z = torch.cat([intra_z[:, :1] + carried_z.unsqueeze(1), intra_z[:, 1:]], dim=1)
+        if carry:
+            carried_z = torch.einsum("bhcd,bhd->bhc", qb[:, 0], state.current_key_sum)
+            intra_z = torch.cat([intra_z[:, :1] + carried_z.unsqueeze(1), intra_z[:, 1:]], dim=1)
         den = den + diag_b * intra_z
         out = out / (den.unsqueeze(-1) + eps)
 
