@@ -459,6 +459,8 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
         raise ValueError(f"need 0 <= start < stop, got {start}, {stop}")
     M = w.shape[-1]
     kh, kr = extension_window(M, rule)
+    if start >= M:  # every row extended (decoding past the learned rows): a few slices of the last learned row
+        return _extended_rows(w, start, stop, rule)
     dev = w.device
     i = torch.arange(start, stop, device=dev)  # [n]
     learned = i < M
@@ -492,6 +494,32 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
             scale = torch.where(learned, 1.0, scale)  # [..., n]
             diag, far, recent = diag * scale, far * scale, recent * scale.unsqueeze(-1)
     return MixingRows(start, diag, head, recent, far)
+
+
+def _extended_rows(w: torch.Tensor, start: int, stop: int, rule: str) -> MixingRows:
+    """:func:`causal_mixing_rows` for rows ``start .. stop - 1`` all at or past ``M`` (the same values)."""
+    M, n = w.shape[-1], stop - start
+    last = w[..., M - 1, :]  # [..., M]
+    lead = last.shape[:-1]
+    diag = last[..., M - 1:].expand(*lead, n)
+    empty = w.new_zeros(*lead, n, 0)
+    if rule == "last_row":
+        return MixingRows(start, diag, last[..., None, :M - 1].expand(*lead, n, M - 1), empty,
+                          last[..., M - 1:].expand(*lead, n))
+    recent = last[..., :M - 1].flip(-1).unsqueeze(-2).expand(*lead, n, M - 1)  # L[M-1, M-1-d], d = 1 .. M-1
+    far0 = last[..., :1]
+    count = torch.arange(start - M + 1, stop - M + 1, device=w.device).to(w.dtype)  # blocks farther back
+    if rule in ("relative", "mass_matched"):
+        far = far0.expand(*lead, n)
+    elif rule == "window":
+        far = torch.zeros_like(far0).expand(*lead, n)
+    else:  # uniform_far
+        far = far0 / count
+    if rule == "mass_matched":
+        target = last.sum(-1, keepdim=True)
+        scale = target / (target + count * far0).clamp_min(1e-12)  # [..., n]
+        diag, far, recent = diag * scale, far * scale, recent * scale.unsqueeze(-1)
+    return MixingRows(start, diag, empty, recent, far)
 
 
 def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
