@@ -69,8 +69,8 @@ class AttentionCache:
 
 
 def tensor_nbytes(obj) -> int:
-    """Bytes of the tensors in a state: a tensor, a tuple / list of states, an object with ``nbytes()`` (such as
-    :class:`mhla.ops.MHLAState`), or None."""
+    """Bytes of the tensors in a state: a tensor, a tuple / list of states, an object with ``nbytes()``
+    (such as :class:`mhla.ops.MHLAState`), or None."""
     if obj is None:
         return 0
     if torch.is_tensor(obj):
@@ -315,8 +315,8 @@ class AttentionBase(nn.Module):
         return out, full[:, :, full.shape[2] - (K - 1):].transpose(1, 2).detach()
 
     def _short_conv_varlen(self, x: torch.Tensor, cache: AttentionCache | None, cu_seqlens) -> torch.Tensor:
-        """:meth:`_short_conv_step` on a packed ``x: [1, total_T, ch]``, every sequence alone after its own past
-        (``cache.short_conv``: a list of per-sequence pasts)."""
+        """:meth:`_short_conv_step` on a packed ``x: [1, total_T, ch]``, every sequence alone after its own
+        past (``cache.short_conv``: a list of per-sequence pasts)."""
         pasts = self._varlen_states(cache, "short_conv", cu_seqlens)
 
         def op(x, past, final):
@@ -465,8 +465,9 @@ class AttentionBase(nn.Module):
         return self._finish(self._attend_varlen(q, k, v, cache, cu_seqlens, rope_tables), x, cpe_out)
 
     def _varlen_states(self, cache: AttentionCache | None, field: str, cu_seqlens) -> list | None:
-        """The per-sequence states ``cache.<field>`` (``"attn"``, ``"conv"`` or ``"short_conv"``) for a packed call with
-        ``cu_seqlens``: None when there are none yet, else a list of ``N`` (a batched cache is split)."""
+        """The per-sequence states ``cache.<field>`` (``"attn"``, ``"conv"``, ``"short_conv"``) of a packed
+        call with ``cu_seqlens``: None when there are none yet, else a list of ``N`` (a batched cache is
+        split)."""
         state = getattr(cache, field) if cache is not None else None
         if state is None:
             return None

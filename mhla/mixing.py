@@ -363,7 +363,8 @@ class MixingMatrix(nn.Module):
         bounded decode state reads (:class:`mhla.ops.MixingRows`, :func:`causal_mixing_rows`): O((stop -
         start) * M) numbers whatever ``stop``, where :meth:`forward` builds ``stop x stop``. Causal only."""
         if not self.causal:
-            raise ValueError("causal_rows is for causal mixing matrices (a non-causal layer has one row per block)")
+            raise ValueError("causal_rows is for causal mixing matrices (a non-causal layer has one row per "
+                             "block)")
         return causal_mixing_rows(self.learned(), start, stop, self.extension)
 
     def extra_repr(self) -> str:
@@ -459,7 +460,7 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
         raise ValueError(f"need 0 <= start < stop, got {start}, {stop}")
     M = w.shape[-1]
     kh, kr = extension_window(M, rule)
-    if start >= M:  # every row extended (decoding past the learned rows): a few slices of the last learned row
+    if start >= M:  # every row extended (decoding past the learned rows): slices of the last learned row
         return _extended_rows(w, start, stop, rule)
     dev = w.device
     i = torch.arange(start, stop, device=dev)  # [n]

@@ -1,34 +1,37 @@
 #!/usr/bin/env python
 """Language-model decoding against the context: per-token time and cache size, MHLA / linear / softmax.
 
-For each preset (``small``: 4 layers x 256; ``340m``: the paper's 24 x 1024), attention (the same ``MHLALMForCausalLM``
-code with ``attn`` mhla / linear / softmax) and context ``L`` (default 1k, 2k, ..., 64k), in ONE process:
+For each preset (``small``: 4 layers x 256; ``340m``: the paper's 24 x 1024), attention (the same
+``MHLALMForCausalLM`` code with ``attn`` mhla / linear / softmax) and context ``L`` (default 1k, 2k, ...,
+64k), in ONE process:
 
 1. the model's cache is brought to ``L`` tokens (``--fill``, below);
-2. ``--warmup`` tokens are decoded untimed, then ``--repeats`` times ``--new-tokens`` tokens one at a time (greedy,
-   batch ``--batch``, ``torch.no_grad``), each repeat timed as a whole (CPU ``time.perf_counter``; CUDA synchronised
-   around it); per-token time = the median over the repeats of (repeat time / new tokens), with p25-p75;
-3. the cache size is what the cache itself reports (``MHLALMCache.nbytes()``: every tensor of every layer's state).
+2. ``--warmup`` tokens are decoded untimed, then ``--repeats`` times ``--new-tokens`` tokens one at a time
+   (greedy, batch ``--batch``, ``torch.no_grad``), each repeat timed as a whole (CPU ``time.perf_counter``;
+   CUDA synchronised around it); per-token time = the median over the repeats of (repeat time / new tokens),
+   with p25-p75;
+3. the cache size is what the cache itself reports (``MHLALMCache.nbytes()``: every tensor of every
+   layer's state).
 
-``--fill synthetic`` (default) writes into the cache the tensors a prefill of ``L`` tokens leaves, with their real
-shapes and dtypes and random values (:func:`fill_cache`: MHLA the kept block summaries of its window, the folded far
-sum and the open block; linear attention ``(S, z)``; softmax ``L`` keys and values), because a decode step's cost
-depends on those shapes only and a real 64k-token prefill of softmax attention takes hours on a CPU. ``--fill
-prefill`` runs the real chunked prefill instead (``--prefill-chunk`` tokens per call) and records its time. The
-tests check that a synthetic cache has the layout and the size of a real prefill's.
+``--fill synthetic`` (default) writes into the cache the tensors a prefill of ``L`` tokens leaves, with their
+real shapes and dtypes and random values (:func:`fill_cache`: MHLA the kept block summaries of its window, the
+folded far sum and the open block; linear attention ``(S, z)``; softmax ``L`` keys and values), because a
+decode step's cost depends on those shapes only and a real 64k-token prefill of softmax attention takes hours
+on a CPU. ``--fill prefill`` runs the real chunked prefill instead (``--prefill-chunk`` tokens per call) and
+records its time. The tests check that a synthetic cache has the layout and the size of a real prefill's.
 
-Load: the 1-minute load average before anything runs and after, and the CPU time other processes used during the
-run (``/proc/stat`` minus this process). When either the starting load average or that share exceeds
-``--busy-threshold`` (0.5) per core, the machine was busy: the run is refused before it starts (load average) or
-nothing is written at the end (exit status 2), unless ``--allow-busy``, which writes it marked BUSY.
+Load: the 1-minute load average before anything runs and after, and the CPU time other processes used during
+the run (``/proc/stat`` minus this process). When either the starting load average or that share exceeds
+``--busy-threshold`` (0.5) per core, the machine was busy: the run is refused before it starts (load average)
+or nothing is written at the end (exit status 2), unless ``--allow-busy``, which writes it marked BUSY.
 
     python scripts/bench_generation.py                                   # CPU: small and 340m, 1k .. 64k
     python scripts/bench_generation.py --presets small --contexts 1024 4096
     python scripts/bench_generation.py --device cuda --dtype bf16        # the GPU run (GPU_COMMAND)
     python scripts/bench_generation.py --plot-only                       # redraw the .png from the .json
 
-Writes ``results/bench/generation_<device>.json``, ``.md`` and ``.png`` (per-token time and cache size against L,
-one line per preset and attention, log-log).
+Writes ``results/bench/generation_<device>.json``, ``.md`` and ``.png`` (per-token time and cache size against
+L, one line per preset and attention, log-log).
 """
 
 from __future__ import annotations
@@ -57,16 +60,17 @@ PRESETS = {
 }
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 ATTNS = ["mhla", "linear", "softmax"]
-GPU_COMMAND = ("python scripts/bench_generation.py --device cuda --dtype bf16 --presets small 340m --contexts "
-               + " ".join(map(str, CONTEXTS)))
-TIME_METHOD = ("one process; per preset and attention one model, per context a fresh cache filled to L tokens, "
-               "{warmup} decode steps untimed, then {repeats} repeats of {new_tokens} steps each timed as a whole "
-               "(CPU time.perf_counter, CUDA synchronised); ms/token = median over the repeats of repeat time / "
-               "{new_tokens} (p25-p75 in brackets).")
+GPU_COMMAND = ("python scripts/bench_generation.py --device cuda --dtype bf16 --presets small 340m "
+               "--contexts " + " ".join(map(str, CONTEXTS)))
+TIME_METHOD = ("one process; per preset and attention one model, per context a fresh cache filled to "
+               "L tokens, {warmup} decode steps untimed, then {repeats} repeats of {new_tokens} steps each "
+               "timed as a whole (CPU time.perf_counter, CUDA synchronised); ms/token = median over the "
+               "repeats of repeat time / {new_tokens} (p25-p75 in brackets).")
 FILL_METHOD = {
-    "synthetic": ("the cache holds the tensors a prefill of L tokens leaves (real shapes and dtypes, random values: "
-                  "MHLA its kept block summaries, the folded far sum and the open block; linear (S, z); softmax L keys "
-                  "and values); a decode step's cost depends on the shapes only."),
+    "synthetic": ("the cache holds the tensors a prefill of L tokens leaves (real shapes and dtypes, "
+                  "random values: MHLA its kept block summaries, the folded far sum and the open block; "
+                  "linear (S, z); softmax L keys and values); a decode step's cost depends on the shapes "
+                  "only."),
     "prefill": "a real chunked prefill of L random tokens ({chunk} per call), timed (prefill s).",
 }
 
@@ -101,9 +105,10 @@ def synthetic_state(layer, L: int, batch: int, dtype: torch.dtype, device, gen: 
         kept = sum(kept_blocks(L // C, window))
         open_tokens = L % C
         return MHLAState(
-            block_summaries=rand(batch, H, kept, D, Dv, scale=C), block_key_sums=rand(batch, H, kept, D, scale=C),
-            current_summary=rand(batch, H, D, Dv, scale=open_tokens), current_key_sum=rand(batch, H, D, scale=open_tokens),
-            num_tokens=L, block_size=C, window=window,
+            block_summaries=rand(batch, H, kept, D, Dv, scale=C),
+            block_key_sums=rand(batch, H, kept, D, scale=C),
+            current_summary=rand(batch, H, D, Dv, scale=open_tokens),
+            current_key_sum=rand(batch, H, D, scale=open_tokens), num_tokens=L, block_size=C, window=window,
             far_summary=rand(batch, H, D, Dv, scale=L), far_key_sum=rand(batch, H, D, scale=L))
     if isinstance(layer, LinearAttention):
         return rand(batch, H, D, Dv, scale=L), rand(batch, H, D, scale=L)
@@ -113,8 +118,8 @@ def synthetic_state(layer, L: int, batch: int, dtype: torch.dtype, device, gen: 
 
 
 def fill_cache(model, cache, L: int, batch: int) -> None:
-    """Bring ``cache`` to ``L`` tokens without a prefill (:func:`synthetic_state` per layer; the causal CPE's and the
-    short convolution's last inputs as random values too)."""
+    """Bring ``cache`` to ``L`` tokens without a prefill (:func:`synthetic_state` per layer; the causal CPE's
+    and the short convolution's last inputs as random values too)."""
     p = next(model.parameters())
     gen = torch.Generator().manual_seed(L)
     for i, block in enumerate(model.model.layers):
@@ -124,9 +129,8 @@ def fill_cache(model, cache, L: int, batch: int) -> None:
             state.conv = torch.rand(batch, attn.cpe_kernel - 1, attn.num_heads * attn.value_dim,
                                     generator=gen).to(p.device, p.dtype)
         if attn.short_conv is not None:
-            ch = attn.short_conv.in_channels
-            state.short_conv = torch.rand(batch, attn.short_conv.kernel_size[0] - 1, ch, generator=gen).to(p.device,
-                                                                                                          p.dtype)
+            shape = (batch, attn.short_conv.kernel_size[0] - 1, attn.short_conv.in_channels)
+            state.short_conv = torch.rand(*shape, generator=gen).to(p.device, p.dtype)
     cache.advance(L)
 
 
@@ -139,7 +143,8 @@ def prefill(model, cache, L: int, batch: int, chunk: int) -> None:
 
 
 def cache_bytes_estimate(preset: str, attn: str, L: int, batch: int, dtype: torch.dtype) -> int:
-    """Bytes of a softmax KV cache at ``L`` tokens (others: 0), to skip what cannot fit (``--max-cache-gib``)."""
+    """Bytes of a softmax KV cache at ``L`` tokens (others: 0), to skip what cannot fit
+    (``--max-cache-gib``)."""
     if attn != "softmax":
         return 0
     from models.lm import MHLALMConfig  # noqa: PLC0415
@@ -169,8 +174,8 @@ def measure(model, preset: str, attn: str, L: int, args, dtype: torch.dtype) -> 
             row["prefill_s"] = time.perf_counter() - t0
         else:
             fill_cache(model, cache, L, args.batch)
-        tok = torch.randint(0, model.config.vocab_size, (args.batch, 1), generator=torch.Generator().manual_seed(1))
-        tok = tok.to(device)
+        gen = torch.Generator().manual_seed(1)
+        tok = torch.randint(0, model.config.vocab_size, (args.batch, 1), generator=gen).to(device)
 
         def step(tok):
             return model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -231,21 +236,23 @@ def write_results(data: dict, out_dir: str) -> str:
 def markdown(data: dict, name: str) -> str:
     h, s, rows = data["machine"], data["settings"], data["rows"]
     fmt = lambda la: "/".join(f"{x:.2f}" for x in la) if la else "n/a"  # noqa: E731
-    lines = [f"# Decoding against the context: per-token time and cache size ({s['device']}, {s['dtype']})", "",
+    lines = [f"# Decoding against the context: per-token time and cache size ({s['device']}, {s['dtype']})",
+             "",
              f"Command: `{data['command']}`", "", f"GPU: `{GPU_COMMAND}`", ""]
     if data.get("busy"):
-        lines += [f"**BUSY: {data['busy']}. These times are inflated and noisy; re-run on an idle machine.**", ""]
-    lines += [f"Machine: {h.get('gpu') or h.get('cpu', '?')}, {h.get('cpu_count')} CPUs, torch {h.get('torch')} "
-              f"({h.get('torch_threads')} threads), {h.get('date')}. Load average (1/5/15 min) "
-              f"{fmt(data.get('loadavg_start'))} before, {fmt(data.get('loadavg_end'))} after; other processes used "
-              f"{data.get('other_cpu_frac', 'n/a')} of the CPUs during the run.", ""]
+        lines += [f"**BUSY: {data['busy']}. These times are inflated and noisy; re-run on an idle machine.**",
+                  ""]
+    lines += [f"Machine: {h.get('gpu') or h.get('cpu', '?')}, {h.get('cpu_count')} CPUs, torch "
+              f"{h.get('torch')} ({h.get('torch_threads')} threads), {h.get('date')}. Load average "
+              f"(1/5/15 min) {fmt(data.get('loadavg_start'))} before, {fmt(data.get('loadavg_end'))} after; "
+              f"other processes used {data.get('other_cpu_frac', 'n/a')} of the CPUs during the run.", ""]
     presets = sorted({r["preset"] for r in rows}, key=list(PRESETS).index)
-    lines += ["Presets: " + "; ".join(f"`{p}` {PRESETS[p]}" for p in presets) + " (the same MHLALM code for every "
-              "attention; MHLA with the LM defaults: 32 learned mixing rows, `uniform_far`).", "",
+    fill = FILL_METHOD[s["fill"]].format(chunk=s.get("prefill_chunk"))
+    lines += ["Presets: " + "; ".join(f"`{p}` {PRESETS[p]}" for p in presets) + " (the same MHLALM code for "
+              "every attention; MHLA with the LM defaults: 32 learned mixing rows, `uniform_far`).", "",
               "Time: " + TIME_METHOD.format(**s), "",
-              "Cache: " + FILL_METHOD[s["fill"]].format(chunk=s.get("prefill_chunk")) + " Size: `MHLALMCache.nbytes()`, "
-              "every tensor of every layer's state (MHLA: at most 31 block summaries, the folded far sum, the open "
-              "block and its cached prefix).", "",
+              f"Cache: {fill} Size: `MHLALMCache.nbytes()`, every tensor of every layer's state (MHLA: at "
+              "most 31 block summaries, the folded far sum, the open block and its cached prefix).", "",
               "| preset | attention | context L | ms / token [p25-p75] | / linear | cache MiB |"
               + (" prefill s |" if s["fill"] == "prefill" else ""),
               "|---|---|---|---|---|---|" + ("---|" if s["fill"] == "prefill" else "")]
@@ -253,15 +260,17 @@ def markdown(data: dict, name: str) -> str:
     for r in rows:
         head = f"| {r['preset']} | {r['attn']} | {r['context']} |"
         if "error" in r or "skipped" in r:
-            lines.append(f"{head} {r.get('error') or r.get('skipped')} | | |" + (" |" if s["fill"] == "prefill" else ""))
+            extra = " |" if s["fill"] == "prefill" else ""
+            lines.append(f"{head} {r.get('error') or r.get('skipped')} | | |{extra}")
             continue
         lin = by.get((r["preset"], "linear", r["context"]))
         ratio = f"{r['ms_per_token'] / lin['ms_per_token']:.2f}x" if lin and "ms_per_token" in lin else "n/a"
         q = r["ms_per_token_iqr"]
-        lines.append(f"{head} {r['ms_per_token']:.2f} [{q[0]:.2f}-{q[1]:.2f}] | {ratio} | {r['cache_mib']:.3f} |"
-                     + (f" {r['prefill_s']:.1f} |" if s["fill"] == "prefill" else ""))
-    lines += ["", "Summary (MHLA's goal: per-token time flat in the context and within 1.2x of linear attention's; "
-              "cache flat):", ""]
+        extra = f" {r['prefill_s']:.1f} |" if s["fill"] == "prefill" else ""
+        lines.append(f"{head} {r['ms_per_token']:.2f} [{q[0]:.2f}-{q[1]:.2f}] | {ratio} | "
+                     f"{r['cache_mib']:.3f} |{extra}")
+    lines += ["", "Summary (MHLA's goal: per-token time flat in the context and within 1.2x of linear "
+              "attention's; cache flat):", ""]
     for p in presets:
         for a in ("mhla", "linear", "softmax"):
             ok = sorted((r for r in rows if r["preset"] == p and r["attn"] == a and "ms_per_token" in r),
@@ -270,7 +279,8 @@ def markdown(data: dict, name: str) -> str:
                 continue
             lo, hi = ok[0], ok[-1]
             text = (f"- `{p}` {a}: {hi['ms_per_token'] / lo['ms_per_token']:.2f}x the per-token time and "
-                    f"{hi['cache_bytes'] / lo['cache_bytes']:.2f}x the cache from L = {lo['context']} to {hi['context']}")
+                    f"{hi['cache_bytes'] / lo['cache_bytes']:.2f}x the cache from L = {lo['context']} to "
+                    f"{hi['context']}")
             if a == "mhla":
                 ratios = [by[(p, "mhla", L)]["ms_per_token"] / by[(p, "linear", L)]["ms_per_token"]
                           for L in sorted({r["context"] for r in ok})
@@ -278,15 +288,16 @@ def markdown(data: dict, name: str) -> str:
                 if ratios:
                     text += f"; against linear attention {min(ratios):.2f}x-{max(ratios):.2f}x per token"
             lines.append(text + ".")
-    lines += ["", f"Plot: `{name}.png` (ms / token and cache MiB against the context L, one line per preset and "
-                  "attention, log-log; redraw from the .json with `--plot-only`)."]
+    lines += ["", f"Plot: `{name}.png` (ms / token and cache MiB against the context L, one line per preset "
+                  "and attention, log-log; redraw from the .json with `--plot-only`)."]
     return "\n".join(lines) + "\n"
 
 
 def plot_generation(data: dict, path: str) -> str:
-    """ms / token and cache MiB against the context L, one line per preset and attention (a .json written before
-    the presets were rows, one preset and ``decode_ms_per_token``, draws too)."""
-    rows = [{"preset": data.get("preset"), **r, "ms_per_token": r.get("ms_per_token", r.get("decode_ms_per_token"))}
+    """ms / token and cache MiB against the context L, one line per preset and attention (a .json written
+    before the presets were rows, one preset and ``decode_ms_per_token``, draws too)."""
+    rows = [{"preset": data.get("preset"), **r,
+             "ms_per_token": r.get("ms_per_token", r.get("decode_ms_per_token"))}
             for r in data["rows"] if "error" not in r and "skipped" not in r]
     label = lambda r: f"{r['preset']} {r['attn']}"  # noqa: E731
     colors = colors_for(label(r) for r in rows)
@@ -299,8 +310,9 @@ def plot_generation(data: dict, path: str) -> str:
         loglog_lines(ax, series, "context L (tokens)", name, name, colors)
     s = data.get("settings", {})
     busy = " (BUSY machine)" if data.get("busy") else ""
-    fig.suptitle(f"Decoding against the context, {data.get('machine', {}).get('device', '')} {s.get('dtype', '')}, "
-                 f"batch {s.get('batch', '?')}{busy}", fontsize=11)
+    device = data.get("machine", {}).get("device", "")
+    fig.suptitle(f"Decoding against the context, {device} {s.get('dtype', '')}, batch "
+                 f"{s.get('batch', '?')}{busy}", fontsize=11)
     return save_figure(fig, path)
 
 
@@ -313,15 +325,19 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     ap.add_argument("--dtype", default=None, help="fp32 (CPU default) | bf16 (CUDA default) | fp16")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--new-tokens", type=int, default=64, help="decode steps per timed repeat (64: one MHLA block)")
+    ap.add_argument("--new-tokens", type=int, default=64,
+                    help="decode steps per timed repeat (64: one MHLA block)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps before the repeats")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--fill", default="synthetic", choices=["synthetic", "prefill"])
     ap.add_argument("--prefill-chunk", type=int, default=2048)
-    ap.add_argument("--max-cache-gib", type=float, default=8.0, help="skip a softmax context whose KV cache is larger")
-    ap.add_argument("--busy-threshold", type=float, default=0.5, help="load per core above which the machine is busy")
-    ap.add_argument("--allow-busy", action="store_true", help="measure and write on a busy machine, marked BUSY")
+    ap.add_argument("--max-cache-gib", type=float, default=8.0,
+                    help="skip a softmax context whose KV cache is larger")
+    ap.add_argument("--busy-threshold", type=float, default=0.5,
+                    help="load per core above which the machine is busy")
+    ap.add_argument("--allow-busy", action="store_true",
+                    help="measure and write on a busy machine, marked BUSY")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench"))
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw <out>/generation_<device>.png from its .json; measure nothing")
@@ -342,9 +358,11 @@ def main(argv=None) -> int:
     load0 = load_average()
     busy = []
     if args.device == "cpu" and load0 and load0[0] > limit:
-        busy.append(f"load average {load0[0]:.2f} before the run, above {limit:g} ({args.busy_threshold} x {cpus} CPUs)")
+        busy.append(f"load average {load0[0]:.2f} before the run, above {limit:g} ({args.busy_threshold} x "
+                    f"{cpus} CPUs)")
         if not args.allow_busy:
-            print(f"refusing to measure: {busy[0]}; wait for an idle machine or pass --allow-busy", file=sys.stderr)
+            print(f"refusing to measure: {busy[0]}; wait for an idle machine or pass --allow-busy",
+                  file=sys.stderr)
             return 2
     dtype_name = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -381,10 +399,11 @@ def main(argv=None) -> int:
             busy.append(f"other processes used {other:.0%} of the CPUs during the run (above "
                         f"{args.busy_threshold:.0%})")
     data = {"machine": header, "command": cmd.strip(), "settings": settings, "loadavg_start": load0,
-            "loadavg_end": load_average(), "other_cpu_frac": other, "busy": "; ".join(busy) or None, "rows": rows}
+            "loadavg_end": load_average(), "other_cpu_frac": other, "busy": "; ".join(busy) or None,
+            "rows": rows}
     if busy and not args.allow_busy:
-        print(f"not writing: the machine was busy ({data['busy']}); re-run on an idle machine or pass --allow-busy",
-              file=sys.stderr)
+        print(f"not writing: the machine was busy ({data['busy']}); re-run on an idle machine or pass "
+              "--allow-busy", file=sys.stderr)
         return 2
     stem = write_results(data, args.out)
     print(f"wrote {stem}.json, .md and .png")

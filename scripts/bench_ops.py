@@ -9,9 +9,9 @@
 
 Non-causal: MHLA (torch backend, locality mixing, M blocks with M^2 <= T), linear attention, SDPA.
 Causal: MHLA chunkwise (block 64), our chunkwise linear attention, the plain chunked causal linear attention
-(``plain_linear``: the textbook form in a dozen tensor ops, no checks or state; the anchor of the ratios), SDPA
-causal, and a reimplementation of the authors' release's form (python loops over 64-token chunks; checked equal
-to ours before timing).
+(``plain_linear``: the textbook form in a dozen tensor ops, no checks or state; the anchor of the ratios),
+SDPA causal, and a reimplementation of the authors' release's form (python loops over 64-token chunks; checked
+equal to ours before timing).
 
 Each case runs in a fresh subprocess. Time: median (and p25-p75) over repeated runs after warm-up (wall
 clock with ``time.perf_counter`` on CPU; CUDA events on GPU). Memory: on CPU the growth of the process's peak
@@ -32,10 +32,11 @@ subprocess per case, no memory): the three ways timed in turn, round by round, m
 Writes ``results/bench/varlen_<device>[_quick].json`` and ``.md`` (ratios a/b, c/a; load average).
 
 ``--causal-overhead``: the per-call cost of the causal torch path, side by side in one process: causal MHLA
-(``backend="torch"``), the project's causal linear attention and the plain chunked form (:func:`plain_chunked_linear`,
-the anchor), fwd and fwd+bwd, timed in turn round by round (as ``--varlen``), at ``--seq-lens`` (default 1024
-4096 16384), B 1, H 4, D 64, block 64 unless given. Writes ``results/bench/causal_overhead_<device>[_quick]``
-.json and .md with the ratios to the plain form and the load average before and after.
+(``backend="torch"``), the project's causal linear attention and the plain chunked form
+(:func:`plain_chunked_linear`, the anchor), fwd and fwd+bwd, timed in turn round by round (as ``--varlen``),
+at ``--seq-lens`` (default 1024 4096 16384), B 1, H 4, D 64, block 64 unless given. Writes
+``results/bench/causal_overhead_<device>[_quick]`` .json and .md with the ratios to the plain form and the
+load average before and after.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def check_plain_equivalence() -> float:
     g = torch.Generator().manual_seed(2)
     q, k = (torch.rand(2, 203, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(2, 203, 3, 8, generator=g, dtype=torch.float64)
-    return (plain_chunked_linear(q, k, v, 64) - mhla.linear_attention(q, k, v, causal=True)).abs().max().item()
+    diff = plain_chunked_linear(q, k, v, 64) - mhla.linear_attention(q, k, v, causal=True)
+    return diff.abs().max().item()
 
 
 def choose_num_blocks(T: int) -> int:
@@ -635,8 +637,8 @@ def to_markdown(header: dict, records: list[dict], command: str, equiv: float) -
                 lines.append(f"| {r['op']} | {r['T']} | {m} | {c} | "
                              f"{r['fwd_ms']:.2f}{bw} | {r['fwdbwd_ms']:.2f}{flag} | {spread} | "
                              f"{r['peak_mem_mb']:.1f} |")
-        lines += ["", "| T | MHLA / fastest linear (fwd+bwd) | SDPA / MHLA (fwd+bwd) | MHLA / plain chunked linear "
-                  "(fwd+bwd) | linear / plain chunked linear (fwd+bwd) |", "|---|---|---|---|---|"]
+        lines += ["", "| T | MHLA / fastest linear (fwd+bwd) | SDPA / MHLA (fwd+bwd) | MHLA / plain chunked "
+                  "linear (fwd+bwd) | linear / plain chunked linear (fwd+bwd) |", "|---|---|---|---|---|"]
         by = {(r["op"], r["T"]): r for r in records if r["causal"] == causal and not r.get("skipped")}
         for T in sorted({r["T"] for r in records}):
             m, sd, pl = by.get(("mhla", T)), by.get(("sdpa", T)), by.get(("plain_linear", T))
@@ -659,10 +661,11 @@ OVERHEAD_OPS = {"plain": "plain chunked causal linear attention (plain_chunked_l
 
 
 OVERHEAD_TIME_METHOD = (
-    "in-process (one process for all lengths): two fwd+bwd rounds of the three ops as warm-up, then N rounds, each "
-    "timing the three once in turn, so that load changes hit all three alike; N = min(--repeats, --budget-s / one "
-    "round), at least 3; median (p25-p75 in the .json). CPU wall clock (time.perf_counter), GPU CUDA events. fwd "
-    "under torch.no_grad(); fwd+bwd backpropagates a fixed random output gradient to q, k, v (and MHLA's mixing).")
+    "in-process (one process for all lengths): two fwd+bwd rounds of the three ops as warm-up, then N rounds,"
+    " each timing the three once in turn, so that load changes hit all three alike; N = min(--repeats, "
+    "--budget-s / one round), at least 3; median (p25-p75 in the .json). CPU wall clock (time.perf_counter), "
+    "GPU CUDA events. fwd under torch.no_grad(); fwd+bwd backpropagates a fixed random output gradient to q, "
+    "k, v (and MHLA's mixing).")
 
 
 def overhead_fns(args, T: int):
@@ -680,9 +683,9 @@ def overhead_fns(args, T: int):
 
 
 def run_causal_overhead(args, command: str) -> int:
-    """``--causal-overhead``: causal MHLA and linear attention against the plain chunked form, timed in turn in
-    one process; writes ``<out-dir>/causal_overhead_<device>[_quick]`` .json and .md. Returns the exit status
-    (1 when the plain form does not equal the project's linear attention)."""
+    """``--causal-overhead``: causal MHLA and linear attention against the plain chunked form, timed in turn
+    in one process; writes ``<out-dir>/causal_overhead_<device>[_quick]`` .json and .md. Returns the exit
+    status (1 when the plain form does not equal the project's linear attention)."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
     header = system_info(args.device)
     header["loadavg_start"] = load_average()
@@ -724,8 +727,8 @@ def run_causal_overhead(args, command: str) -> int:
                 rec[f"{name}_over_plain_{label}"] = rec[f"{name}_{label}_ms"] / rec[f"plain_{label}_ms"]
         busy1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
         if busy0 is not None and busy1 is not None:
-            rec["other_cpu_frac"] = round(max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall * (os.cpu_count() or 1)),
-                                          3)
+            other = max(0.0, (busy1 - busy0) - (own1 - own0))
+            rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
         records.append(rec)
         print(f"T={T:6d}: fwd+bwd plain {rec['plain_fwdbwd_ms']:.2f} ms, MHLA {rec['mhla_fwdbwd_ms']:.2f} ms "
               f"({rec['mhla_over_plain_fwdbwd']:.2f}x), linear {rec['linear_fwdbwd_ms']:.2f} ms "
@@ -752,24 +755,26 @@ def overhead_markdown(out: dict) -> str:
     la0, la1 = h.get("loadavg_start"), h.get("loadavg_end")
     fmt = lambda la: "/".join(f"{x:.2f}" for x in la) if la else "n/a"  # noqa: E731
     cpus = h.get("cpu_count") or 1
-    lines = [f"# Causal per-call cost: MHLA and linear attention against the plain chunked form ({h['device']})",
+    lines = [f"# Causal per-call cost: MHLA and linear attention against the plain chunked form "
+             f"({h['device']})",
              "", f"Command: `{out['command']}`", "",
              f"Machine: {h.get('gpu') or h.get('cpu', '?')}, {cpus} CPUs, torch {h.get('torch')} "
-             f"({h.get('torch_threads')} threads), {h.get('date')}; load average (1/5/15 min) {fmt(la0)} at the "
-             f"start, {fmt(la1)} at the end.", ""]
+             f"({h.get('torch_threads')} threads), {h.get('date')}; load average (1/5/15 min) {fmt(la0)} at "
+             f"the start, {fmt(la1)} at the end.", ""]
     if h["device"] == "cpu" and max((la0 or [0])[0], (la1 or [0])[0]) > 0.5 * cpus:
-        lines += [f"NOTE: the machine was loaded (load average above {0.5 * cpus:g} on {cpus} CPUs); the times are "
-                  "inflated and the ratios noisy. Re-run on an idle machine.", ""]
+        lines += [f"NOTE: the machine was loaded (load average above {0.5 * cpus:g} on {cpus} CPUs); the "
+                  "times are inflated and the ratios noisy. Re-run on an idle machine.", ""]
     lines += [f"Settings: B={s['batch']}, H={s['heads']}, D={s['dim']}, {s['dtype']}, block {s['block']}. "
-              f"The plain form equals `mhla.linear_attention(causal=True)` to {out['plain_max_abs_diff']:.1e} "
-              "(fp64).", ""]
+              "The plain form equals `mhla.linear_attention(causal=True)` to "
+              f"{out['plain_max_abs_diff']:.1e} (fp64).", ""]
     lines += [f"- `{k}`: {v}" for k, v in out["ops"].items()] + ["", f"Time: {out['time_method']}", ""]
     lines += ["| T | plain fwd ms | MHLA fwd ms | linear fwd ms | plain fwd+bwd ms | MHLA fwd+bwd ms | "
               "linear fwd+bwd ms | MHLA / plain fwd | MHLA / plain fwd+bwd | linear / plain fwd+bwd |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["records"]:
         flag = " (busy)" if r.get("other_cpu_frac", 0.0) > BUSY_WARN else ""
-        ms = " | ".join(f"{r[f'{n}_{x}_ms']:.2f}" for x in ("fwd", "fwdbwd") for n in ("plain", "mhla", "linear"))
+        ms = " | ".join(f"{r[f'{n}_{x}_ms']:.2f}" for x in ("fwd", "fwdbwd")
+                        for n in ("plain", "mhla", "linear"))
         lines.append(f"| {r['T']} | {ms}{flag} | {r['mhla_over_plain_fwd']:.2f}x | "
                      f"{r['mhla_over_plain_fwdbwd']:.2f}x | {r['linear_over_plain_fwdbwd']:.2f}x |")
     return "\n".join(lines) + "\n"
@@ -799,8 +804,9 @@ def parse_args(argv=None):
                    help="the variable-length benchmark instead (module docstring); --seq-lens: total lengths")
     p.add_argument("--num-docs", type=int, default=8, help="--varlen: documents per packed batch")
     p.add_argument("--causal-overhead", action="store_true",
-                   help="the causal per-call cost benchmark instead (module docstring): MHLA and linear against the "
-                        "plain chunked form, side by side; default B 1, H 4, --seq-lens 1024 4096 16384")
+                   help="the causal per-call cost benchmark instead (module docstring): MHLA and linear "
+                        "against the plain chunked form, side by side; default B 1, H 4, --seq-lens 1024 "
+                        "4096 16384")
     p.add_argument("--plot-only", action="store_true",
                    help="redraw <out-dir>/<stem>.png from the .json these options name; measure nothing")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: op,causal,T -> run one case, print JSON

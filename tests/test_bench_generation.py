@@ -1,5 +1,6 @@
-"""scripts/bench_generation.py on a tiny preset: the decoding benchmark runs in one process, writes its json / md /
-png, marks or refuses a busy machine, and its synthetic cache has the layout and size of a real prefill's."""
+"""scripts/bench_generation.py on a tiny preset: the decoding benchmark runs in one process, writes its json /
+md / png, marks or refuses a busy machine, and its synthetic cache has the layout and size of a real
+prefill's."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def test_synthetic_cache_has_the_layout_and_size_of_a_real_prefill(attn):
 
 
 def test_tiny_run_writes_json_md_png(tmp_path):
-    argv = ["--presets", "tiny", "--contexts", "16", "40", "--new-tokens", "4", "--repeats", "2", "--warmup", "1",
-            "--allow-busy", "--out", str(tmp_path)]
+    argv = ["--presets", "tiny", "--contexts", "16", "40", "--new-tokens", "4", "--repeats", "2",
+            "--warmup", "1", "--allow-busy", "--out", str(tmp_path)]
     assert bg.main(argv) == 0
     data = json.loads((tmp_path / "generation_cpu.json").read_text())
     rows = data["rows"]
@@ -67,7 +68,8 @@ def test_tiny_run_writes_json_md_png(tmp_path):
 
 def test_real_prefill_fill(tmp_path):
     argv = ["--presets", "tiny", "--attns", "mhla", "--contexts", "24", "--new-tokens", "2", "--repeats", "1",
-            "--warmup", "0", "--fill", "prefill", "--prefill-chunk", "10", "--allow-busy", "--out", str(tmp_path)]
+            "--warmup", "0", "--fill", "prefill", "--prefill-chunk", "10", "--allow-busy", "--out",
+            str(tmp_path)]
     assert bg.main(argv) == 0
     (row,) = json.loads((tmp_path / "generation_cpu.json").read_text())["rows"]
     assert row["prefill_s"] > 0 and row["fill"] == "prefill"
@@ -75,8 +77,8 @@ def test_real_prefill_fill(tmp_path):
 
 
 def test_busy_machine_is_refused(tmp_path, monkeypatch):
-    argv = ["--presets", "tiny", "--attns", "linear", "--contexts", "8", "--new-tokens", "1", "--repeats", "1",
-            "--warmup", "0", "--out", str(tmp_path)]
+    argv = ["--presets", "tiny", "--attns", "linear", "--contexts", "8", "--new-tokens", "1", "--repeats",
+            "1", "--warmup", "0", "--out", str(tmp_path)]
     monkeypatch.setattr(bg, "load_average", lambda: [100.0, 100.0, 100.0])
     assert bg.main(argv) == 2  # refused before measuring
     assert not (tmp_path / "generation_cpu.json").exists()

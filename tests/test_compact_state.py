@@ -1,10 +1,11 @@
-"""Constant-memory MHLA decoding: the compact mixing rows (:class:`mhla.ops.MixingRows`) and the bounded state.
+"""Constant-memory MHLA decoding: the compact mixing rows (:class:`mhla.ops.MixingRows`), the bounded state.
 
-Every extension rule gives the blocks beyond its window one shared coefficient per row, so a state keeps at most
-``M - 1`` block summaries plus one folded sum. Checked: the rows equal the dense extended matrix, token-by-token
-decoding and chunked prefill (torch and Triton backends, variable-length) equal one full forward at 8x the
-learned length (fp64 to rounding, fp32 to its rounding, every rule, shared and per-head mixing), the state's size
-stops growing, gradients through a compact chunked call equal the dense call's, and the language model's cache.
+Every extension rule gives the blocks beyond its window one shared coefficient per row, so a state keeps at
+most ``M - 1`` block summaries plus one folded sum. Checked: the rows equal the dense extended matrix,
+token-by-token decoding and chunked prefill (torch and Triton backends, variable-length) equal one full
+forward at 8x the learned length (fp64 to rounding, fp32 to its rounding, every rule, shared and per-head
+mixing), the state's size stops growing, gradients through a compact chunked call equal the dense call's, and
+the language model's cache.
 """
 
 import math
@@ -16,7 +17,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mhla.mixing import EXTENSION_RULES, MixingMatrix, causal_mixing_rows, extend_causal_mixing, extension_window
+from mhla.mixing import (
+    EXTENSION_RULES,
+    MixingMatrix,
+    causal_mixing_rows,
+    extend_causal_mixing,
+    extension_window,
+)
 from mhla.ops import MHLAState, MixingRows, init_state, mhla_attention, mhla_decode_step
 from mhla.ops.mhla.chunk import SEGMENT_BLOCKS
 from mhla.ops.mhla.state import kept_block_ids, row_coefficients
@@ -121,7 +128,7 @@ def test_fp32_decode_equals_the_fp32_forward_to_its_rounding(rule):
 
 
 def test_state_size_stops_growing():
-    """After M - 1 blocks the state holds M - 1 summaries, a folded sum and the open block, whatever the length."""
+    """After M - 1 blocks the state holds M - 1 summaries, a folded sum and the open block, at any length."""
     q, k, v = rand_qkv(1, 40 * C, 2, 4, 4)
     mm = mixing_matrix("uniform_far")
     sizes = {}
@@ -132,7 +139,7 @@ def test_state_size_stops_growing():
         sizes[t + 1] = st.nbytes()
     per_summary = 4 * 4 * 8 + 4 * 8  # S [4, 4] and z [4] in fp64, per head
     late = range(M * C, q.shape[1] + 1)
-    # at a block end: M - 1 kept + the folded sum + the (empty) open block; inside a block also the cached prefix
+    # at a block end: M - 1 kept + the folded sum + the (empty) open block; inside a block also the prefix
     assert {sizes[t] for t in late if t % C == 0} == {2 * (M - 1 + 2) * per_summary}
     assert {sizes[t] for t in late if t % C} == {2 * (M - 1 + 3) * per_summary}
 
@@ -196,7 +203,8 @@ def test_bad_rows_are_rejected():
     with pytest.raises(ValueError, match="nonnegative"):
         mhla_attention(q, k, v, neg, C, causal=True)
     with pytest.raises(ValueError, match="heads"):
-        mhla_attention(q, k, v, mixing_matrix("relative", per_head=True, H=3).causal_rows(0, 3), C, causal=True)
+        rows3 = mixing_matrix("relative", per_head=True, H=3).causal_rows(0, 3)
+        mhla_attention(q, k, v, rows3, C, causal=True)
     with pytest.raises(ValueError, match="reference"):
         mhla_attention(q, k, v, rows, C, causal=True, backend="reference")
     with pytest.raises(ValueError):
@@ -284,8 +292,8 @@ def test_triton_prefill_returns_and_continues_the_compact_state(rule):
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs, 1), want, rtol=1e-5, atol=1e-5)
     assert isinstance(st, MHLAState) and st.block_summaries.shape[2] == M - 1 and st.num_folded_blocks > 0
-    ref_st = mhla_attention(q, k, v, mm.causal_rows(0, math.ceil(T / C)), C, causal=True, output_final_state=True,
-                            backend="torch")[1]
+    ref_st = mhla_attention(q, k, v, mm.causal_rows(0, math.ceil(T / C)), C, causal=True,
+                            output_final_state=True, backend="torch")[1]
     for name in ("block_summaries", "far_summary", "current_summary", "far_key_sum"):
         torch.testing.assert_close(getattr(st, name), getattr(ref_st, name), rtol=1e-5, atol=1e-5)
 

@@ -220,9 +220,9 @@ def test_short_conv_is_causal_and_mixes_the_previous_tokens(attn_type):
 
 @pytest.mark.parametrize("attn_type", ATTNS)
 def test_short_conv_decodes(attn_type):
-    """With attn.short_conv the cache keeps the conv's last K-1 inputs: model(x) with the default use_cache=True
-    works, a prefill then one token at a time (and a chunked prefill) gives the logits of one full forward (fp64),
-    and generate() with the cache gives the tokens of generate() without it."""
+    """With attn.short_conv the cache keeps the conv's last K-1 inputs: model(x) with the default
+    use_cache=True works, a prefill then one token at a time (and a chunked prefill) gives the logits of one
+    full forward (fp64), and generate() with the cache gives the tokens of generate() without it."""
     model = tiny(attn_type, short_conv=4).double()
     _randomize_mixing(model)
     x = torch.randint(0, 61, (2, 29))
@@ -242,7 +242,8 @@ def test_short_conv_decodes(attn_type):
     prompt = torch.randint(1, 61, (1, 6))
     kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        assert torch.equal(gen.generate(prompt, use_cache=True, **kw), gen.generate(prompt, use_cache=False, **kw))
+        with_cache = gen.generate(prompt, use_cache=True, **kw)
+        assert torch.equal(with_cache, gen.generate(prompt, use_cache=False, **kw))
 
 
 def test_short_conv_kernel_must_be_nonnegative():

@@ -108,9 +108,9 @@ def test_batched_generate_left_padding_equals_one_prompt_at_a_time(attn_type, nu
 
 @pytest.mark.parametrize("attn_type", ATTNS)
 def test_short_conv_padded_and_packed_calls_equal_each_sequence_alone(attn_type):
-    """attn.short_conv (the conv keeps its last K-1 inputs per sequence): a padded batch (prefill, then decoding
-    with the growing mask) and packed documents give the logits of each sequence alone, and batched generate()
-    over left-padded prompts the tokens of one prompt at a time."""
+    """attn.short_conv (the conv keeps its last K-1 inputs per sequence): a padded batch (prefill, then
+    decoding with the growing mask) and packed documents give the logits of each sequence alone, and batched
+    generate() over left-padded prompts the tokens of one prompt at a time."""
     model = tiny(attn_type, short_conv=4).double()
     seqs = prompts(LENGTHS, seed=7)
     ids, mask = pad(seqs, "left")
@@ -121,7 +121,8 @@ def test_short_conv_padded_and_packed_calls_equal_each_sequence_alone(attn_type)
         steps = [model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1:]]
         for t in range(more.shape[1]):
             mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
-            steps.append(model(more[:, t:t + 1], attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+            out_t = model(more[:, t:t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+            steps.append(out_t.logits)
         steps = torch.cat(steps, dim=1)
         for i, s in enumerate(seqs):
             alone = model(torch.cat([s, more[i]])[None], use_cache=False).logits[0]
@@ -132,8 +133,8 @@ def test_short_conv_padded_and_packed_calls_equal_each_sequence_alone(attn_type)
         reset = model(rows, cu_seqlens=doc_cu_seqlens(rows, EOS), use_cache=False).logits
         doc2 = torch.cat([d2, torch.tensor([EOS])])
         start = len(d1) + 1
-        torch.testing.assert_close(reset[0, start:start + len(doc2)], model(doc2[None], use_cache=False).logits[0],
-                                   rtol=1e-10, atol=1e-10)
+        alone = model(doc2[None], use_cache=False).logits[0]
+        torch.testing.assert_close(reset[0, start:start + len(doc2)], alone, rtol=1e-10, atol=1e-10)
     gen = tiny(attn_type, short_conv=4, initializer_range=0.2)
     seqs = prompts([6, 2, 9], seed=3)
     ids, mask = pad(seqs, "left")

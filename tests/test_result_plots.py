@@ -82,8 +82,8 @@ def test_bench_generation_plot(tmp_path):
                                                                           ("linear", 0.9))]
     rows.append({"preset": "340m", "attn": "softmax", "context": 65536, "error": "OOM"})
     data = {"machine": {"device": "cpu"}, "command": "python scripts/bench_generation.py", "busy": None,
-            "settings": {"device": "cpu", "dtype": "fp32", "batch": 1, "new_tokens": 4, "repeats": 1, "warmup": 0,
-                         "fill": "synthetic"}, "rows": rows}
+            "settings": {"device": "cpu", "dtype": "fp32", "batch": 1, "new_tokens": 4, "repeats": 1,
+                         "warmup": 0, "fill": "synthetic"}, "rows": rows}
     stem = bench_generation.write_results(data, str(tmp_path))
     assert_png(stem + ".png", 20000)
     assert "Plot: `generation_cpu.png`" in open(stem + ".md").read()

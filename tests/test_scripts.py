@@ -45,7 +45,7 @@ def test_plain_chunked_form_is_causal_linear_attention():
 
 
 def test_bench_causal_overhead_quick_run(tmp_path):
-    """--causal-overhead: MHLA and linear attention against the plain chunked form, side by side, one process."""
+    """--causal-overhead: MHLA and linear against the plain chunked form, side by side, in one process."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_ops.py"), "--causal-overhead",
                            "--quick", "--seq-lens", "128", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)

@@ -10,10 +10,10 @@ Decoding: :class:`MHLALMCache` (a transformers ``Cache``) holds one :class:`mhla
 layer: the MHLA decode state (:class:`mhla.MHLAState`: at most ``max_learned_blocks - 1`` finished chunks'
 summaries, one folded sum of the older ones and the running one: constant size at any length), ``(S, z)`` for
 linear attention, the growing ``(k, v)`` for softmax, and the last inputs of the causal CPE and of the short
-convolution (``attn.short_conv``); :meth:`MHLALMCache.nbytes`
-reports its size. A prompt is prefilled in one chunked call; each new token is one ``mhla_decode_step``. Greedy outputs with the
-cache equal those without it (tests), at any length: there is no position cap (mixing coefficients beyond the
-learned ``max_learned_blocks`` rows extend by the config's ``mixing_extension`` rule, RoPE is computed on the fly).
+convolution (``attn.short_conv``); :meth:`MHLALMCache.nbytes` reports its size. A prompt is prefilled in one
+chunked call; each new token is one ``mhla_decode_step``. Greedy outputs with the cache equal those without it
+(tests), at any length: there is no position cap (mixing coefficients beyond the learned
+``max_learned_blocks`` rows extend by the config's ``mixing_extension`` rule, RoPE is computed on the fly).
 
 Padding and packed documents (:class:`PackedBatch`): a 2-D ``attention_mask`` with zeros (left or right
 padding, as ``generate()`` and tokenizers make them) or ``cu_seqlens`` (documents packed in a row) turns the
@@ -131,7 +131,8 @@ class MHLALMCacheLayer(CacheLayerMixin):
         """Per-sequence cache: keep the sequences ``rows`` (int indices, repeats allowed), in that order."""
         rows = rows.tolist()
         pick = lambda states: [states[i] for i in rows] if isinstance(states, list) else states  # noqa: E731
-        self.state = AttentionCache(**{f.name: pick(getattr(self.state, f.name)) for f in dataclasses.fields(self.state)})
+        self.state = AttentionCache(**{f.name: pick(getattr(self.state, f.name))
+                                       for f in dataclasses.fields(self.state)})
         self.seq_seen = self.seq_seen[rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -185,7 +186,7 @@ class MHLALMCache(Cache):
         return seq_seen.to(device)
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds, all layers (decode states, KV caches, convolution inputs)."""
+        """Bytes of every tensor the cache holds, all layers (decode states, KV caches, conv inputs)."""
         return sum(layer.state.nbytes() for layer in self.layers)
 
     @property

@@ -102,11 +102,11 @@ def mhla_attention(
             ``v: [1, total_T, H, Dv]``, ``cu_seqlens: [N + 1]`` int32/int64 (0 first, ``total_T`` last,
             non-decreasing; sequence ``n`` is tokens ``cu_seqlens[n]:cu_seqlens[n + 1]``, possibly empty).
             Every sequence is computed as if alone: its blocks start at its own first token, and ``mixing``
-            needs ``ceil(L_n / C)`` rows for the longest (counting its state's tokens). States are per
-            sequence: ``initial_state`` is a list of ``N`` :class:`MHLAState` of batch 1 (None entries start
-            empty; :class:`MixingRows` must cover the blocks of every sequence; a single ``MHLAState`` of batch ``N``, all sequences after the same tokens, is split), and
-            ``output_final_state`` returns a list of ``N`` :class:`MHLAState` of batch 1 (an empty sequence
-            keeps its initial state).
+            needs ``ceil(L_n / C)`` rows for the longest (counting its state's tokens; :class:`MixingRows`
+            must cover the blocks of every sequence). States are per sequence: ``initial_state`` is a list
+            of ``N`` :class:`MHLAState` of batch 1 (None entries start empty; a single ``MHLAState`` of
+            batch ``N``, all sequences after the same tokens, is split), and ``output_final_state`` returns a
+            list of ``N`` :class:`MHLAState` of batch 1 (an empty sequence keeps its initial state).
     Returns:
         ``o: [B, T, H, Dv]`` with the dtype of ``v``; ``(o, state)`` when ``output_final_state``
         (``[1, total_T, H, Dv]`` and a list of ``N`` states with ``cu_seqlens``).
@@ -143,7 +143,8 @@ def mhla_attention(
     if which == "reference" and stateful:
         raise ValueError("the reference backend has no state; use backend='torch'")
     if which == "reference" and isinstance(mixing, MixingRows):
-        raise ValueError("the reference backend takes a dense mixing matrix, not MixingRows; use backend='torch'")
+        raise ValueError("the reference backend takes a dense mixing matrix, not MixingRows; use "
+                         "backend='torch'")
     if causal:
         return _causal_op(which, mixing, block_size, mode, eps)(q, k, v, initial_state, output_final_state)
     if which == "reference":
@@ -200,7 +201,8 @@ def _mhla_varlen(q, k, v, mixing, block_size, cu_seqlens, *, normalize, eps, bac
     if which == "reference" and (states is not None or output_final_state):
         raise ValueError("the reference backend has no state; use backend='torch'")
     if which == "reference" and compact:
-        raise ValueError("the reference backend takes a dense mixing matrix, not MixingRows; use backend='torch'")
+        raise ValueError("the reference backend takes a dense mixing matrix, not MixingRows; use "
+                         "backend='torch'")
     H, D, Dv = q.shape[2], q.shape[3], v.shape[3]
 
     def empty_state():

@@ -111,9 +111,9 @@ def _mix_rows(mixing: torch.Tensor, first: int, n: int) -> torch.Tensor:
     return torch.where(keep, mix[:, first:first + n, :first + n], 0.0)
 
 
-#: a call with compact mixing rows runs in pieces of at most this many blocks, each continuing the state of the
-#: one before: its work is then O(T * (window + SEGMENT_BLOCKS)) per head, linear in T, where one piece would
-#: mix every block of the call with every earlier one.
+#: a call with compact mixing rows runs in pieces of at most this many blocks, each continuing the state of
+#: the one before: its work is then O(T * (window + SEGMENT_BLOCKS)) per head, linear in T, where one piece
+#: would mix every block of the call with every earlier one.
 SEGMENT_BLOCKS = 64
 
 
@@ -155,7 +155,8 @@ def mhla_causal_torch(
     acc = accumulation_dtype(q.dtype)
     compact = isinstance(mixing, MixingRows)
     if initial_state is None:
-        state = init_state(B, H, D, Dv, C, device=q.device, dtype=acc, window=mixing.window if compact else None)
+        state = init_state(B, H, D, Dv, C, device=q.device, dtype=acc,
+                           window=mixing.window if compact else None)
     else:
         check_state(initial_state, q, v, C)
         check_window(initial_state, mixing)
@@ -224,7 +225,8 @@ def mhla_causal_torch(
     # chunk's own blocks.
     prev_s, prev_z = state.block_summaries, state.block_key_sums
     if compact:
-        ids = torch.tensor(state.kept_block_ids() + list(range(first_block, first_block + nb)), device=q.device)
+        ids = torch.tensor(state.kept_block_ids() + list(range(first_block, first_block + nb)),
+                           device=q.device)
         coeff = row_coefficients(mix, first_block, nb, ids)  # [H or 1, nb, n_kept + nb]
         if state.num_folded_blocks:  # the folded blocks: one column, read with the shared coefficient
             n_prev = prev_s.shape[2]

@@ -50,7 +50,8 @@ def mhla_decode_step(
         )
     C = state.block_size
     compact = isinstance(mixing, MixingRows)
-    mode = check_causal(q, k, v, mixing, C, normalize=normalize, eps=eps, state=state, check_values=not compact)
+    mode = check_causal(q, k, v, mixing, C, normalize=normalize, eps=eps, state=state,
+                        check_values=not compact)
     if q.shape[1] != 1:
         raise ValueError(f"mhla_decode_step takes one token (T = 1), got T = {q.shape[1]}")
     H = q.shape[2]
@@ -91,7 +92,7 @@ def mhla_decode_step(
         out = out / (den.unsqueeze(-1) + eps)
 
     n = state.num_tokens + 1
-    if n % C == 0:  # the block is finished: keep it (folding one that leaves the window) and start an empty one
+    if n % C == 0:  # the block is finished: keep it (fold one that leaves the window), start an empty one
         s, z, far_s, far_z = fold_blocks(state, cur_s.unsqueeze(2), cur_z.unsqueeze(2), n // C)
         new_state = replace(
             state,

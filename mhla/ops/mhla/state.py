@@ -12,10 +12,10 @@ State: the summaries of the finished blocks that the later rows of the mixing ma
 * ``window=None`` (a dense mixing matrix ``[M, M]`` / ``[H, M, M]``): every finished block is kept, because a
   dense matrix may give every block its own coefficient in every later row. Memory O(T / C * D * Dv).
 * ``window=(head, recent)`` (the compact rows of :class:`MixingRows`, from
-  :meth:`mhla.mixing.MixingMatrix.causal_rows`): the first ``head`` and the last ``recent`` finished blocks are
-  kept, every other finished block is added into ``far_summary``, because the rows give all of them one shared
-  coefficient. Memory O((head + recent + 1) * D * Dv) at any length, the cost of a token O(D * Dv), plus
-  O((head + recent) * D * Dv) when it opens a block.
+  :meth:`mhla.mixing.MixingMatrix.causal_rows`): the first ``head`` and the last ``recent`` finished blocks
+  are kept, every other finished block is added into ``far_summary``, because the rows give all of them one
+  shared coefficient. Memory O((head + recent + 1) * D * Dv) at any length, the cost of a token O(D * Dv),
+  plus O((head + recent) * D * Dv) when it opens a block.
 
 The causal mixing rules of :mod:`mhla.mixing` all have this form with ``head + recent = M - 1`` (``M`` the
 learned rows): ``relative``, ``window``, ``uniform_far`` and ``mass_matched`` give every block farther than
@@ -34,9 +34,9 @@ from ..utils import accumulation_dtype, check_block_size, check_eps, check_mixin
 
 
 def kept_blocks(finished: int, window: tuple[int, int] | None) -> tuple[int, int]:
-    """How many of ``finished`` blocks a state with ``window`` keeps: ``(kh, kr)``, the first ``kh`` blocks and
-    the last ``kr`` ones (``window=None``: all, as ``(finished, 0)``). The other ``finished - kh - kr`` blocks,
-    ``kh .. finished - kr - 1``, are folded."""
+    """How many of ``finished`` blocks a state with ``window`` keeps: ``(kh, kr)``, the first ``kh`` blocks
+    and the last ``kr`` ones (``window=None``: all, as ``(finished, 0)``). The other ``finished - kh - kr``
+    blocks, ``kh .. finished - kr - 1``, are folded."""
     if window is None:
         return finished, 0
     kh = min(finished, window[0])
@@ -62,14 +62,14 @@ class MHLAState:
         current_key_sum: ``[B, H, D]`` running z of the current block.
         num_tokens: tokens consumed so far.
         block_size: chunk length C the state was built with.
-        window: None (every finished block kept; dense mixing matrices), or ``(head, recent)``: the blocks kept
-            apart (the compact rows of :class:`MixingRows` with that window).
+        window: None (every finished block kept; dense mixing matrices), or ``(head, recent)``: the blocks
+            kept apart (the compact rows of :class:`MixingRows` with that window).
         far_summary / far_key_sum: ``[B, H, D, Dv]`` / ``[B, H, D]``, the sum of the finished blocks that are
             not kept (:attr:`num_folded_blocks` of them); None when ``window`` is None.
         prefix_summary / prefix_key_sum: cache of the mixed earlier blocks ``sum_{b<i} mixing[i, b] S_b`` (and
             z) for the current block ``i``, filled by :func:`~mhla.ops.mhla.decode.mhla_decode_step` when a
-            token opens a block. It assumes the mixing does not change during decoding; the chunked forms never
-            read it.
+            token opens a block. It assumes the mixing does not change during decoding; the chunked forms
+            never read it.
 
     Variable-length calls (``mhla_attention(..., cu_seqlens=...)``) take and return one state per sequence: a
     list of ``N`` ``MHLAState`` of batch 1, since the sequences may have consumed different numbers of tokens.
@@ -165,9 +165,9 @@ def fold_blocks(state: MHLAState, new_s: torch.Tensor, new_z: torch.Tensor, fini
         finished: the finished blocks after.
     Returns:
         ``(block_summaries, block_key_sums, far_summary, far_key_sum)`` for ``finished`` blocks under
-        ``state.window`` (the far sums None when ``window`` is None). A block leaves the kept ones at most once,
-        into ``far_summary``; the kept ones are the first ``kh`` and the last ``kr`` of the old kept blocks
-        followed by the new ones (:func:`kept_blocks`).
+        ``state.window`` (the far sums None when ``window`` is None). A block leaves the kept ones at most
+        once, into ``far_summary``; the kept ones are the first ``kh`` and the last ``kr`` of the old kept
+        blocks followed by the new ones (:func:`kept_blocks`).
     """
     all_s = torch.cat([state.block_summaries, new_s], dim=2) if new_s.shape[2] else state.block_summaries
     all_z = torch.cat([state.block_key_sums, new_z], dim=2) if new_z.shape[2] else state.block_key_sums
@@ -187,20 +187,21 @@ def fold_blocks(state: MHLAState, new_s: torch.Tensor, new_z: torch.Tensor, fini
 def rewindow(state: MHLAState, window: tuple[int, int]) -> MHLAState:
     """``state`` (after any number of tokens) for a call whose mixing rows have ``window``.
 
-    A state that keeps every block (``window=None``, e.g. after a call with a dense mixing matrix) is folded to
-    ``window``; a state with the same window is returned as it is. Raises ValueError for a state folded under
-    another window (the blocks it folded cannot be told apart again)."""
+    A state that keeps every block (``window=None``, e.g. after a call with a dense mixing matrix) is folded
+    to ``window``; a state with the same window is returned as it is. Raises ValueError for a state folded
+    under another window (the blocks it folded cannot be told apart again)."""
     if state.window == window:
         return state
     if state.window is not None:
         raise ValueError(
-            f"the state folds its far blocks for window (head, recent) = {state.window}, but the mixing rows of "
-            f"this call keep {window}; continue it with rows of the same window (a dense mixing matrix needs a "
-            "state that keeps every block: window=None)")
+            f"the state folds its far blocks for window (head, recent) = {state.window}, but the mixing "
+            f"rows of this call keep {window}; continue it with rows of the same window (a dense mixing "
+            "matrix needs a state that keeps every block: window=None)")
     empty = replace(state, window=window, block_summaries=state.block_summaries[:, :, :0],
                     block_key_sums=state.block_key_sums[:, :, :0], num_tokens=0,
                     far_summary=torch.zeros_like(state.current_summary),
-                    far_key_sum=torch.zeros_like(state.current_key_sum), prefix_summary=None, prefix_key_sum=None)
+                    far_key_sum=torch.zeros_like(state.current_key_sum), prefix_summary=None,
+                    prefix_key_sum=None)
     s, z, far_s, far_z = fold_blocks(empty, state.block_summaries, state.block_key_sums,
                                      state.num_finished_blocks)
     return replace(empty, block_summaries=s, block_key_sums=z, far_summary=far_s, far_key_sum=far_z,
@@ -219,9 +220,9 @@ class MixingRows:
         recent[.., r, i - 1 - b]  elif i - 1 - b < recent         (the latest blocks, by their distance)
         far[.., r]                otherwise                       (every other block: ONE shared coefficient)
 
-    and ``diag[.., r]`` for ``b = i``. Entries of ``head`` / ``recent`` that name no earlier block (``b >= i``,
-    ``b < 0``, or a recent block ``b < head``) are never read. Because the far blocks share a coefficient,
-    a state keeps their summed summary only (:class:`MHLAState`).
+    and ``diag[.., r]`` for ``b = i``. Entries of ``head`` / ``recent`` that name no earlier block
+    (``b >= i``, ``b < 0``, or a recent block ``b < head``) are never read. Because the far blocks share a
+    coefficient, a state keeps their summed summary only (:class:`MHLAState`).
 
     Attributes (``...`` is nothing for one matrix shared by the heads, ``H`` for one per head):
         first: the index of the first row.
@@ -290,8 +291,8 @@ def check_rows(rows: MixingRows, num_heads: int, start: int, stop: int, *, check
     n = rows.num_rows
     want = ((*lead, n), (*lead, n, rows.window[0]), (*lead, n, rows.window[1]), (*lead, n))
     if len(lead) > 1 or any(tuple(t.shape) != w for t, w in zip(ts, want)):
-        raise ValueError(f"MixingRows tensors must be diag [.., n], head [.., n, head], recent [.., n, recent], "
-                         f"far [.., n] (.. nothing or H); got {[tuple(t.shape) for t in ts]}")
+        raise ValueError(f"MixingRows tensors must be diag [.., n], head [.., n, head], recent [.., n, "
+                         f"recent], far [.., n] (.. nothing or H); got {[tuple(t.shape) for t in ts]}")
     if lead and lead[0] != num_heads:
         raise ValueError(f"per-head mixing rows have {lead[0]} heads but q has {num_heads}")
     if rows.first > start or rows.stop < stop:
@@ -300,7 +301,7 @@ def check_rows(rows: MixingRows, num_heads: int, start: int, stop: int, *, check
     if check_values and not torch.compiler.is_compiling():
         flat = torch.cat([t.reshape(-1) for t in ts])
         if not bool((torch.isfinite(flat) & (flat >= 0)).all()):
-            raise ValueError("mixing rows must be finite and nonnegative (NaN, inf or a negative entry found)")
+            raise ValueError("mixing rows must be finite and nonnegative (found NaN, inf or a negative)")
 
 
 # ------------------------------------------------------------------------------------------------- checks
@@ -343,7 +344,8 @@ def check_state(state, q: torch.Tensor, v: torch.Tensor, block_size: int) -> Non
         )
 
 
-def check_causal(q, k, v, mixing, block_size, *, normalize, eps, state=None, check_values: bool = True) -> str:
+def check_causal(q, k, v, mixing, block_size, *, normalize, eps, state=None,
+                 check_values: bool = True) -> str:
     """The checks of every causal entry point (``mhla_attention(causal=True)``, ``mhla_decode_step``).
 
     Args:
@@ -386,4 +388,5 @@ def check_window(state: MHLAState, mixing) -> None:
     if state.window is not None:
         raise ValueError(
             f"the state folds its far blocks (window (head, recent) = {state.window}); continue it with the "
-            "compact mixing rows it was built with (MixingRows, MixingMatrix.causal_rows), not a dense matrix")
+            "compact mixing rows it was built with (MixingRows, MixingMatrix.causal_rows), not a dense "
+            "matrix")

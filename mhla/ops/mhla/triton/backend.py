@@ -8,8 +8,8 @@ calls it; ``cu_seqlens`` is handled there) and returns the same values as the to
 * fp16 / bf16 / fp32 inputs, fp32 accumulation and summaries, output in ``v``'s dtype. Under the CPU
   interpreter bf16 tensors are computed in fp32 (numpy has no bf16) and the output cast back;
 * causal calls may continue an :class:`~mhla.ops.MHLAState` and return the final one (fp32 summaries), with
-  a dense mixing matrix or compact :class:`~mhla.ops.mhla.state.MixingRows` (the state then keeps the blocks of
-  their window and folds the others).
+  a dense mixing matrix or compact :class:`~mhla.ops.mhla.state.MixingRows` (the state then keeps the blocks
+  of their window and folds the others).
 
 Routed to the torch path instead (same results, documented): ``normalize="official"`` (the release's
 vision normalizer) and float64 inputs.

@@ -48,7 +48,8 @@ from .chunk import (
 
 
 def _causal_coefficients(mix: torch.Tensor, first: int, NB: int):
-    """Strictly-lower mixing rows of this call's blocks and their diagonal, from a dense ``mix [1 or H, M, M]``.
+    """Strictly-lower mixing rows of this call's blocks and their diagonal, from a dense
+    ``mix [1 or H, M, M]``.
 
     Returns ``coeff [1 or H, NB, first + NB]`` with ``coeff[:, i, b] = Mix[first + i, b]`` for
     ``b < first + i`` (else 0), and ``mdiag [1 or H, NB]`` = ``Mix[first + i, first + i]`` (differentiable:
@@ -213,8 +214,8 @@ def mhla_causal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = Tr
     columns = 0 if state_s is None else state_s.shape[2]
     if offset + q.shape[1] <= block_size:  # one block: its earlier tokens are in cur_s, its later ones absent
         block_size, offset = q.shape[1], 0
-    return MHLACausalFunction.apply(q, k, v, coeff, mdiag, state_s, state_z, cur_s, cur_z, block_size, columns,
-                                    offset, bool(normalize), float(eps), bool(keep_z))
+    return MHLACausalFunction.apply(q, k, v, coeff, mdiag, state_s, state_z, cur_s, cur_z, block_size,
+                                    columns, offset, bool(normalize), float(eps), bool(keep_z))
 
 
 __all__ = ["MHLACausalFunction", "mhla_causal_triton"]
