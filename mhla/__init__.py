@@ -25,6 +25,7 @@ from .layouts import BlockLayout, layout_1d, layout_2d, layout_3d, layout_from_n
 from .mixing import MixingMatrix, distances_1d, mixing_init
 from .ops import (
     MHLAState,
+    MixingRows,
     init_state,
     linear_attention,
     mhla_attention,
@@ -48,8 +49,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionBase", "AttentionCache", "AttentionContract", "BlockLayout", "FEATURE_MAPS", "KernelAttention",
-    "LinearAttention", "MHLAState", "MixingMatrix", "MultiHeadLinearAttention", "Needs", "RotaryTables",
-    "SoftmaxAttention", "Supports", "build_attention", "convert", "distances_1d",
+    "LinearAttention", "MHLAState", "MixingMatrix", "MixingRows", "MultiHeadLinearAttention", "Needs",
+    "RotaryTables", "SoftmaxAttention", "Supports", "build_attention", "convert", "distances_1d",
     "get_feature_map", "init_state", "layout_1d", "layout_2d", "layout_3d", "layout_from_num_blocks",
     "linear_attention", "list_attentions", "mhla_attention", "mhla_attention_matrix", "mhla_decode_step",
     "mhla_reference", "mixing_init", "register_attention", "resolve_attention", "softmax_attention",
