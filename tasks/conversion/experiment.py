@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +35,7 @@ if ROOT not in sys.path:
 from tasks.common.fileio import atomic_write  # noqa: E402
 from tasks.common.launch import parse_final, run_parallel  # noqa: E402
 from tasks.common.records import code_version, read_run_record  # noqa: E402
+from tasks.common.stats import mean_std, paired_difference  # noqa: E402
 from tasks.common.utils import load_average, system_info  # noqa: E402
 
 #: per task: train.py overrides that select it, the metric compared, whether higher is better, its label
@@ -48,18 +47,6 @@ TASKS = {
 }
 COMMON = ["logger=none", "trainer.progress_bar=false"]
 ARMS = {"a": "convert + distil + fine-tune", "b": "convert + fine-tune", "c": "MHLA from scratch"}
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def t95(df: int) -> float:
-    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom."""
-    if df in T95:
-        return T95[df]
-    from scipy.stats import t  # noqa: PLC0415
-
-    return float(t.ppf(0.975, df))
-
-
 def run_command(cmd: list[str], run_dir: str, threads: int) -> dict:
     """Run ``cmd`` (train.py or the distillation entry point, writing ``run_dir``), or read the finished run there."""
     record = read_run_record(run_dir)
@@ -77,7 +64,7 @@ def run_command(cmd: list[str], run_dir: str, threads: int) -> dict:
             return {"command": shown, "error": f"no run.json in {run_dir}"}
     return {"command": shown, "run_dir": os.path.relpath(run_dir, ROOT), "seconds": record.get("seconds"),
             "metrics": record.get("metrics", {}),
-            "run": {k: record.get(k) for k in ("commit", "dirty", "machine", "load_before", "load_after")}}
+            "run": {k: record.get(k) for k in ("commit", "dirty", "machine", "load_before", "load_after", "config")}}
 
 
 def train_cmd(overrides: list[str]) -> list[str]:
@@ -147,13 +134,11 @@ def run_jobs(teacher, jobs, args) -> dict:
     return records
 
 
-def paired(xs: list[float], ys: list[float]) -> dict:
-    d = [x - y for x, y in zip(xs, ys)]
-    n = len(d)
-    mean = statistics.fmean(d)
-    half = t95(n - 1) * statistics.stdev(d) / math.sqrt(n) if n > 1 else float("nan")
-    return {"diffs": d, "mean": mean, "ci95": [mean - half, mean + half],
-            "level": bool(n > 1 and mean - half <= 0 <= mean + half)}
+def paired(a: dict, b: dict) -> dict:
+    """:func:`tasks.common.stats.paired_difference` of ``a[s] - b[s]`` over the seeds, with ``level``: True when its
+    95% interval contains 0 (the difference does not clear the seed noise)."""
+    p = paired_difference(a, b)
+    return {**p, "level": not p["excludes_zero"]}
 
 
 def summarize(records: dict, args) -> dict:
@@ -170,15 +155,15 @@ def summarize(records: dict, args) -> dict:
     conv = records["b_convert"][-1]
     arms = {}
     for arm in ARMS:
-        vals = [value(records[f"{arm}{s}"][-1]) for s in args.seeds]
-        if any(v is None for v in vals):
+        vals = {s: value(records[f"{arm}{s}"][-1]) for s in args.seeds}
+        if any(v is None for v in vals.values()):
             raise SystemExit(f"arm {arm}: a run failed: {[records[f'{arm}{s}'][-1].get('error') for s in args.seeds]}")
-        arms[arm] = {"name": ARMS[arm], "values": vals, "mean": statistics.fmean(vals),
-                     "std": statistics.stdev(vals) if len(vals) > 1 else 0.0}
+        m, sd = mean_std(list(vals.values()))
+        arms[arm] = {"name": ARMS[arm], "values": list(vals.values()), "mean": m, "std": sd, "by_seed": vals}
     distilled = [value(records[f"a{s}"][0], f"distilled_{key}") for s in args.seeds]
-    pairs = {f"{x}-{y}": paired(arms[x]["values"], arms[y]["values"]) for x, y in (("a", "b"), ("a", "c"), ("b", "c"))}
-    pairs["teacher-a"] = paired([teacher] * len(args.seeds), arms["a"]["values"])
-    pairs["teacher-b"] = paired([teacher] * len(args.seeds), arms["b"]["values"])
+    pairs = {f"{x}-{y}": paired(arms[x]["by_seed"], arms[y]["by_seed"]) for x, y in (("a", "b"), ("a", "c"), ("b", "c"))}
+    for arm in ("a", "b"):
+        pairs[f"teacher-{arm}"] = paired({s: teacher for s in args.seeds}, arms[arm]["by_seed"])
     loads = [r["run"]["load_before"][0] for recs in records.values() for r in recs if r.get("run")
              and r["run"].get("load_before")]
     return {
@@ -189,7 +174,7 @@ def summarize(records: dict, args) -> dict:
         "teacher": {"value": teacher, "steps": teacher_steps,
                     "metrics": records["teacher"][-1]["metrics"], "command": records["teacher"][-1]["command"]},
         "converted_no_training": value(conv, f"converted_{key}"),
-        "distilled_no_finetune": {"values": distilled, "mean": statistics.fmean(distilled)},
+        "distilled_no_finetune": {"values": distilled, "mean": mean_std(distilled)[0]},
         "rel_mse": {"converted": conv["metrics"].get("rel_mse_before"),
                     "distilled": [records[f"a{s}"][0]["metrics"].get("rel_mse_after") for s in args.seeds]},
         "arms": arms, "paired": pairs,
@@ -248,12 +233,12 @@ def main(argv=None) -> None:
         plot(summary, args.out + ".png")
         write_markdown(summary, args.out + ".md")
         return
-    started, load_before = time.time(), load_average()
+    started, load_before, code = time.time(), load_average(), code_version()  # the code the runs start from
     teacher, jobs = plan(args)
     records = run_jobs(teacher, jobs, args)
     summary = summarize(records, args)
     summary.update(command="python -m tasks.conversion.experiment " + " ".join(argv if argv is not None else sys.argv[1:]),
-                   machine=system_info(), code=code_version(), load_before=load_before, load_after=load_average(),
+                   machine=system_info(), code=code, load_before=load_before, load_after=load_average(),
                    seconds=round(time.time() - started, 1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     text = json.dumps(summary, indent=1, default=str)

@@ -25,6 +25,8 @@ def verdict(summary: dict, key: str) -> str:
     x, y = key.split("-")
     better = "higher" if summary["higher_is_better"] else "lower"
     name = lambda k: "the teacher" if k == "teacher" else f"({k})"  # noqa: E731
+    if p.get("ci95") is None:
+        return f"{name(x)} vs {name(y)}: no interval (one seed): not a verdict"
     if p["level"]:
         return f"{name(x)} vs {name(y)}: level (the 95% interval of the difference contains 0)"
     first_better = (p["mean"] > 0) == summary["higher_is_better"]
@@ -80,8 +82,9 @@ def write_markdown(summary: dict, path: str) -> str:
         "|---|" + "---|" * len(seeds) + "---|---|---|",
     ]
     for key, p in s["paired"].items():
+        interval = (f"[{fmt(p['ci95'][0], d)}, {fmt(p['ci95'][1], d)}]" if p.get("ci95") else "n/a")
         lines.append(f"| {key} | " + " | ".join(fmt(v, d) for v in p["diffs"]) + f" | {fmt(p['mean'], d)} | "
-                     f"[{fmt(p['ci95'][0], d)}, {fmt(p['ci95'][1], d)}] | {verdict(s, key)} |")
+                     f"{interval} | {verdict(s, key)} |")
     lines += ["", "(teacher-a, teacher-b: the single teacher run against each seed of the arm; the interval is over "
               "the arm's seeds only.)", "", "## Runs", ""]
     for name, recs in s["runs"].items():
