@@ -60,8 +60,9 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from .adapters import select_layers
 from .layers import AttentionBase
-from .registry import _plain, accepted_options, build_attention, get_attention_class
+from .registry import _plain, accepted_options, build_attention, get_attention_class, with_defaults
 
 #: options whose modules hold weights computed from the layer input: they follow the old layer unless given
 WEIGHT_OPTIONS = ("qk_norm", "gate", "cpe", "cpe_kernel", "short_conv")
@@ -137,16 +138,8 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _chosen(names: list[str], layers) -> list[str]:
-    """The names among ``names`` that ``layers`` picks: None (all), indices, or ``fn(index, name) -> bool``."""
-    if layers is None:
-        return list(names)
-    if callable(layers):
-        return [n for i, n in enumerate(names) if layers(i, n)]
-    idx = sorted({int(i) for i in layers})
-    bad = [i for i in idx if not 0 <= i < len(names)]
-    if bad:
-        raise ValueError(f"layers {bad} out of range: the model has {len(names)} attention layers")
-    return [names[i] for i in idx]
+    """The names among ``names`` that ``layers`` picks (:func:`mhla.adapters.select_layers`)."""
+    return [names[i] for i in select_layers(names, layers)]
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -194,7 +187,7 @@ def _replace_registered(old: AttentionBase, name: str, given: dict, strict: bool
                         defaults: dict | None = None) -> tuple[AttentionBase, list[str]]:
     """A new registered layer with ``old``'s shape (grid, prefix tokens, head dims, causality, biases) and weights."""
     cls = get_attention_class(name)
-    options = {**(defaults or {}), **_inherited(old, given, cls), **given}
+    options = with_defaults(given, {**(defaults or {}), **_inherited(old, given, cls)}, cls)
     options = _with_layout(name, options, old.grid, old.causal)
     fixed = dict(head_dim=old.head_dim, value_dim=old.value_dim, causal=old.causal, grid=old.grid,
                  num_prefix_tokens=old.num_prefix_tokens, qkv_bias=old.qkv.bias is not None,
@@ -264,7 +257,8 @@ def _convert_mhla_lm(model, name, given, layers, strict) -> tuple[list[str], lis
     config = model.config
     mods = attention_modules(model)
     first = next(iter(mods.values()))
-    attn = complete_lm_attention({"name": name, **_inherited(first, given, get_attention_class(name)), **given},
+    cls = get_attention_class(name)
+    attn = complete_lm_attention({"name": name, **with_defaults(given, _inherited(first, given, cls), cls)},
                                  config.max_position_embeddings)
     config.attn = attn
     new_params = []
