@@ -331,3 +331,32 @@ def test_distill_entry_point_and_init_from(tmp_path):
 
     with pytest.raises(ConfigError, match="do not fit"):
         train_run(wrong, str(tmp_path / "wrong"))
+
+
+# ------------------------------------------------------------------------------ the experiment's summary
+def test_experiment_summary_pairs_seeds_and_writes_the_report(tmp_path):
+    from argparse import Namespace  # noqa: PLC0415
+
+    from tasks.conversion.experiment import summarize  # noqa: PLC0415
+    from tasks.conversion.report import write_markdown  # noqa: PLC0415
+
+    def rec(**metrics):
+        return {"command": "python train.py ...", "run_dir": "nowhere", "seconds": 1.0, "metrics": metrics,
+                "run": {"load_before": [1.0, 1.0, 1.0], "config": {"seed": 0}}}
+
+    a, b, c = {0: 0.95, 1: 0.96, 2: 0.97}, {0: 0.94, 1: 0.95, 2: 0.96}, {0: 0.90, 1: 0.97, 2: 0.93}
+    records = {"teacher": [rec(top1=0.98)], "b_convert": [rec(converted_top1=0.5, rel_mse_before=0.4)]}
+    for s in a:
+        records[f"a{s}"] = [rec(distilled_top1=0.9, rel_mse_after=0.1), rec(top1=a[s])]
+        records[f"b{s}"], records[f"c{s}"] = [rec(top1=b[s])], [rec(top1=c[s])]
+    args = Namespace(task="mnist", seeds=[0, 1, 2], distill_steps=10, finetune_steps=20, distill_lr=1e-3)
+    summary = summarize(records, args)
+    ab = summary["paired"]["a-b"]
+    assert ab["diffs"] == pytest.approx([1.0, 1.0, 1.0]) and not ab["level"]  # the same gap every seed: it holds
+    ac = summary["paired"]["a-c"]
+    assert ac["diffs"] == pytest.approx([5.0, -1.0, 4.0]) and ac["level"]  # the interval contains 0
+    assert summary["arms"]["a"]["mean"] == pytest.approx(96.0) and summary["teacher"]["value"] == pytest.approx(98.0)
+    summary.update(command="python -m tasks.conversion.experiment ...", machine={"cpu": "x", "cpu_count": 2},
+                   code={"commit": "abc"}, seconds=60.0)
+    text = open(write_markdown(summary, str(tmp_path / "mnist.md"))).read()
+    assert "(a) is better than (b)" in text and "(a) vs (c): level" in text

@@ -1,5 +1,6 @@
 """The results file of the conversion experiment (:mod:`tasks.conversion.experiment`): tables from its ``.json``,
-the verdict of each paired comparison, and the hand-written reading ``<stem>_reading.md`` when there is one.
+the verdict of each paired comparison, a reading generated from those numbers (:func:`reading`), and the
+hand-written notes ``<stem>_reading.md`` when there are some (no numbers in them: the numbers come from the JSON).
 
     python -m tasks.conversion.report results/conversion/mnist       # rewrite mnist.md from mnist.json
 """
@@ -32,6 +33,52 @@ def verdict(summary: dict, key: str) -> str:
     first_better = (p["mean"] > 0) == summary["higher_is_better"]
     winner, loser = (x, y) if first_better else (y, x)
     return f"{name(winner)} is better than {name(loser)} ({better} is better; the 95% interval excludes 0)"
+
+
+def _compare(s: dict, key: str, what: str, d: int) -> str:
+    """One reading line for the paired difference ``key``: the per-seed mean, its interval and the verdict."""
+    p = s["paired"][key]
+    x, y = key.split("-")
+    interval = (f", 95% interval [{fmt(p['ci95'][0], d)}, {fmt(p['ci95'][1], d)}]" if p.get("ci95") else
+                " (one seed: no interval)")
+    if p.get("ci95") is None:
+        word = "not decided (one seed)"
+    elif p["level"]:
+        word = "**level**: the difference does not clear the seed noise"
+    else:
+        word = f"**({x} {'ahead' if (p['mean'] > 0) == s['higher_is_better'] else 'behind'})**: the interval excludes 0"
+    return f"- {what}: ({x}) - ({y}) = {fmt(p['mean'], d)} on average over the seeds{interval}; {word}."
+
+
+def reading(s: dict) -> list[str]:
+    """The ``## Reading`` lines, every number taken from the summary (the JSON)."""
+    d = 3 if s["metric"] == "val_ppl" else 2
+    arms, t = s["arms"], s["teacher"]["value"]
+    better = "higher" if s["higher_is_better"] else "lower"
+    gap = s["rel_mse"]
+    dist = [g for g in gap["distilled"] if g is not None]
+    lines = [
+        "## Reading (generated from the JSON by tasks/conversion/report.py)",
+        "",
+        f"- Starting point: the softmax teacher reaches {fmt(t, d)} ({s['metric_label']}, {better} is better) after "
+        f"{s['teacher'].get('steps') or 'its'} steps. Swapping its attention for MHLA with every weight kept and no "
+        f"training gives {fmt(s['converted_no_training'], d)}; {s['distill_steps']} distillation steps alone (the "
+        f"rest of the network frozen) give {fmt(s['distilled_no_finetune']['mean'], d)} on average, and lower the "
+        f"attention gap from {fmt(gap['converted'], 3)} to "
+        f"{fmt(sum(dist) / len(dist) if dist else None, 3)} (relative MSE of the layer outputs).",
+        f"- At {s['total_steps']} steps each: (a) {fmt(arms['a']['mean'], d)} ± {fmt(arms['a']['std'], d)}, "
+        f"(b) {fmt(arms['b']['mean'], d)} ± {fmt(arms['b']['std'], d)}, (c) {fmt(arms['c']['mean'], d)} ± "
+        f"{fmt(arms['c']['std'], d)} (mean ± std over {len(s['seeds'])} seed(s)).",
+        _compare(s, "a-b", "What distillation adds over converting and fine-tuning", d),
+        _compare(s, "b-c", "What the teacher's weights add over MHLA from scratch", d),
+        _compare(s, "a-c", "The whole recipe against MHLA from scratch", d),
+        f"- Distance to the teacher: teacher - (a) = {fmt(s['paired']['teacher-a']['mean'], d)}, teacher - (b) = "
+        f"{fmt(s['paired']['teacher-b']['mean'], d)} (one teacher run: only the arm's seeds vary).",
+        f"- Scope: {len(s['seeds'])} seed(s) per arm, one teacher (seed 0) shared by (a) and (b), small step counts "
+        "sized for a shared 2-core CPU; the ranking at these budgets says nothing about longer schedules. (c) does "
+        "not get the teacher's steps; (a) and (b) do, which is the point of converting a model one already has.",
+    ]
+    return lines
 
 
 def write_markdown(summary: dict, path: str) -> str:
@@ -91,9 +138,10 @@ def write_markdown(summary: dict, path: str) -> str:
         for r in recs:
             secs = r.get("seconds")
             lines.append(f"- {name}: `{r['command']}`" + (f" ({secs:.0f} s)" if isinstance(secs, (int, float)) else ""))
-    reading = os.path.splitext(path)[0] + "_reading.md"
-    if os.path.exists(reading):
-        with open(reading) as f:
+    lines[lines.index("## Runs") - 1:lines.index("## Runs") - 1] = ["", *reading(s)]
+    notes = os.path.splitext(path)[0] + "_reading.md"
+    if os.path.exists(notes):
+        with open(notes) as f:
             lines += ["", f.read().rstrip()]
     text = "\n".join(lines) + "\n"
     atomic_write(path, lambda tmp: open(tmp, "w").write(text))
