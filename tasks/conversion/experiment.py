@@ -15,7 +15,8 @@ Fine-tuning and training from scratch use the task's default recipe (optimizer, 
 ``trainer.max_steps`` set to their step count. The teacher is ``train.py <task> attn=softmax seed=0`` at the task's
 default recipe (``--teacher`` reuses a finished run). Runs go to ``--runs`` (one folder each; a folder that
 already holds a finished run's ``run.json`` is read, not run again), ``--jobs`` at a time, one thread each, under
-``nice``. Results: ``--out``.md / .json / .png: mean ± std per arm, the paired differences over seeds with a 95%
+``nice -n <--nice>`` (default 0: a fair share beside other users' runs; 10 yields to them). Results: ``--out``.md /
+.json / .png: mean ± std per arm, the paired differences over seeds with a 95%
 t interval ("level" when it contains 0), the teacher beside them, the commands, the machine and its load.
 """
 
@@ -50,7 +51,7 @@ ARMS = {"a": "convert + distil + fine-tune", "b": "convert + fine-tune", "c": "M
 def run_command(cmd: list[str], run_dir: str, threads: int) -> dict:
     """Run ``cmd`` (train.py or the distillation entry point, writing ``run_dir``), or read the finished run there."""
     record = read_run_record(run_dir)
-    shown = " ".join(c for c in cmd if c not in ("nice", "-n", "10")).replace(sys.executable, "python")
+    shown = " ".join(cmd[3:] if cmd[:2] == ["nice", "-n"] else cmd).replace(sys.executable, "python")
     shown = shown.replace(os.path.join(ROOT, "train.py"), "train.py").replace(ROOT + os.sep, "")
     if record is None:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
@@ -67,12 +68,16 @@ def run_command(cmd: list[str], run_dir: str, threads: int) -> dict:
             "run": {k: record.get(k) for k in ("commit", "dirty", "machine", "load_before", "load_after", "config")}}
 
 
+#: the niceness of every run (``--nice``)
+NICE = [0]
+
+
 def train_cmd(overrides: list[str]) -> list[str]:
-    return ["nice", "-n", "10", sys.executable, os.path.join(ROOT, "train.py"), *overrides]
+    return ["nice", "-n", str(NICE[0]), sys.executable, os.path.join(ROOT, "train.py"), *overrides]
 
 
 def distill_cmd(overrides: list[str]) -> list[str]:
-    return ["nice", "-n", "10", sys.executable, "-m", "tasks.conversion.distill", *overrides]
+    return ["nice", "-n", str(NICE[0]), sys.executable, "-m", "tasks.conversion.distill", *overrides]
 
 
 def plan(args) -> tuple[dict, list]:
@@ -218,11 +223,13 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="results file stem [results/conversion/<task>]")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--nice", type=int, default=0, help="niceness of the runs (0: a fair share of a shared machine)")
     p.add_argument("--extra", nargs="*", default=[], help="overrides for every train.py run (smoke tests)")
     p.add_argument("--teacher-extra", nargs="*", default=[], help="overrides for the teacher's run only")
     p.add_argument("--distill-extra", nargs="*", default=[], help="overrides for the distillation runs")
     p.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
     args = p.parse_args(argv)
+    NICE[0] = args.nice
     args.runs = args.runs or os.path.join(ROOT, "outputs", "conversion", args.task)
     args.out = args.out or os.path.join(ROOT, "results", "conversion", args.task)
     if args.report_only:
@@ -238,7 +245,7 @@ def main(argv=None) -> None:
     records = run_jobs(teacher, jobs, args)
     summary = summarize(records, args)
     summary.update(command="python -m tasks.conversion.experiment " + " ".join(argv if argv is not None else sys.argv[1:]),
-                   machine=system_info(), code=code, load_before=load_before, load_after=load_average(),
+                   nice=args.nice, machine=system_info(), code=code, load_before=load_before, load_after=load_average(),
                    seconds=round(time.time() - started, 1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     text = json.dumps(summary, indent=1, default=str)

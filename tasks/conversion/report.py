@@ -92,7 +92,8 @@ def write_markdown(summary: dict, path: str) -> str:
         "below).",
         "",
         f"Machine: {s['machine'].get('cpu')} ({s['machine'].get('cpu_count')} cores), torch "
-        f"{s['machine'].get('torch')}, one thread per run, at most two runs at a time under `nice`, shared with "
+        f"{s['machine'].get('torch')}, one thread per run, at most two runs at a time (nice "
+        f"{s.get('nice', 'not recorded')}), shared with "
         f"other jobs (1-min load average at the runs' starts: {s['load_average_1min']['min']:.1f}-"
         f"{s['load_average_1min']['max']:.1f}); commit {str(s['code'].get('commit'))[:10]}"
         f"{' (uncommitted changes)' if s['code'].get('dirty') else ''}; {s['seconds'] / 3600:.2f} h wall.",
