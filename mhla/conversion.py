@@ -1,51 +1,55 @@
-"""Convert a trained softmax model to MHLA (or any registered attention), keeping its weights: ``mhla.convert``.
+"""Convert a trained softmax model to MHLA (or any registered attention), keeping its weights:
+``mhla.convert``.
 
     import mhla
-    mhla.convert(vit, attn="mhla")                               # a timm ViT, in place; returns the model
-    mhla.convert(lm, attn={"name": "mhla", "block_size": 32})    # our LM with softmax (MHLALMForCausalLM)
-    mhla.convert(llama, attn="mhla")                             # transformers' LlamaForCausalLM
-    mhla.convert(wan, attn={"name": "mhla", "blocks": [7, 3, 5]})  # a diffusers transformer (attn1 self-attention)
-    student = mhla.convert(teacher, attn="mhla", copy=True)      # a converted deep copy; the teacher unchanged
+    mhla.convert(vit, attn="mhla")                                 # a timm ViT, in place; returns the model
+    mhla.convert(lm, attn={"name": "mhla", "block_size": 32})      # our LM with softmax (MHLALMForCausalLM)
+    mhla.convert(llama, attn="mhla")                               # transformers' LlamaForCausalLM
+    mhla.convert(wan, attn={"name": "mhla", "blocks": [7, 3, 5]})  # diffusers (attn1 self-attention)
+    student = mhla.convert(teacher, attn="mhla", copy=True)        # a converted copy; the teacher unchanged
 
 One call for every family; what each maps (docs/conversion.md):
 
-* **timm ViT** (``timm.models.VisionTransformer`` and subclasses, this repo's ``AttnVisionTransformer`` included):
-  every block's ``attn``. timm's own ``Attention``: its fused ``qkv`` (the same ``[q | k | v]`` x heads layout as
-  :class:`mhla.layers.AttentionBase`) and ``proj`` are loaded into the new layer, and its q / k norms (timm's
-  ``LayerNorm`` over the head dim) are kept as modules (``layer.q_norm`` is timm's norm). A registered layer
-  (softmax, ...): its state dict. The layer is built for the model's patch grid ``patch_embed.grid_size`` with the
-  class / register tokens as prefix tokens (``num_prefix_tokens``).
-* **Our LM** (``models.lm.MHLALMForCausalLM`` / ``MHLALMModel``): ``config.attn`` becomes the new attention, completed
-  with the paper's LM defaults (:func:`models.lm.configuration_mhla_lm.complete_lm_attention`), and every block's
-  ``attn`` is rebuilt exactly as a model built from that config builds it, then given the old layer's weights
-  (``qkv``, ``proj``, the output gate and its RMSNorm, q / k norms). The converted model is the model that
-  ``MHLALMForCausalLM(config)`` builds: ``save_pretrained`` / ``from_pretrained`` / ``generate`` work as before.
+* **timm ViT** (``timm.models.VisionTransformer`` and subclasses, this repo's ``AttnVisionTransformer``
+  included): every block's ``attn``. timm's own ``Attention``: its fused ``qkv`` (the same ``[q | k | v]`` x
+  heads layout as :class:`mhla.layers.AttentionBase`) and ``proj`` are loaded into the new layer, and its q /
+  k norms (timm's ``LayerNorm`` over the head dim) are kept as modules (``layer.q_norm`` is timm's norm). A
+  registered layer (softmax, ...): its state dict. The layer is built for the model's patch grid
+  ``patch_embed.grid_size`` with the class / register tokens as prefix tokens (``num_prefix_tokens``).
+* **Our LM** (``models.lm.MHLALMForCausalLM`` / ``MHLALMModel``): ``config.attn`` becomes the new attention,
+  completed with the paper's LM defaults (:func:`models.lm.configuration_mhla_lm.complete_lm_attention`), and
+  every block's ``attn`` is rebuilt exactly as a model built from that config builds it, then given the old
+  layer's weights (``qkv``, ``proj``, the output gate and its RMSNorm, q / k norms). The converted model is
+  the model that ``MHLALMForCausalLM(config)`` builds: ``save_pretrained`` / ``from_pretrained`` /
+  ``generate`` work as before.
 * **transformers Llama** (``LlamaForCausalLM`` / ``LlamaModel``): every ``self_attn`` becomes a
   :class:`mhla.adapters.transformers.LlamaAttentionAdapter` that keeps ``q_proj`` / ``k_proj`` / ``v_proj`` /
-  ``o_proj`` and runs the new layer between them (grouped k / v heads repeated), with Llama's rotary tables handed to
-  the layer at its ``rope`` placement (see that module). Defaults: the paper's LM setting without the options that
-  belong to projections (no output gate, q/k norm, short conv or CPE: Llama has no weights for them), so MHLA is
-  causal with chunks of 64, no normaliser + output RMSNorm, RoPE after the feature map.
-* **diffusers** (any model with diffusers self-attention modules: ``set_processor`` + ``to_q``, not cross-attention):
-  :func:`mhla.adapters.diffusers.swap_self_attention`, which keeps the host's projections and q / k norms. A model
-  with rotary tables (Wan: ``model.rope``) gets ``rope="after_feature_map"`` by default (softmax then rotates q, k as
-  the host did). MHLA's block grid: ``attn.blocks`` / ``num_blocks``, else derived from ``config.sample_size`` /
-  ``config.patch_size``.
-* **Any other module holding registered layers** (DiT, DiG, ...): each layer is rebuilt with the old one's grid,
-  prefix tokens, head dims, causality and biases, and loaded with its state dict.
+  ``o_proj`` and runs the new layer between them (grouped k / v heads repeated), with Llama's rotary tables
+  handed to the layer at its ``rope`` placement (see that module). Defaults: the paper's LM setting without
+  the options that belong to projections (no output gate, q/k norm, short conv or CPE: Llama has no weights
+  for them), so MHLA is causal with chunks of 64, no normaliser + output RMSNorm, RoPE after the feature map.
+* **diffusers** (any model with diffusers self-attention modules: ``set_processor`` + ``to_q``, not
+  cross-attention): :func:`mhla.adapters.diffusers.swap_self_attention`, which keeps the host's projections
+  and q / k norms. A model with rotary tables (Wan: ``model.rope``) gets ``rope="after_feature_map"`` by
+  default (softmax then rotates q, k as the host did). MHLA's block grid: ``attn.blocks`` / ``num_blocks``,
+  else derived from ``config.sample_size`` / ``config.patch_size``.
+* **Any other module holding registered layers** (DiT, DiG, ...): each layer is rebuilt with the old one's
+  grid, prefix tokens, head dims, causality and biases, and loaded with its state dict.
 
 Options. ``attn`` is a registered attention's name or a mapping with ``name`` and options (an OmegaConf config
-works). Unset options take the family's defaults above, then the class's. Options that carry weights of the old
-layer (``gate``, ``qk_norm``, ``cpe`` / ``cpe_kernel``, ``short_conv``) follow the old layer unless given, so every old
-weight has a place. MHLA without a layout on a non-causal grid gets ``blocks`` per axis = the largest divisor of the
-axis not above its square root (8 x 8 tokens: 2 x 2 blocks, M = 4; 16 x 16: 4 x 4, M = 16; the paper's ``M^2 <= N``).
+works). Unset options take the family's defaults above, then the class's. Options that carry weights of the
+old layer (``gate``, ``qk_norm``, ``cpe`` / ``cpe_kernel``, ``short_conv``) follow the old layer unless given,
+so every old weight has a place. MHLA without a layout on a non-causal grid gets ``blocks`` per axis = the
+largest divisor of the axis not above its square root (8 x 8 tokens: 2 x 2 blocks, M = 4; 16 x 16: 4 x 4, M =
+16; the paper's ``M^2 <= N``).
 
-``strict`` (default True): an old weight that the new layer has no place for raises. New parameters (MHLA's mixing
-matrix, a gate that was not there) keep their initialisation and are listed in ``model.mhla_conversion``, a plain
-dict ``{"family", "attn", "layers": [module names], "new_parameters": [names]}``.
+``strict`` (default True): an old weight that the new layer has no place for raises. New parameters (MHLA's
+mixing matrix, a gate that was not there) keep their initialisation and are listed in
+``model.mhla_conversion``, a plain dict ``{"family", "attn", "layers": [module names], "new_parameters":
+[names]}``.
 
-``attn="softmax"`` converts to this repository's softmax layer: the converted model computes what the original did
-(``tests/test_convert.py`` checks it per family), which is how the weight mapping is tested.
+``attn="softmax"`` converts to this repository's softmax layer: the converted model computes what the original
+did (``tests/test_convert.py`` checks it per family), which is how the weight mapping is tested.
 
 In place or a copy: by default the model is changed in place and returned; ``copy=True`` converts a deep copy.
 """
@@ -73,7 +77,8 @@ FAMILIES = ("timm_vit", "mhla_lm", "llama", "diffusers", "registered")
 
 # ------------------------------------------------------------------------------------------ helpers
 def attention_options(attn) -> tuple[str, dict]:
-    """``(name, options)`` of an attention given as a name or a mapping (None values dropped: "the default")."""
+    """``(name, options)`` of an attention given as a name or a mapping (None values dropped: "the
+    default")."""
     name, options = _plain(attn)
     return name, {k: v for k, v in options.items() if v is not None}
 
@@ -103,7 +108,8 @@ def model_family(model: nn.Module) -> str:
     """Which of :data:`FAMILIES` ``model`` is (module docstring); raises ValueError for a model of none."""
     if _class_name_in(model, ("MHLALMForCausalLM", "MHLALMModel")):
         return "mhla_lm"
-    if _class_name_in(model, ("VisionTransformer",)) and hasattr(model, "patch_embed") and hasattr(model, "blocks"):
+    if (_class_name_in(model, ("VisionTransformer",)) and hasattr(model, "patch_embed")
+            and hasattr(model, "blocks")):
         return "timm_vit"
     if any(_is_llama_attention(m) or _is_adapter(m) for m in model.modules()):
         return "llama"
@@ -115,15 +121,15 @@ def model_family(model: nn.Module) -> str:
     if any(isinstance(m, AttentionBase) and m.projections for m in model.modules()):
         return "registered"
     raise ValueError(f"mhla.convert: {type(model).__name__} is none of the families it converts (a timm "
-                     "VisionTransformer, our MHLALMForCausalLM, transformers' Llama, a diffusers transformer with "
-                     "self-attention modules, or a model holding registered attention layers)")
+                     "VisionTransformer, our MHLALMForCausalLM, transformers' Llama, a diffusers transformer "
+                     "with self-attention modules, or a model holding registered attention layers)")
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` of the attention modules of ``model`` as its host calls them (the modules that
     :func:`convert` replaces or re-processes): timm ``Attention``, registered layers with their projections,
-    ``LlamaAttention`` / its adapter, diffusers self-attention modules. A teacher and its converted copy list the
-    same names, which is how :func:`mhla.distill.distill_attention` pairs them."""
+    ``LlamaAttention`` / its adapter, diffusers self-attention modules. A teacher and its converted copy list
+    the same names, which is how :func:`mhla.distill.distill_attention` pairs them."""
     out = {}
     diffusers = set()
     if "diffusers" in sys.modules:
@@ -151,7 +157,8 @@ def _inherited(old: AttentionBase, given: dict, cls) -> dict:
     """The weight-carrying options (:data:`WEIGHT_OPTIONS`) of ``old`` that ``given`` does not set."""
     accepted = accepted_options(cls)
     s = old.settings()
-    out = {"qk_norm": bool(s.get("qk_norm", False)), "gate": s["gate"], "cpe": s["cpe"], "short_conv": s["short_conv"]}
+    out = {"qk_norm": bool(s.get("qk_norm", False)), "gate": s["gate"], "cpe": s["cpe"],
+           "short_conv": s["short_conv"]}
     if s["cpe"]:
         out["cpe_kernel"] = s["cpe_kernel"]
     return {k: v for k, v in out.items() if k not in given and (accepted is None or k in accepted)}
@@ -165,7 +172,8 @@ def _with_layout(name: str, options: dict, grid, causal: bool) -> dict:
 
 
 def _to_like(new: nn.Module, weight: torch.Tensor) -> nn.Module:
-    """``new`` on ``weight``'s device, its floating parameters in its dtype (MHLA's mixing matrix stays fp32)."""
+    """``new`` on ``weight``'s device, its floating parameters in its dtype (MHLA's mixing matrix stays
+    fp32)."""
     new.to(weight.device)
     for pname, p in new.named_parameters():
         if p.is_floating_point() and "mixing" not in pname.split("."):
@@ -174,18 +182,21 @@ def _to_like(new: nn.Module, weight: torch.Tensor) -> nn.Module:
 
 
 def _load(new: nn.Module, state: dict, strict: bool, where: str) -> list[str]:
-    """Load ``state`` into ``new`` (shapes must match); returns the new layer's parameters that were not in it."""
+    """Load ``state`` into ``new`` (shapes must match); returns the new layer's parameters that were not in
+    it."""
     missing, unexpected = new.load_state_dict(state, strict=False)
     if unexpected and strict:
-        raise ValueError(f"mhla.convert: {where}: the new attention has no place for {sorted(unexpected)} of the old "
-                         "layer (set the option that holds them, e.g. gate / cpe / qk_norm, or strict=False)")
+        raise ValueError(f"mhla.convert: {where}: the new attention has no place for {sorted(unexpected)} of "
+                         "the old layer (set the option that holds them, e.g. gate / cpe / qk_norm, or "
+                         "strict=False)")
     return list(missing)
 
 
 # -------------------------------------------------------------------------------- registered layers
 def _replace_registered(old: AttentionBase, name: str, given: dict, strict: bool, where: str,
                         defaults: dict | None = None) -> tuple[AttentionBase, list[str]]:
-    """A new registered layer with ``old``'s shape (grid, prefix tokens, head dims, causality, biases) and weights."""
+    """A new registered layer with ``old``'s shape (grid, prefix tokens, head dims, causality, biases) and
+    weights."""
     cls = get_attention_class(name)
     options = with_defaults(given, {**(defaults or {}), **_inherited(old, given, cls)}, cls)
     options = _with_layout(name, options, old.grid, old.causal)
@@ -194,14 +205,17 @@ def _replace_registered(old: AttentionBase, name: str, given: dict, strict: bool
                  proj_bias=old.proj.bias is not None, attn_drop=old.attn_drop.p, proj_drop=old.proj_drop.p)
     clash = sorted(set(given) & set(fixed))
     if clash:
-        raise ValueError(f"mhla.convert: {', '.join(clash)} come from the model's layer; remove them from attn")
-    new = _to_like(build_attention({"name": name, **options}, old.dim, old.num_heads, **fixed), old.qkv.weight)
+        raise ValueError(f"mhla.convert: {', '.join(clash)} come from the model's layer; remove them from "
+                         "attn")
+    new = _to_like(build_attention({"name": name, **options}, old.dim, old.num_heads, **fixed),
+                   old.qkv.weight)
     return new, _load(new, old.state_dict(), strict, where)
 
 
 def _replace_timm(old: nn.Module, name: str, given: dict, grid, num_prefix: int, where: str
                   ) -> tuple[AttentionBase, list[str]]:
-    """A registered layer in place of timm's ``Attention``: its ``qkv`` and ``proj`` loaded, its q / k norms kept."""
+    """A registered layer in place of timm's ``Attention``: its ``qkv`` and ``proj`` loaded, its q / k norms
+    kept."""
     if not isinstance(getattr(old, "norm", nn.Identity()), nn.Identity):
         raise ValueError(f"mhla.convert: {where} uses timm's scale_norm (a norm before proj); not supported")
     if getattr(old, "gate", None) is not None:
@@ -219,7 +233,8 @@ def _replace_timm(old: nn.Module, name: str, given: dict, grid, num_prefix: int,
     new = _to_like(new, old.qkv.weight)
     new.qkv.load_state_dict(old.qkv.state_dict())
     new.proj.load_state_dict(old.proj.state_dict())
-    if not isinstance(old.q_norm, nn.Identity):  # timm's LayerNorm over the head dim, applied as the layer's q/k norm
+    # timm's LayerNorm over the head dim, applied as the layer's q / k norm
+    if not isinstance(old.q_norm, nn.Identity):
         new.q_norm, new.k_norm = old.q_norm, old.k_norm
     carried = {f"{m}.{k}" for m in ("qkv", "proj", "q_norm", "k_norm") for k in getattr(new, m).state_dict()}
     return new, sorted(k for k in new.state_dict() if k not in carried)
@@ -228,8 +243,8 @@ def _replace_timm(old: nn.Module, name: str, given: dict, grid, num_prefix: int,
 def _convert_vit(model, name, given, layers, strict) -> tuple[list[str], list[str], dict]:
     grid = tuple(int(g) for g in model.patch_embed.grid_size)
     if getattr(model, "dynamic_img_size", False):
-        raise ValueError("mhla.convert: a timm ViT with dynamic_img_size=True has no fixed patch grid; build it "
-                         "with dynamic_img_size=False")
+        raise ValueError("mhla.convert: a timm ViT with dynamic_img_size=True has no fixed patch grid; build "
+                         "it with dynamic_img_size=False")
     num_prefix = int(getattr(model, "num_prefix_tokens", 0))
     mods = attention_modules(model)
     names, new_params = _chosen(list(mods), layers), []
@@ -252,8 +267,8 @@ def _convert_mhla_lm(model, name, given, layers, strict) -> tuple[list[str], lis
     from models.lm.modeling_mhla_lm import build_lm_attention  # noqa: PLC0415
 
     if layers is not None:
-        raise ValueError("mhla.convert: our LM has one attention for every block (config.attn); layers= is for the "
-                         "other families")
+        raise ValueError("mhla.convert: our LM has one attention for every block (config.attn); layers= is "
+                         "for the other families")
     config = model.config
     mods = attention_modules(model)
     first = next(iter(mods.values()))
@@ -275,8 +290,8 @@ LLAMA_REFUSED = {"gate": False, "qk_norm": False, "cpe": False, "short_conv": 0}
 
 
 def llama_attention(config, attn) -> dict:
-    """The options a converted Llama's layers are built with: ``attn`` over the paper's LM defaults, without the
-    projection options (:data:`LLAMA_REFUSED`: Llama has no weights for them)."""
+    """The options a converted Llama's layers are built with: ``attn`` over the paper's LM defaults, without
+    the projection options (:data:`LLAMA_REFUSED`: Llama has no weights for them)."""
     from models.lm.configuration_mhla_lm import complete_lm_attention  # noqa: PLC0415
 
     name, given = attention_options(attn)
@@ -302,8 +317,8 @@ def _convert_llama(model, name, given, layers, strict) -> tuple[list[str], list[
         if _is_adapter(host):
             raise ValueError(f"mhla.convert: {n} is converted already")
         w = host.q_proj.weight
-        layer = build_attention(options, config.hidden_size, config.num_attention_heads, projections=False, causal=True,
-                                head_dim=host.head_dim, value_dim=host.head_dim)
+        layer = build_attention(options, config.hidden_size, config.num_attention_heads, projections=False,
+                                causal=True, head_dim=host.head_dim, value_dim=host.head_dim)
         adapter = LlamaAttentionAdapter(host, _to_like(layer, w))
         _set_module(model, n, adapter)
         new_params += [f"{n}.attention.{p}" for p, _ in layer.named_parameters()]
@@ -320,7 +335,7 @@ def _convert_diffusers(model, name, given, layers, strict) -> tuple[list[str], l
     accepted = accepted_options(cls)
     if isinstance(getattr(model, "rope", None), nn.Module) and "rope" not in options and (
             accepted is None or "rope" in accepted):
-        options["rope"] = "after_feature_map"  # the host rotated q, k with its tables: the layer must apply them
+        options["rope"] = "after_feature_map"  # the host rotated q, k with its tables: the layer applies them
     grid = None
     config = getattr(model, "config", None)
     sample, patch = getattr(config, "sample_size", None), getattr(config, "patch_size", None)
@@ -328,35 +343,41 @@ def _convert_diffusers(model, name, given, layers, strict) -> tuple[list[str], l
         grid = (sample // patch, sample // patch)
     if name == "mhla" and not set(LAYOUT_OPTIONS) & set(options):
         if grid is None:
-            raise ValueError(f"mhla.convert: {type(model).__name__}'s token grid is not in its config; give MHLA's "
-                             "layout: attn={'name': 'mhla', 'blocks': [...]} (blocks per grid axis) or num_blocks")
+            raise ValueError(f"mhla.convert: {type(model).__name__}'s token grid is not in its config; give "
+                             "MHLA's layout: attn={'name': 'mhla', 'blocks': [...]} (blocks per grid axis) "
+                             "or num_blocks")
         options["blocks"] = list(default_blocks(grid))
     modules = self_attention_modules(model)
     names = _chosen([n for n, _ in modules], layers)
     index = {n: i for i, (n, _) in enumerate(modules)}
     swap_self_attention(model, {"name": name, **options}, layers=[index[n] for n in names], grid=grid)
-    new_params = [f"{n}.attention.{p}" for n in names for p, _ in model.get_submodule(n).attention.named_parameters()]
+    new_params = [f"{n}.attention.{p}" for n in names
+                  for p, _ in model.get_submodule(n).attention.named_parameters()]
     return names, new_params, {"name": name, **options}
 
 
 # ------------------------------------------------------------------------------------------ convert
-def convert(model: nn.Module, attn="mhla", *, layers: Iterable[int] | Callable[[int, str], bool] | None = None,
-            copy: bool = False, strict: bool = True) -> nn.Module:
+def convert(model: nn.Module, attn="mhla", *,
+            layers: Iterable[int] | Callable[[int, str], bool] | None = None, copy: bool = False,
+            strict: bool = True) -> nn.Module:
     """Replace the attention of a trained model with the registered attention ``attn``, keeping its weights.
 
     Args:
         model: a timm ViT, our ``MHLALMForCausalLM`` / ``MHLALMModel``, transformers' ``LlamaForCausalLM`` /
             ``LlamaModel``, a diffusers transformer, or any module holding registered attention layers.
-        attn: a registered attention's name (``"mhla"``, ``"linear"``, ``"softmax"``, ...) or a mapping with ``name``
+        attn: a registered attention's name (``"mhla"``, ``"linear"``, ``"softmax"``, ...) or a mapping with
+        ``name``
             and options; unset options take the family's defaults (module docstring).
-        layers: which attention layers (indices into :func:`attention_modules`' order, or ``fn(index, name)``);
+        layers: which attention layers (indices into :func:`attention_modules`' order, or ``fn(index,
+        name)``);
             None: all. Not for our LM (one ``config.attn`` for every block).
         copy: convert a deep copy and leave ``model`` unchanged (default: in place).
         strict: raise when an old weight has no place in the new layer.
 
     Returns:
-        The converted model (``model`` itself unless ``copy``), with ``model.mhla_conversion`` (module docstring).
-        The model keeps its library's API: timm's forward, transformers' forward / ``generate``, diffusers' forward.
+        The converted model (``model`` itself unless ``copy``), with ``model.mhla_conversion`` (module
+        docstring). The model keeps its library's API: timm's forward, transformers' forward / ``generate``,
+        diffusers' forward.
     """
     name, given = attention_options(attn)
     get_attention_class(name)  # a clear error for an unknown name
@@ -368,7 +389,8 @@ def convert(model: nn.Module, attn="mhla", *, layers: Iterable[int] | Callable[[
     names, new_params, resolved = fn(model, name, given, layers, strict)
     if not names:
         raise ValueError(f"mhla.convert: no attention layer of {type(model).__name__} was selected")
-    model.mhla_conversion = {"family": family, "attn": resolved, "layers": names, "new_parameters": new_params}
+    model.mhla_conversion = {"family": family, "attn": resolved, "layers": names,
+                             "new_parameters": new_params}
     return model
 
 
@@ -384,11 +406,12 @@ def _convert_registered(model, name, given, layers, strict) -> tuple[list[str], 
 
 def converted_pairs(teacher: nn.Module, student: nn.Module, layers: Iterable[str] | None = None
                     ) -> list[tuple[str, nn.Module, nn.Module]]:
-    """``(name, teacher module, student module)`` for the attention layers a conversion changed (``layers``, else
-    ``student.mhla_conversion["layers"]``, else every attention module the two share)."""
+    """``(name, teacher module, student module)`` for the attention layers a conversion changed (``layers``,
+    else ``student.mhla_conversion["layers"]``, else every attention module the two share)."""
     t_mods, s_mods = attention_modules(teacher), attention_modules(student)
     if layers is None:
-        layers = (getattr(student, "mhla_conversion", None) or {}).get("layers") or [n for n in s_mods if n in t_mods]
+        layers = ((getattr(student, "mhla_conversion", None) or {}).get("layers")
+                  or [n for n in s_mods if n in t_mods])
     missing = [n for n in layers if n not in t_mods or n not in s_mods]
     if missing:
         raise ValueError(f"attention layers {missing} are not in both the teacher and the student")
@@ -396,10 +419,11 @@ def converted_pairs(teacher: nn.Module, student: nn.Module, layers: Iterable[str
 
 
 def new_parameter_names(teacher_module: nn.Module, student_module: nn.Module) -> list[str]:
-    """Parameters of a converted attention module that its teacher module has no weight for (e.g. ``mixing.raw``)."""
+    """Parameters of a converted attention module that its teacher module has no weight for (e.g.
+    ``mixing.raw``)."""
     old = set(teacher_module.state_dict())
     return [n for n, _ in student_module.named_parameters() if n not in old]
 
 
-__all__ = ["FAMILIES", "attention_modules", "attention_options", "convert", "converted_pairs", "default_blocks",
-           "llama_attention", "model_family", "new_parameter_names"]
+__all__ = ["FAMILIES", "attention_modules", "attention_options", "convert", "converted_pairs",
+           "default_blocks", "llama_attention", "model_family", "new_parameter_names"]

@@ -1,4 +1,5 @@
-"""Attention distillation: train a converted model's new attention layers to match the softmax teacher's, layer by layer.
+"""Attention distillation: train a converted model's new attention layers to match the softmax teacher's,
+layer by layer.
 
     import copy, mhla
     from mhla.distill import distill_attention
@@ -12,22 +13,23 @@ What one step does, for the attention layers the conversion changed (:func:`mhla
 1. the teacher runs on a batch (no gradients); a forward hook on each of its attention modules records the
    module's inputs (positional and keyword: hidden states, rotary tables, masks, ...) and its output;
 2. ``inputs="teacher"`` (default): each student attention module is called on the *teacher's* inputs of its
-   layer, so every layer learns to reproduce its teacher layer from the same input, independently of the others
-   (LoLCATs' "attention transfer"); ``inputs="student"``: the student model runs on the batch itself and each
-   layer's output (given the student's own hidden states) is compared;
+   layer, so every layer learns to reproduce its teacher layer from the same input, independently of the
+   others (LoLCATs' "attention transfer"); ``inputs="student"``: the student model runs on the batch itself
+   and each layer's output (given the student's own hidden states) is compared;
 3. the loss is the sum over layers of ``MSE(student output, teacher output)``; AdamW steps the trainable
-   parameters, then the modules' ``after_optimizer_step`` hooks run (MHLA's mixing matrix is clipped to [0, 1]).
+   parameters, then the modules' ``after_optimizer_step`` hooks run (MHLA's mixing matrix is clipped to [0,
+   1]).
 
 Trainable: ``train="attention"`` (default) every parameter of the converted attention modules (the projections
 ``qkv`` / ``proj`` or ``q_proj`` ... ``o_proj`` / ``to_q`` ... ``to_out``, the norms, MHLA's mixing matrix);
-``train="new"`` only the parameters the teacher has no weight for (the mixing matrix, a new gate). Everything else
-is frozen during the stage and unfrozen after it. The learning rate: linear warmup over the first
-``warmup`` steps, then cosine to ``0.1 x lr``. Weight decay applies to matrices, not to biases, norms or the mixing
-matrix.
+``train="new"`` only the parameters the teacher has no weight for (the mixing matrix, a new gate). Everything
+else is frozen during the stage and unfrozen after it. The learning rate: linear warmup over the first
+``warmup`` steps, then cosine to ``0.1 x lr``. Weight decay applies to matrices, not to biases, norms or the
+mixing matrix.
 
-The models are called through ``forward(model, batch)`` (default: ``model(batch)`` for a tensor, ``model(**batch)``
-for a mapping, ``model(*batch)`` for a tuple / list), so any task's batches work (``tasks/conversion/distill.py``
-passes the task's own training step).
+The models are called through ``forward(model, batch)`` (default: ``model(batch)`` for a tensor,
+``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple / list), so any task's batches work
+(``tasks/conversion/distill.py`` passes the task's own training step).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from .conversion import converted_pairs, new_parameter_names
 
 
 def default_forward(model: nn.Module, batch):
-    """``model(batch)`` for a tensor, ``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple / list."""
+    """``model(batch)`` for a tensor, ``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple /
+    list."""
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
@@ -73,7 +76,8 @@ def _batches(source: Iterable) -> Iterable:
 
 
 def _grid_hook(teacher: nn.Module, student: nn.Module):
-    """A pre-hook on the teacher's forward that records the patch grid into the student's grid context (diffusers)."""
+    """A pre-hook on the teacher's forward that records the patch grid into the student's grid context
+    (diffusers)."""
     ctx = getattr(student, "_mhla_grid_context", None)
     if ctx is None:
         return None
@@ -88,7 +92,8 @@ def _grid_hook(teacher: nn.Module, student: nn.Module):
     return teacher.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def trainable_parameters(teacher: nn.Module, student: nn.Module, pairs, train: str) -> dict[str, nn.Parameter]:
+def trainable_parameters(teacher: nn.Module, student: nn.Module, pairs, train: str
+                         ) -> dict[str, nn.Parameter]:
     """``{student parameter name: parameter}`` that the stage trains (module docstring)."""
     if train not in ("attention", "new"):
         raise ValueError(f"train must be 'attention' or 'new', got {train!r}")
@@ -104,30 +109,33 @@ def trainable_parameters(teacher: nn.Module, student: nn.Module, pairs, train: s
 
 
 def _optimizer(params: dict[str, nn.Parameter], lr: float, weight_decay: float, student: nn.Module):
-    grouped = {id(p) for m in student.modules() if getattr(m, "optim_group", None) for p in m.parameters(False)}
+    grouped = {id(p) for m in student.modules() if getattr(m, "optim_group", None)
+               for p in m.parameters(False)}
     decay = [p for n, p in params.items() if p.ndim >= 2 and id(p) not in grouped]
     rest = [p for n, p in params.items() if not (p.ndim >= 2 and id(p) not in grouped)]
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0})
-              if g["params"]]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": rest, "weight_decay": 0.0}) if g["params"]]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999))
 
 
-def distill_attention(teacher: nn.Module, student: nn.Module, batches: Iterable, *, steps: int, lr: float = 1e-3,
-                      weight_decay: float = 0.0, warmup: int | None = None, train: str = "attention",
-                      inputs: str = "teacher", layers: Iterable[str] | None = None,
-                      forward: Callable = default_forward, grad_clip: float | None = None, log_every: int = 10,
-                      log: Callable[[str], None] | None = print, on_step: Callable[[int, dict], None] | None = None
-                      ) -> dict:
-    """Train ``student``'s converted attention layers to reproduce ``teacher``'s, layer by layer (module docstring).
+def distill_attention(teacher: nn.Module, student: nn.Module, batches: Iterable, *, steps: int,
+                      lr: float = 1e-3, weight_decay: float = 0.0, warmup: int | None = None,
+                      train: str = "attention", inputs: str = "teacher", layers: Iterable[str] | None = None,
+                      forward: Callable = default_forward, grad_clip: float | None = None,
+                      log_every: int = 10, log: Callable[[str], None] | None = print,
+                      on_step: Callable[[int, dict], None] | None = None) -> dict:
+    """Train ``student``'s converted attention layers to reproduce ``teacher``'s, layer by layer (module
+    docstring).
 
     Args:
         teacher: the original model (left unchanged; run in eval mode without gradients).
         student: the converted model (:func:`mhla.convert` with ``copy=True``), on the teacher's device.
         batches: an iterable of model inputs (cycled), what ``forward(model, batch)`` takes.
-        steps: optimizer steps. lr, weight_decay, warmup (default ``min(50, steps // 10)``), grad_clip: AdamW's.
-        train: ``"attention"`` or ``"new"``. inputs: ``"teacher"`` or ``"student"``.
+        steps: optimizer steps. lr, weight_decay, warmup (default ``min(50, steps // 10)``), grad_clip:
+        AdamW's. train: ``"attention"`` or ``"new"``. inputs: ``"teacher"`` or ``"student"``.
         layers: the attention modules to match, by name (default: those the conversion changed).
-        log_every, log: a line every ``log_every`` steps (``log=None``: silent). on_step(step, record): a callback.
+        log_every, log: a line every ``log_every`` steps (``log=None``: silent). on_step(step, record): a
+        callback.
 
     Returns:
         ``{"steps", "seconds", "loss": [per step], "rel_mse": {layer: final MSE / mean square of the teacher's
@@ -146,8 +154,12 @@ def distill_attention(teacher: nn.Module, student: nn.Module, batches: Iterable,
         p.requires_grad_(False)
     warmup = min(50, steps // 10) if warmup is None else int(warmup)
     optimizer = _optimizer(params, lr, weight_decay, student)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
-                                                 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
+    def factor(s: int) -> float:  # linear warmup, then cosine from 1 to 0.1
+        if s < warmup:
+            return (s + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     captured: dict[str, tuple] = {}
     s_outputs: dict[str, torch.Tensor] = {}
 
@@ -199,14 +211,15 @@ def distill_attention(teacher: nn.Module, student: nn.Module, batches: Iterable,
                     hook()
             losses.append(loss.item())
             with torch.no_grad():
-                rel = {n: float(terms[n] / captured[n][2].float().pow(2).mean().clamp_min(1e-12)) for n in terms}
+                rel = {n: float(terms[n] / captured[n][2].float().pow(2).mean().clamp_min(1e-12))
+                       for n in terms}
             if step % max(1, log_every) == 0 or step == steps:
                 rec = {"step": step, "loss": losses[-1], "rel_mse_mean": sum(rel.values()) / len(rel),
                        "lr": schedule.get_last_lr()[0], "seconds": round(time.time() - t0, 1)}
                 history.append(rec)
                 if log is not None:
-                    log(f"distill step {step}/{steps}: loss={rec['loss']:.5g} rel_mse={rec['rel_mse_mean']:.4f} "
-                        f"lr={rec['lr']:.3g}")
+                    log(f"distill step {step}/{steps}: loss={rec['loss']:.5g} "
+                        f"rel_mse={rec['rel_mse_mean']:.4f} lr={rec['lr']:.3g}")
                 if on_step is not None:
                     on_step(step, rec)
     finally:
@@ -226,8 +239,9 @@ def distill_attention(teacher: nn.Module, student: nn.Module, batches: Iterable,
 def attention_gap(teacher: nn.Module, student: nn.Module, batches: Iterable, *, num_batches: int = 1,
                   inputs: str = "teacher", layers: Iterable[str] | None = None,
                   forward: Callable = default_forward) -> dict[str, float]:
-    """``{layer: MSE / mean square of the teacher's output}`` of the converted layers over ``num_batches`` batches
-    (the quantity :func:`distill_attention` minimises, relative), with the teacher's inputs or the student's own."""
+    """``{layer: MSE / mean square of the teacher's output}`` of the converted layers over ``num_batches``
+    batches (the quantity :func:`distill_attention` minimises, relative), with the teacher's inputs or the
+    student's own."""
     pairs = converted_pairs(teacher, student, layers)
     captured, s_out, sums = {}, {}, {}
     hooks = [t.register_forward_hook(lambda m, a, k, o, n=n: captured.__setitem__(n, (a, k, _main_output(o))),

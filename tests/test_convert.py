@@ -1,12 +1,12 @@
 """``mhla.convert`` and the distillation stage (docs/conversion.md).
 
-Per family (timm ViT with timm's own attention and with a registered one, our LM, transformers' Llama with grouped
-k / v heads, diffusers' Wan with rotary tables and DiT): converting to ``attn="softmax"`` reproduces the original's
-outputs (so every weight went where it belongs: a q / k / v split, a head order, a norm or RoPE mapped wrongly
-fails here), the converted model keeps its library's API (timm forward, transformers generate, diffusers forward),
-and the MHLA conversion runs forward and backward. Then the distillation stage (it lowers the attention gap and
-trains only what it should) and the path through ``python -m tasks.conversion.distill`` and
-``train.py trainer.init_from``."""
+Per family (timm ViT with timm's own attention and with a registered one, our LM, transformers' Llama with
+grouped k / v heads, diffusers' Wan with rotary tables and DiT): converting to ``attn="softmax"`` reproduces
+the original's outputs (so every weight went where it belongs: a q / k / v split, a head order, a norm or RoPE
+mapped wrongly fails here), the converted model keeps its library's API (timm forward, transformers generate,
+diffusers forward), and the MHLA conversion runs forward and backward. Then the distillation stage (it lowers
+the attention gap and trains only what it should) and the path through ``python -m tasks.conversion.distill``
+and ``train.py trainer.init_from``."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def test_timm_vit_softmax_reproduces_the_original(kw):
     x = torch.randn(2, 1, 32, 32, dtype=torch.float64)
     ref = vit(x)
     conv = mhla.convert(vit, "softmax", copy=True).eval()
-    assert model_family(vit) == "timm_vit" and not hasattr(vit, "mhla_conversion")  # copy: the original untouched
+    assert model_family(vit) == "timm_vit"
+    assert not hasattr(vit, "mhla_conversion")  # copy: the original untouched
     assert all(isinstance(m, mhla.SoftmaxAttention) for m in attention_modules(conv).values())
     assert close(conv(x), ref)
     assert close(conv.forward_head(conv.forward_features(x)), ref)  # timm's API
@@ -69,13 +70,14 @@ def test_timm_vit_mhla_layout_and_gradients():
 
 
 def test_default_blocks():
-    assert default_blocks((8, 8)) == (2, 2) and default_blocks((16, 16)) == (4, 4) and default_blocks((14, 14)) == (2, 2)
+    assert default_blocks((8, 8)) == (2, 2) and default_blocks((16, 16)) == (4, 4)
+    assert default_blocks((14, 14)) == (2, 2)
     assert default_blocks((4, 6, 10)) == (2, 2, 2)
 
 
 def test_our_vit_converts_to_the_model_train_py_builds():
-    """The registered-layer ViT (train.py's vit_mnist with softmax): softmax reproduces it; MHLA gives exactly the
-    parameters of the MHLA ViT built from scratch (so train.py can load the converted weights)."""
+    """The registered-layer ViT (train.py's vit_mnist with softmax): softmax reproduces it; MHLA gives exactly
+    the parameters of the MHLA ViT built from scratch (so train.py can load the converted weights)."""
     from models.vit import create_vit  # noqa: PLC0415
 
     kw = dict(img_size=32, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=4,
@@ -86,7 +88,8 @@ def test_our_vit_converts_to_the_model_train_py_builds():
     assert close(mhla.convert(vit, "softmax", copy=True)(x), vit(x))
     conv = mhla.convert(vit, {"name": "mhla", "num_blocks": 4}, copy=True)
     fresh = create_vit("v", {"name": "mhla", "num_blocks": 4}, **kw)
-    assert {k: v.shape for k, v in conv.state_dict().items()} == {k: v.shape for k, v in fresh.state_dict().items()}
+    shapes = lambda m: {k: v.shape for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(conv) == shapes(fresh)
     assert torch.equal(conv.blocks[1].attn.q_norm.weight, vit.blocks[1].attn.q_norm.weight)
 
 
@@ -179,8 +182,9 @@ def test_llama_mhla_decodes_as_the_full_forward():
 
 
 def test_llama_converted_model_saves_and_reloads(tmp_path):
-    """``save_pretrained`` keeps the options in ``config.mhla_attention``; a plain Llama built from that config,
-    converted with them, takes the saved weights (mixing matrices included) and computes the same logits."""
+    """``save_pretrained`` keeps the options in ``config.mhla_attention``; a plain Llama built from that
+    config, converted with them, takes the saved weights (mixing matrices included) and computes the same
+    logits."""
     from safetensors.torch import load_file  # noqa: PLC0415
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
@@ -213,8 +217,9 @@ def tiny_wan():
     from diffusers import WanTransformer3DModel  # noqa: PLC0415
 
     torch.manual_seed(0)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-                                 out_channels=4, text_dim=8, freq_dim=16, ffn_dim=32, num_layers=2,
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                 in_channels=4, out_channels=4, text_dim=8, freq_dim=16, ffn_dim=32,
+                                 num_layers=2,
                                  rope_max_seq_len=32).double().eval()
 
 
@@ -238,7 +243,8 @@ def test_diffusers_dit_softmax_reproduces():
 
     torch.manual_seed(0)
     dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                                num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10).double().eval()
+                                num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
+    dit = dit.double().eval()
     x, t, c = torch.randn(2, 4, 8, 8, dtype=torch.float64), torch.tensor([3, 5]), torch.tensor([1, 2])
     ref = dit(x, timestep=t, class_labels=c).sample
     assert close(mhla.convert(dit, "softmax", copy=True)(x, timestep=t, class_labels=c).sample, ref)
@@ -276,8 +282,8 @@ def test_distillation_of_llama_and_wan_runs():
     teacher = llama().float()
     student = mhla.convert(teacher, "mhla", copy=True)
     ids = [torch.randint(0, 97, (2, 16)) for _ in range(2)]
-    h = distill_attention(teacher, student, ids, steps=3, forward=lambda m, b: m(input_ids=b, use_cache=False),
-                          log=None)
+    h = distill_attention(teacher, student, ids, steps=3, log=None,
+                          forward=lambda m, b: m(input_ids=b, use_cache=False))
     assert len(h["rel_mse"]) == 2 and all(torch.isfinite(torch.tensor(v)) for v in h["loss"])
     wan = tiny_wan().float()
     student = mhla.convert(wan, {"name": "mhla", "blocks": [1, 2, 2]}, copy=True)
@@ -289,8 +295,8 @@ def test_distillation_of_llama_and_wan_runs():
 
 # ----------------------------------------------------------------------- the entry point and train.py
 TINY = ["logger=none", "trainer.progress_bar=false", "trainer.count_flops=false", "data.limit=128",
-        "data.eval_limit=64", "data.batch_size=32", "model.embed_dim=16", "model.depth=2", "model.num_heads=2",
-        "trainer.max_epochs=null"]
+        "data.eval_limit=64", "data.batch_size=32", "model.embed_dim=16", "model.depth=2",
+        "model.num_heads=2", "trainer.max_epochs=null"]
 
 
 @pytest.mark.slow
@@ -309,7 +315,8 @@ def test_distill_entry_point_and_init_from(tmp_path):
         cfg = compose(config_name="distill", overrides=[f"teacher={tmp_path / 'teacher'}", "distill.steps=2",
                                                         "evaluate=[teacher,converted,distilled]"])
     metrics = distill_run(cfg, str(tmp_path / "distill"))
-    assert {"teacher_top1", "converted_top1", "distilled_top1", "rel_mse_before", "rel_mse_after"} <= set(metrics)
+    wanted = {"teacher_top1", "converted_top1", "distilled_top1", "rel_mse_before", "rel_mse_after"}
+    assert wanted <= set(metrics)
     state = load_run_checkpoint(tmp_path / "distill" / "checkpoints" / "last.pt")
     assert state["config"]["attn"]["name"] == "mhla" and state["step"] == 2
     assert (tmp_path / "distill" / "run.json").is_file()
@@ -352,10 +359,11 @@ def test_experiment_summary_pairs_seeds_and_writes_the_report(tmp_path):
     args = Namespace(task="mnist", seeds=[0, 1, 2], distill_steps=10, finetune_steps=20, distill_lr=1e-3)
     summary = summarize(records, args)
     ab = summary["paired"]["a-b"]
-    assert ab["diffs"] == pytest.approx([1.0, 1.0, 1.0]) and not ab["level"]  # the same gap every seed: it holds
+    assert ab["diffs"] == pytest.approx([1.0, 1.0, 1.0]) and not ab["level"]  # the same gap every seed
     ac = summary["paired"]["a-c"]
     assert ac["diffs"] == pytest.approx([5.0, -1.0, 4.0]) and ac["level"]  # the interval contains 0
-    assert summary["arms"]["a"]["mean"] == pytest.approx(96.0) and summary["teacher"]["value"] == pytest.approx(98.0)
+    assert summary["arms"]["a"]["mean"] == pytest.approx(96.0)
+    assert summary["teacher"]["value"] == pytest.approx(98.0)
     summary.update(command="python -m tasks.conversion.experiment ...", machine={"cpu": "x", "cpu_count": 2},
                    code={"commit": "abc"}, seconds=60.0)
     text = open(write_markdown(summary, str(tmp_path / "mnist.md"))).read()

@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable
 def select_layers(names: list[str], layers: Iterable[int] | Callable[[int, str], bool] | None,
                   what: str = "attention layers") -> list[int]:
     """Indices into ``names`` (a model's attention modules, in order) that ``layers`` picks: None (all), an
-    iterable of indices, or ``fn(index, name) -> bool``. Used by the diffusers adapter and :func:`mhla.convert`."""
+    iterable of indices, or ``fn(index, name) -> bool``. Used by the diffusers adapter and
+    :func:`mhla.convert`."""
     if layers is None:
         return list(range(len(names)))
     if callable(layers):

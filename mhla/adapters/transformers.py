@@ -1,33 +1,34 @@
-"""transformers adapter: a registered attention inside a Llama-architecture decoder, between its own projections.
+"""transformers adapter: a registered attention inside a Llama-architecture decoder, between its own
+projections.
 
     from transformers import LlamaConfig, LlamaForCausalLM
     import mhla
-    model = LlamaForCausalLM(LlamaConfig(...))                       # trained with softmax
-    mhla.convert(model, attn="mhla")                                  # every layer's self_attn -> the adapter
-    model.generate(input_ids, max_new_tokens=32)                      # transformers' API, decoded with MHLA's state
+    model = LlamaForCausalLM(LlamaConfig(...))       # trained with softmax
+    mhla.convert(model, attn="mhla")                  # every layer's self_attn -> the adapter
+    model.generate(input_ids, max_new_tokens=32)      # transformers' API, decoded with MHLA's state
 
-:class:`LlamaAttentionAdapter` replaces one ``LlamaAttention`` (``model.model.layers[i].self_attn``). It keeps the
-host's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (the same ``nn.Linear`` objects, so the state dict keeps
-Llama's names) and runs the registered layer's :meth:`~mhla.layers.AttentionBase.attend` between them, built with
-``projections=False`` (as the diffusers adapter does):
+:class:`LlamaAttentionAdapter` replaces one ``LlamaAttention`` (``model.model.layers[i].self_attn``). It keeps
+the host's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (the same ``nn.Linear`` objects, so the state
+dict keeps Llama's names) and runs the registered layer's :meth:`~mhla.layers.AttentionBase.attend` between
+them, built with ``projections=False`` (as the diffusers adapter does):
 
     q, k, v = q_proj(x), k_proj(x), v_proj(x)      # [B, T, H, D]; grouped k / v heads repeated to H (GQA)
     o = layer.attend(q, k, v, rope_tables=the model's (cos, sin), cache=this layer's state)
     y = o_proj(layer.finish_heads(o).flatten(heads))
 
-RoPE. ``LlamaAttention`` rotates q and k itself with the ``position_embeddings = (cos, sin)`` the model computes
-once per forward (half-split, ``rotate_half``). The adapter does not rotate: it hands those tables to the layer as
-:class:`mhla.rope.RotaryTables` (``interleaved=False``, the same layout), and the layer applies them at its ``rope``
-placement: softmax rotates q and k (exactly Llama's attention), MHLA / linear attention rotate ``phi(q), phi(k)``
-(``"after_feature_map"``, the LM default here and in the release) or ``q, k`` before the feature map
-(``"before_feature_map"``).
+RoPE. ``LlamaAttention`` rotates q and k itself with the ``position_embeddings = (cos, sin)`` the model
+computes once per forward (half-split, ``rotate_half``). The adapter does not rotate: it hands those tables to
+the layer as :class:`mhla.rope.RotaryTables` (``interleaved=False``, the same layout), and the layer applies
+them at its ``rope`` placement: softmax rotates q and k (exactly Llama's attention), MHLA / linear attention
+rotate ``phi(q), phi(k)`` (``"after_feature_map"``, the LM default here and in the release) or ``q, k`` before
+the feature map (``"before_feature_map"``).
 
-Decoding. transformers hands every layer the model's cache (``DynamicCache``). On its first call with a cache the
-adapter puts a :class:`AdapterCacheLayer` in that cache's slot for its ``layer_idx``: it holds the layer's
-:class:`mhla.layers.AttentionCache` (MHLA's block summaries, linear attention's ``(S, z)``, softmax's ``(k, v)``) and
-counts the tokens consumed, which is what transformers reads for positions and masks. Greedy decoding, sampling and
-beam search (the state is reordered with the beams) work; padded batches do not (a 4-D mask other than the plain
-causal one raises), and neither do caches that are not a ``DynamicCache``.
+Decoding. transformers hands every layer the model's cache (``DynamicCache``). On its first call with a cache
+the adapter puts a :class:`AdapterCacheLayer` in that cache's slot for its ``layer_idx``: it holds the layer's
+:class:`mhla.layers.AttentionCache` (MHLA's block summaries, linear attention's ``(S, z)``, softmax's ``(k,
+v)``) and counts the tokens consumed, which is what transformers reads for positions and masks. Greedy
+decoding, sampling and beam search (the state is reordered with the beams) work; padded batches do not (a 4-D
+mask other than the plain causal one raises), and neither do caches that are not a ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from ..rope import RotaryTables
 
 
 def _map_tensors(obj, fn):
-    """``fn`` on every tensor of an attention state (tensors, tuples / lists, dataclasses such as MHLAState)."""
+    """``fn`` on every tensor of an attention state (tensors, tuples / lists, dataclasses such as
+    MHLAState)."""
     if obj is None:
         return None
     if torch.is_tensor(obj):
@@ -52,7 +54,8 @@ def _map_tensors(obj, fn):
         return type(obj)(_map_tensors(o, fn) for o in obj)
     if dataclasses.is_dataclass(obj):
         return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
-                                           for f in dataclasses.fields(obj) if torch.is_tensor(getattr(obj, f.name))})
+                                           for f in dataclasses.fields(obj)
+                                           if torch.is_tensor(getattr(obj, f.name))})
     return obj
 
 
@@ -95,7 +98,8 @@ class AdapterCacheLayer(CacheLayerMixin):
         self.state, self.seen = AttentionCache(), 0
 
     def _map(self, fn) -> None:
-        self.state = AttentionCache(attn=_map_tensors(self.state.attn, fn), conv=_map_tensors(self.state.conv, fn))
+        self.state = AttentionCache(attn=_map_tensors(self.state.attn, fn),
+                                    conv=_map_tensors(self.state.conv, fn))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -108,23 +112,25 @@ class AdapterCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
-            raise NotImplementedError("a converted layer's state cannot be cropped (assisted decoding is unsupported)")
+            raise NotImplementedError("a converted layer's state cannot be cropped (assisted decoding is "
+                                      "unsupported)")
 
 
 def _layer_slot(cache, layer_idx: int) -> AdapterCacheLayer:
-    """This layer's :class:`AdapterCacheLayer` in ``cache`` (created on first use, replacing the cache's own)."""
+    """This layer's :class:`AdapterCacheLayer` in ``cache`` (created on first use, replacing the cache's
+    own)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
-        raise TypeError(f"a converted Llama layer needs a transformers Cache with .layers (DynamicCache), got "
-                        f"{type(cache).__name__}")
+        raise TypeError(f"a converted Llama layer needs a transformers Cache with .layers (DynamicCache), "
+                        f"got {type(cache).__name__}")
     while len(layers) <= layer_idx:
         factory = getattr(cache, "layer_class_to_replicate", None)
         layers.append(factory() if factory is not None else AdapterCacheLayer())
     slot = layers[layer_idx]
     if not isinstance(slot, AdapterCacheLayer):
         if slot.get_seq_length() > 0:
-            raise ValueError(f"layer {layer_idx}: the cache already holds keys and values from a softmax layer; start "
-                             "generation with an empty cache")
+            raise ValueError(f"layer {layer_idx}: the cache already holds keys and values from a softmax "
+                             "layer; start generation with an empty cache")
         slot = layers[layer_idx] = AdapterCacheLayer()
     return slot
 
@@ -137,14 +143,15 @@ def _check_causal_mask(mask, T: int) -> None:
     allowed = mask if mask.dtype == torch.bool else mask == 0
     causal = torch.ones(T, S, dtype=torch.bool, device=mask.device).tril(S - T)
     if not bool((allowed == causal).all()):
-        raise ValueError("the converted Llama attention takes unpadded batches only (its attention is causal over "
-                         "every token); the attention_mask has padding: run the sequences one at a time")
+        raise ValueError("the converted Llama attention takes unpadded batches only (its attention is causal "
+                         "over every token); the attention_mask has padding: run the sequences one at a time")
 
 
 class LlamaAttentionAdapter(nn.Module):
     """A registered attention (built with ``projections=False, causal=True``) in place of ``LlamaAttention``,
     with the host's projections (module docstring). Same call and return as ``LlamaAttention.forward``:
-    ``(hidden_states [B, T, C], position_embeddings=(cos, sin), attention_mask, past_key_values) -> (out, None)``.
+    ``(hidden_states [B, T, C], position_embeddings=(cos, sin), attention_mask, past_key_values) -> (out,
+    None)``.
 
     Attributes: ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (the host's modules), ``attention`` (the
     registered layer), ``layer_idx``, ``num_heads``, ``num_key_value_groups``, ``head_dim``.
@@ -159,9 +166,11 @@ class LlamaAttentionAdapter(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_key_value_groups = host.num_key_value_groups
         self.is_causal = True
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = host.q_proj, host.k_proj, host.v_proj, host.o_proj
+        self.q_proj, self.k_proj = host.q_proj, host.k_proj
+        self.v_proj, self.o_proj = host.v_proj, host.o_proj
         if attention.projections or not attention.causal:
-            raise ValueError("LlamaAttentionAdapter needs a layer built with projections=False and causal=True")
+            raise ValueError("LlamaAttentionAdapter needs a layer built with projections=False and "
+                             "causal=True")
         self.attention = attention
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
@@ -170,7 +179,8 @@ class LlamaAttentionAdapter(nn.Module):
         q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)
         k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)
         v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim)
-        if self.num_key_value_groups > 1:  # transformers' repeat_kv: query head h reads key / value head h // groups
+        # transformers' repeat_kv: query head h reads key / value head h // groups
+        if self.num_key_value_groups > 1:
             k = k.repeat_interleave(self.num_key_value_groups, dim=2)
             v = v.repeat_interleave(self.num_key_value_groups, dim=2)
         _check_causal_mask(attention_mask, T)

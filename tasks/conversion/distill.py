@@ -1,21 +1,25 @@
 #!/usr/bin/env python
 """Convert a trained ``train.py`` run to another attention, distil its attention layers, save a checkpoint.
 
-    python -m tasks.conversion.distill teacher=outputs/mnist/vit_mnist-softmax/<run> attn=mhla distill.steps=200
+    python -m tasks.conversion.distill teacher=outputs/mnist/vit_mnist-softmax/<run> attn=mhla
+    distill.steps=200
     python train.py attn=mhla trainer.init_from=<this run's folder> trainer.max_steps=300     # then fine-tune
 
 Steps (docs/conversion.md):
 
 1. the teacher: the checkpoint's model, built by its own task from the config stored in it;
-2. the student config: the teacher's config with ``attn`` replaced by this command's (``attn=mhla attn.<opt>=...``,
-   resolved against the model's attention contract as ``train.py`` resolves it) and ``seed``;
-3. the student: :func:`mhla.convert` of a copy of the teacher with that resolved attention; its state dict must be
-   the one ``train.py`` builds for the student config (else ``trainer.init_from`` could not load it: refused here);
-4. ``distill.steps`` steps of :func:`mhla.distill.distill_attention` on the task's training batches (the models are
-   called through the task's own ``training_loss``), then the task's evaluation of the models ``evaluate`` names;
-5. ``<run_dir>/checkpoints/last.pt`` in ``train.py``'s format (``model``, ``step``, ``config`` = the student config)
-   and ``<run_dir>/run.json`` (:mod:`tasks.common.records`: config, commit, machine, load, metrics), and one
-   ``final: ...`` line.
+2. the student config: the teacher's config with ``attn`` replaced by this command's (``attn=mhla
+   attn.<opt>=...``, resolved against the model's attention contract as ``train.py`` resolves it) and
+   ``seed``;
+3. the student: :func:`mhla.convert` of a copy of the teacher with that resolved attention; its state dict
+   must be the one ``train.py`` builds for the student config (else ``trainer.init_from`` could not load it:
+   refused here);
+4. ``distill.steps`` steps of :func:`mhla.distill.distill_attention` on the task's training batches (the
+   models are called through the task's own ``training_loss``), then the task's evaluation of the models
+   ``evaluate`` names;
+5. ``<run_dir>/checkpoints/last.pt`` in ``train.py``'s format (``model``, ``step``, ``config`` = the student
+   config) and ``<run_dir>/run.json`` (:mod:`tasks.common.records`: config, commit, machine, load, metrics),
+   and one ``final: ...`` line.
 """
 
 from __future__ import annotations
@@ -36,7 +40,13 @@ if ROOT not in sys.path:
 
 from mhla.conversion import convert  # noqa: E402
 from mhla.distill import attention_gap, distill_attention  # noqa: E402
-from tasks.common.checkpoint import atomic_save, find_checkpoint, load_run_checkpoint, model_weights, run_config  # noqa: E402
+from tasks.common.checkpoint import (  # noqa: E402
+    atomic_save,
+    find_checkpoint,
+    load_run_checkpoint,
+    model_weights,
+    run_config,
+)
 from tasks.common.config import ConfigError, model_attention, register_resolvers  # noqa: E402
 from tasks.common.distributed import DistInfo  # noqa: E402
 from tasks.common.records import write_run_record  # noqa: E402
@@ -49,7 +59,8 @@ EVALUATED = ("teacher", "converted", "distilled")
 
 
 def student_config(teacher_cfg, attn_cfg, seed: int):
-    """The teacher's run config with ``attn`` replaced and ``seed`` set (struct off: the stored config is plain)."""
+    """The teacher's run config with ``attn`` replaced and ``seed`` set (struct off: the stored config is
+    plain)."""
     cfg = copy.deepcopy(teacher_cfg)
     OmegaConf.set_struct(cfg, False)
     cfg.attn = OmegaConf.create(OmegaConf.to_container(attn_cfg, resolve=True))
@@ -58,13 +69,14 @@ def student_config(teacher_cfg, attn_cfg, seed: int):
 
 
 def check_same_state(student, reference, what: str) -> None:
-    """``student`` and ``reference`` have the same state-dict keys and shapes, else a ConfigError naming them."""
+    """``student`` and ``reference`` have the same state-dict keys and shapes, else a ConfigError naming
+    them."""
     a = {k: tuple(v.shape) for k, v in student.state_dict().items()}
     b = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     if a != b:
         diff = sorted(set(a) ^ set(b)) or sorted(k for k in a if a[k] != b[k])
-        raise ConfigError(f"the converted model's weights differ from what train.py builds for {what} ({diff[:6]}); "
-                          "train.py could not fine-tune it with trainer.init_from")
+        raise ConfigError(f"the converted model's weights differ from what train.py builds for {what} "
+                          f"({diff[:6]}); train.py could not fine-tune it with trainer.init_from")
 
 
 def loaders(task, cfg, batch_size: int, seed: int, eval_limit):
@@ -75,7 +87,8 @@ def loaders(task, cfg, batch_size: int, seed: int, eval_limit):
     if eval_limit:
         eval_ds = torch.utils.data.Subset(eval_ds, range(min(int(eval_limit), len(eval_ds))))
     eval_bs = int(cfg.data.get("eval_batch_size") or batch_size)
-    evaluate = torch.utils.data.DataLoader(eval_ds, batch_size=eval_bs, shuffle=False, collate_fn=task.collate)
+    evaluate = torch.utils.data.DataLoader(eval_ds, batch_size=eval_bs, shuffle=False,
+                                           collate_fn=task.collate)
     return train, evaluate
 
 
@@ -102,8 +115,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     student = convert(teacher, attn, copy=True)
     check_same_state(student, task_class(scfg)(scfg).build_model(), f"attn={attn['name']}")
     conv = student.mhla_conversion
-    print(f"converted {len(conv['layers'])} layers of {type(student).__name__} ({conv['family']}); new parameters: "
-          f"{len(conv['new_parameters'])} tensors", flush=True)
+    print(f"converted {len(conv['layers'])} layers of {type(student).__name__} ({conv['family']}); new "
+          f"parameters: {len(conv['new_parameters'])} tensors", flush=True)
 
     bs = int(cfg.distill.batch_size or teacher_cfg.data.batch_size)
     train_loader, eval_loader = loaders(task, teacher_cfg, bs, int(cfg.seed), cfg.get("eval_limit"))
@@ -131,7 +144,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
     if steps > 0:
         d = cfg.distill
         history = distill_attention(teacher, student, train_loader, steps=steps, lr=float(d.lr),
-                                    weight_decay=float(d.weight_decay), warmup=d.get("warmup"), train=str(d.train),
+                                    weight_decay=float(d.weight_decay), warmup=d.get("warmup"),
+                                    train=str(d.train),
                                     inputs=str(d.inputs), forward=forward, grad_clip=d.get("grad_clip"),
                                     log_every=int(d.log_every))
         evaluate("distilled", student)
@@ -148,7 +162,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
                                 "history": history["history"], "rel_mse_before": gap_before,
                                 "rel_mse_after": gap_after}},
                 os.path.join(out, "last.pt"))
-    record_cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), "student_config": student_container})
+    record_cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True),
+                                   "student_config": student_container})
     write_run_record(run_dir, record_cfg, metrics, seconds=time.time() - started, load_before=load_before)
     line = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     print(f"saved {os.path.join(out, 'last.pt')}", flush=True)

@@ -2,7 +2,8 @@
 """The conversion experiment: a softmax teacher converted to MHLA, three ways, at equal steps, over seeds.
 
     python -m tasks.conversion.experiment --task mnist  --distill-steps 100 --finetune-steps 368 --seeds 0 1 2
-    python -m tasks.conversion.experiment --task lm_mini --distill-steps 100 --finetune-steps 200 --seeds 0 1 2
+    python -m tasks.conversion.experiment --task lm_mini --distill-steps 100 --finetune-steps 200 --seeds 0 1
+    2
 
 Arms (every one ends after ``D + F`` optimizer steps; the teacher's own steps come before (a) and (b)):
 
@@ -12,11 +13,11 @@ Arms (every one ends after ``D + F`` optimizer steps; the teacher's own steps co
 * (c) MHLA from scratch, ``D + F`` steps (``train.py ... attn=mhla``).
 
 Fine-tuning and training from scratch use the task's default recipe (optimizer, peak lr, warmup, cosine) with
-``trainer.max_steps`` set to their step count. The teacher is ``train.py <task> attn=softmax seed=0`` at the task's
-default recipe (``--teacher`` reuses a finished run). Runs go to ``--runs`` (one folder each; a folder that
-already holds a finished run's ``run.json`` is read, not run again), ``--jobs`` at a time, one thread each, under
-``nice -n <--nice>`` (default 0: a fair share beside other users' runs; 10 yields to them). Results: ``--out``.md /
-.json / .png: mean ± std per arm, the paired differences over seeds with a 95%
+``trainer.max_steps`` set to their step count. The teacher is ``train.py <task> attn=softmax seed=0`` at the
+task's default recipe (``--teacher`` reuses a finished run). Runs go to ``--runs`` (one folder each; a folder
+that already holds a finished run's ``run.json`` is read, not run again), ``--jobs`` at a time, one thread
+each, under ``nice -n <--nice>`` (default 0: a fair share beside other users' runs; 10 yields to them).
+Results: ``--out``.md / .json / .png: mean ± std per arm, the paired differences over seeds with a 95%
 t interval ("level" when it contains 0), the teacher beside them, the commands, the machine and its load.
 """
 
@@ -43,13 +44,14 @@ from tasks.common.utils import load_average, system_info  # noqa: E402
 TASKS = {
     "mnist": {"overrides": ["task=mnist"], "metric": "top1", "higher": True, "label": "test top-1 (%)",
               "scale": 100.0},
-    "lm_mini": {"overrides": ["task=lm_mini"], "metric": "val_ppl", "higher": False, "label": "val perplexity",
-                "scale": 1.0},
+    "lm_mini": {"overrides": ["task=lm_mini"], "metric": "val_ppl", "higher": False,
+                "label": "val perplexity", "scale": 1.0},
 }
 COMMON = ["logger=none", "trainer.progress_bar=false"]
 ARMS = {"a": "convert + distil + fine-tune", "b": "convert + fine-tune", "c": "MHLA from scratch"}
 def run_command(cmd: list[str], run_dir: str, threads: int) -> dict:
-    """Run ``cmd`` (train.py or the distillation entry point, writing ``run_dir``), or read the finished run there."""
+    """Run ``cmd`` (train.py or the distillation entry point, writing ``run_dir``), or read the finished run
+    there."""
     record = read_run_record(run_dir)
     shown = " ".join(cmd[3:] if cmd[:2] == ["nice", "-n"] else cmd).replace(sys.executable, "python")
     shown = shown.replace(os.path.join(ROOT, "train.py"), "train.py").replace(ROOT + os.sep, "")
@@ -65,7 +67,8 @@ def run_command(cmd: list[str], run_dir: str, threads: int) -> dict:
             return {"command": shown, "error": f"no run.json in {run_dir}"}
     return {"command": shown, "run_dir": os.path.relpath(run_dir, ROOT), "seconds": record.get("seconds"),
             "metrics": record.get("metrics", {}),
-            "run": {k: record.get(k) for k in ("commit", "dirty", "machine", "load_before", "load_after", "config")}}
+            "run": {k: record.get(k)
+                    for k in ("commit", "dirty", "machine", "load_before", "load_after", "config")}}
 
 
 #: the niceness of every run (``--nice``)
@@ -93,8 +96,9 @@ def plan(args) -> tuple[dict, list]:
     distill = [f"teacher={teacher_dir}", "attn=mhla", f"distill.lr={args.distill_lr}", *args.distill_extra]
     jobs = []
     convert_dir = os.path.join(runs, "b_convert")
-    jobs.append(("b_convert", [(distill_cmd(distill + ["distill.steps=0", "seed=0", "evaluate=[teacher,converted]",
-                                                       f"hydra.run.dir={convert_dir}"]), convert_dir)]))
+    convert = distill_cmd(distill + ["distill.steps=0", "seed=0", "evaluate=[teacher,converted]",
+                                     f"hydra.run.dir={convert_dir}"])
+    jobs.append(("b_convert", [(convert, convert_dir)]))
     for s in args.seeds:
         a_d, a_f = os.path.join(runs, f"a_distill_s{s}"), os.path.join(runs, f"a_finetune_s{s}")
         jobs.append((f"a{s}", [
@@ -103,19 +107,21 @@ def plan(args) -> tuple[dict, list]:
             (train_cmd(task + ["attn=mhla", f"seed={s}", f"trainer.init_from={a_d}", f"trainer.max_steps={F}",
                                *steps, f"hydra.run.dir={a_f}"]), a_f)]))
         b_f = os.path.join(runs, f"b_finetune_s{s}")
-        jobs.append((f"b{s}", [(train_cmd(task + ["attn=mhla", f"seed={s}", f"trainer.init_from={convert_dir}",
-                                                  f"trainer.max_steps={D + F}", *steps, f"hydra.run.dir={b_f}"]),
-                                b_f)]))
-        c = os.path.join(runs, f"c_scratch_s{s}")
-        jobs.append((f"c{s}", [(train_cmd(task + ["attn=mhla", f"seed={s}", f"trainer.max_steps={D + F}", *steps,
-                                                  f"hydra.run.dir={c}"]), c)]))
+        b = train_cmd(task + ["attn=mhla", f"seed={s}", f"trainer.init_from={convert_dir}",
+                              f"trainer.max_steps={D + F}", *steps, f"hydra.run.dir={b_f}"])
+        jobs.append((f"b{s}", [(b, b_f)]))
+        c_d = os.path.join(runs, f"c_scratch_s{s}")
+        c = train_cmd(task + ["attn=mhla", f"seed={s}", f"trainer.max_steps={D + F}", *steps,
+                              f"hydra.run.dir={c_d}"])
+        jobs.append((f"c{s}", [(c, c_d)]))
     return teacher, jobs
 
 
 def run_jobs(teacher, jobs, args) -> dict:
     records = {}
     records["teacher"] = [run_command(cmd, d, args.threads) for cmd, d in teacher[1]]
-    print(f"teacher: {records['teacher'][-1].get('metrics') or records['teacher'][-1].get('error')}", flush=True)
+    last = records["teacher"][-1]
+    print(f"teacher: {last.get('metrics') or last.get('error')}", flush=True)
     if "error" in records["teacher"][-1]:
         raise SystemExit(f"teacher failed:\n{records['teacher'][-1]['error']}")
     first, rest = jobs[0], jobs[1:]  # the converted model (b) is needed by every b fine-tune
@@ -140,8 +146,8 @@ def run_jobs(teacher, jobs, args) -> dict:
 
 
 def paired(a: dict, b: dict) -> dict:
-    """:func:`tasks.common.stats.paired_difference` of ``a[s] - b[s]`` over the seeds, with ``level``: True when its
-    95% interval contains 0 (the difference does not clear the seed noise)."""
+    """:func:`tasks.common.stats.paired_difference` of ``a[s] - b[s]`` over the seeds, with ``level``: True
+    when its 95% interval contains 0 (the difference does not clear the seed noise)."""
     p = paired_difference(a, b)
     return {**p, "level": not p["excludes_zero"]}
 
@@ -149,7 +155,9 @@ def paired(a: dict, b: dict) -> dict:
 def summarize(records: dict, args) -> dict:
     spec = TASKS[args.task]
     key, scale = spec["metric"], spec["scale"]
-    value = lambda rec, k=key: rec["metrics"][k] * scale if rec.get("metrics") and k in rec["metrics"] else None  # noqa: E731
+    def value(rec: dict, k: str = key) -> float | None:
+        return rec["metrics"][k] * scale if rec.get("metrics") and k in rec["metrics"] else None
+
     teacher = value(records["teacher"][-1])
     teacher_steps = None
     ckpt = os.path.join(ROOT, records["teacher"][-1]["run_dir"], "checkpoints", "last.pt")
@@ -162,11 +170,13 @@ def summarize(records: dict, args) -> dict:
     for arm in ARMS:
         vals = {s: value(records[f"{arm}{s}"][-1]) for s in args.seeds}
         if any(v is None for v in vals.values()):
-            raise SystemExit(f"arm {arm}: a run failed: {[records[f'{arm}{s}'][-1].get('error') for s in args.seeds]}")
+            errors = [records[f"{arm}{s}"][-1].get("error") for s in args.seeds]
+            raise SystemExit(f"arm {arm}: a run failed: {errors}")
         m, sd = mean_std(list(vals.values()))
         arms[arm] = {"name": ARMS[arm], "values": list(vals.values()), "mean": m, "std": sd, "by_seed": vals}
     distilled = [value(records[f"a{s}"][0], f"distilled_{key}") for s in args.seeds]
-    pairs = {f"{x}-{y}": paired(arms[x]["by_seed"], arms[y]["by_seed"]) for x, y in (("a", "b"), ("a", "c"), ("b", "c"))}
+    pairs = {f"{x}-{y}": paired(arms[x]["by_seed"], arms[y]["by_seed"])
+             for x, y in (("a", "b"), ("a", "c"), ("b", "c"))}
     for arm in ("a", "b"):
         pairs[f"teacher-{arm}"] = paired({s: teacher for s in args.seeds}, arms[arm]["by_seed"])
     loads = [r["run"]["load_before"][0] for recs in records.values() for r in recs if r.get("run")
@@ -177,7 +187,8 @@ def summarize(records: dict, args) -> dict:
         "total_steps": args.distill_steps + args.finetune_steps, "seeds": args.seeds,
         "distill_lr": args.distill_lr,
         "teacher": {"value": teacher, "steps": teacher_steps,
-                    "metrics": records["teacher"][-1]["metrics"], "command": records["teacher"][-1]["command"]},
+                    "metrics": records["teacher"][-1]["metrics"],
+                    "command": records["teacher"][-1]["command"]},
         "converted_no_training": value(conv, f"converted_{key}"),
         "distilled_no_finetune": {"values": distilled, "mean": mean_std(distilled)[0]},
         "rel_mse": {"converted": conv["metrics"].get("rel_mse_before"),
@@ -205,7 +216,8 @@ def plot(summary: dict, path: str) -> None:
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set_ylabel(summary["metric_label"])
     ax.set_title(f"{summary['task']}: softmax -> MHLA at {summary['total_steps']} steps "
-                 f"(D={summary['distill_steps']}, F={summary['finetune_steps']}), {len(summary['seeds'])} seeds",
+                 f"(D={summary['distill_steps']}, F={summary['finetune_steps']}), "
+                 f"{len(summary['seeds'])} seeds",
                  fontsize=9)
     ax.legend(fontsize=8)
     save_figure(fig, path)
@@ -223,7 +235,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="results file stem [results/conversion/<task>]")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--nice", type=int, default=0, help="niceness of the runs (0: a fair share of a shared machine)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="niceness of the runs (0: a fair share of a shared machine)")
     p.add_argument("--extra", nargs="*", default=[], help="overrides for every train.py run (smoke tests)")
     p.add_argument("--teacher-extra", nargs="*", default=[], help="overrides for the teacher's run only")
     p.add_argument("--distill-extra", nargs="*", default=[], help="overrides for the distillation runs")
@@ -244,8 +257,9 @@ def main(argv=None) -> None:
     teacher, jobs = plan(args)
     records = run_jobs(teacher, jobs, args)
     summary = summarize(records, args)
-    summary.update(command="python -m tasks.conversion.experiment " + " ".join(argv if argv is not None else sys.argv[1:]),
-                   nice=args.nice, machine=system_info(), code=code, load_before=load_before, load_after=load_average(),
+    shown = " ".join(argv if argv is not None else sys.argv[1:])
+    summary.update(command="python -m tasks.conversion.experiment " + shown, nice=args.nice, jobs=args.jobs,
+                   machine=system_info(), code=code, load_before=load_before, load_after=load_average(),
                    seconds=round(time.time() - started, 1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     text = json.dumps(summary, indent=1, default=str)

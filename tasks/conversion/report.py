@@ -1,6 +1,7 @@
-"""The results file of the conversion experiment (:mod:`tasks.conversion.experiment`): tables from its ``.json``,
-the verdict of each paired comparison, a reading generated from those numbers (:func:`reading`), and the
-hand-written notes ``<stem>_reading.md`` when there are some (no numbers in them: the numbers come from the JSON).
+"""The results file of the conversion experiment (:mod:`tasks.conversion.experiment`): tables from its
+``.json``, the verdict of each paired comparison, a reading generated from those numbers (:func:`reading`),
+and the hand-written notes ``<stem>_reading.md`` when there are some (no numbers in them: the numbers come
+from the JSON).
 
     python -m tasks.conversion.report results/conversion/mnist       # rewrite mnist.md from mnist.json
 """
@@ -46,71 +47,76 @@ def _compare(s: dict, key: str, what: str, d: int) -> str:
     elif p["level"]:
         word = "**level**: the difference does not clear the seed noise"
     else:
-        word = f"**({x} {'ahead' if (p['mean'] > 0) == s['higher_is_better'] else 'behind'})**: the interval excludes 0"
+        ahead = (p["mean"] > 0) == s["higher_is_better"]
+        word = f"**({x}) {'ahead' if ahead else 'behind'}**: the interval excludes 0"
     return f"- {what}: ({x}) - ({y}) = {fmt(p['mean'], d)} on average over the seeds{interval}; {word}."
 
 
 def reading(s: dict) -> list[str]:
     """The ``## Reading`` lines, every number taken from the summary (the JSON)."""
     d = 3 if s["metric"] == "val_ppl" else 2
-    arms, t = s["arms"], s["teacher"]["value"]
+    arms, t, gap = s["arms"], s["teacher"]["value"], s["rel_mse"]
     better = "higher" if s["higher_is_better"] else "lower"
-    gap = s["rel_mse"]
     dist = [g for g in gap["distilled"] if g is not None]
-    lines = [
+    arm = lambda k: f"({k}) {fmt(arms[k]['mean'], d)} ± {fmt(arms[k]['std'], d)}"  # noqa: E731
+    return [
         "## Reading (generated from the JSON by tasks/conversion/report.py)",
         "",
-        f"- Starting point: the softmax teacher reaches {fmt(t, d)} ({s['metric_label']}, {better} is better) after "
-        f"{s['teacher'].get('steps') or 'its'} steps. Swapping its attention for MHLA with every weight kept and no "
-        f"training gives {fmt(s['converted_no_training'], d)}; {s['distill_steps']} distillation steps alone (the "
-        f"rest of the network frozen) give {fmt(s['distilled_no_finetune']['mean'], d)} on average, and lower the "
-        f"attention gap from {fmt(gap['converted'], 3)} to "
-        f"{fmt(sum(dist) / len(dist) if dist else None, 3)} (relative MSE of the layer outputs).",
-        f"- At {s['total_steps']} steps each: (a) {fmt(arms['a']['mean'], d)} ± {fmt(arms['a']['std'], d)}, "
-        f"(b) {fmt(arms['b']['mean'], d)} ± {fmt(arms['b']['std'], d)}, (c) {fmt(arms['c']['mean'], d)} ± "
-        f"{fmt(arms['c']['std'], d)} (mean ± std over {len(s['seeds'])} seed(s)).",
+        f"- Starting point: the softmax teacher reaches {fmt(t, d)} ({s['metric_label']}, {better} is "
+        f"better) after {s['teacher'].get('steps') or 'its'} steps. Swapping its attention for MHLA with "
+        f"every weight kept and no training gives {fmt(s['converted_no_training'], d)}; "
+        f"{s['distill_steps']} distillation steps alone (the rest of the network frozen) give "
+        f"{fmt(s['distilled_no_finetune']['mean'], d)} on average, and take the attention gap from "
+        f"{fmt(gap['converted'], 3)} to {fmt(sum(dist) / len(dist) if dist else None, 3)} (relative MSE of "
+        "the layer outputs).",
+        f"- At {s['total_steps']} steps each: {arm('a')}, {arm('b')}, {arm('c')} (mean ± std over "
+        f"{len(s['seeds'])} seed(s)).",
         _compare(s, "a-b", "What distillation adds over converting and fine-tuning", d),
         _compare(s, "b-c", "What the teacher's weights add over MHLA from scratch", d),
         _compare(s, "a-c", "The whole recipe against MHLA from scratch", d),
-        f"- Distance to the teacher: teacher - (a) = {fmt(s['paired']['teacher-a']['mean'], d)}, teacher - (b) = "
-        f"{fmt(s['paired']['teacher-b']['mean'], d)} (one teacher run: only the arm's seeds vary).",
-        f"- Scope: {len(s['seeds'])} seed(s) per arm, one teacher (seed 0) shared by (a) and (b), small step counts "
-        "sized for a shared 2-core CPU; the ranking at these budgets says nothing about longer schedules. (c) does "
-        "not get the teacher's steps; (a) and (b) do, which is the point of converting a model one already has.",
+        f"- Distance to the teacher: teacher - (a) = {fmt(s['paired']['teacher-a']['mean'], d)}, "
+        f"teacher - (b) = {fmt(s['paired']['teacher-b']['mean'], d)} (one teacher run: only the arm's seeds "
+        "vary).",
+        f"- Scope: {len(s['seeds'])} seed(s) per arm, one teacher (seed 0) shared by (a) and (b), small step "
+        "counts sized for a shared 2-core CPU; the ranking at these budgets says nothing about longer "
+        "schedules. (c) does not get the teacher's steps; (a) and (b) do, which is the point of converting a "
+        "model one already has.",
     ]
-    return lines
 
 
 def write_markdown(summary: dict, path: str) -> str:
     s = summary
     d = 3 if s["metric"] == "val_ppl" else 2
     seeds = s["seeds"]
+    blank = [""] * (len(seeds) - 1)
+    machine, load = s["machine"], s["load_average_1min"]
     lines = [
         f"# Converting a softmax {s['task']} model to MHLA: distil + fine-tune vs fine-tune vs scratch",
         "",
-        f"Command: `{s['command']}` (`tasks/conversion/experiment.py`; every run's own command is in the JSON and "
-        "below).",
+        f"Command: `{s['command']}` (`tasks/conversion/experiment.py`; every run's own command and resolved "
+        "config are in the JSON, the commands below).",
         "",
-        f"Machine: {s['machine'].get('cpu')} ({s['machine'].get('cpu_count')} cores), torch "
-        f"{s['machine'].get('torch')}, one thread per run, at most two runs at a time (nice "
-        f"{s.get('nice', 'not recorded')}), shared with "
-        f"other jobs (1-min load average at the runs' starts: {s['load_average_1min']['min']:.1f}-"
-        f"{s['load_average_1min']['max']:.1f}); commit {str(s['code'].get('commit'))[:10]}"
+        f"Machine: {machine.get('cpu')} ({machine.get('cpu_count')} cores), torch {machine.get('torch')}, "
+        f"one thread per run, at most {s.get('jobs', 2)} runs at a time "
+        f"(nice {s.get('nice', 'not recorded')}), "
+        "shared with other jobs (1-min load average at the runs' starts: "
+        f"{load['min']:.1f}-{load['max']:.1f}); commit {str(s['code'].get('commit'))[:10]}"
         f"{' (uncommitted changes)' if s['code'].get('dirty') else ''}; {s['seconds'] / 3600:.2f} h wall.",
         "",
-        f"Steps: D = {s['distill_steps']} distillation steps, F = {s['finetune_steps']} fine-tuning steps; every "
-        f"arm ends after D + F = {s['total_steps']} optimizer steps. The teacher (softmax, seed 0, the task's "
-        f"default recipe) trained {s['teacher'].get('steps') or 'its default'} steps before (a) and (b) start.",
+        f"Steps: D = {s['distill_steps']} distillation steps, F = {s['finetune_steps']} fine-tuning steps; "
+        f"every arm ends after D + F = {s['total_steps']} optimizer steps. The teacher (softmax, seed 0, the "
+        f"task's recipe) trained {s['teacher'].get('steps') or 'its default'} steps before (a) and (b) "
+        "start.",
         "",
         f"## Result ({s['metric_label']}, {len(seeds)} seeds: {', '.join(map(str, seeds))})",
         "",
         "| model | " + " | ".join(f"seed {x}" for x in seeds) + " | mean ± std |",
         "|---|" + "---|" * len(seeds) + "---|",
-        f"| softmax teacher (seed 0) | " + " | ".join([fmt(s["teacher"]["value"], d)] + [""] * (len(seeds) - 1))
+        "| softmax teacher (seed 0) | " + " | ".join([fmt(s["teacher"]["value"], d), *blank])
         + f" | {fmt(s['teacher']['value'], d)} |",
-        f"| converted, no training | " + " | ".join([fmt(s["converted_no_training"], d)] + [""] * (len(seeds) - 1))
+        "| converted, no training | " + " | ".join([fmt(s["converted_no_training"], d), *blank])
         + f" | {fmt(s['converted_no_training'], d)} |",
-        f"| converted + distilled (D), no fine-tuning | "
+        "| converted + distilled (D), no fine-tuning | "
         + " | ".join(fmt(v, d) for v in s["distilled_no_finetune"]["values"])
         + f" | {fmt(s['distilled_no_finetune']['mean'], d)} |",
     ]
@@ -120,8 +126,8 @@ def write_markdown(summary: dict, path: str) -> str:
                      + f" | **{fmt(arm['mean'], d)} ± {fmt(arm['std'], d)}** |")
     lines += [
         "",
-        f"Attention gap (MSE of the converted layers' outputs / mean square of the teacher's, teacher inputs, two "
-        f"eval batches): converted {fmt(s['rel_mse']['converted'], 3)}, after D distillation steps "
+        "Attention gap (MSE of the converted layers' outputs / mean square of the teacher's, teacher inputs, "
+        f"two eval batches): converted {fmt(s['rel_mse']['converted'], 3)}, after D distillation steps "
         + ", ".join(fmt(v, 3) for v in s["rel_mse"]["distilled"]) + ".",
         "",
         "## Paired differences (per seed, then mean and 95% t interval over the seeds)",
@@ -133,12 +139,13 @@ def write_markdown(summary: dict, path: str) -> str:
         interval = (f"[{fmt(p['ci95'][0], d)}, {fmt(p['ci95'][1], d)}]" if p.get("ci95") else "n/a")
         lines.append(f"| {key} | " + " | ".join(fmt(v, d) for v in p["diffs"]) + f" | {fmt(p['mean'], d)} | "
                      f"{interval} | {verdict(s, key)} |")
-    lines += ["", "(teacher-a, teacher-b: the single teacher run against each seed of the arm; the interval is over "
-              "the arm's seeds only.)", "", "## Runs", ""]
+    lines += ["", "(teacher-a, teacher-b: the single teacher run against each seed of the arm; the interval "
+              "is over the arm's seeds only.)", "", "## Runs", ""]
     for name, recs in s["runs"].items():
         for r in recs:
             secs = r.get("seconds")
-            lines.append(f"- {name}: `{r['command']}`" + (f" ({secs:.0f} s)" if isinstance(secs, (int, float)) else ""))
+            took = f" ({secs:.0f} s)" if isinstance(secs, (int, float)) else ""
+            lines.append(f"- {name}: `{r['command']}`{took}")
     lines[lines.index("## Runs") - 1:lines.index("## Runs") - 1] = ["", *reading(s)]
     notes = os.path.splitext(path)[0] + "_reading.md"
     if os.path.exists(notes):
