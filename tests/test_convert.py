@@ -368,3 +368,7 @@ def test_experiment_summary_pairs_seeds_and_writes_the_report(tmp_path):
                    code={"commit": "abc"}, seconds=60.0)
     text = open(write_markdown(summary, str(tmp_path / "mnist.md"))).read()
     assert "(a) is better than (b)" in text and "(a) vs (c): level" in text
+    # the 2-pooled-std rule: a-b's gap of 1 point is under 2 x its pooled std of 1 (level, though the paired
+    # interval excludes 0); the teacher is one run (no spread)
+    row = next(line for line in text.splitlines() if line.startswith("| a-b |"))
+    assert row.endswith("| level |") and "level (one teacher run: no spread)" in text

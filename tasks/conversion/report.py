@@ -13,6 +13,7 @@ import os
 import sys
 
 from tasks.common.fileio import atomic_write
+from tasks.common.stats import ordering_verdict
 
 ARM_KEYS = ("a", "b", "c")
 
@@ -43,6 +44,23 @@ def verdict(summary: dict, key: str) -> str:
     return f"{name(winner)} is better than {name(loser)} ({better} is better; the 95% interval excludes 0)"
 
 
+def ordering(summary: dict, key: str) -> str:
+    """The project's holds / level rule (:func:`tasks.common.stats.ordering_verdict`: the better mean ahead by
+    more than 2 pooled std) for ``key`` (``"a-b"``), from the arms' values in the JSON; the teacher is one run
+    (no spread), so its comparisons are level by this rule."""
+    x, y = key.split("-")
+    values = {k: list(summary["arms"][k]["values"]) for k in (x, y) if k != "teacher"}
+    if len(values) < 2:
+        return "level (one teacher run: no spread)"
+    sign = 1 if summary["higher_is_better"] else -1
+    xs, ys = ([sign * v for v in values[k]] for k in (x, y))
+    if ordering_verdict(xs, ys) == "holds":
+        return f"holds: ({x}) ahead"
+    if ordering_verdict(ys, xs) == "holds":
+        return f"holds: ({y}) ahead"
+    return "level"
+
+
 def _compare(s: dict, key: str, what: str, d: int) -> str:
     """One reading line for the paired difference ``key``: the per-seed mean, its interval and the verdict."""
     p = s["paired"][key]
@@ -56,7 +74,8 @@ def _compare(s: dict, key: str, what: str, d: int) -> str:
     else:
         ahead = (p["mean"] > 0) == s["higher_is_better"]
         word = f"**({x}) {'ahead' if ahead else 'behind'}**: the interval excludes 0"
-    return f"- {what}: ({x}) - ({y}) = {fmt(p['mean'], d)} on average over the seeds{interval}; {word}."
+    return (f"- {what}: ({x}) - ({y}) = {fmt(p['mean'], d)} on average over the seeds{interval}; {word}. "
+            f"By the gap-over-2-pooled-std rule: {ordering(s, key)}.")
 
 
 def reading(s: dict) -> list[str]:
@@ -151,13 +170,14 @@ def write_markdown(summary: dict, path: str) -> str:
         "",
         "## Paired differences (per seed, then mean and 95% t interval over the seeds)",
         "",
-        "| difference | " + " | ".join(f"seed {x}" for x in seeds) + " | mean | 95% interval | verdict |",
-        "|---|" + "---|" * len(seeds) + "---|---|---|",
+        "| difference | " + " | ".join(f"seed {x}" for x in seeds)
+        + " | mean | 95% interval | verdict (paired t) | gap > 2 pooled std |",
+        "|---|" + "---|" * len(seeds) + "---|---|---|---|",
     ]
     for key, p in s["paired"].items():
         interval = (f"[{fmt(p['ci95'][0], d)}, {fmt(p['ci95'][1], d)}]" if p.get("ci95") else "n/a")
         lines.append(f"| {key} | " + " | ".join(fmt(v, d) for v in p["diffs"]) + f" | {fmt(p['mean'], d)} | "
-                     f"{interval} | {verdict(s, key)} |")
+                     f"{interval} | {verdict(s, key)} | {ordering(s, key)} |")
     lines += ["", "(teacher-a, teacher-b: the single teacher run against each seed of the arm; the interval "
               "is over the arm's seeds only.)", "", "## Runs", ""]
     for name, recs in s["runs"].items():
