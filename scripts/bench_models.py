@@ -29,9 +29,12 @@ import statistics
 import sys
 import time
 
-import torch
-from bench_ops import busy_cpu_s, timer  # a sibling: scripts/ is on sys.path
+if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import torch
+
+from scripts.bench_ops import busy_cpu_s, timer
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.utils import system_info
 
@@ -238,7 +241,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--mode" in argv and argv[argv.index("--mode") + 1:argv.index("--mode") + 2] == ["video"]:
         i = argv.index("--mode")
-        import bench_video  # noqa: PLC0415  (a sibling; imports models.wan, so timm)
+        from scripts import bench_video  # noqa: PLC0415  (imports models.wan, so timm)
 
         bench_video.main(argv[:i] + argv[i + 2:])
         return 0

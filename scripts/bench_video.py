@@ -23,7 +23,11 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
+
+if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 

@@ -51,9 +51,11 @@ import argparse
 import os
 import sys
 
-# siblings: scripts/ is on sys.path (Python puts the running script's folder there; tests/conftest.py too)
-from eval_fid import parse_fid_refs
-from tables import builders, figures, proxy2, registry, writers
+if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from scripts.eval_fid import parse_fid_refs
+from scripts.tables import builders, figures, proxy2, registry, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -3,7 +3,7 @@
 import json
 import os
 
-import bench_models
+from scripts import bench_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +42,7 @@ def test_bench_models_tiny_run(tmp_path):
 
 def test_video_mode_forwards_to_bench_video(monkeypatch):
     """``--mode video`` hands the remaining arguments to scripts/bench_video.py (the Wan2.1 step benchmark)."""
-    import bench_video
+    from scripts import bench_video
 
     seen = {}
     monkeypatch.setattr(bench_video, "main", lambda argv=None: seen.setdefault("argv", argv))

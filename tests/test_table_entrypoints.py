@@ -13,11 +13,11 @@ import shutil
 import subprocess
 import sys
 
-import eval_fid
+from scripts import eval_fid
 import numpy as np
 import pytest
-import reproduce_table as rt
-from tables import benchmark, config, registry, runner, writers
+from scripts import reproduce_table as rt
+from scripts.tables import benchmark, config, registry, runner, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_FID = runner.sample_fid  # the real one (Launcher replaces it)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import statistics
 
-import bench_models as bm  # scripts/bench_models.py: scripts/ is on sys.path
 import torch
 
 from mhla.layouts import factorize_blocks
+from scripts import bench_models as bm
 from tasks.common.utils import system_info
 
 from .registry import BENCH, Table

@@ -10,8 +10,7 @@ import os
 import statistics
 from datetime import datetime, timezone
 
-import analyze_attention  # scripts/analyze_attention.py: scripts/ is on sys.path
-
+from scripts import analyze_attention
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training, train_loss_curve
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.utils import system_info
