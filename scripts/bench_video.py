@@ -143,7 +143,7 @@ def main(argv=None) -> None:
             results[v] = r
             print(f"  {v:12s} {r['median_s'] * 1e3:10.1f} ms / step (min {r['min_s'] * 1e3:.1f})", flush=True)
     machine = system_info(str(device))
-    # device_name / threads / torch: flat keys tasks/video_gen/table5.py reads; "machine": the full header
+    # device_name / threads / torch: flat keys scripts/tables/table5.py reads; "machine": the full header
     info = {"preset": args.preset, "device": str(device), "device_name": machine.get("gpu", "cpu"),
             "threads": machine["torch_threads"], "dtype": str(dtype), "tokens": tokens, "grid": grid,
             "blocks": preset["blocks"], "layers": arch["num_layers"], "torch": machine["torch"],

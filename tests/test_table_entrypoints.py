@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 from scripts import eval_fid
 import numpy as np
@@ -51,8 +50,8 @@ class Launcher:
         self.fids.append((cell.name, image_size, cfg_scale))
         return {"fid": 50.0 + cfg_scale, "sfid": 5.0}
 
-    def delegate(self, cmd):
-        self.delegated.append(cmd)
+    def delegate(self, module, argv):
+        self.delegated.append((module, argv))
         return 0
 
     def export(self, overrides, run_dir):
@@ -95,9 +94,9 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
     argv = ["--table", table, "--results-dir", str(tmp_path)]
     if spec.kind == "delegate":
         assert rt.main([*argv, "--", "--some-option", "x"]) == 0
-        (cmd,) = fake.delegated
-        command = registry.DELEGATE_COMMANDS[spec.id]
-        assert cmd[0] == sys.executable and cmd[1:1 + len(command)] == command
+        ((module, cmd),) = fake.delegated
+        driver, lead = registry.DELEGATES[spec.id]
+        assert module == driver and module.startswith("scripts.tables.") and cmd[:len(lead)] == lead
         assert cmd[-2:] == ["--some-option", "x"] and not fake.runs
         return
     if spec.kind == "bench":
@@ -256,19 +255,24 @@ def test_missing_cells_are_reported_not_crashed(monkeypatch, tmp_path, capsys):
 def test_delegates_pass_scale_and_refuse_a_missing_proxy(monkeypatch, tmp_path, capsys):
     fake = Launcher(monkeypatch)
     assert rt.main(["--table", "mqar", "--scale", "mini", "--seeds", "0", "1", "--", "--epochs", "1"]) == 0
-    assert fake.delegated[-1][1:] == [os.path.join("scripts", "run_mqar.py"), "--scale", "mini", "--seeds", "0", "1",
-                                      "--epochs", "1"]
+    assert fake.delegated[-1] == ("scripts.tables.mqar", ["--scale", "mini", "--seeds", "0", "1", "--epochs", "1"])
     assert rt.main(["--table", "6", "--", "--ckpt-dir", "/c"]) == 0
-    assert fake.delegated[-1][1:] == ["-m", "tasks.language.evaluate", "table6", "--ckpt-dir", "/c"]
+    assert fake.delegated[-1] == ("scripts.tables.lm_tables", ["table6", "--ckpt-dir", "/c"])
     for table in ("6", "8"):
         assert rt.main(["--table", table, "--scale", "mini"]) == 2
         assert "no CPU proxy" in capsys.readouterr().err
     assert len(fake.delegated) == 2
     # Table 5's CPU proxy is its own entry point (the video_mini model), the full scale the Wan2.1 one
     assert rt.main(["--table", "5", "--scale", "mini", "--seeds", "0", "1"]) == 0
-    assert fake.delegated[-1][1:] == ["-m", "tasks.video_gen.table5_mini", "--seeds", "0", "1"]
+    assert fake.delegated[-1] == ("scripts.tables.table5_mini", ["--seeds", "0", "1"])
     assert rt.main(["--table", "5", "--", "--wan", "/w"]) == 0
-    assert fake.delegated[-1][1:] == ["-m", "tasks.video_gen.table5", "--wan", "/w"]
+    assert fake.delegated[-1] == ("scripts.tables.table5", ["--wan", "/w"])
+    # --plot-only reaches the drivers that redraw; Tables 6 / 8 have nothing to redraw
+    assert rt.main(["--table", "5", "--scale", "mini", "--plot-only"]) == 0
+    assert fake.delegated[-1] == ("scripts.tables.table5_mini", ["--plot-only"])
+    assert rt.main(["--table", "mqar", "--plot-only"]) == 0
+    assert fake.delegated[-1] == ("scripts.tables.mqar", ["--scale", "full", "--plot-only"])
+    assert rt.main(["--table", "6", "--plot-only"]) == 2
 
 
 def test_table14_benchmark_runs_for_real(monkeypatch, tmp_path):

@@ -17,7 +17,7 @@ from tasks.common.utils import system_info
 
 from . import registry
 from .registry import ROOT
-from .results import write_result
+from .results import saved_machine, write_result
 
 # MNIST digits padded to 32 px with 2x2 patches give a 16x16 grid of 256 tokens and MHLA M = 16 blocks of 4x4
 # tokens, as DeiT at 256 px (16x16 patches of 16 px). The model is the DeiT-T-size proxy `vit_mini` (width 64,
@@ -128,15 +128,6 @@ def write_proxy2(records: list[dict], args) -> str:
              "records": records}
     write_result(args.out, "\n".join(lines) + "\n", saved, lambda png: plot_proxy2(records, stats, png), indent=1)
     return args.out + ".md"
-
-
-def saved_machine(md_path: str) -> dict | None:
-    """The ``Machine: {...}`` line of a results file written before its .json kept the machine (None if none)."""
-    if not os.path.exists(md_path):
-        return None
-    with open(md_path) as f:
-        line = next((x for x in f if x.startswith("Machine: {")), None)
-    return json.loads(line.split(": ", 1)[1]) if line else None
 
 
 def plot_proxy2(records: list[dict], stats: dict, path: str) -> None:

@@ -80,6 +80,15 @@ def busy_refusal(stem: str, measurement: dict) -> str:
             "--allow-busy to write it marked BUSY.")
 
 
+def saved_machine(md_path: str) -> dict | None:
+    """The ``Machine: {...}`` line of a results file written before its .json kept the machine (None if none)."""
+    if not os.path.exists(md_path):
+        return None
+    with open(md_path) as f:
+        line = next((x for x in f if x.startswith("Machine: {")), None)
+    return json.loads(line.split(": ", 1)[1]) if line else None
+
+
 def write_result(stem: str, md: str | None, record: dict | list | None, plot: Callable[[str], object] | None = None,
                  *, measurement: dict | None = None, allow_busy: bool = False, indent: int | None = 1,
                  default=None) -> str:

@@ -5,6 +5,7 @@ for image generation; or its CPU proxy), an evaluation-only cell's export of rel
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import time
@@ -153,7 +154,7 @@ def sample_fid(spec: Table, cell: Cell, run_dir: str, n: int, image_size: int, c
             "samples": folder}
 
 
-def delegate(cmd: list[str]) -> int:
-    """Run another entry point (the tables that have their own) in the repository root; its exit status."""
-    print("$", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT).returncode
+def delegate(module: str, argv: list[str]) -> int:
+    """Run a table's own driver (``registry.DELEGATES``): ``<module>.main(argv)`` in this process; its exit status."""
+    print(f"$ {registry.delegate_path(module)} {' '.join(argv)}".rstrip(), flush=True)
+    return int(importlib.import_module(module).main(argv) or 0)
