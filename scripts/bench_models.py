@@ -132,7 +132,8 @@ def run(args) -> dict:
     amp = device == "cuda" and not args.fp32
     batch = args.batch or (32 if device == "cuda" else 1)
     header = system_info(device)
-    with Measurement(threads=1 if device == "cuda" else torch.get_num_threads()) as load:
+    with Measurement(threads=1 if device == "cuda" else torch.get_num_threads(),
+                     watch_other_cpu=device != "cuda") as load:
         header.update(batch=batch, precision="bf16 autocast" if amp else "fp32", repeats=args.repeats,
                       loadavg_start=load.record["load_before"])  # (the .md's line; the whole record: measurement)
         busy0, wall0 = busy_cpu_s(), time.time()

@@ -137,7 +137,8 @@ def main(argv=None) -> None:
           f"token grid {grid} = {tokens} tokens, MHLA blocks {preset['blocks']} (M = {math.prod(preset['blocks'])}), "
           f"{device} {dtype}", flush=True)
     results = {}
-    with Measurement(threads=1 if device.type == "cuda" else torch.get_num_threads()) as load:
+    with Measurement(threads=1 if device.type == "cuda" else torch.get_num_threads(),
+                     watch_other_cpu=device.type != "cuda") as load:
         for v in args.variants:
             r = bench_variant(preset, v, device, dtype, warmup, iters)
             results[v] = r

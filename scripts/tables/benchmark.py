@@ -32,7 +32,8 @@ def bench_across_m(table: str, scale: str, device: str, batch: int | None = None
     header = system_info(device)
     header.update(model=b["model"], res=res, n_tokens=grid * grid, batch=batch, repeats=repeats, mode="fwd",
                   precision="bf16 autocast" if device == "cuda" else "fp32", cpe_gate=b["cpe_gate"])
-    with Measurement(threads=1 if device == "cuda" else torch.get_num_threads()) as load:
+    with Measurement(threads=1 if device == "cuda" else torch.get_num_threads(),
+                     watch_other_cpu=device != "cuda") as load:
         rows = [time_m(b, m, latent, batch, device, repeats) for m in ms]
     header["loadavg"] = load.record["load_before"]  # the table's line; the whole record: "measurement"
     return {"header": header, "time_method": bm.TIME_METHOD, "rows": rows, "measurement": load.record}

@@ -51,7 +51,9 @@ def load_summary(measurement: dict) -> str:
 
     return (f"1-minute load average {first(measurement.get('load_before'))} before, "
             f"{first(measurement.get('load_after'))} after, on {measurement.get('cpu_count')} CPUs with "
-            f"{measurement.get('threads')} thread(s) of its own")
+            f"{measurement.get('threads')} thread(s) of its own"
+            + (f"; other processes used {measurement['other_cpu_frac']:.0%} of the CPUs during it"
+               if measurement.get("other_cpu_frac") is not None else ""))
 
 
 def busy_note(measurement: dict) -> str:
