@@ -123,12 +123,25 @@ def write_outputs(records: list[dict], args) -> None:
         f"Machine: {json.dumps(args.machine)}", "",
         head, "|" + "---|" * (head.count("|") - 1),
     ]
+    summary = {}  # per row: the table's numbers (means and stds over seeds, ratios), kept in the .json
     for r in rows:
         recs = by_row[r]
         if not recs:
             lines.append(f"| {LABELS[r]} | failed | | | | | | | | |")
             continue
         lat = [rec["latency_s"] for rec in recs]
+        stat = {name: dict(zip(("mean", "std"), mean_std(xs)), n=len(xs)) for name, xs in (
+            ("eval_loss", [rec["metrics"]["loss"] for rec in recs]), ("latency_s", lat),
+            ("all_followed", [rec["all_follow"]["followed"] for rec in recs]),
+            ("shape_ok", [rec["all_follow"]["shape_ok"] for rec in recs]))}
+        if soft_lat:
+            stat["latency_speedup_vs_softmax"] = mean_std(soft_lat)[0] / mean_std(lat)[0]
+        for p, b in benches.items():
+            if b and r in b["results"] and "softmax" in b["results"]:
+                med, soft = b["results"][r]["median_s"], b["results"]["softmax"]["median_s"]
+                stat[f"bench_{p}"] = {"median_s": med, "speedup_vs_softmax": soft / med}
+        stat["paper_latency_s"] = PAPER_LATENCY_S[r]
+        summary[r] = stat
         speed = f"{mean_std(soft_lat)[0] / mean_std(lat)[0]:.2f}x" if soft_lat else "-"
         n_sample = recs[0]["num_sample_prompts"]
         sample = " / ".join(f"{round(rec['sample_follow']['followed'] * n_sample)}/{n_sample}" for rec in recs)
@@ -153,9 +166,12 @@ def write_outputs(records: list[dict], args) -> None:
         lines += ["", "## Reading", "", args.notes.strip()]
     keep = [{k: v for k, v in rec.items() if k != "frames"} for rec in records]
     # the load around the latency timing marks the table BUSY when busy (a table of trained rows is not refused)
+    bench_files = {p: {"file": f"results/bench/video_{p}_cpu.json", "date": b["machine"].get("date"),
+                       "threads": b.get("threads")} for p, b in benches.items() if b}
     write_result(stem, "\n".join(lines) + "\n", {"machine": args.machine, **args.record_notes,
                                                  **({"measurement": args.measurement} if args.measurement else {}),
-                                                 "results": keep}, indent=1)
+                                                 "summary": summary, "benchmarks": bench_files, "results": keep},
+                 indent=1)
 
 
 def plot_frames(frames: dict[str, list[torch.Tensor]], scores: dict[str, str], prompts: list[str], path: str) -> str:
