@@ -36,10 +36,10 @@ if __name__ == "__main__" and not __package__:  # python scripts/x.py: import fr
 
 import torch
 
-from scripts.bench_ops import busy_cpu_s, timer
+from scripts.bench_ops import timer
 from scripts.tables.results import BusyMachine, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
-from tasks.common.records import Measurement
+from tasks.common.records import Measurement, busy_cpu_s
 from tasks.common.utils import system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
