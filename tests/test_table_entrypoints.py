@@ -282,6 +282,7 @@ def test_table14_benchmark_runs_for_real(monkeypatch, tmp_path):
 
     monkeypatch.setitem(registry.BENCH, "14", {**registry.BENCH["14"], "mini": (64, (1, 4))})
     monkeypatch.setattr(records, "load_average", lambda: [0.1, 0.1, 0.1])  # an idle machine
+    monkeypatch.setattr(records, "busy_cpu_s", lambda: None)  # (other processes' CPU share: not read here)
     assert rt.main(["--table", "14", "--scale", "mini", "--bench-repeats", "1", "--results-dir", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "table14_mini.json").read_text())
     data = saved["bench"]
