@@ -21,7 +21,8 @@ on a CPU. ``--fill prefill`` runs the real chunked prefill instead (``--prefill-
 records its time. The tests check that a synthetic cache has the layout and the size of a real prefill's.
 
 Load: :class:`tasks.common.records.Measurement` around the run (commit, the 1-minute load average before and
-after, the share of the CPUs other processes used during it; the busy rule is ``tasks.common.records.BUSY_RULE``).
+after, the share of the CPUs other processes used during it; the busy rule:
+``tasks.common.records.BUSY_RULE``).
 On a CPU a busy machine refuses the run before it starts (load average) or nothing is written at the end (exit
 status 2), unless ``--allow-busy``, which writes it marked BUSY (``scripts.tables.results.write_result``).
 
@@ -46,7 +47,7 @@ import time
 
 import torch
 
-if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from scripts.tables.results import BusyMachine, load_summary, write_result
@@ -327,8 +328,8 @@ def parse_args(argv=None):
 
 
 def measure_preset(preset: str, attn: str, args, dtype) -> list[dict]:
-    """One model, every context of ``args.contexts``: its rows (skipped where the cache would not fit, an error
-    row where it ran out of memory)."""
+    """One model, every context of ``args.contexts``: its rows (skipped where the cache would not fit, an
+    error row where it ran out of memory)."""
     model, rows = build_model(preset, attn, args.device, dtype), []
     for L in sorted(args.contexts):
         need = cache_bytes_estimate(preset, attn, L, args.batch, dtype)

@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 
-if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch

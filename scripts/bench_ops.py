@@ -20,9 +20,9 @@ RSS (``ru_maxrss``) over the fwd+bwd runs, relative to the RSS after the inputs 
 are skipped and marked with the estimate. Writes ``results/bench/ops_<device>.json``, ``.md`` and ``.png`` (time
 and memory against T per op, log-log); ``--plot-only`` redraws the ``.png`` from the ``.json``.
 
-Load (every mode): :class:`tasks.common.records.Measurement` around the run (commit, 1-minute load before and
-after, other processes' CPU share), stored as ``measurement``; a CPU run refuses to start on a busy machine and a
-busy run is not written (exit status 2) unless ``--allow-busy``, which writes it marked BUSY
+Load (every mode): :class:`tasks.common.records.Measurement` around the run (commit, 1-minute load before
+and after, other processes' CPU share), stored as ``measurement``; a CPU run refuses to start on a busy machine
+and a busy run is not written (exit status 2) unless ``--allow-busy``, which writes it marked BUSY
 (``scripts.tables.results.write_result``). Each case also keeps its own ``other_cpu_frac`` (flagged "busy").
 
 ``--varlen``: causal MHLA on a packed batch of N documents (``--num-docs``, default 8; a seeded uniform split
@@ -61,7 +61,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import mhla
@@ -97,8 +97,8 @@ BUSY_WARN = 0.10  # flag a case when other processes used more than this fractio
 
 
 def measurement(args) -> Measurement:
-    """The load guard of a run (:class:`tasks.common.records.Measurement`; other processes' CPU share counts on
-    a CPU)."""
+    """The load guard of a run (:class:`tasks.common.records.Measurement`; other processes' CPU share counts
+    on a CPU)."""
     return Measurement(threads=1 if args.device == "cuda" else (args.threads or torch.get_num_threads()),
                        watch_other_cpu=args.device == "cpu")
 
@@ -106,8 +106,8 @@ def measurement(args) -> Measurement:
 def refuses_to_start(load: Measurement, args) -> bool:
     """A CPU run on a machine already busy before it starts is refused (unless ``--allow-busy``)."""
     if args.device == "cpu" and load.busy_at_start() and not args.allow_busy:
-        print(f"refusing to measure: the machine is busy ({load_summary(load.record)}); wait for an idle machine "
-              "or pass --allow-busy", file=sys.stderr)
+        print(f"refusing to measure: the machine is busy ({load_summary(load.record)}); wait for an idle "
+              "machine or pass --allow-busy", file=sys.stderr)
         return True
     return False
 
@@ -537,10 +537,10 @@ def run_varlen(args, command: str) -> int:
                           f"per-document loop by {rec['max_abs_diff_a_c']:.2e} (> "
                           f"{VARLEN_TOL[args.dtype]:.0e}); not timed", file=sys.stderr)
                     continue
-                ms = "; ".join(label + " " + " ".join(f"{w} {rec[f'{w}_{key}_ms']:.2f}" for w in "abc") + " ms"
-                               for label, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")))
-                print(f"{backend:6s} total_T={total_T:6d} N={rec['N']}: {ms}; a/b {rec['a_over_b_fwdbwd']:.2f}, "
-                      f"c/a {rec['c_over_a_fwdbwd']:.2f} (fwd+bwd)", flush=True)
+                ms = "; ".join(label + " " + " ".join(f"{w} {rec[f'{w}_{key}_ms']:.2f}" for w in "abc")
+                               + " ms" for label, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")))
+                print(f"{backend:6s} total_T={total_T:6d} N={rec['N']}: {ms}; "
+                      f"a/b {rec['a_over_b_fwdbwd']:.2f}, c/a {rec['c_over_a_fwdbwd']:.2f} (fwd+bwd)", flush=True)
     keys = ("device", "heads", "dim", "dtype", "block", "num_docs", "seq_lens", "repeats", "budget_s",
             "threads", "quick")
     settings = {k: getattr(args, k) for k in keys}
@@ -731,7 +731,8 @@ def run_causal_overhead(args, command: str) -> int:
                 return run
 
             busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
-            first = time_round_robin({n: fwdbwd(fn, ps[n]) for n, fn in fns.items()}, args.device, 2)  # warm-up
+            # warm-up
+            first = time_round_robin({n: fwdbwd(fn, ps[n]) for n, fn in fns.items()}, args.device, 2)
             round_ms = max(sum(t[-1] for t in first.values()), 1e-3)
             repeats = max(3, min(args.repeats, int(args.budget_s * 1e3 / round_ms)))
             rec = {"T": T, "repeats": repeats}
@@ -749,7 +750,8 @@ def run_causal_overhead(args, command: str) -> int:
                 other = max(0.0, (busy1 - busy0) - (own1 - own0))
                 rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
             records.append(rec)
-            print(f"T={T:6d}: fwd+bwd plain {rec['plain_fwdbwd_ms']:.2f} ms, MHLA {rec['mhla_fwdbwd_ms']:.2f} ms "
+            print(f"T={T:6d}: fwd+bwd plain {rec['plain_fwdbwd_ms']:.2f} ms, "
+                  f"MHLA {rec['mhla_fwdbwd_ms']:.2f} ms "
                   f"({rec['mhla_over_plain_fwdbwd']:.2f}x), linear {rec['linear_fwdbwd_ms']:.2f} ms "
                   f"({rec['linear_over_plain_fwdbwd']:.2f}x)", flush=True)
     settings = {k: getattr(args, k) for k in ("device", "batch", "heads", "dim", "dtype", "block", "seq_lens",
@@ -931,7 +933,8 @@ def main(argv=None) -> int:
                     records.append(rec)
                     prev = rec
                     busy = rec.get("other_cpu_frac", 0.0)
-                    print(f"{op:12s} causal={causal!s:5s} T={T:6d} M={rec['M']:5d}: fwd {rec['fwd_ms']:9.2f} ms  "
+                    print(f"{op:12s} causal={causal!s:5s} T={T:6d} M={rec['M']:5d}: "
+                          f"fwd {rec['fwd_ms']:9.2f} ms  "
                           f"fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  peak {rec['peak_mem_mb']:8.1f} MB"
                           + (f"  WARNING: other processes used {busy:.0%} of the CPUs" if busy > BUSY_WARN
                              else ""), flush=True)

@@ -43,7 +43,7 @@ import os
 import sys
 import time
 
-if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
@@ -356,8 +356,8 @@ def main(argv=None) -> int:
                     loss = np.asarray(e.pop("loss"))
                     e["loss_per_32_positions"] = [round(float(loss[a:a + 32].mean()), 4) for a in range(0, len(loss), 32)]
     notes = open(args.notes).read() if args.notes and os.path.exists(args.notes) else ""
-    write_result(args.out, markdown(results, command, header, notes), results, lambda png: write_plot(full, png),
-                 indent=None)
+    write_result(args.out, markdown(results, command, header, notes), results,
+                 lambda png: write_plot(full, png), indent=None)
     print(f"wrote {args.out}.md / .json / .png ({results['seconds']} s)")
     return 0
 

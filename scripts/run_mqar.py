@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from scripts.tables.mqar import main

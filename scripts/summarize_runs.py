@@ -3,18 +3,18 @@
 
     python scripts/summarize_runs.py outputs/lmlr/* --metric final/val_ppl --out results/language/mixing_lr
 
-Each run folder gives its command (``.hydra/overrides.yaml``, without ``seed=`` and the logging overrides), its
-resolved config (``run.json``'s ``config``, else ``.hydra/config.yaml``; mapped to today's schema by
-``tasks.common.config.upgrade_config``) and the last value of ``--metric`` in ``metrics.jsonl``. Runs form one row
-when their resolved settings are the same (:func:`settings_of`: the attention as the model builds it, with every
-option, and the rest of the config, less the seed and what only logs or places the run): so a row is one model
-and training, whatever overrides spelled it (two commands that resolve alike share a row; one command that
-resolved differently, e.g. before and after a default changed, gives two). A run without a saved config is
-grouped by its command, and the table says so. Per row: per-seed values, mean ± std (sample std,
-``tasks.common.launch.mean_std``), n, and the settings that tell it from the other rows. Folders without the metric
-(not finished) are listed as such. Writes ``<out>.md`` and ``<out>.json`` (``scripts.tables.results.write_result``);
-measures nothing itself. (The video runs have their own table with prompt following:
-``scripts/summarize_video_runs.py``.)
+Each run folder gives its command (``.hydra/overrides.yaml``, without ``seed=`` and the logging overrides),
+its resolved config (``run.json``'s ``config``, else ``.hydra/config.yaml``; mapped to today's schema by
+``tasks.common.config.upgrade_config``) and the last value of ``--metric`` in ``metrics.jsonl``. Runs form one
+row when their resolved settings are the same (:func:`settings_of`: the attention as the model builds it, with
+every option, and the rest of the config, less the seed and what only logs or places the run): so a row is one
+model and training, whatever overrides spelled it (two commands that resolve alike share a row; one command
+that resolved differently, e.g. before and after a default changed, gives two). A run without a saved config
+is grouped by its command, and the table says so. Per row: per-seed values, mean ± std (sample std,
+``tasks.common.launch.mean_std``), n, and the settings that tell it from the other rows. Folders without the
+metric (not finished) are listed as such. Writes ``<out>.md`` and ``<out>.json``
+(``scripts.tables.results.write_result``); measures nothing itself. (The video runs have their own table with
+prompt following: ``scripts/summarize_video_runs.py``.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import yaml
@@ -37,8 +37,9 @@ from tasks.common.records import read_run_record
 
 HIDDEN = ("logger=", "trainer.progress_bar=", "hydra.run.dir=", "seed=")
 # config keys that neither build nor train the model (dropped before runs are compared)
-NOT_THE_MODEL = ("seed", "logger", "hydra", "print_config", "resume", "trainer.progress_bar", "trainer.log_every",
-                 "trainer.device", "trainer.save_every", "trainer.out_dir", "data.root", "data.num_workers")
+NOT_THE_MODEL = ("seed", "logger", "hydra", "print_config", "resume", "trainer.progress_bar",
+                 "trainer.log_every", "trainer.device", "trainer.save_every", "trainer.out_dir", "data.root",
+                 "data.num_workers")
 
 
 def saved_config(run_dir: str):
@@ -65,7 +66,7 @@ def _flat(d, prefix: str = "") -> dict:
 
 
 def settings_of(cfg) -> dict:
-    """What a run trains, flat (``{"attn.name": "mhla", "attn.mixing_param": "clamp", "optim.lr": 0.003, ...}``):
+    """What a run trains, flat (``{"attn.name": "mhla", "attn.mixing_param": "clamp", "optim.lr": 3e-3, ...}``):
     the attention as the model builds it (:func:`tasks.common.config.model_attention`: every option resolved),
     then the rest of the resolved config less :data:`NOT_THE_MODEL`."""
     register_resolvers()
@@ -100,7 +101,7 @@ def run_record(run_dir: str, metric: str) -> dict | None:
 def group_runs(records: list[dict]) -> list[dict]:
     """One row per model (in first-seen order): the runs whose resolved settings are equal (by command where a
     run saved none), sorted by seed, mean ± std of the finished ones; ``commands`` (each spelling once),
-    ``settings`` (the row's resolved settings, or None) and ``differs`` (those of them that not every row shares)."""
+    ``settings`` (the row's resolved settings, or None) and ``differs`` (those that not every row shares)."""
     rows: dict[str, dict] = {}
     for r in records:
         key = (json.dumps(r["settings"], sort_keys=True, default=str) if r.get("settings") is not None
@@ -129,8 +130,9 @@ def group_runs(records: list[dict]) -> list[dict]:
 def to_markdown(rows: list[dict], metric: str, argv: list[str], note: str = "") -> str:
     lines = [f"# Runs grouped by model: `{metric}`", "",
              f"Command: `python scripts/summarize_runs.py {' '.join(argv)}`", "",
-             "A row is one model and training: the runs whose saved resolved configs agree (the attention as built, "
-             "every option; the rest less the seed and logging), whatever overrides spelled them. Settings: those "
+             "A row is one model and training: the runs whose saved resolved configs agree (the attention as "
+             "built, every option; the rest less the seed and logging), whatever overrides spelled them. "
+             "Settings: those "
              "that tell the row from the others.", "",
              "| command (+ `seed=S`) | settings | per seed | mean ± std | n |", "|---|---|---|---|---|"]
     for row in rows:

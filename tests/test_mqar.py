@@ -235,13 +235,14 @@ def test_recall_by_distance_buckets_every_query_once():
 
 
 # The recorded conditions of the committed MQAR results: file -> (lr, short conv) every record trained with.
-RECORDED = {"results/mqar/no_conv.json": (3e-3, 0), "results/mqar/lr1e-3.json": (1e-3, 0), "results/mqar.json": (3e-3, 4)}
+RECORDED = {"results/mqar/no_conv.json": (3e-3, 0), "results/mqar/lr1e-3.json": (1e-3, 0),
+            "results/mqar.json": (3e-3, 4)}
 
 
 @pytest.mark.parametrize("path", sorted(RECORDED))
 def test_recorded_mqar_commands_train_the_recorded_model_today(path):
-    """Each record's ``command``, composed with today's configs, trains the model the record is about: its lr, its
-    short conv, and its variant's mixing settings (the runs predate today's defaults; the command that ran is
+    """Each record's ``command``, composed with today's configs, trains the model the record is about: its lr,
+    its short conv, and its variant's mixing settings (the runs predate today's defaults; the command that ran is
     ``command_as_run``, and the file's ``note_commands`` says why they differ)."""
     import shlex
 
@@ -254,7 +255,7 @@ def test_recorded_mqar_commands_train_the_recorded_model_today(path):
         saved = json.load(f)
     lr, conv = RECORDED[path]
     assert "note_commands" in saved
-    by_variant = {r["variant"]: r for r in saved["results"]}  # one command per variant (seeds differ only by seed)
+    by_variant = {r["variant"]: r for r in saved["results"]}  # one command per variant (seeds differ by seed)
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
         for variant, rec in by_variant.items():
             words = shlex.split(rec["command"])
@@ -268,4 +269,5 @@ def test_recorded_mqar_commands_train_the_recorded_model_today(path):
                 got = attn[name] if group == "attn" else cfg.optim[name]
                 assert str(got).lower() == value.lower() or float(got) == float(value), (variant, key, got)
             if attn["name"] == "mhla" and not {"attn.mixing_param", "optim.mixing_lr_scale"} & set(want):
-                assert attn["mixing_param"] == "clamp" and float(cfg.optim.mixing_lr_scale) == 0.01  # the rule
+                # the task's rule
+                assert attn["mixing_param"] == "clamp" and float(cfg.optim.mixing_lr_scale) == 0.01

@@ -1,11 +1,11 @@
 """Every number a results reading quotes is in its JSON.
 
-A *reading* is the hand-written part of a results file: what follows its ``## Reading`` heading (the writers put
-the ``--notes`` text there; everything above it, the tables included, the writer made from the JSON itself). For
-every ``results/**/*.md`` with a reading and a sibling ``.json``, each decimal number of the reading (a number
-with a decimal point: ``4.978``, ``87.2``, ``-0.5``) must be a number of the JSON: some JSON number rounds to it at
-the decimals it is quoted with, as it is or, where the number may be a percentage (its sentence has a ``%``, or
-it sits in a table whose header has one), as a percentage (x 100).
+A *reading* is the hand-written part of a results file: what follows its ``## Reading`` heading (the writers
+put the ``--notes`` text there; everything above it, the tables included, the writer made from the JSON
+itself). For every ``results/**/*.md`` with a reading and a sibling ``.json``, each decimal number of the
+reading (a number with a decimal point: ``4.978``, ``87.2``, ``-0.5``) must be a number of the JSON: some JSON
+number rounds to it at the decimals it is quoted with, as it is or, where the number may be a percentage (its
+sentence has a ``%``, or it sits in a table whose header has one), as a percentage (x 100).
 
 Not checked (the exclusions):
 
@@ -16,9 +16,8 @@ Not checked (the exclusions):
   number would match, so they prove nothing; eval curves, a few dozen points, are kept).
 
 Readings that quote numbers made elsewhere (another results file, a probe's output, a difference of two rows)
-are listed in :data:`KNOWN` with the reason; the test checks that each of them still does (when one is fixed, it
-leaves the list), and that every other reading passes. Reads only text and JSON: about a second.
-"""
+are listed in :data:`KNOWN` with the reason; the test checks that each of them still does (when one is fixed,
+it leaves the list), and that every other reading passes. Reads only text and JSON: about a second."""
 
 from __future__ import annotations
 
@@ -34,19 +33,19 @@ LONG = 64
 DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+(?![\w.]*\d)")
 CODE = re.compile(r"`[^`]*`")
 
-# reading -> why some of its numbers are not in its own JSON (fix the reading or its writer, then remove it here)
+# reading -> why some numbers are not in its own JSON (fix the reading or its writer, then drop it here)
 KNOWN = {
     "results/classification/table2_mini_1200steps.md": "quotes results/table2_mini.md's accuracies",
     "results/classification/table2_mini_mhla_mixing_lr0.01.md": "quotes results/table2_mini.md's accuracies",
     "results/language/length_extrapolation.md": "a relative change of two perplexities (1.6%)",
-    "results/language/length_extrapolation_mixing_lr1.md": "relative changes against the 256-token perplexity",
+    "results/language/length_extrapolation_mixing_lr1.md": "relative changes against the 256-token ppl",
     "results/language/length_extrapolation_seed1.md": "quotes seed 0's file (length_extrapolation.md)",
     "results/language/length_extrapolation_seed2.md": "quotes seeds 0 and 1's files and a relative change",
     "results/language/mixing_lr.md": "per-seed differences between two rows",
     "results/table2_mini.md": "quotes other Table 2 proxies (classification/*.md) and differences of rows",
     "results/table5_mini.md": ("quotes scripts/probe_video_conditioning.py's losses, results/video/seeds.md, "
                                "noise levels (t = 0.99) and the paper's ratios in prose"),
-    "results/mqar.md": "a difference of two seeds (7.6 points); means quoted as 98.8 -> 87.2 (no % in the sentence)",
+    "results/mqar.md": "a difference of two seeds (7.6 points); means as 98.8 -> 87.2 (no % in the sentence)",
     "results/mqar/lr1e-3.md": "mean accuracies quoted as 81.4 / 76.0 / 70.8 (no % in the sentence)",
 }
 
@@ -73,7 +72,7 @@ def reading(md: str) -> str:
 
 
 def json_numbers(obj, out: list[float]) -> list[float]:
-    """Every number of ``obj`` (numbers written inside strings too), except in arrays longer than :data:`LONG`."""
+    """Every number of ``obj`` (those written in strings too), except in arrays longer than :data:`LONG`."""
     if isinstance(obj, bool) or obj is None:
         return out
     if isinstance(obj, (int, float)):
@@ -94,8 +93,8 @@ SENTENCE_END = re.compile(r"(?<=[.!?])\s+")  # a decimal point is never followed
 
 
 def quoted_numbers(md: str) -> list[tuple[str, bool]]:
-    """``(number, may be a percentage)`` for every decimal number of ``md``'s reading: a table row's may be when
-    its table's header has a ``%``, a prose number when its sentence has one."""
+    """``(number, may be a percentage)`` for every decimal number of ``md``'s reading: a table row's may be
+    when its table's header has a ``%``, a prose number when its sentence has one."""
     out, table_has_percent, prose = [], False, []
 
     def flush():
@@ -142,10 +141,11 @@ def readings() -> list[str]:
 
 
 def test_the_check_can_fail():
-    """A synthetic reading: a stale number fails, the JSON's own (as %, rounded), code and paper cells pass."""
+    """A synthetic reading: a stale number fails; the JSON's own (as %, rounded), code, paper cells pass."""
     record = {"rows": [{"latency_s": 4.978, "acc": 0.8721}], "curve": [0.46] * (LONG + 1)}
-    good = ("# T\n\n| a |\n|---|\n| 9.99 |\n\n## Reading\n\nMHLA 4.98 s (4.978). Accuracy 87.2%; `lr=0.123` is "
-            "code.\n\n| row | paper acc | ours acc % |\n|---|---|---|\n| MHLA | 55.5 | 87.21 |\n")
+    good = ("# T\n\n| a |\n|---|\n| 9.99 |\n\n## Reading\n\nMHLA 4.98 s (4.978). Accuracy 87.2%; "
+            "`lr=0.123` is code.\n\n| row | paper acc | ours acc % |\n|---|---|---|\n"
+            "| MHLA | 55.5 | 87.21 |\n")
     assert unmatched(good, record) == []
     assert unmatched(good.replace("4.98 s", "4.6 s"), record) == ["4.6"]  # stale: not in the JSON
     assert unmatched(good.replace("| 87.21 |", "| 86.1 |"), record) == ["86.1"]  # an 'ours' cell is checked

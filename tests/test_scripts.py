@@ -53,7 +53,8 @@ def test_bench_causal_overhead_quick_run(tmp_path):
     (rec,) = data["records"]
     assert rec["T"] == 128 and rec["mhla_over_plain_fwdbwd"] > 0 and rec["linear_over_plain_fwd"] > 0
     assert data["header"]["loadavg_start"] and data["header"]["loadavg_end"]
-    assert data["measurement"]["load_before"] == data["header"]["loadavg_start"] and "commit" in data["measurement"]
+    m = data["measurement"]
+    assert m["load_before"] == data["header"]["loadavg_start"] and "commit" in m
     assert "MHLA / plain fwd+bwd" in (tmp_path / "causal_overhead_cpu_quick.md").read_text()
 
 
@@ -72,8 +73,8 @@ def test_bench_quick_run(tmp_path):
 
 
 def test_bench_ops_refuses_a_busy_machine(tmp_path, monkeypatch):
-    """Every mode of bench_ops: a busy machine (tasks.common.records.BUSY_RULE) refuses the run before it starts
-    unless --allow-busy; nothing is written."""
+    """Every mode of bench_ops: a busy machine (tasks.common.records.BUSY_RULE) refuses the run before it
+    starts unless --allow-busy; nothing is written."""
     from tasks.common import records
 
     monkeypatch.setattr(records, "load_average", lambda: [100.0, 100.0, 100.0])

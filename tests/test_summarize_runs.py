@@ -39,8 +39,8 @@ def test_seeds_are_grouped(tmp_path):
     assert [r["seed"] for r in mhla["runs"]] == [0, 1, 2] and mhla["runs"][2]["value"] is None
     assert rows["python train.py task=lm_mini attn=linear"]["n"] == 1
     md = (tmp_path / "summary.md").read_text()
-    assert ("| `python train.py task=lm_mini attn=mhla` | no saved config: grouped by command | 0: 10, 1: 12, "
-            "2: unfinished | 11 ± 1.4 | 2 |") in md
+    assert ("| `python train.py task=lm_mini attn=mhla` | no saved config: grouped by command | "
+            "0: 10, 1: 12, 2: unfinished | 11 ± 1.4 | 2 |") in md
     assert md.rstrip().endswith("reading")
     with pytest.raises(SystemExit):
         sr.main([str(tmp_path / "not_a_run"), "--out", str(out)])
@@ -49,7 +49,8 @@ def test_seeds_are_grouped(tmp_path):
 def _config(path, attn: dict, lr_scale: float = 1.0, seed: int = 0):
     """A saved resolved config (``.hydra/config.yaml``) of a run folder made by :func:`_fake_run`."""
     cfg = {"seed": seed, "logger": "none", "model": {"name": "lm_mini", "kind": "lm"}, "attn": attn,
-           "optim": {"lr": 1e-3, "mixing_lr_scale": lr_scale}, "trainer": {"max_steps": 10, "progress_bar": False}}
+           "optim": {"lr": 1e-3, "mixing_lr_scale": lr_scale},
+           "trainer": {"max_steps": 10, "progress_bar": False}}
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
 
 
@@ -72,6 +73,7 @@ def test_rows_are_models_not_override_strings(tmp_path):
     assert [r["seed"] for r in rule["runs"]] == [0, 2] and rule["mean"] == pytest.approx(11.0)
     assert rule["commands"] == ["python train.py task=lm_mini attn=mhla",
                                 "python train.py task=lm_mini attn=mhla optim.mixing_lr_scale=0.01"]
-    assert rule["differs"] == {"optim.mixing_lr_scale": 0.01} and full["differs"] == {"optim.mixing_lr_scale": 1.0}
+    assert rule["differs"] == {"optim.mixing_lr_scale": 0.01}
+    assert full["differs"] == {"optim.mixing_lr_scale": 1.0}
     assert [r["seed"] for r in full["runs"]] == [1]
     assert "`optim.mixing_lr_scale=0.01`" in (tmp_path / "summary.md").read_text()

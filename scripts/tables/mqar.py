@@ -275,7 +275,7 @@ def write_outputs(results: list[dict], args, stem: str) -> None:
     if args.notes:
         lines += ["## Reading", "", args.notes.strip(), ""]
     # whole files only (the grid rewrites them after every run)
-    # the table's numbers (mean / std / n of the final accuracy over seeds per cell and variant) beside the runs
+    # the table's numbers (mean / std / n of the final accuracy over seeds, per cell and variant)
     summary = {f"{n}x{k}": {v: dict(zip(("mean", "std", "n"), stats[(n, k, v)])) for v in variants
                             if (n, k, v) in stats} for n, k in cells}
     record = {"date": args.date, "argv": args.argv, "machine": args.machine, **args.record_notes,

@@ -168,10 +168,10 @@ def write_outputs(records: list[dict], args) -> None:
     # the load around the latency timing marks the table BUSY when busy (a table of trained rows is not refused)
     bench_files = {p: {"file": f"results/bench/video_{p}_cpu.json", "date": b["machine"].get("date"),
                        "threads": b.get("threads")} for p, b in benches.items() if b}
-    write_result(stem, "\n".join(lines) + "\n", {"machine": args.machine, **args.record_notes,
-                                                 **({"measurement": args.measurement} if args.measurement else {}),
-                                                 "summary": summary, "benchmarks": bench_files, "results": keep},
-                 indent=1)
+    record = {"machine": args.machine, **args.record_notes,
+              **({"measurement": args.measurement} if args.measurement else {}),
+              "summary": summary, "benchmarks": bench_files, "results": keep}
+    write_result(stem, "\n".join(lines) + "\n", record, indent=1)
 
 
 def plot_frames(frames: dict[str, list[torch.Tensor]], scores: dict[str, str], prompts: list[str], path: str) -> str:

@@ -72,15 +72,16 @@ def read_run_record(run_dir: str | os.PathLike) -> dict | None:
 
 # ------------------------------------------------------------------------------------------ measurements
 BUSY_FRACTION = 0.5
-MIN_WATCH_S = 1.0  # other processes' CPU share is read only over at least this long (/proc/stat counts in ticks)
+MIN_WATCH_S = 1.0  # other processes' CPU share is read only over at least this long (/proc/stat counts ticks)
 BUSY_RULE = ("busy: the 1-minute load average before the measurement is above half the CPU cores (other work was "
              "running), or after it is above the measurement's own threads plus half the cores (other work started "
-             "during it), or (where watched) other processes used more than half the CPUs' time during it; the "
+             "during it), or (where watched) other processes used more than half the CPUs' time during it; "
+             "the "
              "load average lags by about a minute, so start a benchmark a minute after the last job")
 
 
 def busy_cpu_s() -> float | None:
-    """System-wide busy CPU seconds since boot from ``/proc/stat`` (Linux), or None where it is not available."""
+    """System-wide busy CPU seconds since boot from ``/proc/stat`` (Linux), or None where not available."""
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
@@ -102,8 +103,8 @@ def is_busy(load_before, load_after, cpu_count: int | None, threads: int = 1,
             other_cpu_frac: float | None = None) -> bool | None:
     """Whether a measurement ran on a busy machine (:data:`BUSY_RULE`), from the 1-minute load averages before and
     after it (``[1 min, 5 min, 15 min]`` lists or numbers), the machine's ``cpu_count``, the measurement's own
-    ``threads`` (what it adds to the load itself) and, where watched, the share of all CPUs' time other processes
-    used during it (``other_cpu_frac``). None when the OS reports no load average."""
+    ``threads`` (what it adds to the load itself) and, where watched, the share of all CPUs' time other
+    processes used during it (``other_cpu_frac``). None when the OS reports no load average."""
     if load_before is None or load_after is None or not cpu_count:
         return None
     first = (lambda x: float(x[0]) if isinstance(x, (list, tuple)) else float(x))
@@ -121,8 +122,8 @@ class Measurement:
 
     ``m.record``: ``commit``, ``dirty`` (:func:`code_version`), ``load_before``, ``load_after`` (1 / 5 / 15-minute
     load averages), ``cpu_count``, ``threads`` (the measurement's own: ``threads`` for a CPU benchmark, 1 for a
-    GPU one), ``seconds``, ``other_cpu_frac`` (the share of all CPUs' time that other processes used during it,
-    from ``/proc/stat`` less this process and its children; None where not available or under
+    GPU one), ``seconds``, ``other_cpu_frac`` (the share of all CPUs' time that other processes used during
+    it, from ``/proc/stat`` less this process and its children; None where not available or under
     :data:`MIN_WATCH_S`), ``busy`` (:func:`is_busy`;
     ``other_cpu_frac`` counts when ``watch_other_cpu``, the default: a CPU benchmark) and ``busy_rule``
     (:data:`BUSY_RULE`)."""
@@ -150,8 +151,9 @@ class Measurement:
         wall = time.time() - self._t0
         r["seconds"] = round(wall, 1)
         (busy0, own0), busy1, own1 = self._cpu0, busy_cpu_s(), own_cpu_s()
+        watched = None not in (busy0, busy1) and wall >= MIN_WATCH_S and r["cpu_count"]
         r["other_cpu_frac"] = (round(max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall * r["cpu_count"]), 3)
-                               if None not in (busy0, busy1) and wall >= MIN_WATCH_S and r["cpu_count"] else None)
+                               if watched else None)
         r["busy"] = is_busy(r["load_before"], r["load_after"], r["cpu_count"], self.threads,
                             r["other_cpu_frac"] if self.watch_other_cpu else None)
         r["busy_rule"] = BUSY_RULE
