@@ -166,7 +166,7 @@ plots: $(VENV)/.installed
 	$(PY) scripts/bench_generation.py --plot-only
 	$(PY) scripts/bench_video.py --plot-only --preset cpu --device cpu
 	$(REPRODUCE) --table 3a --scale mini --plot-only
-	$(PY) -m tasks.video_gen.table5 --plot-only
+	$(REPRODUCE) --table 5 --plot-only
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
