@@ -544,9 +544,10 @@ CROSS_INIT_KINDS = ("uniform",)
 
 
 class CrossMixingMatrix(MixingMatrix):
-    """The ``[Mq, Mk]`` mixing matrix of MHLA cross-attention (docs/cross_attention.md): row ``i`` says how much
-    query block ``i`` reads of each key block's summary. Same parameterizations, training hooks (optimizer group
-    ``mixing``, the projection after each step, logged heatmaps) and ``forward()`` as :class:`MixingMatrix`.
+    """The ``[Mq, Mk]`` mixing matrix of MHLA cross-attention (docs/cross_attention.md): row ``i`` says how
+    much query block ``i`` reads of each key block's summary. Same parameterizations, training hooks
+    (optimizer group ``mixing``, the projection after each step, logged heatmaps) and ``forward()`` as
+    :class:`MixingMatrix`.
 
     Args:
         query_blocks, key_blocks: ``Mq`` and ``Mk``.
@@ -561,9 +562,10 @@ class CrossMixingMatrix(MixingMatrix):
         nn.Module.__init__(self)
         if init not in CROSS_INIT_KINDS:
             raise ValueError(
-                f"cross-attention mixing_init={init!r} is not available: there is no distance between a query block "
-                f"(a region of the tokens) and a key block (a span of the condition), so locality-type inits do not "
-                f"apply; use mixing_init=uniform ({', '.join(CROSS_INIT_KINDS)}), learned with mixing_learnable=true")
+                f"cross-attention mixing_init={init!r} is not available: there is no distance between a "
+                f"query block (a region of the tokens) and a key block (a span of the condition), so locality-type "
+                f"inits do not apply; use mixing_init=uniform ({', '.join(CROSS_INIT_KINDS)}), learned with "
+                f"mixing_learnable=true")
         for name, m in (("query_blocks", query_blocks), ("key_blocks", key_blocks)):
             if not _is_int(m) or m < 1:
                 raise ValueError(f"{name} must be a positive int, got {m!r}")
@@ -599,8 +601,8 @@ class CrossMixingMatrix(MixingMatrix):
     def forward(self, num_blocks: int | None = None) -> torch.Tensor:
         """The effective nonnegative ``[Mq, Mk]`` (or ``[H, Mq, Mk]``) matrix."""
         if num_blocks not in (None, self.query_blocks):
-            raise ValueError(f"this cross-attention was built for {self.query_blocks} query blocks, asked for "
-                             f"{num_blocks}")
+            raise ValueError(f"this cross-attention was built for {self.query_blocks} query blocks, asked "
+                             f"for {num_blocks}")
         return self.learned()
 
     def causal_rows(self, start: int, stop: int):
@@ -608,5 +610,5 @@ class CrossMixingMatrix(MixingMatrix):
 
     def extra_repr(self) -> str:
         heads = "shared" if self.num_heads is None else f"per_head={self.num_heads}"
-        return (f"Mq={self.query_blocks}, Mk={self.key_blocks}, init={self.init}, learnable={self.learnable}, "
-                f"{heads}, param={self.parameterization}")
+        return (f"Mq={self.query_blocks}, Mk={self.key_blocks}, init={self.init}, "
+                f"learnable={self.learnable}, {heads}, param={self.parameterization}")

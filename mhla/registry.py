@@ -55,9 +55,9 @@ class Supports:
         rope: applies the rotary tables a model passes with each call (option ``rope``: the placement).
         host_projections: runs inside a host module that owns the q/k/v and output projections
             (diffusers attention processors, :mod:`mhla.adapters.diffusers`).
-        cross: a cross-attention: queries from the layer's tokens (over a grid of ``grid_ranks``), keys and values
-            from a condition of another length with a key padding mask (:mod:`mhla.cross`). A cross-attention
-            fits only a model's cross-attention, a self-attention only its self-attention.
+        cross: a cross-attention: queries from the layer's tokens (over a grid of ``grid_ranks``), keys and
+            values from a condition of another length with a key padding mask (:mod:`mhla.cross`). A
+            cross-attention fits only a model's cross-attention, a self-attention only its self-attention.
     """
 
     bidirectional: bool = True
@@ -91,8 +91,8 @@ class Needs:
         base = "causal attention" if self.causal else (
             f"attention over a {self.grid_rank}-D token grid" if self.grid_rank else "bidirectional attention")
         if self.cross:
-            base = "cross-attention from " + (f"a {self.grid_rank}-D token grid" if self.grid_rank else "tokens")
-            base += " to a condition"
+            where = f"a {self.grid_rank}-D token grid" if self.grid_rank else "tokens"
+            base = f"cross-attention from {where} to a condition"
         extra = [name.replace("_", " ") for name in ("prefix_tokens", "decoding", "varlen", "rope",
                                                      "host_projections") if getattr(self, name)]
         return base + (f" with {', '.join(extra)}" if extra else "")
@@ -254,12 +254,13 @@ def resolve_attention(cfg, contract: AttentionContract, key: str = "attn") -> di
         extra = sorted(given)
         if extra:
             named = ", ".join(f"{key}.{k}" for k in extra)
-            raise ValueError(f"{key}={name} is {contract.model}'s own attention ({contract.native[name]}); it takes "
-                             f"no options, but {named} {'is' if len(extra) == 1 else 'are'} "
+            raise ValueError(f"{key}={name} is {contract.model}'s own attention "
+                             f"({contract.native[name]}); it takes no options, but {named} {'is' if len(extra) == 1 else 'are'} "
                              "set: unset them (null) or pick a registered attention")
         return {"name": name, **given}
     if name not in _REGISTRY or contract.native_only:
-        raise ValueError(f"{contract.model} cannot take {key}={name}; it takes {', '.join(choices(contract))}")
+        raise ValueError(f"{contract.model} cannot take {key}={name}; it takes "
+                         f"{', '.join(choices(contract))}")
     cls = _REGISTRY[name]
     missing = unmet_needs(cls.supports, contract.needs)
     if missing:

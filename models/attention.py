@@ -9,8 +9,9 @@ the option), so a config file can change a default for one model without touchin
     contract = attention_contract(cfg.model)
     options = mhla.registry.resolve_attention(cfg.attn, contract)   # {"name": "mhla", ...every option...}
 
-The cross-attention of the models that have one (Wan, SANA) has its own contract, :func:`cross_attention_contract`
-(config ``attn_cross``, defaults ``model.attn_cross_defaults``; docs/cross_attention.md).
+The cross-attention of the models that have one (Wan, SANA) has its own contract,
+:func:`cross_attention_contract` (config ``attn_cross``, defaults ``model.attn_cross_defaults``;
+docs/cross_attention.md).
 
 The family modules are imported on use (the language model imports transformers, SANA and Wan diffusers).
 """
@@ -77,8 +78,9 @@ NO_CROSS = {"native": "the model's own cross-attention, or none (nothing to swap
 
 def cross_attention_contract(model_cfg) -> AttentionContract:
     """The contract of the model's cross-attention (``attn_cross``): its family's ``cross_attention_contract``
-    (Wan, SANA: queries over the latent grid, keys from the text), plus the config's ``attn_cross_defaults``. A
-    family without one has only ``native`` (its own cross-attention, or none): any other ``attn_cross`` is refused."""
+    (Wan, SANA: queries over the latent grid, keys from the text), plus the config's ``attn_cross_defaults``.
+    A family without one has only ``native`` (its own cross-attention, or none): any other ``attn_cross`` is
+    refused."""
     kind = model_cfg.get("kind")
     if kind not in FAMILIES:
         raise ValueError(f"model.kind={kind!r} has no attention contract; known kinds: {', '.join(FAMILIES)}")

@@ -13,9 +13,10 @@ everything else (Mix-FFN, adaLN-single, NoPE) as is.
 
 ``attn.name``: any registered attention that runs inside diffusers' projections (``mhla``: M blocks over the latent
 grid, 16 = 4 x 4 at 1024 px; ``linear``: plain linear attention; ...) or ``native`` (keep SANA's own ReLU
-linear attention, the baseline row). ``attn_cross`` (:func:`cross_attention_contract`): the text cross-attention,
-``native`` (SANA's softmax, the default) or a registered cross-attention (``mhla_cross``, ``linear_cross``,
-``softmax_cross``; docs/cross_attention.md); the encoder's padding mask reaches it as a key padding mask.
+linear attention, the baseline row). ``attn_cross`` (:func:`cross_attention_contract`): the text
+cross-attention, ``native`` (SANA's softmax, the default) or a registered cross-attention (``mhla_cross``,
+``linear_cross``, ``softmax_cross``; docs/cross_attention.md); the encoder's padding mask reaches it as a key
+padding mask.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def attention_contract(model_cfg) -> AttentionContract:
 
 
 def cross_attention_contract(model_cfg) -> AttentionContract:
-    """SANA's text cross-attention (``attn2``): ``native`` (its softmax, the default) or a registered cross-attention
-    that runs inside diffusers' projections with queries over the 2-D latent grid; the caption padding mask is
-    its key padding mask. Defaults from ``model.attn_cross_defaults``."""
+    """SANA's text cross-attention (``attn2``): ``native`` (its softmax, the default) or a registered
+    cross-attention that runs inside diffusers' projections with queries over the 2-D latent grid; the caption
+    padding mask is its key padding mask. Defaults from ``model.attn_cross_defaults``."""
     probes = ()
     if not model_cfg.get("pretrained"):
         arch = sana_config(model_cfg.get("config", "sana_tiny"))
@@ -100,13 +101,15 @@ def cross_attention_contract(model_cfg) -> AttentionContract:
         probes = (({"grid": (g, g), "projections": False, "num_heads": arch["num_cross_attention_heads"],
                     "dim": arch["num_cross_attention_heads"] * arch["cross_attention_head_dim"]}, {}),)
     return AttentionContract(
-        model=f"model={model_cfg.get('name', 'sana')}", needs=Needs(cross=True, grid_rank=2, host_projections=True),
+        model=f"model={model_cfg.get('name', 'sana')}",
+        needs=Needs(cross=True, grid_rank=2, host_projections=True),
         fixed=("grid", "projections", "head_dim", "value_dim", "context_dim"),
         native={"native": "SANA's own softmax cross-attention"}, probes=probes)
 
 
 def swap_cross(model: nn.Module, cross_cfg) -> list[str]:
-    """Replace SANA's ``attn2`` processors per the resolved ``cross_cfg`` (``native`` or None: keep SANA's own)."""
+    """Replace SANA's ``attn2`` processors per the resolved ``cross_cfg`` (``native`` or None: keep SANA's
+    own)."""
     cfg = {str(k): v for k, v in dict(cross_cfg or {"name": "native"}).items()}
     if cfg["name"] == "native":
         return []
@@ -126,8 +129,8 @@ def swap_attention(model: nn.Module, attn_cfg) -> list[str]:
 
 def build_sana(model_cfg, attn_cfg, cross_cfg=None):
     """Build SANA from ``model_cfg`` (``config``: a name in :data:`CONFIGS` or a mapping; ``pretrained``: a
-    local diffusers checkpoint folder, which wins over ``config``) and swap its self-attention per ``attn_cfg`` and
-    its cross-attention per ``cross_cfg`` (None: SANA's own)."""
+    local diffusers checkpoint folder, which wins over ``config``) and swap its self-attention per
+    ``attn_cfg`` and its cross-attention per ``cross_cfg`` (None: SANA's own)."""
     from diffusers import SanaTransformer2DModel  # noqa: PLC0415
 
     to_dict = (lambda c: OmegaConf.to_container(c, resolve=True)) if OmegaConf.is_config(model_cfg) else dict
@@ -140,5 +143,6 @@ def build_sana(model_cfg, attn_cfg, cross_cfg=None):
     if mcfg.get("gradient_checkpointing"):
         model.enable_gradient_checkpointing()
     swap_attention(model, acfg)
-    swap_cross(model, OmegaConf.to_container(cross_cfg, resolve=True) if OmegaConf.is_config(cross_cfg) else cross_cfg)
+    swap_cross(model, OmegaConf.to_container(cross_cfg, resolve=True) if OmegaConf.is_config(cross_cfg)
+               else cross_cfg)
     return model

@@ -1,8 +1,8 @@
-"""Cross-attention as a registered attention (mhla/cross.py): the contract (``Supports.cross``), the rectangular
-mixing matrix, the layers against the op, and the two models that use it through ``attn_cross`` (the video mini
-model's text cross-attention, SANA's through the diffusers adapter): every ``attn_cross.*`` option of the YAML files
-takes effect or is refused, padded caption tokens change nothing, and ``softmax_cross`` reproduces the models' own
-softmax cross-attention."""
+"""Cross-attention as a registered attention (mhla/cross.py): the contract (``Supports.cross``), the
+rectangular mixing matrix, the layers against the op, and the two models that use it through ``attn_cross``
+(the video mini model's text cross-attention, SANA's through the diffusers adapter): every ``attn_cross.*``
+option of the YAML files takes effect or is refused, padded caption tokens change nothing, and
+``softmax_cross`` reproduces the models' own softmax cross-attention."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def test_cross_and_self_attentions_do_not_mix():
     with pytest.raises(ConfigError, match="cannot take attn_cross=mhla_cross; it takes native"):
         model_cross_attention(_compose("task=mnist", "attn_cross=mhla_cross"))
     generic = AttentionContract(model="m", needs=Needs(cross=True, grid_rank=3, host_projections=True))
-    assert resolve_attention({"name": "mhla_cross", "num_blocks": 8, "key_blocks": 2}, generic)["key_blocks"] == 2
+    resolved = resolve_attention({"name": "mhla_cross", "num_blocks": 8, "key_blocks": 2}, generic)
+    assert resolved["key_blocks"] == 2
 
 
 def test_cross_mixing_matrix():
@@ -87,8 +88,8 @@ def test_mhla_cross_layer_is_the_op_on_grid_tiles():
     """Query blocks are the tiles of the token grid: the layer equals the dense definition with the tokens in
     block-major order; with its uniform init it equals linear cross-attention (a row's scale cancels)."""
     q, k, v, mask = _qkv()
-    layer = build_attention({"name": "mhla_cross", "blocks": [2, 2, 2], "key_blocks": 2}, 16, 2, grid=(4, 4, 4),
-                            projections=False)
+    layer = build_attention({"name": "mhla_cross", "blocks": [2, 2, 2], "key_blocks": 2}, 16, 2,
+                            grid=(4, 4, 4), projections=False)
     with torch.no_grad():
         layer.mixing.raw.uniform_(0.1, 1.0)
     o = layer.attend(q, k, v, key_padding_mask=mask)
@@ -163,12 +164,13 @@ def test_video_mini_cross_attention_by_config():
 
 
 def _yaml_options(name):
-    return [k for k in OmegaConf.load(os.path.join(ROOT, "configs", "attn_cross", f"{name}.yaml")) if k != "name"]
+    path = os.path.join(ROOT, "configs", "attn_cross", f"{name}.yaml")
+    return [k for k in OmegaConf.load(path) if k != "name"]
 
 
-OTHER = {"blocks": [1, 1, 1], "num_blocks": 2, "key_blocks": 2, "mixing_init": "locality", "mixing_learnable": False,
-         "mixing_per_head": True, "mixing_param": "softplus", "feature_map": "elu", "normalize": False,
-         "out_norm": True, "eps": 1e-5, "backend": "torch"}
+OTHER = {"blocks": [1, 1, 1], "num_blocks": 2, "key_blocks": 2, "mixing_init": "locality",
+         "mixing_learnable": False, "mixing_per_head": True, "mixing_param": "softplus", "feature_map": "elu",
+         "normalize": False, "out_norm": True, "eps": 1e-5, "backend": "torch"}
 
 
 @pytest.mark.parametrize("name", CROSS)
@@ -187,7 +189,8 @@ def test_every_attn_cross_option_takes_effect_or_is_refused(name):
         assert opts[key] == OTHER[key], (key, opts)
         for layer in swapped_cross_attentions(model).values():
             got = layer.settings()[key]
-            assert (tuple(got) == tuple(OTHER[key])) if isinstance(OTHER[key], list) else got == OTHER[key], key
+            want = tuple(OTHER[key]) if isinstance(OTHER[key], list) else OTHER[key]
+            assert (tuple(got) if isinstance(got, (list, tuple)) else got) == want, key
     with open_dict(base):
         base.attn_cross["head_dim"] = 4
     with pytest.raises(ConfigError, match="attn_cross.head_dim"):
@@ -204,7 +207,8 @@ def test_native_takes_no_options():
 
 def test_sana_cross_attention_with_caption_mask():
     g = torch.Generator().manual_seed(1)
-    x, enc, t = torch.randn(2, 8, 8, 8, generator=g), torch.randn(2, 8, 32, generator=g), torch.tensor([500.0, 200.0])
+    x, enc = torch.randn(2, 8, 8, 8, generator=g), torch.randn(2, 8, 32, generator=g)
+    t = torch.tensor([500.0, 200.0])
     mask = torch.ones(2, 8)
     mask[1, 5:] = 0
     enc2 = enc.clone()

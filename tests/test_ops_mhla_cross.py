@@ -1,6 +1,6 @@
 """MHLA cross-attention (mhla/ops/mhla_cross): the dense reference, the torch path and the Triton query kernel
-against each other, forward and backward, at lengths that the block counts do not divide, with and without a key
-padding mask, in fp64 / fp32 / fp16 / bf16.
+against each other, forward and backward, at lengths that the block counts do not divide, with and without a
+key padding mask, in fp64 / fp32 / fp16 / bf16.
 
 Criterion: output and gradients of ``sum(o * w)`` (fixed random ``w``) with respect to q, k, v and the mixing
 matrix, each compared with the dense reference in fp64 on the same (rounded) inputs:
@@ -46,8 +46,8 @@ def make(Tq, Mq, Tk, Mk, *, B=2, H=2, D=8, Dv=6, per_head=True, masked=True, see
 def run(backend, dtype, q, k, v, mix, w, mask, **kw):
     xs = [x.to(DEVICE, dtype).detach().requires_grad_() for x in (q, k, v)]
     m = mix.to(DEVICE, torch.float32 if dtype != torch.float64 else dtype).detach().requires_grad_()
-    o = mhla_cross_attention(*xs, m, key_padding_mask=None if mask is None else mask.to(DEVICE), backend=backend,
-                             **kw)
+    o = mhla_cross_attention(*xs, m, key_padding_mask=None if mask is None else mask.to(DEVICE),
+                             backend=backend, **kw)
     (o.double() * w.to(DEVICE)).sum().backward()
     return [o.detach()] + [x.grad for x in xs] + [m.grad]
 
@@ -59,7 +59,8 @@ def rel_err(a, b):
 
 def check(backend, dtype, inputs, **kw):
     q, k, v, mix, w, mask = inputs
-    rounded = [x.to(dtype).double() for x in (q, k, v)] + [mix.float().double() if dtype != torch.float64 else mix]
+    rounded = [x.to(dtype).double() for x in (q, k, v)]
+    rounded.append(mix.float().double() if dtype != torch.float64 else mix)
     exact = run("reference", torch.float64, *rounded, w, mask, **kw)
     got = run(backend, dtype, q, k, v, mix, w, mask, **kw)
     for name, a, r in zip(("o", "dq", "dk", "dv", "dmixing"), got, exact):
@@ -105,7 +106,8 @@ def test_triton_half(dtype):
 @needs_triton
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_no_normaliser_and_wide_heads(backend):
-    """``normalize=False``, head dims that are not powers of two and span several tiles, a long query block."""
+    """``normalize=False``, head dims that are not powers of two and span several tiles, a long query
+    block."""
     q, k, v, mix, w, mask = make(70, 2, 9, 3, D=40, Dv=24)
     check(backend, torch.float32, (q, k, v, mix, w, mask), normalize=False)
     check(backend, torch.float32, (q, k, v, mix, w, mask))
@@ -126,13 +128,13 @@ def test_masked_keys_contribute_nothing(backend):
 
 
 def test_one_block_is_linear_attention_and_mask_is_truncation():
-    """Mq = Mk = 1 (mixing [[1]]) is plain linear attention; with one key block, masking the tail of the keys is
-    the call on the keys before it."""
+    """Mq = Mk = 1 (mixing [[1]]) is plain linear attention; with one key block, masking the tail of the keys
+    is the call on the keys before it."""
     q, k, v, _, _, _ = make(9, 1, 7, 1, masked=False)
     one = torch.ones(1, 1, dtype=torch.float64)
     o = mhla_cross_attention(q, k, v, one, backend="torch")
-    # linear attention of each query over all keys: append the queries' slots as zero-weight keys is not needed,
-    # compare with the dense formula directly
+    # linear attention of each query over all keys: append the queries' slots as zero-weight keys is not
+    # needed, compare with the dense formula directly
     scores = torch.einsum("bthd,bshd->bhts", q, k)
     ref = torch.einsum("bhts,bshe->bthe", scores, v) / (scores.sum(-1).transpose(1, 2).unsqueeze(-1) + 1e-6)
     torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)

@@ -287,13 +287,15 @@ def swapped_attentions(model: nn.Module) -> dict[str, AttentionBase]:
 
 
 # ------------------------------------------------------------------------------------ cross-attention
-def key_padding_mask_from(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+def key_padding_mask_from(attention_mask: torch.Tensor | None, batch: int,
+                          length: int) -> torch.Tensor | None:
     """The keep-mask ``[B, L]`` (True: a real key) of a diffusers cross-attention mask, or None.
 
-    Accepted: a bool mask ``[B, L]`` / ``[B, 1, L]`` (True: keep), or an additive bias ``[B, L]`` / ``[B, 1, L]``
-    (0: keep, a large negative value: drop; what SANA and PixArt pass their cross-attention after converting the
-    encoder's 0/1 mask). A float mask with positive entries is a 0/1 mask that was not converted, and is refused
-    (read as a bias it would keep everything)."""
+    Accepted: a bool mask ``[B, L]`` / ``[B, 1, L]`` (True: keep), or an additive bias ``[B, L]`` / ``[B, 1,
+        L]``
+    (0: keep, a large negative value: drop; what SANA and PixArt pass their cross-attention after converting
+    the encoder's 0/1 mask). A float mask with positive entries is a 0/1 mask that was not converted, and is
+    refused (read as a bias it would keep everything)."""
     if attention_mask is None:
         return None
     m = attention_mask
@@ -305,8 +307,8 @@ def key_padding_mask_from(attention_mask: torch.Tensor | None, batch: int, lengt
     if m.dtype == torch.bool:
         keep = m
     elif (m > 0).any():
-        raise ValueError("a float cross-attention mask must be an additive bias (0: keep, large negative: drop); "
-                         "got positive entries (a 0/1 mask): pass it as bool")
+        raise ValueError("a float cross-attention mask must be an additive bias (0: keep, large negative: "
+                         "drop); got positive entries (a 0/1 mask): pass it as bool")
     else:
         keep = m > -1.0
     return keep.expand(batch, length)
@@ -314,15 +316,16 @@ def key_padding_mask_from(attention_mask: torch.Tensor | None, batch: int, lengt
 
 class CrossAttentionProcessor(AttentionProcessor):
     """diffusers processor for a cross-attention module (``attn2``): the host's ``to_q`` on the tokens,
-    ``to_k`` / ``to_v`` on ``encoder_hidden_states``, its q / k norms and ``to_out``; between them the registered
-    cross-attention ``attn.attention`` (:class:`mhla.cross.CrossAttentionBase`): ``attend(q, k, v, grid=...,
-    key_padding_mask=...)`` and ``finish_heads``. ``attention_mask``: :func:`key_padding_mask_from`. The token grid
-    (MHLA's query blocks) comes as for :class:`AttentionProcessor`."""
+    ``to_k`` / ``to_v`` on ``encoder_hidden_states``, its q / k norms and ``to_out``; between them the
+    registered cross-attention ``attn.attention`` (:class:`mhla.cross.CrossAttentionBase`): ``attend(q, k, v,
+    grid=..., key_padding_mask=...)`` and ``finish_heads``. ``attention_mask``: :func:`key_padding_mask_from`.
+    The token grid (MHLA's query blocks) comes as for :class:`AttentionProcessor`."""
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb=None, **kwargs) -> torch.Tensor:
         if encoder_hidden_states is None:
-            raise ValueError("CrossAttentionProcessor needs encoder_hidden_states (it is for cross-attention)")
+            raise ValueError("CrossAttentionProcessor needs encoder_hidden_states (it is for "
+                             "cross-attention)")
         if getattr(attn, "add_k_proj", None) is not None:
             raise ValueError("CrossAttentionProcessor does not handle added image keys / values (Wan I2V)")
         layer: CrossAttentionBase = attn.attention
@@ -352,8 +355,8 @@ class CrossAttentionProcessor(AttentionProcessor):
 
 
 def cross_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every diffusers cross-attention module of ``model`` (``set_processor``, ``to_q`` and
-    ``is_cross_attention``: the ``attn2`` of Wan / SANA / PixArt blocks), in definition order."""
+    """``(name, module)`` of every diffusers cross-attention module of ``model`` (``set_processor``, ``to_q``
+    and ``is_cross_attention``: the ``attn2`` of Wan / SANA / PixArt blocks), in definition order."""
     return [(name, m) for name, m in model.named_modules()
             if hasattr(m, "set_processor") and hasattr(m, "to_q") and getattr(m, "is_cross_attention", False)]
 
@@ -362,9 +365,9 @@ def swap_cross_attention(model: nn.Module, attn_cfg, *, grid: Sequence[int] | No
                          track_grid: bool = True) -> list[str]:
     """Put the registered cross-attention ``attn_cfg`` (``supports.cross``: ``mhla_cross``, ``linear_cross``,
     ``softmax_cross``) into every cross-attention module of ``model``; returns their names. As
-    :func:`swap_self_attention`: the layer is built with ``projections=False`` (the module keeps ``to_q`` / ``to_k``
-    / ``to_v`` / ``to_out``), registered as ``<attn2>.attention`` (its mixing matrix trains and saves with the
-    model), and :class:`CrossAttentionProcessor` runs it; ``grid`` / ``track_grid`` as there."""
+    :func:`swap_self_attention`: the layer is built with ``projections=False`` (the module keeps ``to_q`` /
+    ``to_k`` / ``to_v`` / ``to_out``), registered as ``<attn2>.attention`` (its mixing matrix trains and saves
+    with the model), and :class:`CrossAttentionProcessor` runs it; ``grid`` / ``track_grid`` as there."""
     name = attn_cfg if isinstance(attn_cfg, str) else attn_cfg["name"]
     supports = get_attention_class(name).supports
     if not (supports.cross and supports.host_projections):
@@ -379,9 +382,11 @@ def swap_cross_attention(model: nn.Module, attn_cfg, *, grid: Sequence[int] | No
         weight = attn.to_q.weight
         pdtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         layer = build_attention(attn_cfg, weight.shape[1], attn.heads, projections=False,
-                                head_dim=weight.shape[0] // attn.heads, value_dim=attn.to_v.weight.shape[0] // attn.heads,
+                                head_dim=weight.shape[0] // attn.heads,
+                                value_dim=attn.to_v.weight.shape[0] // attn.heads,
                                 context_dim=attn.to_k.weight.shape[1],
-                                grid=tuple(grid) if grid is not None else None, device=weight.device, dtype=pdtype)
+                                grid=tuple(grid) if grid is not None else None, device=weight.device,
+                                dtype=pdtype)
         attn.attention = layer
         attn.set_processor(CrossAttentionProcessor(grid=None if track_grid else grid, context=context))
         names.append(module_name)

@@ -42,11 +42,11 @@ def model_attention(cfg) -> dict:
 
 
 def model_cross_attention(cfg) -> dict:
-    """The cross-attention this run builds: ``cfg.attn_cross`` (``native`` when the config has none, e.g. one stored
-    before the group existed) resolved against the model's cross-attention contract
-    (:func:`models.attention.cross_attention_contract`). ``native`` keeps the model's own cross-attention (softmax
-    in Wan and SANA); a model without a cross-attention takes only ``native``. Raises :class:`ConfigError` as
-    :func:`model_attention` does (docs/cross_attention.md)."""
+    """The cross-attention this run builds: ``cfg.attn_cross`` (``native`` when the config has none, e.g. one
+    stored before the group existed) resolved against the model's cross-attention contract
+    (:func:`models.attention.cross_attention_contract`). ``native`` keeps the model's own cross-attention
+    (softmax in Wan and SANA); a model without a cross-attention takes only ``native``. Raises
+    :class:`ConfigError` as :func:`model_attention` does (docs/cross_attention.md)."""
     given = cfg.get("attn_cross") if hasattr(cfg, "get") else None
     try:
         contract = cross_attention_contract(cfg.model)

@@ -63,7 +63,8 @@ class VideoGenTask(Task):
                 raise ConfigError("model.coord_channels adds input channels: only for a random-init model "
                                   "(model.pretrained=null)")
             m = OmegaConf.merge(m, {"in_channels": int(m.in_channels) + 3})  # x_t + (frame, row, column)
-        transformer = build_wan(m, model_attention(self.cfg), grid=self.grid, cross_cfg=model_cross_attention(self.cfg))
+        transformer = build_wan(m, model_attention(self.cfg), grid=self.grid,
+                                cross_cfg=model_cross_attention(self.cfg))
         kw = dict(text_pool=bool(m.get("text_pool", False)), coord_channels=coords)
         if self.word_text:
             return VideoDenoiser(transformer, len(VOCAB), int(m.text_dim), **kw)

@@ -1,5 +1,6 @@
-"""MHLA cross-attention: ``Mq`` query blocks read a learned nonnegative mix of the summaries of ``Mk`` key blocks
-(docs/cross_attention.md). Modules, each importing only those listed before it (and :mod:`mhla.ops.utils`):
+"""MHLA cross-attention: ``Mq`` query blocks read a learned nonnegative mix of the summaries of ``Mk`` key
+blocks (docs/cross_attention.md). Modules, each importing only those listed before it (and
+:mod:`mhla.ops.utils`):
 
     :mod:`.blocks`   the blocking rule of an axis of any length (contiguous, balanced blocks)
     :mod:`.naive`    the dense definition, :func:`mhla_cross_reference` (test oracle, fp64-capable)

@@ -6,8 +6,8 @@
 
 Cost ``O(Tk D Dv + Mq Mk D Dv + Tq D Dv)`` per head and memory ``O((Mq + Mk) D Dv)`` beside the inputs: no
 ``Tq x Tk`` matrix. Blocks follow :mod:`.blocks` (contiguous, balanced; a plain reshape when ``M`` divides the
-length, else a gather into ``[M, ceil(T / M)]`` slots). Half-precision inputs accumulate in fp32; the output has
-the dtype of ``v``.
+length, else a gather into ``[M, ceil(T / M)]`` slots). Half-precision inputs accumulate in fp32; the output
+has the dtype of ``v``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from ..utils import accumulation_dtype
 from .blocks import block_gather
 
 
-def to_blocks(x: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``x [B, T, H, F]`` -> ``(blocks [B, M, C, H, F], valid [M, C] or None, position [T] or None)``; ``valid`` /
-    ``position`` are None when ``M`` divides ``T`` (a view). Slots past a block's end hold a copy of its last
-    token (see :func:`.blocks.block_gather`); :func:`from_blocks` takes the layout back."""
+def to_blocks(x: torch.Tensor,
+              num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``x [B, T, H, F]`` -> ``(blocks [B, M, C, H, F], valid [M, C] or None, position [T] or None)``;
+    ``valid`` / ``position`` are None when ``M`` divides ``T`` (a view). Slots past a block's end hold a copy
+    of its last token (see :func:`.blocks.block_gather`); :func:`from_blocks` takes the layout back."""
     B, T = x.shape[:2]
     if T % num_blocks == 0:
         return x.view(B, num_blocks, T // num_blocks, *x.shape[2:]), None, None
@@ -35,7 +36,8 @@ def from_blocks(xb: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor
     return flat if position is None else flat[:, position]
 
 
-def key_summaries(k: torch.Tensor, v: torch.Tensor, num_blocks: int, key_padding_mask: torch.Tensor | None = None,
+def key_summaries(k: torch.Tensor, v: torch.Tensor, num_blocks: int,
+                  key_padding_mask: torch.Tensor | None = None,
                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block summaries of the keys: ``S [B, H, Mk, D, Dv]`` and ``z [B, H, Mk, D]`` in ``dtype`` (default: the
     accumulation dtype of ``k``). ``key_padding_mask [B, Tk]`` (True: a real key): masked keys contribute
@@ -52,7 +54,8 @@ def key_summaries(k: torch.Tensor, v: torch.Tensor, num_blocks: int, key_padding
     return torch.einsum("bjchd,bjche->bhjde", kb, vb), kb.sum(2).transpose(1, 2)
 
 
-def mix_summaries(mixing: torch.Tensor, S: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_summaries(mixing: torch.Tensor, S: torch.Tensor,
+                  z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``mixing [Mq, Mk]`` or ``[H, Mq, Mk]`` over ``S [B, H, Mk, D, Dv]``, ``z [B, H, Mk, D]`` ->
     ``S~ [B, H, Mq, D, Dv]``, ``z~ [B, H, Mq, D]``."""
     mix = mixing.to(S.dtype)

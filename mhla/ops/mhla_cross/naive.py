@@ -1,4 +1,5 @@
-"""The dense definition of MHLA cross-attention: the test oracle (O(Tq Tk) memory; written to be read, not fast).
+"""The dense definition of MHLA cross-attention: the test oracle (O(Tq Tk) memory; written to be read, not
+fast).
 
 Effective weight of query ``t`` (block ``i = bq(t)``) on key ``s`` (block ``j = bk(s)``), blocks by
 :mod:`.blocks` (``bq(t) = (t Mq) // Tq``, ``bk(s) = (s Mk) // Tk``) and ``m_s`` the key padding mask:
@@ -25,7 +26,7 @@ def mhla_cross_weights(q: torch.Tensor, k: torch.Tensor, mixing: torch.Tensor,
     Tq, H, Tk = q.shape[1], q.shape[2], k.shape[1]
     mix = mixing.unsqueeze(0).expand(H, -1, -1) if mixing.dim() == 2 else mixing
     Mq, Mk = mix.shape[-2:]
-    token_mix = mix.to(q.dtype)[:, block_ids(Tq, Mq, q.device)][:, :, block_ids(Tk, Mk, q.device)]  # [H, Tq, Tk]
+    token_mix = mix.to(q.dtype)[:, block_ids(Tq, Mq, q.device)][:, :, block_ids(Tk, Mk, q.device)]  # H Tq Tk
     if key_padding_mask is not None:  # (also before the product: its gradient for q reads k)
         k = torch.where(key_padding_mask[:, :, None, None], k, 0.0)
     w = torch.einsum("bthd,bshd->bhts", q, k) * token_mix.unsqueeze(0)

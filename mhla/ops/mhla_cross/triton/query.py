@@ -3,12 +3,14 @@
 Given the mixed key summaries of every query block (``P [B, H, Mq, D, Dv]``, ``Pz [B, H, Mq, D]``, fp32, from
 the torch steps of :mod:`mhla.ops.mhla_cross.chunk`), the kernel computes for every query ``t`` of block ``i``
 
-    n_t = q_t^T P_i            d_t = q_t . Pz_i + eps            o_t = n_t / d_t     (normalize; else o_t = n_t)
+    n_t = q_t^T P_i            d_t = q_t . Pz_i + eps            o_t = n_t / d_t     (normalize; else o_t =
+    n_t)
 
 in one pass over the feature tiles, without writing the per-token products. Program ``(i_v, i_blk * NC + i_c,
 b * H + h)`` owns value tile ``i_v`` of chunk ``i_c`` (``BT`` queries) of query block ``i_blk``; blocks follow
 :mod:`mhla.ops.mhla_cross.blocks` (block ``i`` is ``ceil(i Tq / Mq) .. ceil((i + 1) Tq / Mq) - 1``), so any
-``Tq`` works. Loads of half-precision ``q`` are cast to fp32; accumulation is fp32; the output has ``o``'s dtype.
+``Tq`` works. Loads of half-precision ``q`` are cast to fp32; accumulation is fp32; the output has ``o``'s
+dtype.
 
 Backward (torch, from the saved ``q``, ``P``, ``Pz``, ``o`` and ``d``; ``dn_t = do_t / d_t``,
 ``dd_t = -(do_t . o_t) / d_t``):
@@ -86,8 +88,8 @@ def _cross_query_kernel(
 
 def query_forward(q: torch.Tensor, P: torch.Tensor, Pz: torch.Tensor, *, normalize: bool, eps: float,
                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the kernel: ``q [B, Tq, H, D]`` (contiguous), ``P [B, H, Mq, D, Dv]``, ``Pz [B, H, Mq, D]`` (fp32,
-    contiguous) -> ``(o [B, Tq, H, Dv] in out_dtype, d [B*H, Tq] fp32 or None)``."""
+    """Launch the kernel: ``q [B, Tq, H, D]`` (contiguous), ``P [B, H, Mq, D, Dv]``, ``Pz [B, H, Mq, D]``
+    (fp32, contiguous) -> ``(o [B, Tq, H, Dv] in out_dtype, d [B*H, Tq] fp32 or None)``."""
     B, Tq, H, D = q.shape
     Mq, Dv = P.shape[2], P.shape[-1]
     cmax = -(-Tq // Mq)
@@ -149,8 +151,8 @@ def query_output_triton(q: torch.Tensor, P: torch.Tensor, Pz: torch.Tensor, *, n
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"the Triton kernel takes fp16 / bf16 / fp32 queries, got {q.dtype}")
     if not INTERPRET_AT_IMPORT and not q.is_cuda:
-        raise ValueError("backend='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1 set before "
-                         f"import); got tensors on {q.device}")
+        raise ValueError("backend='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1 set "
+                         f"before import); got tensors on {q.device}")
     kernel_dtype = out_dtype
     if INTERPRET_AT_IMPORT and torch.bfloat16 in (q.dtype, out_dtype):
         q, kernel_dtype = q.float(), torch.float32
