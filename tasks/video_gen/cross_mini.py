@@ -251,7 +251,8 @@ def main(argv=None) -> int:
     if not args.no_latency:
         threads = args.latency_threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
-        data["machine"].update(latency_threads=threads, warmup=args.warmup, repeats=args.repeats)
+        data["machine"].update(latency_threads=threads, warmup=args.warmup, repeats=args.repeats,
+                               latency_command=f"python -m tasks.video_gen.cross_mini {' '.join(argv_list)}")
         with Measurement(threads=threads) as m:
             data["latency"] = measure_latency(args.rows, args.lengths, args)
         write(data, args, m.record)  # the latency is on disk before the long training part
