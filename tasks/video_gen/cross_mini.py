@@ -12,7 +12,7 @@ Then, in this process, one row after the other:
 - **eval loss**: the run's held-out velocity loss (fixed times and noise: comparable across rows);
 - **prompt following** (:mod:`tasks.video_gen.follow`): all 32 captions the data can draw, sampled with the
   run's ``sample.*`` settings (50 Euler steps, CFG 4), noise seed 0;
-- **latency at a long condition** (``--lengths``, default 512 and 4096 condition tokens): one denoiser forward
+- **latency at a long condition** (``--lengths``, default 512, 4096, 16384 tokens): one denoiser forward
   of the model (random init, the trained video size, batch 2 as one CFG step), condition embeddings of that
   length; every row built in this process, warm-up forwards, then ``--repeats`` rounds that time each row once
   in turn (median and min), all inside one load guard (:class:`tasks.common.records.Measurement`): a busy
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
                     help="torch threads per training run, and for the sampling")
     ap.add_argument("--latency-threads", type=int, default=None,
                     help="threads for the latency (default: all)")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096], help="condition lengths timed")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 16384], help="condition lengths timed")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--allow-busy", action="store_true",
