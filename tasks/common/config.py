@@ -19,7 +19,7 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from mhla.registry import accepted_options, check_attention, get_attention_class, resolve_attention
-from models.attention import attention_contract
+from models.attention import attention_contract, cross_attention_contract
 from models.lm.configuration_mhla_lm import LEGACY_ATTENTION_FIELDS
 
 
@@ -36,6 +36,22 @@ def model_attention(cfg) -> dict:
         contract = attention_contract(cfg.model)
         options = resolve_attention(cfg.attn, contract)
         check_attention(options, contract)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return options
+
+
+def model_cross_attention(cfg) -> dict:
+    """The cross-attention this run builds: ``cfg.attn_cross`` (``native`` when the config has none, e.g. one
+    stored before the group existed) resolved against the model's cross-attention contract
+    (:func:`models.attention.cross_attention_contract`). ``native`` keeps the model's own cross-attention
+    (softmax in Wan and SANA); a model without a cross-attention takes only ``native``. Raises
+    :class:`ConfigError` as :func:`model_attention` does (docs/cross_attention.md)."""
+    given = cfg.get("attn_cross") if hasattr(cfg, "get") else None
+    try:
+        contract = cross_attention_contract(cfg.model)
+        options = resolve_attention(given if given is not None else "native", contract, key="attn_cross")
+        check_attention(options, contract, key="attn_cross")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return options
@@ -227,6 +243,12 @@ def run_settings(cfg) -> dict:
         attn += f"-hw{a['head_width']}"
     if name in ("linear", "mhla") and "normalize" in a and a.get("normalize") is not True:
         attn += "-nonorm" if a["normalize"] is False else f"-norm{a['normalize']}"
+    try:
+        cross = model_cross_attention(cfg)
+    except ConfigError:
+        cross = {"name": str((cfg.get("attn_cross") or {}).get("name", "native"))}
+    if cross["name"] != "native":  # the default (the model's own cross-attention) adds nothing to the tag
+        attn += f"+x{cross['name'].removesuffix('_cross')}"
     blocks = None
     if name == "mhla":
         if a.get("blocks"):
@@ -308,6 +330,7 @@ def validate_config(cfg) -> None:
     check_data(cfg)
     check_trainer(cfg)
     model_attention(cfg)
+    model_cross_attention(cfg)
 
 
 def apply_overrides(cfg, overrides: list[str]) -> None:
