@@ -41,8 +41,9 @@ class NotACheckpointError(ValueError):
     """A file that is not a checkpoint written by ``train.py``."""
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu"):
-    """``torch.load`` of ``path``, with a clear error for a missing file or one that does not unpickle."""
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", mmap: bool = False):
+    """``torch.load`` of ``path``, with a clear error for a missing file or one that does not unpickle. ``mmap``:
+    map the file's tensors instead of reading them (the ranks of an FSDP run each open the whole checkpoint)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -50,17 +51,18 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu"):
             f"(they live in <run_dir>/checkpoints/)"
         )
     try:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except (EOFError, pickle.UnpicklingError, RuntimeError, ValueError, ImportError, AttributeError,
             UnicodeDecodeError) as e:
         reason = "an empty file" if path.stat().st_size == 0 else f"{type(e).__name__}: {e}"
         raise NotACheckpointError(f"not a checkpoint of this project: {path} ({reason})") from None
 
 
-def load_run_checkpoint(path: str | os.PathLike, map_location="cpu", require: tuple[str, ...] = ()) -> dict:
+def load_run_checkpoint(path: str | os.PathLike, map_location="cpu", require: tuple[str, ...] = (),
+                        mmap: bool = False) -> dict:
     """A checkpoint written by ``train.py`` (a dict with ``model``, ``step``, ``config`` and the keys in
     ``require``, e.g. ``optimizer`` to resume); raises :class:`NotACheckpointError` for anything else."""
-    state = load_checkpoint(path, map_location=map_location)
+    state = load_checkpoint(path, map_location=map_location, mmap=mmap)
     keys = RUN_CHECKPOINT_KEYS + tuple(require)
     missing = [k for k in keys if k not in state] if isinstance(state, dict) else None
     if missing is None or missing:

@@ -1,11 +1,11 @@
 """The training loop every task uses.
 
 A task supplies a :class:`Task` (model, datasets, loss, evaluation); :class:`Trainer` does the rest:
-devices and ``torchrun`` (DDP, or FSDP with ``trainer.strategy=fsdp``), seeds, AdamW with a cosine
-schedule and warmup, gradient clipping, mixed precision (bf16 autocast on GPU), EMA, the modules' training
-hooks (:mod:`tasks.common.hooks`: optimizer groups, a call after each optimizer step, matrices to log), progress
-bars, periodic evaluation, atomic checkpoints (``last.pt``
-and ``best.pt``) with exact resume, and logging (stdout, ``train.log``, ``metrics.jsonl``, W&B offline by
+devices and ``torchrun`` (DDP, or FSDP2 with ``trainer.strategy=fsdp``: :mod:`tasks.common.fsdp`), seeds,
+AdamW with a cosine schedule and warmup, gradient clipping, mixed precision (bf16 autocast on GPU), EMA, the
+modules' training hooks (:mod:`tasks.common.hooks`: optimizer groups, a call after each optimizer step, matrices
+to log), progress bars, periodic evaluation, atomic checkpoints (``last.pt`` and ``best.pt``, the same file under
+every strategy) with exact resume, and logging (stdout, ``train.log``, ``metrics.jsonl``, W&B offline by
 default).
 
 Exact resume: the checkpoint holds the model, optimizer, scheduler, EMA, RNG states and the step; the data
@@ -55,6 +55,7 @@ from .config import ConfigError, check_trainer
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
+from . import fsdp
 from .hooks import after_optimizer_step, logged_matrices
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
@@ -113,7 +114,11 @@ class Task:
 
     def after_fit(self, trainer: "Trainer", metrics: dict) -> dict:
         """Hook for task-specific end-of-run work (sample grids, ...). Returns extra metrics, and
-        :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``."""
+        :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``.
+
+        Every rank calls it. Under FSDP the weights of ``trainer.model`` and ``trainer.ema.module`` are whole for
+        its duration (:func:`tasks.common.fsdp.gathered`), so rank 0 may sample alone; a transformers
+        ``generate`` there needs ``synced_gpus=False`` (it would wait for the other ranks at each token)."""
         return {}
 
 
@@ -305,6 +310,11 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = tf32
 
     # ------------------------------------------------------------------------------------ set-up
+    @property
+    def _fsdp(self) -> bool:
+        """FSDP2 shards this run: ``trainer.strategy=fsdp`` with more than one process."""
+        return self.dist.enabled and self.tcfg.get("strategy", "ddp") == "fsdp"
+
     def _print(self, *args) -> None:
         """Print on the main process, and write the line to ``train.log``."""
         if self.dist.is_main:
@@ -312,26 +322,22 @@ class Trainer:
             print(msg, flush=True)
             run_log().info(msg)
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        strategy = self.tcfg.get("strategy", "ddp")
+    def _wrap(self, model: nn.Module, ema: ModelEMA | None) -> nn.Module:
+        """The model the training step runs: ``model`` itself with one process; under ``torchrun``, DDP around it
+        (``trainer.strategy=ddp``) or ``model`` sharded in place with FSDP2 (``fsdp``; the EMA's copy is sharded
+        the same way, so each rank averages its own shard: :mod:`tasks.common.fsdp`)."""
         if not self.dist.enabled:
             return model
-        if strategy == "ddp":
+        if self.tcfg.get("strategy", "ddp") == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
             return DDP(model, device_ids=ids)
-        if strategy == "fsdp":
-            # torch.distributed.fsdp takes ~0.7 s to import: only when FSDP is used
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
-
-            if self.device.type != "cuda":
-                raise ValueError("trainer.strategy=fsdp needs CUDA GPUs; use trainer.strategy=ddp on CPU")
-            if self.tcfg.get("ema", {}).get("enabled", False):
-                raise ValueError("trainer.strategy=fsdp does not support EMA yet; set trainer.ema.enabled=false "
-                                 "or use trainer.strategy=ddp")
-
-            return FSDP(model, device_id=self.device if self.device.type == "cuda" else None,
-                        use_orig_params=True)
-        raise ValueError(f"trainer.strategy must be ddp or fsdp, got {strategy!r}")
+        mesh = fsdp.device_mesh(self.device, self.dist.world_size)
+        sharded = fsdp.shard_model(model, mesh, self.precision)
+        if ema is not None:
+            fsdp.shard_model(ema.module, mesh, self.precision)
+        self._print(f"FSDP2 over {self.dist.world_size} processes: sharded {sharded}"
+                    + ("" if self.precision == "fp32" else f"; {self.precision} parameters, fp32 gradient reduction"))
+        return model
 
     def _loader(self, dataset, sampler, batch_size: int, generator: torch.Generator) -> DataLoader:
         """A loader with its own ``generator``; its workers stay alive across epochs and evaluations and leave
@@ -414,7 +420,11 @@ class Trainer:
                 self._print(f"WARNING: {ckpt.last_path} is left from an earlier run in this folder; this fresh run "
                             f"overwrites it (trainer.resume=auto would continue it)")
             return None
-        state = load_run_checkpoint(path, map_location=self.device, require=("optimizer", "scheduler", "rng"))
+        if self._fsdp:  # every rank maps the file; the weights go to the model before it is sharded
+            state = load_run_checkpoint(path, map_location="cpu", require=("optimizer", "scheduler", "rng"),
+                                        mmap=True)
+        else:
+            state = load_run_checkpoint(path, map_location=self.device, require=("optimizer", "scheduler", "rng"))
         model.load_state_dict(state["model"])
         step, total = int(state["step"]), facts["total_steps"]
         self._print(f"resumed from {path} at step {step}")
@@ -432,15 +442,11 @@ class Trainer:
 
     def _restore(self, state: dict, run: _Run) -> None:
         """Optimizer, scheduler, EMA, scaler, RNG and best metric from a checkpoint's ``state``."""
-        optim_state = state["optimizer"]
-        if type(run.wrapped).__name__ == "FullyShardedDataParallel":
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
-
-            optim_state = FSDP.optim_state_dict_to_load(run.wrapped, run.optimizer, optim_state)
-        run.optimizer.load_state_dict(optim_state)
-        run.scheduler.load_state_dict(state["scheduler"])
-        if run.ema is not None and state.get("ema") is not None:
-            run.ema.load_state_dict(state["ema"])
+        if fsdp.is_sharded(run.model):
+            fsdp.load_optimizer_state(run.model, run.optimizer, state["optimizer"], self.dist.rank)
+        else:
+            run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])  # (the EMA was loaded before sharding: _setup)
         if state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)]
@@ -501,11 +507,19 @@ class Trainer:
         ema = None
         if tcfg.get("ema", {}).get("enabled", False):
             ema = ModelEMA(model, decay=tcfg.ema.decay, warmup=tcfg.ema.get("warmup", True))
-        wrapped = self._wrap(model)
+            if state is not None and state.get("ema") is not None:  # whole weights, before FSDP shards them
+                ema.load_state_dict(state["ema"])
+        wrapped = self._wrap(model, ema)
         self._wrapped = wrapped
         optimizer = build_optimizer(wrapped, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.sched, total, sampler.batches_per_epoch)
-        scaler = torch.amp.GradScaler(enabled=self.precision == "fp16" and self.device.type == "cuda")
+        fp16_cuda = self.precision == "fp16" and self.device.type == "cuda"
+        if fsdp.is_sharded(model):  # found-inf agreed by all ranks (each sees its shard of the gradients)
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415
+
+            scaler = ShardedGradScaler(enabled=fp16_cuda)
+        else:
+            scaler = torch.amp.GradScaler(enabled=fp16_cuda)
 
         if self._workers_note:
             self._print(self._workers_note)
@@ -557,7 +571,8 @@ class Trainer:
         if run.step == start_step and run.eval_loader is not None:  # resumed at the end of the schedule
             metrics = self._evaluate(run)
         elapsed = time.time() - t0
-        extra, media = split_media(self.task.after_fit(self, dict(metrics)) or {})
+        with fsdp.gathered(run.model, run.ema.module if run.ema is not None else None):  # FSDP: whole weights
+            extra, media = split_media(self.task.after_fit(self, dict(metrics)) or {})
         metrics = {**metrics, **extra}
         if self.dist.is_main:
             run.logger.log_media({f"final/{k}": m for k, m in media.items()}, run.step)
@@ -616,6 +631,7 @@ class Trainer:
         if clip:
             run.scaler.unscale_(run.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(run.wrapped.parameters(), float(clip))
+            grad_norm = fsdp.full_tensor(grad_norm)  # FSDP: a DTensor (gradients are sharded)
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.scheduler.step()
@@ -692,13 +708,15 @@ class Trainer:
     def _evaluate_weights(self, run: _Run, target: nn.Module, log_media: bool = True) -> dict:
         target.eval()
         run.eval_loader.generator.manual_seed(loader_seed(run.seed, 0))  # the same for every evaluation
-        with _precision_context(self.precision, self.device):
-            loader = ProgressLoader(run.eval_loader, f"eval @ step {run.step}",
-                                    enabled=self.dist.is_main and self.tcfg.get("progress_bar", True))
-            metrics, media = split_media(self.task.evaluate(target, loader, self.device, self.dist))
-        if log_media and run.logger is not None and run.logger.logs_media:
-            media = {**{f"eval/{k}": m for k, m in media.items()}, **matrix_heatmaps(target, run.step)}
-            run.logger.log_media(media, run.step)
+        # FSDP: whole weights for the evaluation (ranks may get different numbers of batches) and the heatmaps
+        with fsdp.gathered(target):
+            with _precision_context(self.precision, self.device):
+                loader = ProgressLoader(run.eval_loader, f"eval @ step {run.step}",
+                                        enabled=self.dist.is_main and self.tcfg.get("progress_bar", True))
+                metrics, media = split_media(self.task.evaluate(target, loader, self.device, self.dist))
+            if log_media and run.logger is not None and run.logger.logs_media:
+                media = {**{f"eval/{k}": m for k, m in media.items()}, **matrix_heatmaps(target, run.step)}
+                run.logger.log_media(media, run.step)
         return metrics
 
     def _save(self, run: _Run, metrics: dict | None) -> None:
@@ -708,7 +726,7 @@ class Trainer:
             gathered = [None] * self.dist.world_size
             dist.all_gather_object(gathered, rngs)
             rngs = gathered
-        model_state, optim_state = self._full_state(run.model, run.optimizer)
+        model_state, optim_state, ema_state = self._full_state(run)
         run.saved_step = run.step
         if not self.dist.is_main:
             return
@@ -717,7 +735,7 @@ class Trainer:
             "optimizer": optim_state,
             "scheduler": run.scheduler.state_dict(),
             "scaler": run.scaler.state_dict(),
-            "ema": run.ema.state_dict() if run.ema is not None else None,
+            "ema": ema_state,
             "step": run.step,
             "rng": rngs,
             "config": self.cfg_container(),
@@ -726,18 +744,19 @@ class Trainer:
         }
         run.ckpt.save(state, metrics)
 
-    def _full_state(self, model, optimizer):
-        """Model and optimizer state dicts, gathered to full tensors on rank 0 under FSDP."""
-        wrapped = getattr(self, "_wrapped", None)
-        if wrapped is None or type(wrapped).__name__ != "FullyShardedDataParallel":
-            return model.state_dict(), optimizer.state_dict()
-        # torch.distributed.fsdp takes ~0.7 s to import: only when FSDP is used
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType  # noqa: PLC0415
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
-
-        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
-        with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, cfg):
-            return wrapped.state_dict(), FSDP.optim_state_dict(wrapped, optimizer)
+    def _full_state(self, run: _Run) -> tuple[dict, dict, dict | None]:
+        """Model, optimizer and EMA state dicts (the EMA's None without one). Under FSDP they are gathered whole to
+        rank 0's CPU (the other ranks get empty dicts; every rank must call this), in the layout of a single
+        process's: ``last.pt`` is the same file for every strategy (:mod:`tasks.common.fsdp`)."""
+        if not fsdp.is_sharded(run.model):
+            return (run.model.state_dict(), run.optimizer.state_dict(),
+                    run.ema.state_dict() if run.ema is not None else None)
+        ema_state = None
+        if run.ema is not None:
+            module = fsdp.full_model_state(run.ema.module)
+            ema_state = {"num_updates": run.ema.num_updates.detach().cpu().clone(),
+                         **{f"module.{k}": v for k, v in module.items()}}
+        return fsdp.full_model_state(run.model), fsdp.full_optimizer_state(run.model, run.optimizer), ema_state
 
     def cfg_container(self):
         return OmegaConf.to_container(self.cfg, resolve=True) if OmegaConf.is_config(self.cfg) else self.cfg

@@ -1,0 +1,308 @@
+"""FSDP2 (``trainer.strategy=fsdp``) and multi-node launches, on the CPU: 2 processes under ``torchrun`` with gloo.
+
+* classification (MNIST, a 2-block ViT of width 16 with MHLA, EMA evaluated beside the model, gradient clipping that
+  bites) and the LM task (``lm_mini``, 2 blocks of width 32 with MHLA, on a local text folder; greedy samples at the
+  end): the FSDP run's loss curve, evaluations and final weights equal a single-process run with the same global
+  batch, and an FSDP run interrupted at step 3 and resumed ends bit-identical to the uninterrupted FSDP run;
+* the checkpoint of an FSDP run is the file a single process writes (same keys, optimizer layout, EMA), and
+  ``eval.py``'s evaluation of it reproduces the run's metrics;
+* two launchers with ``--nnodes 2`` on one machine: one run folder, the result of the single-node 2-process run.
+
+Tolerance of "equal" (FSDP vs one process): the ranks' gradients are averaged by a reduce-scatter instead of one
+mean over the global batch, so float sums run in another order. Observed: train losses within 1e-7 relative,
+weights within 4e-6 absolute after 6 AdamW steps; asserted: losses and eval losses rtol 1e-5, weights atol 5e-5
+(rtol 1e-4). Resumed vs uninterrupted FSDP runs: exact (every tensor of the checkpoint, every logged loss).
+
+Each ``torchrun`` launch runs several runs in a row (``tests/helpers/trainer_runs.py``), one thread per process.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+RUNS = os.path.join(ROOT, "tests", "helpers", "trainer_runs.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TIMEOUT = 600
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# 128 samples: 4 steps per epoch at global batch 32, so 6 steps cross an epoch and the resume at 3 crosses it; 97
+# eval samples in batches of 16: rank 0 runs 4 eval batches, rank 1 three (the gathered evaluation allows it)
+CLS = ["logger=none", "trainer.progress_bar=false", "trainer.count_flops=false", "trainer.device=cpu",
+       "data.limit=128", "data.eval_limit=97", "data.eval_batch_size=16", "model.embed_dim=16", "model.depth=2",
+       "model.num_heads=2", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every_steps=3",
+       "trainer.ema.enabled=true", "trainer.ema.evaluate=both", "trainer.grad_clip=0.05", "trainer.strategy=fsdp"]
+DROP_PATH = ["model.drop_path_rate=0.1"]  # the resume pair: per-rank RNG states restored
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "WANDB_SILENT": "true"}
+
+
+def make_cfg(overrides):
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def run_single(overrides, run_dir):
+    from train import run as train_run  # noqa: PLC0415
+
+    return train_run(make_cfg(overrides), str(run_dir))
+
+
+def run_torchrun(runs: list[tuple[str, list[str]]], tmp) -> None:
+    """``runs`` ([(run folder, overrides)]) one after another in one 2-process torchrun launch."""
+    spec = os.path.join(tmp, f"spec_{len(os.listdir(tmp))}.json")
+    with open(spec, "w") as f:
+        json.dump([{"dir": str(d), "overrides": o} for d, o in runs], f)
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", RUNS, spec]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+
+
+def load(run_dir, name="last.pt"):
+    return torch.load(os.path.join(run_dir, "checkpoints", name), weights_only=False)
+
+
+def records(run_dir, key):
+    """step -> value of ``key`` in metrics.jsonl."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if key in rec:
+                out[rec["step"]] = rec[key]
+    return out
+
+
+def assert_curves_close(one, fsdp, keys):
+    for key in keys:
+        a, b = records(one, key), records(fsdp, key)
+        assert sorted(a) == sorted(b) and a, key
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5), (key, step)
+
+
+def assert_states_close(a: dict, b: dict, atol=5e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k].float(), a[k].float(), rtol=1e-4, atol=atol, msg=k)
+
+
+def assert_states_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def assert_optimizers_equal(a: dict, b: dict):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert_states_equal(a["state"][i], b["state"][i])
+
+
+# ------------------------------------------------------------------------------------------ sharding rule
+def test_shard_units_are_the_repeated_blocks():
+    import torch.nn as nn  # noqa: PLC0415
+
+    from tasks.classification.task import ClassificationTask  # noqa: PLC0415
+    from tasks.common.fsdp import shard_units  # noqa: PLC0415
+    from helpers.lm_configs import lm_config  # noqa: PLC0415
+
+    vit = ClassificationTask(make_cfg(["model.embed_dim=16", "model.depth=3", "model.num_heads=2"])).build_model()
+    assert shard_units(vit) == list(vit.blocks)  # timm: blocks = Sequential(Block, ...)
+
+    from models.lm import MHLALMForCausalLM  # noqa: PLC0415
+
+    lm = MHLALMForCausalLM(lm_config("mhla", vocab_size=50, hidden_size=16, num_hidden_layers=2, num_heads=2,
+                                     block_size=4))
+    assert [type(u).__name__ for u in shard_units(lm)] == ["MHLALMBlock"] * 2  # _no_split_modules
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))  # mixed classes: no
+            self.inner = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2))  # inside a unit
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # leaf layers, not blocks
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+            self.head = nn.Linear(4, 2)
+
+    net = Net()
+    assert shard_units(net) == list(net.layers)
+    assert shard_units(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) == []
+
+
+def test_strategy_is_checked_at_start(tmp_path):
+    from tasks.common.config import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="trainer.strategy must be ddp or fsdp"):
+        run_single(CLS + ["data.batch_size=32", "trainer.strategy=zero3"], tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ classification
+@pytest.fixture(scope="module")
+def cls_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_cls")
+    dirs = {name: tmp / name for name in ("single", "fsdp", "straight", "split")}
+    torch.set_num_threads(1)
+    run_single(CLS + ["data.batch_size=32"], dirs["single"])
+    two = CLS + ["data.batch_size=16"]  # x 2 processes: the same global batch
+    run_torchrun([(dirs["fsdp"], two),
+                  (dirs["straight"], two + DROP_PATH),
+                  (dirs["split"], two + DROP_PATH + ["trainer.stop_after_steps=3"]),
+                  (dirs["split"], two + DROP_PATH + ["trainer.resume=last"])], tmp)
+    return dirs
+
+
+def test_fsdp_classification_equals_one_process(cls_runs):
+    one, fsdp = cls_runs["single"], cls_runs["fsdp"]
+    assert_curves_close(one, fsdp, ["train/loss", "train/grad_norm", "eval/loss", "eval/ema_loss"])
+    assert min(records(fsdp, "train/grad_norm").values()) > 0.05  # the clip (0.05) bites at every step
+    for key in ("eval/top1", "eval/ema_top1", "eval/top5"):  # at most one of the 97 samples flips
+        a, b = records(one, key), records(fsdp, key)
+        assert all(abs(a[s] - b[s]) <= 1.01 / 97 for s in a), key
+    a, b = load(one), load(fsdp)
+    assert a["step"] == b["step"] == 6
+    assert_states_close(a["model"], b["model"])
+    assert_states_close(a["ema"], b["ema"])  # the EMA of the sharded weights = the EMA of the whole ones
+    train_log = (fsdp / "train.log").read_text()
+    assert "FSDP2 over 2 processes: sharded 2 blocks (Block), then the rest of the model" in train_log
+
+
+def test_fsdp_classification_resume_is_bit_identical(cls_runs):
+    straight, split = cls_runs["straight"], cls_runs["split"]
+    a, b = load(straight), load(split)
+    assert a["step"] == b["step"] == 6
+    assert_states_equal(a["model"], b["model"])
+    assert_states_equal(a["ema"], b["ema"])
+    assert_optimizers_equal(a["optimizer"], b["optimizer"])
+    assert a["rng"] is not None and len(b["rng"]) == 2  # one RNG state per rank
+    assert records(split, "train/loss") == records(straight, "train/loss")  # steps 1-6, bit-identical
+    assert list(records(split, "train/loss")) == [1, 2, 3, 4, 5, 6]
+    assert records(split, "eval/ema_loss") == records(straight, "eval/ema_loss")
+    assert "resumed from" in (split / "train.log").read_text()
+    # drop-path made the runs differ from the plain one: the RNG states mattered
+    assert records(straight, "train/loss") != records(cls_runs["fsdp"], "train/loss")
+
+
+def test_fsdp_checkpoint_is_the_single_process_file(cls_runs):
+    one, fsdp = load(cls_runs["single"]), load(cls_runs["fsdp"])
+    assert one.keys() == fsdp.keys()
+    assert list(one["model"]) == list(fsdp["model"])
+    assert set(one["ema"]) == set(fsdp["ema"])
+    # the optimizer state keyed by parameter index with the same groups, as optimizer.state_dict() has it
+    assert list(one["optimizer"]["state"]) == list(fsdp["optimizer"]["state"])
+    for ga, gb in zip(one["optimizer"]["param_groups"], fsdp["optimizer"]["param_groups"], strict=True):
+        assert ga == gb
+    for i, s in one["optimizer"]["state"].items():
+        assert s.keys() == fsdp["optimizer"]["state"][i].keys()
+        assert_states_close(s, fsdp["optimizer"]["state"][i])
+    assert all(not v.is_cuda and type(v) is torch.Tensor for v in fsdp["model"].values())  # plain tensors
+
+    from tasks.common.evaluation import evaluate_checkpoint  # noqa: PLC0415
+
+    final = records(cls_runs["fsdp"], "eval/ema_loss")[6]
+    assert evaluate_checkpoint(str(cls_runs["fsdp"] / "checkpoints" / "last.pt"))["loss"] == pytest.approx(final,
+                                                                                                           rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ LM
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory):
+    import numpy as np  # noqa: PLC0415
+
+    tmp = tmp_path_factory.mktemp("fsdp_lm")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat while dogs ran past quick brown foxes under green trees near old houses".split()
+    for i in range(40):
+        (corpus / f"doc{i:03d}.txt").write_text(" ".join(rng.choice(words, size=120)) + ".")
+    lm = ["task=lm_mini", "model=lm_mini", "attn=mhla", "logger=none", "data=text_local", f"data.path={corpus}",
+          f"data.cache_dir={tmp / 'cache'}", "data.vocab_size=300", "data.val_fraction=0.2", "data.seq_len=32",
+          "data.eval_batch_size=8", "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_heads=2",
+          "attn.block_size=8", "trainer.max_steps=6", "trainer.eval_every_steps=3", "trainer.log_every=1",
+          "trainer.progress_bar=false", "trainer.device=cpu", "trainer.grad_clip=0.1", "trainer.strategy=fsdp",
+          "task.num_samples=1", "task.prompt_len=8", "task.sample_tokens=8"]
+    dirs = {name: tmp / name for name in ("single", "straight", "split")}
+    torch.set_num_threads(1)
+    run_single(lm + ["data.batch_size=8"], dirs["single"])  # also writes the tokenizer and token caches
+    two = lm + ["data.batch_size=4"]
+    run_torchrun([(dirs["straight"], two),
+                  (dirs["split"], two + ["trainer.stop_after_steps=3"]),
+                  (dirs["split"], two + ["trainer.resume=last"])], tmp)
+    return dirs
+
+
+def test_fsdp_lm_equals_one_process(lm_runs):
+    one, fsdp = lm_runs["single"], lm_runs["straight"]
+    assert_curves_close(one, fsdp, ["train/loss", "train/grad_norm", "eval/val_loss"])
+    a, b = load(one), load(fsdp)
+    assert_states_close(a["model"], b["model"])  # tied embeddings: both names, as one process saves them
+    assert "lm_head.weight" in b["model"] and "model.embed_tokens.weight" in b["model"]
+    mixing = [v for k, v in b["model"].items() if k.endswith("mixing.raw")]
+    assert mixing and all(0 <= m.min() and m.max() <= 1 for m in mixing)  # the clamp hook ran on the shards
+    # after_fit: rank 0 sampled alone from the gathered weights (transformers' generate, no deadlock)
+    assert (fsdp / "samples.txt").read_text().count("greedy continuation") == 1
+    assert "sharded 2 blocks (MHLALMBlock)" in (fsdp / "train.log").read_text()
+
+
+def test_fsdp_lm_resume_is_bit_identical(lm_runs):
+    straight, split = lm_runs["straight"], lm_runs["split"]
+    a, b = load(straight), load(split)
+    assert a["step"] == b["step"] == 6
+    assert_states_equal(a["model"], b["model"])
+    assert_optimizers_equal(a["optimizer"], b["optimizer"])
+    assert records(split, "train/loss") == records(straight, "train/loss")
+    assert list(records(split, "train/loss")) == [1, 2, 3, 4, 5, 6]
+    assert records(split, "eval/val_loss") == records(straight, "eval/val_loss")
+
+
+# ------------------------------------------------------------------------------------------ multi-node
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine_write_one_run_folder(cls_runs, tmp_path):
+    """``torchrun --nnodes 2 --nproc_per_node 1`` twice (two elastic agents, as on two machines): one run folder
+    named by the launch (the same start time and launcher id on both nodes), and the training of the
+    single-node 2-process run, bit for bit."""
+    port = _free_port()
+    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}",
+                      "--rdzv_id=mhla-test", os.path.join(ROOT, "train.py"), *CLS, "data.batch_size=16"]
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=TIMEOUT)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert all(node.returncode == 0 for node in nodes), "\n=====\n".join(o[-4000:] for o in outs)
+    parent = tmp_path / "outputs" / "mnist" / "vit_mnist-mhla"
+    (run_dir,) = [p for p in parent.iterdir()]  # one folder for both nodes
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["best.pt", "last.pt"]
+    assert (run_dir / "run.json").exists() and (run_dir / "train.log").exists()
+    launcher = run_dir.name.rsplit("_", 1)[1]
+    assert launcher.isdigit() and int(launcher) in {node.pid for node in nodes}  # one node's agent names it
+    for key in ("train/loss", "train/grad_norm", "eval/loss", "eval/ema_loss"):
+        assert records(run_dir, key) == records(cls_runs["fsdp"], key), key
+    assert_states_equal(load(run_dir)["model"], load(cls_runs["fsdp"])["model"])
+    # global rank 0 alone writes: each line of train.log once
+    lines = (run_dir / "train.log").read_text().splitlines()
+    assert sum("step 6: top1=" in line for line in lines) == 1
