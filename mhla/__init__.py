@@ -23,6 +23,7 @@ from .layouts import BlockLayout, layout_1d, layout_2d, layout_3d, layout_from_n
 from .mixing import MixingMatrix, distances_1d, mixing_init
 from .ops import (
     MHLAState,
+    MixingRows,
     init_state,
     linear_attention,
     mhla_attention,
@@ -46,7 +47,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionBase", "AttentionCache", "AttentionContract", "BlockLayout", "FEATURE_MAPS", "KernelAttention",
-    "LinearAttention", "MHLAState", "MixingMatrix", "MultiHeadLinearAttention", "Needs", "RotaryTables",
+    "LinearAttention", "MHLAState", "MixingMatrix", "MixingRows", "MultiHeadLinearAttention", "Needs",
+    "RotaryTables",
     "SoftmaxAttention", "Supports", "build_attention", "distances_1d",
     "get_feature_map", "init_state", "layout_1d", "layout_2d", "layout_3d", "layout_from_num_blocks",
     "linear_attention", "list_attentions", "mhla_attention", "mhla_attention_matrix", "mhla_decode_step",

@@ -51,15 +51,35 @@ class AttentionCache:
 
     ``attn``: the op's state (:class:`mhla.ops.MHLAState` for MHLA, ``(S, z)`` for linear attention,
     ``(k, v)`` for softmax); ``conv``: the last ``kernel - 1`` values ``[B, kernel - 1, inner]`` for a
-    causal CPE.
+    causal CPE; ``short_conv``: the last ``kernel - 1`` inputs of the short convolution,
+    ``[B, kernel - 1, q | k | v channels]`` (fla's ``ShortConvolution`` cache).
 
-    After a variable-length call (``cu_seqlens``) both are *lists* of ``N`` per-sequence states, each of
+    After a variable-length call (``cu_seqlens``) each is a *list* of ``N`` per-sequence states, each of
     batch 1 (sequences may have consumed different numbers of tokens); a list is how the layers tell the two
     apart. A later variable-length call splits a batched cache into such a list.
     """
 
     attn: object = None
     conv: torch.Tensor | None = None
+    short_conv: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds (the op's state, the convolutions' past inputs)."""
+        return tensor_nbytes(self.attn) + tensor_nbytes(self.conv) + tensor_nbytes(self.short_conv)
+
+
+def tensor_nbytes(obj) -> int:
+    """Bytes of the tensors in a state: a tensor, a tuple / list of states, an object with ``nbytes()``
+    (such as :class:`mhla.ops.MHLAState`), or None."""
+    if obj is None:
+        return 0
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_nbytes(o) for o in obj)
+    if callable(getattr(obj, "nbytes", None)):
+        return obj.nbytes()
+    raise TypeError(f"cannot size a state of type {type(obj).__name__}")
 
 
 def gate_kind(gate) -> str | None:
@@ -93,8 +113,8 @@ class AttentionBase(nn.Module):
             ``"before_feature_map"``, ``"after_feature_map"``; only attentions whose ``supports.rope`` is set
             take another value, and they then need ``rope_tables`` with each call.
         short_conv: kernel of a causal depthwise conv + SiLU on the projected q, k and v (fla's
-            ``ShortConvolution``; 0: off). Causal layers only; training and full-sequence calls (no cache, no
-            ``cu_seqlens``).
+            ``ShortConvolution``; 0: off). Causal layers only; a cache keeps its last ``kernel - 1`` inputs
+            (decoding, chunked prefill), and ``cu_seqlens`` convolves every sequence alone.
         attn_drop, proj_drop: dropout on the attention output / after the output projection.
         grid, num_prefix_tokens: the token grid ``(T,)``, ``(H, W)`` or ``(F, H, W)`` and the class / register
             tokens in front of it (used by CPE and by layouts); without ``grid`` the tokens form a 1-D sequence.
@@ -253,9 +273,10 @@ class AttentionBase(nn.Module):
         return out
 
     # ---------------------------------------------------------------------------------- projections
-    def _project(self, x: torch.Tensor):
+    def _project(self, x: torch.Tensor, cache: AttentionCache | None = None, cu_seqlens=None):
         """``x: [B, N, C]`` -> q, k ``[B, N, H, D]`` (normed, short-convolved; not feature-mapped or rotated),
-        v ``[B, N, H, Dv]``."""
+        v ``[B, N, H, Dv]``. ``cache`` / ``cu_seqlens``: the short convolution continues the cached inputs /
+        convolves each packed sequence alone (:meth:`_apply_short_conv`)."""
         B, N, _ = x.shape
         H, D, Dv = self.num_heads, self.head_dim, self.value_dim
         q, k, v = self.qkv(x).split([H * D, H * D, H * Dv], dim=-1)
@@ -263,17 +284,53 @@ class AttentionBase(nn.Module):
         k = self.k_norm(k.view(B, N, H, D))
         v = v.view(B, N, H, Dv)
         if self.short_conv is not None:
-            q, k, v = self._apply_short_conv(q, k, v)
+            q, k, v = self._apply_short_conv(q, k, v, cache, cu_seqlens)
         return q, k, v
 
-    def _apply_short_conv(self, q, k, v):
-        """Causal depthwise conv (kernel ``K``, left zero padding) + SiLU over the tokens of q, k ``[B, T, H, D]``
-        and v ``[B, T, H, Dv]``, channel by channel (token ``t`` sees ``t - K + 1 .. t``)."""
+    def _apply_short_conv(self, q, k, v, cache: AttentionCache | None = None, cu_seqlens=None):
+        """Causal depthwise conv (kernel ``K``) + SiLU over the tokens of q, k ``[B, T, H, D]`` and
+        v ``[B, T, H, Dv]``, channel by channel (token ``t`` sees ``t - K + 1 .. t``; zeros before the first).
+
+        ``cache``: the convolution continues after ``cache.short_conv`` (the last ``K - 1`` inputs, zeros when
+        None) and stores the new last ``K - 1``. ``cu_seqlens`` (``q: [1, total_T, H, D]``): every packed
+        sequence is convolved alone, after its own cached inputs (a list per sequence, as ``cache.conv``)."""
         B, T, H, D = q.shape
-        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1).transpose(1, 2)
-        qkv = F.silu(self.short_conv(F.pad(qkv, (self.short_conv.kernel_size[0] - 1, 0)))).transpose(1, 2)
+        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        if cu_seqlens is not None:
+            qkv = self._short_conv_varlen(qkv, cache, cu_seqlens)
+        else:
+            qkv, past = self._short_conv_step(qkv, cache.short_conv if cache is not None else None)
+            if cache is not None:
+                cache.short_conv = past
         q, k, v = qkv.split([H * D, H * D, v.shape[2] * v.shape[3]], dim=-1)
         return q.reshape(B, T, H, D), k.reshape(B, T, H, D), v.reshape(B, T, H, -1)
+
+    def _short_conv_step(self, x: torch.Tensor, past: torch.Tensor | None):
+        """The short convolution of ``x: [B, T, ch]`` after ``past: [B, K - 1, ch]`` (None: zeros) ->
+        ``(silu(conv) [B, T, ch], the new past [B, K - 1, ch], detached)``."""
+        K = self.short_conv.kernel_size[0]
+        xt = x.transpose(1, 2)
+        full = F.pad(xt, (K - 1, 0)) if past is None else torch.cat([past.transpose(1, 2), xt], dim=2)
+        out = F.silu(self.short_conv(full)).transpose(1, 2)
+        return out, full[:, :, full.shape[2] - (K - 1):].transpose(1, 2).detach()
+
+    def _short_conv_varlen(self, x: torch.Tensor, cache: AttentionCache | None, cu_seqlens) -> torch.Tensor:
+        """:meth:`_short_conv_step` on a packed ``x: [1, total_T, ch]``, every sequence alone after its own
+        past (``cache.short_conv``: a list of per-sequence pasts)."""
+        pasts = self._varlen_states(cache, "short_conv", cu_seqlens)
+
+        def op(x, past, final):
+            out, new_past = self._short_conv_step(x, past)
+            return (out, new_past) if final else out
+
+        def empty():
+            return x.new_zeros(1, self.short_conv.kernel_size[0] - 1, x.shape[2])
+
+        if cache is None:
+            return run_varlen(op, (x,), cu_seqlens)
+        out, cache.short_conv = run_varlen(op, (x,), cu_seqlens, initial_state=pasts, output_final_state=True,
+                                           empty_state=empty)
+        return out
 
     def _grid_for(self, n_grid: int, grid_size) -> tuple[int, ...]:
         if grid_size is not None:
@@ -361,10 +418,6 @@ class AttentionBase(nn.Module):
             raise ValueError(f"{type(self).__name__} was built with causal=False but called with is_causal=True")
         if cache is not None and not self.causal:
             raise ValueError("cache is for causal layers")
-        if self.short_conv is not None and (cache is not None or cu_seqlens is not None):
-            raise NotImplementedError(
-                "short_conv is for training and full-sequence evaluation: cached decoding and packed / padded "
-                "calls keep no conv state yet (call with use_cache=False and no attention_mask)")
         if cu_seqlens is not None:
             return self._forward_varlen(x, attn_mask, cache, cu_seqlens, rope_tables)
         P = self.num_prefix_tokens
@@ -373,7 +426,7 @@ class AttentionBase(nn.Module):
         if layout is not None:  # a layer with blocks works in block-major order from its input on: per-token ops
             # do not care, and the token order (the order of the sums of the weight gradients) stays the same
             x = torch.cat([x[:, :P], layout.raster_to_block_major(x[:, P:])], dim=1)
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, cache)
         cpe_out = None
         if self.cpe is not None:
             vg = v[:, P:].reshape(x.shape[0], -1, self.num_heads * self.value_dim)
@@ -404,16 +457,17 @@ class AttentionBase(nn.Module):
             raise ValueError(f"{type(self).__name__}: cu_seqlens is for causal layers over 1-D sequences")
         if attn_mask is not None:
             raise ValueError("pass either attn_mask or cu_seqlens")
-        q, k, v = self._project(x)
-        check_cu_seqlens(cu_seqlens, q)
+        check_cu_seqlens(cu_seqlens, x.unsqueeze(2))
+        q, k, v = self._project(x, cache, cu_seqlens)
         cpe_out = None
         if self.cpe is not None:
             cpe_out = self._apply_cpe_varlen(v.flatten(2), cache, cu_seqlens)
         return self._finish(self._attend_varlen(q, k, v, cache, cu_seqlens, rope_tables), x, cpe_out)
 
     def _varlen_states(self, cache: AttentionCache | None, field: str, cu_seqlens) -> list | None:
-        """The per-sequence states ``cache.<field>`` (``"attn"`` or ``"conv"``) for a packed call with
-        ``cu_seqlens``: None when there are none yet, else a list of ``N`` (a batched cache is split)."""
+        """The per-sequence states ``cache.<field>`` (``"attn"``, ``"conv"``, ``"short_conv"``) of a packed
+        call with ``cu_seqlens``: None when there are none yet, else a list of ``N`` (a batched cache is
+        split)."""
         state = getattr(cache, field) if cache is not None else None
         if state is None:
             return None
@@ -650,19 +704,23 @@ class MultiHeadLinearAttention(KernelAttention):
         return self._kernel_op(op, q, k, v, rope_tables)
 
     def _causal(self, q, k, v, cache: AttentionCache | None, rope_tables):
+        """Causal MHLA of ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]``. Without a cache: one call on the dense
+        mixing of the ``ceil(T / C)`` blocks (training). With one: the compact rows of the call's blocks
+        (:meth:`mhla.mixing.MixingMatrix.causal_rows`), so the cached state keeps at most ``M - 1`` block
+        summaries and one folded sum whatever the length (:class:`mhla.ops.MHLAState`)."""
         q, k, _, _ = self._features(q, k, rope_tables)
         C = self.block_size
-        seen = cache.attn.num_tokens if (cache is not None and cache.attn is not None) else 0
-        n_blocks = ceil_div(seen + q.shape[1], C)
-        mixing = self.mixing(n_blocks).to(q.dtype)
         if cache is None:
+            mixing = self.mixing(ceil_div(q.shape[1], C)).to(q.dtype)
             return mhla_attention(q, k, v, mixing, C, causal=True, normalize=self.normalize, eps=self.eps,
                                   backend=self.backend)
         state: MHLAState | None = cache.attn
+        seen = state.num_tokens if state is not None else 0
+        rows = self.mixing.causal_rows(seen // C, ceil_div(seen + q.shape[1], C)).to(q.dtype)
         if q.shape[1] == 1 and state is not None:
-            o, cache.attn = mhla_decode_step(q, k, v, mixing, state, normalize=self.normalize, eps=self.eps)
+            o, cache.attn = mhla_decode_step(q, k, v, rows, state, normalize=self.normalize, eps=self.eps)
             return o
-        o, cache.attn = mhla_attention(q, k, v, mixing, C, causal=True, normalize=self.normalize,
+        o, cache.attn = mhla_attention(q, k, v, rows, C, causal=True, normalize=self.normalize,
                                        eps=self.eps, backend="torch", initial_state=state,
                                        output_final_state=True)
         return o
@@ -673,17 +731,20 @@ class MultiHeadLinearAttention(KernelAttention):
         states = self._varlen_states(cache, "attn", cu_seqlens)
         bounds = sequence_bounds(cu_seqlens)
         seen = [s.num_tokens if s is not None else 0 for s in states] if states else [0] * len(bounds)
-        mixing = self.mixing(max(ceil_div(p + e - b, C) for p, (b, e) in zip(seen, bounds))).to(q.dtype)
+        stop = max(ceil_div(p + e - b, C) for p, (b, e) in zip(seen, bounds))
         kw = dict(normalize=self.normalize, eps=self.eps)
         if cache is None:
+            mixing = self.mixing(stop).to(q.dtype)
             return mhla_attention(q, k, v, mixing, C, causal=True, cu_seqlens=cu_seqlens, backend=self.backend,
                                   **kw)
+        # compact rows of every sequence's blocks (sequences at different positions: the rows between them)
+        rows = self.mixing.causal_rows(min(p // C for p in seen), stop).to(q.dtype)
         if states is not None and all(e - b == 1 and s is not None for (b, e), s in zip(bounds, states)):
             # decoding: one token per sequence, each with its own cached prefix
-            o, cache.attn = run_varlen(lambda q, k, v, st, _: mhla_decode_step(q, k, v, mixing, st, **kw),
+            o, cache.attn = run_varlen(lambda q, k, v, st, _: mhla_decode_step(q, k, v, rows, st, **kw),
                                        (q, k, v), cu_seqlens, initial_state=states, output_final_state=True)
             return o
-        o, cache.attn = mhla_attention(q, k, v, mixing, C, causal=True, cu_seqlens=cu_seqlens, backend="torch",
+        o, cache.attn = mhla_attention(q, k, v, rows, C, causal=True, cu_seqlens=cu_seqlens, backend="torch",
                                        initial_state=states, output_final_state=True, **kw)
         return o
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .ops import MixingRows
+
 INIT_KINDS = ("locality", "locality_visible", "locality_official", "uniform", "identity", "cos", "exp", "gaussian",
               "local")
 NORMALIZE_MODES = ("row", "col", "none")
@@ -356,6 +358,15 @@ class MixingMatrix(nn.Module):
             )
         return extend_causal_mixing(w, n, self.extension)
 
+    def causal_rows(self, start: int, stop: int) -> MixingRows:
+        """Rows ``start .. stop - 1`` of the causal matrix :meth:`forward` builds, in the compact form that a
+        bounded decode state reads (:class:`mhla.ops.MixingRows`, :func:`causal_mixing_rows`): O((stop -
+        start) * M) numbers whatever ``stop``, where :meth:`forward` builds ``stop x stop``. Causal only."""
+        if not self.causal:
+            raise ValueError("causal_rows is for causal mixing matrices (a non-causal layer has one row per "
+                             "block)")
+        return causal_mixing_rows(self.learned(), start, stop, self.extension)
+
     def extra_repr(self) -> str:
         heads = "shared" if self.num_heads is None else f"per_head={self.num_heads}"
         return (f"M={self.num_blocks}, init={self.init}, causal={self.causal}, learnable={self.learnable}, "
@@ -413,6 +424,103 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
         target = w[..., M - 1, :].sum(-1)[..., None, None]
         W = torch.where(learned, W, W * target / W.sum(-1, keepdim=True).clamp_min(1e-12))
     return W
+
+
+def extension_window(M: int, rule: str) -> tuple[int, int]:
+    """The blocks a decode state keeps apart under ``rule`` for ``M`` learned rows, ``(head, recent)``
+    (:class:`mhla.ops.MHLAState`): every other finished block has one shared coefficient in every row.
+
+    ``last_row``: the first ``M - 1`` blocks (their own columns; every later block reads ``L[M-1, M-1]``);
+    every other rule: the ``M - 1`` latest finished blocks (farther ones read one coefficient per row).
+    The learned rows ``i < M`` read at most ``M - 1`` earlier blocks, all kept under either window."""
+    if rule not in EXTENSION_RULES:
+        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
+    return (M - 1, 0) if rule == "last_row" else (0, M - 1)
+
+
+def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "relative") -> MixingRows:
+    """Rows ``start .. stop - 1`` of ``extend_causal_mixing(w, n, rule)`` (any ``n >= stop``) in the compact
+    form of :class:`mhla.ops.MixingRows` with window :func:`extension_window`.
+
+    With ``L = w`` (``[..., M, M]``, lower-triangular), row ``i`` and ``d = i - b``:
+
+        i < M      diag L[i, i]; the earlier blocks by their learned coefficients (all within the window)
+        i >= M     diag L[M-1, M-1], and by rule
+                   relative / window / uniform_far: recent d = 1 .. M-1 -> L[M-1, M-1-d]; far (d >= M):
+                       L[M-1, 0], 0, L[M-1, 0] / (i - M + 1)
+                   mass_matched: relative, every coefficient times L[M-1, :].sum() / (the relative row's sum,
+                       L[M-1, :].sum() + (i - M + 1) L[M-1, 0])
+                   last_row: head b = 0 .. M-2 -> L[M-1, b]; far (b >= M-1) -> L[M-1, M-1]
+
+    Differentiable with respect to ``w`` (index gathers); O((stop - start) * M) whatever ``stop``.
+    """
+    if rule not in EXTENSION_RULES:
+        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
+    if not 0 <= start < stop:
+        raise ValueError(f"need 0 <= start < stop, got {start}, {stop}")
+    M = w.shape[-1]
+    kh, kr = extension_window(M, rule)
+    if start >= M:  # every row extended (decoding past the learned rows): slices of the last learned row
+        return _extended_rows(w, start, stop, rule)
+    dev = w.device
+    i = torch.arange(start, stop, device=dev)  # [n]
+    learned = i < M
+    last = w[..., M - 1, :]  # [..., M]
+    ri = i.clamp(max=M - 1)  # the learned row each row reads
+    diag = torch.where(learned, w[..., ri, ri], last[..., M - 1:])
+    if rule == "last_row":  # the first M - 1 blocks by their column
+        b = torch.arange(kh, device=dev)
+        head = torch.where(b < i.unsqueeze(1), w[..., ri, :kh], 0.0)  # learned rows: row i; later: row M-1
+        recent = w.new_zeros(*w.shape[:-2], stop - start, 0)
+        far = torch.where(learned, 0.0, last[..., M - 1:])
+    else:  # by distance: recent[d - 1] is block i - d
+        d = torch.arange(1, kr + 1, device=dev)
+        b = i.unsqueeze(1) - d  # [n, kr]
+        learned_coeff = w[..., ri.unsqueeze(1), b.clamp(0, M - 1)]  # row i, block i - d (learned rows)
+        extended_coeff = last[..., (M - 1 - d)].unsqueeze(-2)  # L[M-1, M-1-d]
+        recent = torch.where(learned.unsqueeze(1), torch.where(b >= 0, learned_coeff, 0.0), extended_coeff)
+        head = w.new_zeros(*w.shape[:-2], stop - start, 0)
+        count = (i - M + 1).clamp(min=1).to(w.dtype)  # blocks farther back than the window, in row i >= M
+        far0 = last[..., :1]
+        if rule == "relative" or rule == "mass_matched":
+            far = far0.expand(*far0.shape[:-1], stop - start)
+        elif rule == "window":
+            far = torch.zeros_like(far0).expand(*far0.shape[:-1], stop - start)
+        else:  # uniform_far
+            far = far0 / count
+        far = torch.where(learned, 0.0, far)
+        if rule == "mass_matched":
+            target = last.sum(-1, keepdim=True)  # [..., 1]
+            scale = target / (target + (i - M + 1).clamp(min=0).to(w.dtype) * far0).clamp_min(1e-12)
+            scale = torch.where(learned, 1.0, scale)  # [..., n]
+            diag, far, recent = diag * scale, far * scale, recent * scale.unsqueeze(-1)
+    return MixingRows(start, diag, head, recent, far)
+
+
+def _extended_rows(w: torch.Tensor, start: int, stop: int, rule: str) -> MixingRows:
+    """:func:`causal_mixing_rows` for rows ``start .. stop - 1`` all at or past ``M`` (the same values)."""
+    M, n = w.shape[-1], stop - start
+    last = w[..., M - 1, :]  # [..., M]
+    lead = last.shape[:-1]
+    diag = last[..., M - 1:].expand(*lead, n)
+    empty = w.new_zeros(*lead, n, 0)
+    if rule == "last_row":
+        return MixingRows(start, diag, last[..., None, :M - 1].expand(*lead, n, M - 1), empty,
+                          last[..., M - 1:].expand(*lead, n))
+    recent = last[..., :M - 1].flip(-1).unsqueeze(-2).expand(*lead, n, M - 1)  # L[M-1, M-1-d], d = 1 .. M-1
+    far0 = last[..., :1]
+    count = torch.arange(start - M + 1, stop - M + 1, device=w.device).to(w.dtype)  # blocks farther back
+    if rule in ("relative", "mass_matched"):
+        far = far0.expand(*lead, n)
+    elif rule == "window":
+        far = torch.zeros_like(far0).expand(*lead, n)
+    else:  # uniform_far
+        far = far0 / count
+    if rule == "mass_matched":
+        target = last.sum(-1, keepdim=True)
+        scale = target / (target + count * far0).clamp_min(1e-12)  # [..., n]
+        diag, far, recent = diag * scale, far * scale, recent * scale.unsqueeze(-1)
+    return MixingRows(start, diag, empty, recent, far)
 
 
 def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

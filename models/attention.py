@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import importlib
 
-from mhla.registry import AttentionContract, get_attention_class, list_attentions, with_defaults
+from mhla.registry import AttentionContract, Needs, get_attention_class, list_attentions, with_defaults
+
+GRID_MODEL_FIXED = ("grid", "qkv_bias", "causal", "num_prefix_tokens", "projections", "head_dim", "value_dim")
 
 FAMILIES = {
     "vit": "models.vit",
@@ -35,6 +37,18 @@ def _plain(value):
     if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and not isinstance(value, (str, bytes))):
         return [_plain(v) for v in value]
     return value
+
+
+def grid_model_contract(model_cfg, *, patch_grid: tuple[int, int], width: dict) -> AttentionContract:
+    """The contract of a model whose blocks attend over its 2-D patch grid (DiT, DiG): any bidirectional attention
+    on a 2-D grid; MHLA's default M is ``model.mhla_num_blocks``; ``width``: ``{"dim", "num_heads"}`` of its
+    layers for the start-of-run probe (empty: the probe's own)."""
+    defaults = {}
+    if model_cfg.get("mhla_num_blocks") is not None:
+        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    return AttentionContract(model=f"model={model_cfg.get('name', model_cfg.get('kind'))}", needs=Needs(grid_rank=2),
+                             defaults=defaults, fixed=GRID_MODEL_FIXED,
+                             probes=(({"grid": tuple(patch_grid), **width}, {}),))
 
 
 def attention_contract(model_cfg) -> AttentionContract:

@@ -33,13 +33,21 @@ Keyword arguments of an entrypoint (and of :func:`deit`):
 from __future__ import annotations
 
 import math
+from functools import partial
 
-from timm.models import generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs
 
 from mhla.layouts import ceil_div
 from mhla.registry import Needs, attentions_for
 
-from .vit import VIT_PARAMS, AttnVisionTransformer, create_vit, image_pretrained_cfg, split_model_kwargs
+from .vit import (
+    VIT_PARAMS,
+    AttnVisionTransformer,
+    create_vit,
+    image_pretrained_cfg,
+    register_family,
+    split_model_kwargs,
+)
 
 DEIT = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -84,17 +92,6 @@ default_cfgs = generate_default_cfgs(
     {model_name(v, a): image_pretrained_cfg(224) for v in DEIT for a in ATTENTIONS})
 
 
-def _register(variant: str, attn: str) -> None:
-    def entry(pretrained: bool = False, **kwargs) -> AttnVisionTransformer:
-        return deit(variant, attn, pretrained, **kwargs)
-
-    entry.__name__ = entry.__qualname__ = model_name(variant, attn)
-    entry.__module__ = __name__
-    entry.__doc__ = (f"DeiT-{variant} (paper setting: 224 px zero-padded to 256 px, average pooling, qk "
-                     f"RMSNorm) with {attn} attention. No pretrained weights.")
-    globals()[entry.__name__] = register_model(entry)
-
-
-for _variant in DEIT:
-    for _attn in ATTENTIONS:
-        _register(_variant, _attn)
+register_family(globals(), [(model_name(v, a), partial(deit, v, a)) for v in DEIT for a in ATTENTIONS],
+                "{name}: DeiT in the paper's setting (224 px zero-padded to 256 px, average pooling, qk RMSNorm) with "
+                "the attention its name ends with. No pretrained weights.")

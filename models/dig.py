@@ -36,8 +36,9 @@ from omegaconf import OmegaConf
 
 from mhla.gla import GatedLinearAttention
 from mhla.layouts import ceil_div
-from mhla.registry import AttentionContract, Needs, accepted_options, build_attention, get_attention_class
-from models.dit import DiT, modulate
+from mhla.registry import AttentionContract, accepted_options, build_attention, get_attention_class
+from models.attention import grid_model_contract
+from models.dit import DiT, model_width, modulate
 
 DIG_SIZES = {"DiG-S": (12, 384, 6), "DiG-B": (12, 768, 12), "DiG-L": (24, 1024, 16), "DiG-XL": (28, 1152, 18)}
 SCAN_DIRECTIONS = ("row", "row_rev", "col", "col_rev")
@@ -140,22 +141,10 @@ class DiG(DiT):
 
 
 def attention_contract(model_cfg) -> AttentionContract:
-    """DiG takes any bidirectional attention over its 2-D token grid (GLA is its own: ``attn=gla``)."""
-    defaults = {}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    """DiG takes any bidirectional attention over its 2-D token grid (GLA is its own: ``attn=gla``;
+    :func:`models.attention.grid_model_contract`)."""
     g = int(model_cfg.input_size) // int(model_cfg.patch_size)
-    return AttentionContract(model=f"model={model_cfg.get('name', 'dig')}", needs=Needs(grid_rank=2),
-                             defaults=defaults, fixed=("grid", "qkv_bias", "causal", "num_prefix_tokens",
-                                                       "projections", "head_dim", "value_dim"),
-                             probes=(({"grid": (g, g), **_width(model_cfg)}, {}),))
-
-
-def _width(model_cfg) -> dict:
-    """``{"dim", "num_heads"}`` of a DiG config (explicit, or its ``variant``), for the start-of-run probe."""
-    _, hidden, heads = DIG_SIZES.get(model_cfg.get("variant"), (None, None, None))
-    hidden, heads = model_cfg.get("hidden_size") or hidden, model_cfg.get("num_heads") or heads
-    return {"dim": int(hidden), "num_heads": int(heads)} if hidden and heads else {}
+    return grid_model_contract(model_cfg, patch_grid=(g, g), width=model_width(model_cfg, DIG_SIZES))
 
 
 def build_dig(model_cfg, attn_cfg) -> DiG:

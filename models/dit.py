@@ -26,7 +26,9 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from mhla.registry import AttentionContract, Needs, build_attention
+from mhla.registry import AttentionContract, build_attention
+
+from .attention import grid_model_contract
 
 # depth, hidden size, heads (DiT paper, Table 1)
 DIT_SIZES = {"DiT-S": (12, 384, 6), "DiT-B": (12, 768, 12), "DiT-L": (24, 1024, 16), "DiT-XL": (28, 1152, 16)}
@@ -346,20 +348,14 @@ def load_original_dit(model: DiT, path: str, prefer: str = "ema") -> LoadReport:
 
 
 def attention_contract(model_cfg) -> AttentionContract:
-    """DiT takes any bidirectional attention over its 2-D patch grid; MHLA's default M is ``model.mhla_num_blocks``."""
-    defaults = {}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    """DiT takes any bidirectional attention over its 2-D patch grid (:func:`models.attention.grid_model_contract`)."""
     g = int(model_cfg.input_size) // int(model_cfg.patch_size)
-    return AttentionContract(model=f"model={model_cfg.get('name', 'dit')}", needs=Needs(grid_rank=2),
-                             defaults=defaults, fixed=("grid", "qkv_bias", "causal", "num_prefix_tokens",
-                                                       "projections", "head_dim", "value_dim"),
-                             probes=(({"grid": (g, g), **_width(model_cfg)}, {}),))
+    return grid_model_contract(model_cfg, patch_grid=(g, g), width=model_width(model_cfg, DIT_SIZES))
 
 
-def _width(model_cfg) -> dict:
-    """``{"dim", "num_heads"}`` of a DiT / DiG config (explicit, or its ``variant``), for the start-of-run probe."""
-    depth, hidden, heads = DIT_SIZES.get(model_cfg.get("variant"), (None, None, None)) if model_cfg.get(
-        "variant") else (None, None, None)
+def model_width(model_cfg, sizes: dict) -> dict:
+    """``{"dim", "num_heads"}`` of a DiT-shaped config (explicit, or its ``variant`` in ``sizes``: name -> (depth,
+    hidden, heads)), for the start-of-run probe; empty when neither gives them."""
+    _, hidden, heads = sizes.get(model_cfg.get("variant"), (None, None, None))
     hidden, heads = model_cfg.get("hidden_size") or hidden, model_cfg.get("num_heads") or heads
     return {"dim": int(hidden), "num_heads": int(heads)} if hidden and heads else {}

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Format, PatchEmbed, nchw_to, to_2tuple
-from timm.models import build_model_with_cfg, is_model
+from timm.models import build_model_with_cfg, is_model, register_model
 from timm.models.vision_transformer import VisionTransformer
 
 from mhla.adapters.timm import timm_attn_layer
@@ -250,3 +250,17 @@ def build_vit(model_cfg, attn_cfg) -> AttnVisionTransformer:
         global_pool=model_cfg.get("global_pool", "avg"),
         drop_path_rate=float(model_cfg.get("drop_path_rate", 0.0)),
     )
+
+
+def register_family(module_globals: dict, names_and_builders, doc: str) -> None:
+    """Register one timm entrypoint per ``(name, build)`` in the module whose ``globals()`` are given, as timm's
+    ``@register_model`` does at a definition: ``build(pretrained, **kwargs)`` makes the model; ``doc`` is the
+    entrypoint's docstring, formatted with ``name``. Used by the DeiT and VLT families (every 2-D attention)."""
+    for name, build in names_and_builders:
+        def entry(pretrained: bool = False, _build=build, **kwargs):
+            return _build(pretrained, **kwargs)
+
+        entry.__name__ = entry.__qualname__ = name
+        entry.__module__ = module_globals["__name__"]
+        entry.__doc__ = doc.format(name=name)
+        module_globals[name] = register_model(entry)

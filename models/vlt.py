@@ -50,7 +50,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from timm.layers import ClassifierHead, DropPath, to_2tuple
-from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, is_model, register_model
+from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, is_model
 from timm.models._features import feature_take_indices
 
 from mhla.registry import (
@@ -64,7 +64,14 @@ from mhla.registry import (
     with_defaults,
 )
 
-from .vit import NoPretrainedWeights, grouped_parameter_names, image_pretrained_cfg, init_params, split_model_kwargs
+from .vit import (
+    NoPretrainedWeights,
+    grouped_parameter_names,
+    image_pretrained_cfg,
+    init_params,
+    register_family,
+    split_model_kwargs,
+)
 
 # The RALA wrapper from the shared attention options, for attentions that do not hold it (module docstring).
 WRAPPER_DEFAULTS = {"cpe": True, "cpe_kernel": 5, "gate": "linear"}
@@ -339,20 +346,9 @@ default_cfgs = generate_default_cfgs(
     {model_name(v, a): vlt_pretrained_cfg(224) for v in VLT_SPECS for a in ATTENTIONS})
 
 
-def _register(variant: str, attn: str) -> None:
-    def entry(pretrained: bool = False, **kwargs) -> VLT:
-        return vlt(variant, attn, pretrained, **kwargs)
-
-    entry.__name__ = entry.__qualname__ = model_name(variant, attn)
-    entry.__module__ = __name__
-    entry.__doc__ = (f"VLT-{variant.upper()} with {attn} attention in stages 1-2, softmax in stages 3-4 "
-                     f"(RALA wrapper). No pretrained weights.")
-    globals()[entry.__name__] = register_model(entry)
-
-
-for _variant in VLT_SPECS:
-    for _attn in ATTENTIONS:
-        _register(_variant, _attn)
+register_family(globals(), [(model_name(v, a), partial(vlt, v, a)) for v in VLT_SPECS for a in ATTENTIONS],
+                "{name}: VLT with the attention its name ends with in stages 1-2, softmax in stages 3-4 (RALA "
+                "wrapper). No pretrained weights.")
 
 
 def attention_contract(model_cfg) -> AttentionContract:

@@ -1,185 +1,414 @@
 #!/usr/bin/env python
-"""Greedy decoding speed and memory: MHLA (recurrent state) vs softmax (KV cache) vs linear attention.
+"""Language-model decoding against the context: per-token time and cache size, MHLA / linear / softmax.
 
-For each context L: prefill L prompt tokens in one call, then decode N tokens one at a time through the
-model's cache (``MHLALMForCausalLM`` with ``attn_type`` mhla / softmax / linear, same size and code).
-Reports prefill time, decode tokens/s, peak memory (CUDA: ``max_memory_allocated``; CPU: peak RSS growth
-of a fresh child process per measurement) and the cache size after decoding.
+For each preset (``small``: 4 layers x 256; ``340m``: the paper's 24 x 1024), attention (the same
+``MHLALMForCausalLM`` code with ``attn`` mhla / linear / softmax) and context ``L`` (default 1k, 2k, ...,
+64k), in ONE process:
 
-    python scripts/bench_generation.py                      # CPU, small model, L = 1k, 4k, 16k
-    python scripts/bench_generation.py --device cuda --preset 340m --contexts 2048 8192 32768
-Writes results/bench/generation_<device>.json and .md with a machine header, and .png (each measure against L per
-attention, log-log; ``--plot-only`` redraws it from the .json).
+1. the model's cache is brought to ``L`` tokens (``--fill``, below);
+2. ``--warmup`` tokens are decoded untimed, then ``--repeats`` times ``--new-tokens`` tokens one at a time
+   (greedy, batch ``--batch``, ``torch.no_grad``), each repeat timed as a whole (CPU ``time.perf_counter``;
+   CUDA synchronised around it); per-token time = the median over the repeats of (repeat time / new tokens),
+   with p25-p75;
+3. the cache size is what the cache itself reports (``MHLALMCache.nbytes()``: every tensor of every
+   layer's state).
+
+``--fill synthetic`` (default) writes into the cache the tensors a prefill of ``L`` tokens leaves, with their
+real shapes and dtypes and random values (:func:`fill_cache`: MHLA the kept block summaries of its window, the
+folded far sum and the open block; linear attention ``(S, z)``; softmax ``L`` keys and values), because a
+decode step's cost depends on those shapes only and a real 64k-token prefill of softmax attention takes hours
+on a CPU. ``--fill prefill`` runs the real chunked prefill instead (``--prefill-chunk`` tokens per call) and
+records its time. The tests check that a synthetic cache has the layout and the size of a real prefill's.
+
+Load: the 1-minute load average before anything runs and after, and the CPU time other processes used during
+the run (``/proc/stat`` minus this process). When either the starting load average or that share exceeds
+``--busy-threshold`` (0.5) per core, the machine was busy: the run is refused before it starts (load average)
+or nothing is written at the end (exit status 2), unless ``--allow-busy``, which writes it marked BUSY.
+
+    python scripts/bench_generation.py                                   # CPU: small and 340m, 1k .. 64k
+    python scripts/bench_generation.py --presets small --contexts 1024 4096
+    python scripts/bench_generation.py --device cuda --dtype bf16        # the GPU run (GPU_COMMAND)
+    python scripts/bench_generation.py --plot-only                       # redraw the .png from the .json
+
+Writes ``results/bench/generation_<device>.json``, ``.md`` and ``.png`` (per-token time and cache size against
+L, one line per preset and attention, log-log).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import multiprocessing as mp
 import os
-import resource
+import statistics
 import sys
 import time
 
 import torch
 
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
-from tasks.common.utils import system_info
+from tasks.common.utils import load_average, system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRESETS = {
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=64, block_size=4,
+                 max_position_embeddings=16),  # tests only
     "small": dict(hidden_size=256, num_hidden_layers=4, num_heads=4, vocab_size=4096, block_size=64,
                   max_position_embeddings=2048),
     "340m": dict(block_size=64, max_position_embeddings=2048),
 }
+CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+ATTNS = ["mhla", "linear", "softmax"]
+GPU_COMMAND = ("python scripts/bench_generation.py --device cuda --dtype bf16 --presets small 340m "
+               "--contexts " + " ".join(map(str, CONTEXTS)))
+TIME_METHOD = ("one process; per preset and attention one model, per context a fresh cache filled to "
+               "L tokens, {warmup} decode steps untimed, then {repeats} repeats of {new_tokens} steps each "
+               "timed as a whole (CPU time.perf_counter, CUDA synchronised); ms/token = median over the "
+               "repeats of repeat time / {new_tokens} (p25-p75 in brackets).")
+FILL_METHOD = {
+    "synthetic": ("the cache holds the tensors a prefill of L tokens leaves (real shapes and dtypes, "
+                  "random values: MHLA its kept block summaries, the folded far sum and the open block; "
+                  "linear (S, z); softmax L keys and values); a decode step's cost depends on the shapes "
+                  "only."),
+    "prefill": "a real chunked prefill of L random tokens ({chunk} per call), timed (prefill s).",
+}
 
 
-def _cache_bytes(cache) -> int:
-    from models.lm.modeling_mhla_lm import _map_tensors  # noqa: PLC0415  (imports transformers)
-
-    total = 0
-
-    def add(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-    for layer in cache.layers:
-        _map_tensors(layer.state.attn, add)
-        if torch.is_tensor(layer.state.conv):
-            total += layer.state.conv.numel() * layer.state.conv.element_size()
-    return total
-
-
-def measure(attn: str, context: int, new_tokens: int, preset: str, device: str, dtype: str, batch: int) -> dict:
-    from models.lm import MHLALMCache, MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415  (transformers)
+def build_model(preset: str, attn: str, device: str, dtype: torch.dtype):
+    from models.lm import MHLALMConfig, MHLALMForCausalLM  # noqa: PLC0415  (imports transformers)
 
     torch.manual_seed(0)
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    model = MHLALMForCausalLM(MHLALMConfig(attn_type=attn, **PRESETS[preset])).to(device, dt).eval()
-    x = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+    cfg = dict(PRESETS[preset])
+    block = cfg.pop("block_size")
+    spec = {"name": attn, **({"block_size": block} if attn == "mhla" else {})}
+    return MHLALMForCausalLM(MHLALMConfig(attn=spec, **cfg)).to(device, dtype).eval()
+
+
+def synthetic_state(layer, L: int, batch: int, dtype: torch.dtype, device, gen: torch.Generator):
+    """The attention state of ``layer`` after a prefill of ``L`` tokens: real shapes, random values."""
+    from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention  # noqa: PLC0415
+    from mhla.mixing import extension_window  # noqa: PLC0415
+    from mhla.ops import MHLAState  # noqa: PLC0415
+    from mhla.ops.mhla.state import kept_blocks  # noqa: PLC0415
+    from mhla.ops.utils import accumulation_dtype  # noqa: PLC0415
+
+    H, D, Dv = layer.num_heads, layer.head_dim, layer.value_dim
+    acc = accumulation_dtype(dtype)
+
+    def rand(*shape, dt=acc, scale=1.0):
+        return (torch.rand(*shape, generator=gen) * scale).to(device=device, dtype=dt)
+
+    if isinstance(layer, MultiHeadLinearAttention):
+        C = layer.block_size
+        window = extension_window(layer.mixing.num_blocks, layer.mixing.extension)
+        kept = sum(kept_blocks(L // C, window))
+        open_tokens = L % C
+        return MHLAState(
+            block_summaries=rand(batch, H, kept, D, Dv, scale=C),
+            block_key_sums=rand(batch, H, kept, D, scale=C),
+            current_summary=rand(batch, H, D, Dv, scale=open_tokens),
+            current_key_sum=rand(batch, H, D, scale=open_tokens), num_tokens=L, block_size=C, window=window,
+            far_summary=rand(batch, H, D, Dv, scale=L), far_key_sum=rand(batch, H, D, scale=L))
+    if isinstance(layer, LinearAttention):
+        return rand(batch, H, D, Dv, scale=L), rand(batch, H, D, scale=L)
+    if isinstance(layer, SoftmaxAttention):
+        return rand(batch, L, H, D, dt=dtype), rand(batch, L, H, Dv, dt=dtype)
+    raise TypeError(f"no synthetic decode state for {type(layer).__name__}")
+
+
+def fill_cache(model, cache, L: int, batch: int) -> None:
+    """Bring ``cache`` to ``L`` tokens without a prefill (:func:`synthetic_state` per layer; the causal CPE's
+    and the short convolution's last inputs as random values too)."""
+    p = next(model.parameters())
+    gen = torch.Generator().manual_seed(L)
+    for i, block in enumerate(model.model.layers):
+        attn, state = block.attn, cache.layer_state(i)
+        state.attn = synthetic_state(attn, L, batch, p.dtype, p.device, gen)
+        if attn.cpe is not None and attn.causal:
+            state.conv = torch.rand(batch, attn.cpe_kernel - 1, attn.num_heads * attn.value_dim,
+                                    generator=gen).to(p.device, p.dtype)
+        if attn.short_conv is not None:
+            shape = (batch, attn.short_conv.kernel_size[0] - 1, attn.short_conv.in_channels)
+            state.short_conv = torch.rand(*shape, generator=gen).to(p.device, p.dtype)
+    cache.advance(L)
+
+
+def prefill(model, cache, L: int, batch: int, chunk: int) -> None:
+    """A real chunked prefill of ``L`` random tokens."""
+    x = torch.randint(0, model.config.vocab_size, (batch, L), generator=torch.Generator().manual_seed(L))
+    x = x.to(next(model.parameters()).device)
+    for a in range(0, L, chunk):
+        model(x[:, a:a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+
+def cache_bytes_estimate(preset: str, attn: str, L: int, batch: int, dtype: torch.dtype) -> int:
+    """Bytes of a softmax KV cache at ``L`` tokens (others: 0), to skip what cannot fit
+    (``--max-cache-gib``)."""
+    if attn != "softmax":
+        return 0
+    from models.lm import MHLALMConfig  # noqa: PLC0415
+
+    cfg = dict(PRESETS[preset])
+    cfg.pop("block_size")
+    c = MHLALMConfig(attn="softmax", **cfg)
+    per_token = c.num_heads * (c.head_dim + c.head_value_dim) * torch.tensor([], dtype=dtype).element_size()
+    return c.num_hidden_layers * batch * L * per_token
+
+
+def measure(model, preset: str, attn: str, L: int, args, dtype: torch.dtype) -> dict:
+    """One row: fill the cache to ``L`` tokens, warm up, time the decode steps, read the cache size."""
+    from models.lm import MHLALMCache  # noqa: PLC0415
+
+    device = args.device
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    row = {"preset": preset, "attn": attn, "context": L, "batch": args.batch, "new_tokens": args.new_tokens,
+           "repeats": args.repeats, "warmup": args.warmup, "fill": args.fill}
     with torch.no_grad():
         cache = MHLALMCache(model.config)
-        sync()
-        t0 = time.perf_counter()
-        out = model(x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        sync()
-        prefill = time.perf_counter() - t0
-        tok = out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        for _ in range(new_tokens):
-            out = model(tok, past_key_values=cache, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-        sync()
-        decode = time.perf_counter() - t0
-    if device == "cuda":
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024  # KiB -> MiB (Linux)
-    return {"attn": attn, "context": context, "new_tokens": new_tokens, "batch": batch,
-            "prefill_s": prefill, "prefill_tok_s": batch * context / prefill,
-            "decode_tok_s": batch * new_tokens / decode, "decode_ms_per_token": 1e3 * decode / new_tokens,
-            "peak_mem_mib": peak, "cache_mib": _cache_bytes(cache) / 2**20}
+        if args.fill == "prefill":
+            sync()
+            t0 = time.perf_counter()
+            prefill(model, cache, L, args.batch, args.prefill_chunk)
+            sync()
+            row["prefill_s"] = time.perf_counter() - t0
+        else:
+            fill_cache(model, cache, L, args.batch)
+        gen = torch.Generator().manual_seed(1)
+        tok = torch.randint(0, model.config.vocab_size, (args.batch, 1), generator=gen).to(device)
+
+        def step(tok):
+            return model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+        for _ in range(args.warmup):
+            tok = step(tok)
+        times = []
+        for _ in range(args.repeats):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.new_tokens):
+                tok = step(tok)
+            sync()
+            times.append((time.perf_counter() - t0) / args.new_tokens * 1e3)
+    row["ms_per_token"] = statistics.median(times)
+    row["ms_per_token_iqr"] = quartiles(times)
+    row["cache_bytes"] = cache.nbytes()
+    row["cache_mib"] = row["cache_bytes"] / 2**20
+    row["seen_after"] = cache.get_seq_length()
+    return row
 
 
-def _child(q, args):
+def quartiles(xs: list[float]) -> list[float]:
+    if len(xs) < 2:
+        return [xs[0], xs[0]]
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
+
+
+def busy_cpu_s() -> float | None:
+    """System-wide busy CPU seconds from /proc/stat (Linux), or None where it is not available."""
     try:
-        q.put(measure(*args))
-    except Exception as e:  # noqa: BLE001 - report OOM etc. as a row
-        q.put({"attn": args[0], "context": args[1], "error": repr(e)[:200]})
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def write_results(rows, header, args, dtype, argv) -> str:
-    """``results/bench/generation_<device>.json`` and ``.md`` for the rows measured so far."""
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"generation_{args.device}")
-    cmd = "python scripts/bench_generation.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    data = {"machine": header, "preset": args.preset, "model": PRESETS[args.preset], "dtype": dtype,
-            "command": cmd.strip(), "rows": rows}
+def own_cpu_s() -> float:
+    return time.process_time()
+
+
+# ------------------------------------------------------------------------------------------------ output
+def write_results(data: dict, out_dir: str) -> str:
+    """``<out_dir>/generation_<device>.json``, ``.md`` and ``.png`` for ``data``; returns the stem."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"generation_{data['settings']['device']}")
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=2)
-    lines = [f"# Greedy generation: prefill L tokens, decode {args.new_tokens} ({args.device}, {dtype})", "",
-             f"Command: `{cmd.strip()}`", "",
-             "Machine: " + ", ".join(f"{k}={v}" for k, v in header.items()), "",
-             f"Model preset `{args.preset}`: {PRESETS[args.preset]} (the same MHLALM code for every attention).",
-             "CPU peak memory = growth of the peak RSS of a fresh process (model, prefill activations, cache).", "",
-             "| context L | attention | prefill s | decode tok/s | ms/token | peak MiB | cache MiB |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['context']} | {r['attn']} | error: {r['error']} | | | | |")
-            continue
-        lines.append(f"| {r['context']} | {r['attn']} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | "
-                     f"{r['decode_ms_per_token']:.1f} | {r['peak_mem_mib']:.0f} | {r['cache_mib']:.2f} |")
-    lines += ["", f"Plot: `{os.path.basename(stem)}.png` (prefill time, decode time per token, peak memory and "
-                  "cache size against the context L per attention, log-log; redraw from the .json with "
-                  "`--plot-only`)."]
     with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(markdown(data, os.path.basename(stem)))
     plot_generation(data, stem + ".png")
     return stem
 
 
+def markdown(data: dict, name: str) -> str:
+    h, s, rows = data["machine"], data["settings"], data["rows"]
+    fmt = lambda la: "/".join(f"{x:.2f}" for x in la) if la else "n/a"  # noqa: E731
+    lines = [f"# Decoding against the context: per-token time and cache size ({s['device']}, {s['dtype']})",
+             "",
+             f"Command: `{data['command']}`", "", f"GPU: `{GPU_COMMAND}`", ""]
+    if data.get("busy"):
+        lines += [f"**BUSY: {data['busy']}. These times are inflated and noisy; re-run on an idle machine.**",
+                  ""]
+    lines += [f"Machine: {h.get('gpu') or h.get('cpu', '?')}, {h.get('cpu_count')} CPUs, torch "
+              f"{h.get('torch')} ({h.get('torch_threads')} threads), {h.get('date')}. Load average "
+              f"(1/5/15 min) {fmt(data.get('loadavg_start'))} before, {fmt(data.get('loadavg_end'))} after; "
+              f"other processes used {data.get('other_cpu_frac', 'n/a')} of the CPUs during the run.", ""]
+    presets = sorted({r["preset"] for r in rows}, key=list(PRESETS).index)
+    fill = FILL_METHOD[s["fill"]].format(chunk=s.get("prefill_chunk"))
+    lines += ["Presets: " + "; ".join(f"`{p}` {PRESETS[p]}" for p in presets) + " (the same MHLALM code for "
+              "every attention; MHLA with the LM defaults: 32 learned mixing rows, `uniform_far`).", "",
+              "Time: " + TIME_METHOD.format(**s), "",
+              f"Cache: {fill} Size: `MHLALMCache.nbytes()`, every tensor of every layer's state (MHLA: at "
+              "most 31 block summaries, the folded far sum, the open block and its cached prefix).", "",
+              "| preset | attention | context L | ms / token [p25-p75] | / linear | cache MiB |"
+              + (" prefill s |" if s["fill"] == "prefill" else ""),
+              "|---|---|---|---|---|---|" + ("---|" if s["fill"] == "prefill" else "")]
+    by = {(r["preset"], r["attn"], r["context"]): r for r in rows}
+    for r in rows:
+        head = f"| {r['preset']} | {r['attn']} | {r['context']} |"
+        if "error" in r or "skipped" in r:
+            extra = " |" if s["fill"] == "prefill" else ""
+            lines.append(f"{head} {r.get('error') or r.get('skipped')} | | |{extra}")
+            continue
+        lin = by.get((r["preset"], "linear", r["context"]))
+        ratio = f"{r['ms_per_token'] / lin['ms_per_token']:.2f}x" if lin and "ms_per_token" in lin else "n/a"
+        q = r["ms_per_token_iqr"]
+        extra = f" {r['prefill_s']:.1f} |" if s["fill"] == "prefill" else ""
+        lines.append(f"{head} {r['ms_per_token']:.2f} [{q[0]:.2f}-{q[1]:.2f}] | {ratio} | "
+                     f"{r['cache_mib']:.3f} |{extra}")
+    lines += ["", "Summary (MHLA's goal: per-token time flat in the context and within 1.2x of linear "
+              "attention's; cache flat):", ""]
+    for p in presets:
+        for a in ("mhla", "linear", "softmax"):
+            ok = sorted((r for r in rows if r["preset"] == p and r["attn"] == a and "ms_per_token" in r),
+                        key=lambda r: r["context"])
+            if len(ok) < 1:
+                continue
+            lo, hi = ok[0], ok[-1]
+            text = (f"- `{p}` {a}: {hi['ms_per_token'] / lo['ms_per_token']:.2f}x the per-token time and "
+                    f"{hi['cache_bytes'] / lo['cache_bytes']:.2f}x the cache from L = {lo['context']} to "
+                    f"{hi['context']}")
+            if a == "mhla":
+                ratios = [by[(p, "mhla", L)]["ms_per_token"] / by[(p, "linear", L)]["ms_per_token"]
+                          for L in sorted({r["context"] for r in ok})
+                          if "ms_per_token" in by.get((p, "linear", L), {})]
+                if ratios:
+                    text += f"; against linear attention {min(ratios):.2f}x-{max(ratios):.2f}x per token"
+            lines.append(text + ".")
+    lines += ["", f"Plot: `{name}.png` (ms / token and cache MiB against the context L, one line per preset "
+                  "and attention, log-log; redraw from the .json with `--plot-only`)."]
+    return "\n".join(lines) + "\n"
+
+
 def plot_generation(data: dict, path: str) -> str:
-    """Prefill s, decode ms/token, peak MiB and cache MiB against the context L, one line per attention."""
-    rows = [r for r in data["rows"] if "error" not in r]
-    colors = colors_for(r["attn"] for r in data["rows"])
+    """ms / token and cache MiB against the context L, one line per preset and attention (a .json written
+    before the presets were rows, one preset and ``decode_ms_per_token``, draws too)."""
+    rows = [{"preset": data.get("preset"), **r,
+             "ms_per_token": r.get("ms_per_token", r.get("decode_ms_per_token"))}
+            for r in data["rows"] if "error" not in r and "skipped" not in r]
+    label = lambda r: f"{r['preset']} {r['attn']}"  # noqa: E731
+    colors = colors_for(label(r) for r in rows)
     plt = pyplot()
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4), squeeze=False)
-    for ax, (key, label) in zip(axes[0], (("prefill_s", "prefill s"), ("decode_ms_per_token", "decode ms / token"),
-                                          ("peak_mem_mib", "peak memory MiB"), ("cache_mib", "cache MiB"))):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    for ax, (key, name) in zip(axes[0], (("ms_per_token", "decode ms / token"), ("cache_mib", "cache MiB"))):
         series: dict = {}
         for r in rows:
-            series.setdefault(r["attn"], []).append((r["context"], r.get(key)))
-        loglog_lines(ax, series, "context L (tokens)", label, label, colors)
-    model = data.get("model", {})
-    fig.suptitle(f"Greedy generation, preset {data.get('preset')} ({model.get('num_hidden_layers', '?')} layers x "
-                 f"{model.get('hidden_size', '?')}), {data.get('machine', {}).get('device', '')} {data.get('dtype')}",
-                 fontsize=11)
+            series.setdefault(label(r), []).append((r["context"], r.get(key)))
+        loglog_lines(ax, series, "context L (tokens)", name, name, colors)
+    s = data.get("settings", {})
+    busy = " (BUSY machine)" if data.get("busy") else ""
+    device = data.get("machine", {}).get("device", "")
+    fig.suptitle(f"Decoding against the context, {device} {s.get('dtype', '')}, batch "
+                 f"{s.get('batch', '?')}{busy}", fontsize=11)
     return save_figure(fig, path)
 
 
-def main(argv=None):
+# -------------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    ap.add_argument("--presets", nargs="+", default=["small", "340m"], choices=sorted(PRESETS))
+    ap.add_argument("--attns", nargs="+", default=ATTNS, choices=ATTNS)
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     ap.add_argument("--dtype", default=None, help="fp32 (CPU default) | bf16 (CUDA default) | fp16")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--attns", nargs="+", default=["mhla", "softmax", "linear"])
+    ap.add_argument("--new-tokens", type=int, default=64,
+                    help="decode steps per timed repeat (64: one MHLA block)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps before the repeats")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--fill", default="synthetic", choices=["synthetic", "prefill"])
+    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--max-cache-gib", type=float, default=8.0,
+                    help="skip a softmax context whose KV cache is larger")
+    ap.add_argument("--busy-threshold", type=float, default=0.5,
+                    help="load per core above which the machine is busy")
+    ap.add_argument("--allow-busy", action="store_true",
+                    help="measure and write on a busy machine, marked BUSY")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench"))
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw <out>/generation_<device>.png from its .json; measure nothing")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stem = os.path.join(args.out, f"generation_{args.device}")
     if args.plot_only:
-        stem = os.path.join(args.out, f"generation_{args.device}")
         with open(stem + ".json") as f:
             print(f"wrote {plot_generation(json.load(f), stem + '.png')}")
-        return
-    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    header = {**system_info(args.device), "load_avg_at_start": os.getloadavg()}
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cpus = os.cpu_count() or 1
+    limit = args.busy_threshold * cpus
+    load0 = load_average()
+    busy = []
+    if args.device == "cpu" and load0 and load0[0] > limit:
+        busy.append(f"load average {load0[0]:.2f} before the run, above {limit:g} ({args.busy_threshold} x "
+                    f"{cpus} CPUs)")
+        if not args.allow_busy:
+            print(f"refusing to measure: {busy[0]}; wait for an idle machine or pass --allow-busy",
+                  file=sys.stderr)
+            return 2
+    dtype_name = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    header = system_info(args.device)
+    cmd = "python scripts/bench_generation.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    settings = {k: getattr(args, k) for k in ("device", "presets", "attns", "contexts", "batch", "new_tokens",
+                                              "repeats", "warmup", "threads", "fill", "prefill_chunk")}
+    settings["dtype"] = dtype_name
+    busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
     rows = []
-    ctx = mp.get_context("spawn")
-    for L in args.contexts:
+    for preset in args.presets:
         for attn in args.attns:
-            q = ctx.Queue()
-            p = ctx.Process(target=_child, args=(q, (attn, L, args.new_tokens, args.preset, args.device, dtype,
-                                                     args.batch)))
-            p.start()
-            row = q.get()
-            p.join()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            stem = write_results(rows, header, args, dtype, argv)  # after every row: partial runs leave a file
+            model = build_model(preset, attn, args.device, dtype)
+            for L in sorted(args.contexts):
+                need = cache_bytes_estimate(preset, attn, L, args.batch, dtype)
+                if need > args.max_cache_gib * 2**30:
+                    row = {"preset": preset, "attn": attn, "context": L,
+                           "skipped": f"skipped: a {need / 2**30:.1f} GiB KV cache > --max-cache-gib"}
+                else:
+                    try:
+                        row = measure(model, preset, attn, L, args, dtype)
+                    except (RuntimeError, MemoryError) as e:  # out of memory: a row that says so
+                        row = {"preset": preset, "attn": attn, "context": L, "error": repr(e)[:160]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                gc.collect()
+            del model
+            gc.collect()
+    busy1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
+    other = None
+    if busy0 is not None and busy1 is not None:
+        other = round(max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall * cpus), 3)
+        if args.device == "cpu" and other > args.busy_threshold:
+            busy.append(f"other processes used {other:.0%} of the CPUs during the run (above "
+                        f"{args.busy_threshold:.0%})")
+    data = {"machine": header, "command": cmd.strip(), "settings": settings, "loadavg_start": load0,
+            "loadavg_end": load_average(), "other_cpu_frac": other, "busy": "; ".join(busy) or None,
+            "rows": rows}
+    if busy and not args.allow_busy:
+        print(f"not writing: the machine was busy ({data['busy']}); re-run on an idle machine or pass "
+              "--allow-busy", file=sys.stderr)
+        return 2
+    stem = write_results(data, args.out)
     print(f"wrote {stem}.json, .md and .png")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,8 +8,10 @@
     python scripts/bench_ops.py --varlen         # variable-length batches (below); --quick: total_T 512
 
 Non-causal: MHLA (torch backend, locality mixing, M blocks with M^2 <= T), linear attention, SDPA.
-Causal: MHLA chunkwise (block 64), our chunkwise linear attention, SDPA causal, and a reimplementation of the
-authors' release's form (python loops over 64-token chunks; checked equal to ours before timing).
+Causal: MHLA chunkwise (block 64), our chunkwise linear attention, the plain chunked causal linear attention
+(``plain_linear``: the textbook form in a dozen tensor ops, no checks or state; the anchor of the ratios),
+SDPA causal, and a reimplementation of the authors' release's form (python loops over 64-token chunks; checked
+equal to ours before timing).
 
 Each case runs in a fresh subprocess. Time: median (and p25-p75) over repeated runs after warm-up (wall
 clock with ``time.perf_counter`` on CPU; CUDA events on GPU). Memory: on CPU the growth of the process's peak
@@ -28,6 +30,13 @@ per document (the same result as (a)). Before timing, max |a - c| (outputs; grad
 and stored; a case above the tolerance is not timed and the run exits 1. Timing is in-process (no
 subprocess per case, no memory): the three ways timed in turn, round by round, median over the rounds.
 Writes ``results/bench/varlen_<device>[_quick].json`` and ``.md`` (ratios a/b, c/a; load average).
+
+``--causal-overhead``: the per-call cost of the causal torch path, side by side in one process: causal MHLA
+(``backend="torch"``), the project's causal linear attention and the plain chunked form
+(:func:`plain_chunked_linear`, the anchor), fwd and fwd+bwd, timed in turn round by round (as ``--varlen``),
+at ``--seq-lens`` (default 1024 4096 16384), B 1, H 4, D 64, block 64 unless given. Writes
+``results/bench/causal_overhead_<device>[_quick]`` .json and .md with the ratios to the plain form and the
+load average before and after.
 """
 
 from __future__ import annotations
@@ -57,10 +66,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OPS = {
     False: ["mhla", "mhla_torch", "linear", "sdpa"],
-    True: ["mhla", "mhla_torch", "linear", "fla_linear", "sdpa", "release_loop"],
+    True: ["mhla", "mhla_torch", "linear", "plain_linear", "fla_linear", "sdpa", "release_loop"],
 }
 # growth exponent in T for skip estimates
-COMPLEXITY = {"mhla": 1, "mhla_torch": 1, "linear": 1, "fla_linear": 1, "sdpa": 2, "release_loop": 2}
+COMPLEXITY = {"mhla": 1, "mhla_torch": 1, "linear": 1, "plain_linear": 1, "fla_linear": 1, "sdpa": 2,
+              "release_loop": 2}
 # ops that only run on a GPU (fla's Triton kernels) or only make sense there (the torch path as a second MHLA)
 GPU_ONLY = {"fla_linear", "mhla_torch"}
 TIME_METHOD = ("each case in a fresh subprocess; one fwd+bwd at full size as warm-up, then the median (and "
@@ -116,6 +126,43 @@ def release_loop_causal(q, k, v, mixing, chunk: int):
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
+def plain_chunked_linear(q, k, v, chunk: int, eps: float = 1e-6):
+    """Normalised causal linear attention in the plain chunked form, the anchor of the causal per-call cost:
+    per chunk of ``chunk`` tokens the masked scores and the exclusive prefix sums of the chunk summaries, in a
+    dozen tensor ops, with no input checks, no state and no guard for non-finite values.
+
+    q, k: ``[B, T, H, D]`` (nonnegative); v: ``[B, T, H, Dv]``; ``T`` a multiple of ``chunk`` or not (zero
+    padding). Returns ``[B, T, H, Dv]``."""
+    B, T, H, D = q.shape
+    n = math.ceil(T / chunk)
+    pad = n * chunk - T
+
+    def blocks(x):  # [B, T, H, d] -> [B, H, n, chunk, d]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.reshape(B, n, chunk, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    S = kb.transpose(-1, -2) @ vb  # [B, H, n, D, Dv]
+    z = kb.sum(-2)  # [B, H, n, D]
+    prefix_s, prefix_z = S.cumsum(2) - S, z.cumsum(2) - z
+    mask = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    scores = (qb @ kb.transpose(-1, -2)).masked_fill(~mask, 0.0)
+    num = qb @ prefix_s + scores @ vb
+    den = (qb @ prefix_z.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
+    out = num / (den.unsqueeze(-1) + eps)
+    return out.permute(0, 2, 3, 1, 4).reshape(B, n * chunk, H, -1)[:, :T]
+
+
+def check_plain_equivalence() -> float:
+    """Max |plain chunked form - mhla.linear_attention(causal=True)| on a small input (fp64)."""
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.rand(2, 203, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 203, 3, 8, generator=g, dtype=torch.float64)
+    diff = plain_chunked_linear(q, k, v, 64) - mhla.linear_attention(q, k, v, causal=True)
+    return diff.abs().max().item()
+
+
 def choose_num_blocks(T: int) -> int:
     """Largest power-of-4 square count M (so 2-D grids would split evenly) with M^2 <= T, at least 1."""
     m = 1
@@ -155,6 +202,9 @@ def make_case(op: str, causal: bool, T: int, args, device):
         info["backend"] = mhla.ops.resolve_backend(backend, q, causal=causal)
     elif op == "linear":
         fn = lambda: mhla.linear_attention(q, k, v, causal=causal)  # noqa: E731
+        params = [q, k, v]
+    elif op == "plain_linear":
+        fn = lambda: plain_chunked_linear(q, k, v, args.block)  # noqa: E731
         params = [q, k, v]
     elif op == "fla_linear":
         fn = fla_linear_attention(q, k, v)
@@ -587,17 +637,147 @@ def to_markdown(header: dict, records: list[dict], command: str, equiv: float) -
                 lines.append(f"| {r['op']} | {r['T']} | {m} | {c} | "
                              f"{r['fwd_ms']:.2f}{bw} | {r['fwdbwd_ms']:.2f}{flag} | {spread} | "
                              f"{r['peak_mem_mb']:.1f} |")
-        lines += ["", "| T | MHLA / fastest linear (fwd+bwd) | SDPA / MHLA (fwd+bwd) |", "|---|---|---|"]
+        lines += ["", "| T | MHLA / fastest linear (fwd+bwd) | SDPA / MHLA (fwd+bwd) | MHLA / plain chunked "
+                  "linear (fwd+bwd) | linear / plain chunked linear (fwd+bwd) |", "|---|---|---|---|---|"]
         by = {(r["op"], r["T"]): r for r in records if r["causal"] == causal and not r.get("skipped")}
         for T in sorted({r["T"] for r in records}):
-            m, sd = by.get(("mhla", T)), by.get(("sdpa", T))
+            m, sd, pl = by.get(("mhla", T)), by.get(("sdpa", T)), by.get(("plain_linear", T))
             linears = [by[(op, T)] for op in ("linear", "fla_linear") if (op, T) in by]
             lin = min(linears, key=lambda r: r["fwdbwd_ms"]) if linears else None
             a = f"{m['fwdbwd_ms'] / lin['fwdbwd_ms']:.2f}x" if m and lin else "n/a"
             b = f"{sd['fwdbwd_ms'] / m['fwdbwd_ms']:.1f}x" if m and sd else "n/a (SDPA skipped)"
-            lines.append(f"| {T} | {a} | {b} |")
+            ours = by.get(("linear", T))
+            c = f"{m['fwdbwd_ms'] / pl['fwdbwd_ms']:.2f}x" if m and pl else "n/a"
+            d = f"{ours['fwdbwd_ms'] / pl['fwdbwd_ms']:.2f}x" if ours and pl else "n/a"
+            lines.append(f"| {T} | {a} | {b} | {c} | {d} |")
         lines.append("")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- causal per-call cost, side by side
+OVERHEAD_OPS = {"plain": "plain chunked causal linear attention (plain_chunked_linear; the anchor)",
+                "mhla": "causal MHLA, mhla.mhla_attention(causal=True, backend='torch'), locality mixing",
+                "linear": "the project's causal linear attention, mhla.linear_attention(causal=True)"}
+
+
+OVERHEAD_TIME_METHOD = (
+    "in-process (one process for all lengths): two fwd+bwd rounds of the three ops as warm-up, then N rounds,"
+    " each timing the three once in turn, so that load changes hit all three alike; N = min(--repeats, "
+    "--budget-s / one round), at least 3; median (p25-p75 in the .json). CPU wall clock (time.perf_counter), "
+    "GPU CUDA events. fwd under torch.no_grad(); fwd+bwd backpropagates a fixed random output gradient to q, "
+    "k, v (and MHLA's mixing).")
+
+
+def overhead_fns(args, T: int):
+    """The three ops of ``--causal-overhead`` on one set of inputs: ``({name: fn}, {name: params}, grad)``."""
+    device = args.device
+    _, params, info = make_case("mhla_torch", True, T, args, device)  # q, k, v nonnegative features, mixing
+    q, k, v, mix = params
+    C = info["block_size"]
+    fns = {"plain": lambda: plain_chunked_linear(q, k, v, C),
+           "mhla": lambda: mhla.mhla_attention(q, k, v, mix, C, causal=True, backend="torch"),
+           "linear": lambda: mhla.linear_attention(q, k, v, causal=True, chunk_size=C)}
+    ps = {"plain": [q, k, v], "mhla": [q, k, v, mix], "linear": [q, k, v]}
+    grad = torch.randn(args.batch, T, args.heads, args.dim, generator=torch.Generator().manual_seed(3))
+    return fns, ps, grad.to(device=device, dtype=q.dtype)
+
+
+def run_causal_overhead(args, command: str) -> int:
+    """``--causal-overhead``: causal MHLA and linear attention against the plain chunked form, timed in turn
+    in one process; writes ``<out-dir>/causal_overhead_<device>[_quick]`` .json and .md. Returns the exit
+    status (1 when the plain form does not equal the project's linear attention)."""
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    header = system_info(args.device)
+    header["loadavg_start"] = load_average()
+    equiv = check_plain_equivalence()
+    print("machine:", json.dumps(header), f"\nplain form == linear_attention to {equiv:.1e}", flush=True)
+    if equiv > 1e-9:
+        print("ERROR: the plain chunked form does not match mhla.linear_attention", file=sys.stderr)
+        return 1
+    records = []
+    for T in sorted(args.seq_lens):
+        fns, ps, grad = overhead_fns(args, T)
+
+        def fwd(fn):
+            def run():
+                with torch.no_grad():
+                    fn()
+            return run
+
+        def fwdbwd(fn, params):
+            def run():
+                for p in params:
+                    p.grad = None
+                fn().backward(grad)
+            return run
+
+        busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
+        first = time_round_robin({n: fwdbwd(fn, ps[n]) for n, fn in fns.items()}, args.device, 2)  # warm-up
+        round_ms = max(sum(t[-1] for t in first.values()), 1e-3)
+        repeats = max(3, min(args.repeats, int(args.budget_s * 1e3 / round_ms)))
+        rec = {"T": T, "repeats": repeats}
+        for label, times in (("fwd", time_round_robin({n: fwd(fn) for n, fn in fns.items()}, args.device,
+                                                      repeats)),
+                             ("fwdbwd", time_round_robin({n: fwdbwd(fn, ps[n]) for n, fn in fns.items()},
+                                                         args.device, repeats))):
+            for name, ts in times.items():
+                rec[f"{name}_{label}_ms"] = statistics.median(ts)
+                rec[f"{name}_{label}_ms_iqr"] = quartiles(ts)
+            for name in ("mhla", "linear"):
+                rec[f"{name}_over_plain_{label}"] = rec[f"{name}_{label}_ms"] / rec[f"plain_{label}_ms"]
+        busy1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
+        if busy0 is not None and busy1 is not None:
+            other = max(0.0, (busy1 - busy0) - (own1 - own0))
+            rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
+        records.append(rec)
+        print(f"T={T:6d}: fwd+bwd plain {rec['plain_fwdbwd_ms']:.2f} ms, MHLA {rec['mhla_fwdbwd_ms']:.2f} ms "
+              f"({rec['mhla_over_plain_fwdbwd']:.2f}x), linear {rec['linear_fwdbwd_ms']:.2f} ms "
+              f"({rec['linear_over_plain_fwdbwd']:.2f}x)", flush=True)
+    header["loadavg_end"] = load_average()
+    settings = {k: getattr(args, k) for k in ("device", "batch", "heads", "dim", "dtype", "block", "seq_lens",
+                                              "repeats", "budget_s", "threads", "quick")}
+    out = {"header": header, "command": command, "settings": settings, "ops": OVERHEAD_OPS,
+           "plain_max_abs_diff": equiv, "time_method": OVERHEAD_TIME_METHOD,
+           "records": records}
+    stem = os.path.join(args.out_dir, f"causal_overhead_{args.device}" + ("_quick" if args.quick else ""))
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(out, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(overhead_markdown(out))
+    print(f"wrote {stem}.json and .md")
+    return 0
+
+
+def overhead_markdown(out: dict) -> str:
+    """The ``.md`` of a ``--causal-overhead`` run: machine, load, ops, a row per length with the ratios."""
+    h, s = out["header"], out["settings"]
+    la0, la1 = h.get("loadavg_start"), h.get("loadavg_end")
+    fmt = lambda la: "/".join(f"{x:.2f}" for x in la) if la else "n/a"  # noqa: E731
+    cpus = h.get("cpu_count") or 1
+    lines = [f"# Causal per-call cost: MHLA and linear attention against the plain chunked form "
+             f"({h['device']})",
+             "", f"Command: `{out['command']}`", "",
+             f"Machine: {h.get('gpu') or h.get('cpu', '?')}, {cpus} CPUs, torch {h.get('torch')} "
+             f"({h.get('torch_threads')} threads), {h.get('date')}; load average (1/5/15 min) {fmt(la0)} at "
+             f"the start, {fmt(la1)} at the end.", ""]
+    if h["device"] == "cpu" and max((la0 or [0])[0], (la1 or [0])[0]) > 0.5 * cpus:
+        lines += [f"NOTE: the machine was loaded (load average above {0.5 * cpus:g} on {cpus} CPUs); the "
+                  "times are inflated and the ratios noisy. Re-run on an idle machine.", ""]
+    lines += [f"Settings: B={s['batch']}, H={s['heads']}, D={s['dim']}, {s['dtype']}, block {s['block']}. "
+              "The plain form equals `mhla.linear_attention(causal=True)` to "
+              f"{out['plain_max_abs_diff']:.1e} (fp64).", ""]
+    lines += [f"- `{k}`: {v}" for k, v in out["ops"].items()] + ["", f"Time: {out['time_method']}", ""]
+    lines += ["| T | plain fwd ms | MHLA fwd ms | linear fwd ms | plain fwd+bwd ms | MHLA fwd+bwd ms | "
+              "linear fwd+bwd ms | MHLA / plain fwd | MHLA / plain fwd+bwd | linear / plain fwd+bwd |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in out["records"]:
+        flag = " (busy)" if r.get("other_cpu_frac", 0.0) > BUSY_WARN else ""
+        ms = " | ".join(f"{r[f'{n}_{x}_ms']:.2f}" for x in ("fwd", "fwdbwd")
+                        for n in ("plain", "mhla", "linear"))
+        lines.append(f"| {r['T']} | {ms}{flag} | {r['mhla_over_plain_fwd']:.2f}x | "
+                     f"{r['mhla_over_plain_fwdbwd']:.2f}x | {r['linear_over_plain_fwdbwd']:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
@@ -623,6 +803,10 @@ def parse_args(argv=None):
     p.add_argument("--varlen", action="store_true",
                    help="the variable-length benchmark instead (module docstring); --seq-lens: total lengths")
     p.add_argument("--num-docs", type=int, default=8, help="--varlen: documents per packed batch")
+    p.add_argument("--causal-overhead", action="store_true",
+                   help="the causal per-call cost benchmark instead (module docstring): MHLA and linear "
+                        "against the plain chunked form, side by side; default B 1, H 4, --seq-lens 1024 "
+                        "4096 16384")
     p.add_argument("--plot-only", action="store_true",
                    help="redraw <out-dir>/<stem>.png from the .json these options name; measure nothing")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: op,causal,T -> run one case, print JSON
@@ -633,6 +817,13 @@ def parse_args(argv=None):
         if args.batch not in (None, 1):
             p.error("--varlen packs the documents into a batch of one (cu_seqlens); leave --batch out")
         args.batch = 1
+    if args.causal_overhead:
+        if args.varlen or args.plot_only or args.ops:
+            p.error("--causal-overhead takes none of --varlen, --plot-only, --ops")
+        args.batch = 1 if args.batch is None else args.batch
+        args.heads = 4 if args.heads is None else args.heads
+        if args.seq_lens is None:
+            args.seq_lens = [256, 512] if args.quick else [1024, 4096, 16384]
     if args.quick:
         args.heads, args.dim, args.repeats, args.budget_s = 2, 16, 3, 0.5
     gpu = args.device == "cuda"
@@ -667,6 +858,9 @@ def main(argv=None) -> int:
     if args.varlen:
         given = argv if argv is not None else sys.argv[1:]
         return run_varlen(args, "python scripts/bench_ops.py " + " ".join(given))
+    if args.causal_overhead:
+        given = argv if argv is not None else sys.argv[1:]
+        return run_causal_overhead(args, "python scripts/bench_ops.py " + " ".join(given))
     header = system_info(args.device)
     if args.device == "cuda":
         header["copy_bandwidth_GBps"] = round(copy_bandwidth_gbps("cuda"), 1)
@@ -749,7 +943,8 @@ def write_results(stem: str, out: dict) -> str:
     return stem
 
 
-OP_LABELS = {"mhla": "MHLA", "mhla_torch": "MHLA (torch path)", "linear": "linear", "fla_linear": "linear (fla)",
+OP_LABELS = {"mhla": "MHLA", "mhla_torch": "MHLA (torch path)", "linear": "linear",
+             "plain_linear": "linear (plain chunked)", "fla_linear": "linear (fla)",
              "sdpa": "SDPA (softmax)", "release_loop": "MHLA, release's loop"}
 PLOT_NOTE = ("fwd, fwd+bwd time and peak memory against T per op, log-log; non-causal above, causal below; "
              "skipped cases left out; redraw from the .json with `--plot-only`")

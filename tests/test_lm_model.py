@@ -218,12 +218,34 @@ def test_short_conv_is_causal_and_mixes_the_previous_tokens(attn_type):
     assert conv.weight.grad is not None and conv.weight.grad.abs().sum() > 0
 
 
-def test_short_conv_refuses_cached_and_packed_calls():
-    model = tiny("mhla", short_conv=4)
-    with pytest.raises(NotImplementedError, match="short_conv"):
-        model(torch.randint(0, 61, (1, 5)), use_cache=True)
-    with pytest.raises(NotImplementedError, match="short_conv"):
-        model(torch.randint(0, 61, (2, 5)), attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]),
-              use_cache=False)
+@pytest.mark.parametrize("attn_type", ATTNS)
+def test_short_conv_decodes(attn_type):
+    """With attn.short_conv the cache keeps the conv's last K-1 inputs: model(x) with the default
+    use_cache=True works, a prefill then one token at a time (and a chunked prefill) gives the logits of one
+    full forward (fp64), and generate() with the cache gives the tokens of generate() without it."""
+    model = tiny(attn_type, short_conv=4).double()
+    _randomize_mixing(model)
+    x = torch.randint(0, 61, (2, 29))
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        torch.testing.assert_close(model(x).logits, full, rtol=1e-12, atol=1e-12)  # the LM's default: a cache
+        cache = MHLALMCache(model.config)
+        steps = [model(x[:, :7], past_key_values=cache, use_cache=True).logits]
+        steps.append(model(x[:, 7:9], past_key_values=cache, use_cache=True).logits)  # a 2-token chunk
+        for t in range(9, 29):
+            steps.append(model(x[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-9)
+    past = cache.layer_state(0).short_conv
+    assert past.shape == (2, 3, 2 * (8 + 8 + 16)) and cache.nbytes() > past.numel() * 8
+    gen = tiny(attn_type, short_conv=4, initializer_range=0.2)
+    _randomize_mixing(gen)
+    prompt = torch.randint(1, 61, (1, 6))
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        with_cache = gen.generate(prompt, use_cache=True, **kw)
+        assert torch.equal(with_cache, gen.generate(prompt, use_cache=False, **kw))
+
+
+def test_short_conv_kernel_must_be_nonnegative():
     with pytest.raises(ValueError, match="short_conv"):
         MHLALMForCausalLM(MHLALMConfig(attn={"name": "mhla", "short_conv": -1}))

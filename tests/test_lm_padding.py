@@ -106,6 +106,46 @@ def test_batched_generate_left_padding_equals_one_prompt_at_a_time(attn_type, nu
     assert len(set(batched.flatten().tolist())) > 5, "degenerate test: near-constant continuations"
 
 
+@pytest.mark.parametrize("attn_type", ATTNS)
+def test_short_conv_padded_and_packed_calls_equal_each_sequence_alone(attn_type):
+    """attn.short_conv (the conv keeps its last K-1 inputs per sequence): a padded batch (prefill, then
+    decoding with the growing mask) and packed documents give the logits of each sequence alone, and batched
+    generate() over left-padded prompts the tokens of one prompt at a time."""
+    model = tiny(attn_type, short_conv=4).double()
+    seqs = prompts(LENGTHS, seed=7)
+    ids, mask = pad(seqs, "left")
+    more = torch.randint(3, VOCAB, (len(seqs), 5), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=False).logits
+        cache = MHLALMCache(model.config)
+        steps = [model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1:]]
+        for t in range(more.shape[1]):
+            mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
+            out_t = model(more[:, t:t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+            steps.append(out_t.logits)
+        steps = torch.cat(steps, dim=1)
+        for i, s in enumerate(seqs):
+            alone = model(torch.cat([s, more[i]])[None], use_cache=False).logits[0]
+            torch.testing.assert_close(out[i, ids.shape[1] - len(s):], alone[:len(s)], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(steps[i], alone[len(s) - 1:], rtol=1e-10, atol=1e-10)
+        d1, d2, d3 = prompts([6, 9, 11], seed=9)
+        rows = packed_rows([d1, d2, d3], 18)
+        reset = model(rows, cu_seqlens=doc_cu_seqlens(rows, EOS), use_cache=False).logits
+        doc2 = torch.cat([d2, torch.tensor([EOS])])
+        start = len(d1) + 1
+        alone = model(doc2[None], use_cache=False).logits[0]
+        torch.testing.assert_close(reset[0, start:start + len(doc2)], alone, rtol=1e-10, atol=1e-10)
+    gen = tiny(attn_type, short_conv=4, initializer_range=0.2)
+    seqs = prompts([6, 2, 9], seed=3)
+    ids, mask = pad(seqs, "left")
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    with torch.no_grad():
+        batched = gen.generate(ids, attention_mask=mask, **kw)[:, ids.shape[1]:]
+        for i, s in enumerate(seqs):
+            alone = gen.generate(s[None], attention_mask=torch.ones(1, len(s), dtype=torch.long), **kw)
+            assert torch.equal(batched[i], alone[0, len(s):])
+
+
 def packed_rows(docs, T):
     """Documents joined by EOS, cut into rows of ``T`` tokens: ``[B, T]``."""
     flat = torch.cat([torch.cat([d, torch.tensor([EOS])]) for d in docs])

@@ -216,3 +216,19 @@ def test_run_mqar_resume_on_a_subset_keeps_other_records(tmp_path, monkeypatch):
     keys = sorted((r["variant"], r["seed"], "acc" in r, bool(r.get("interrupted"))) for r in kept)
     assert keys == [("linear_conv", 0, True, False), ("linear_conv", 1, True, False),
                     ("softmax_conv", 0, False, True), ("softmax_conv", 1, True, False)]
+
+
+def test_recall_by_distance_buckets_every_query_once():
+    """recall_by_distance on a tiny untrained MQAR model past its context (vocab 64 < 256 tokens: long_context):
+    every query lands in one distance bucket, and the distances are those of the generated examples."""
+    from models.lm import MHLALMConfig, MHLALMForCausalLM
+    from tasks.language.mqar import recall_by_distance
+
+    torch.manual_seed(0)
+    model = MHLALMForCausalLM(MHLALMConfig(attn={"name": "mhla", "block_size": 8}, vocab_size=64, hidden_size=16,
+                                           num_hidden_layers=1, num_heads=2, max_position_embeddings=32)).eval()
+    out = recall_by_distance(model, 256, vocab_size=64, num_kv_pairs=4, num_examples=6, edges=(0, 64, 128, 256))
+    assert out["n"] == 6 * 4 and sum(b["n"] for b in out["buckets"]) == out["n"]
+    assert all(0 <= b["acc"] <= 1 for b in out["buckets"]) and out["buckets"][-1]["hi"] == 256
+    with pytest.raises(ValueError, match="long_context"):
+        multiquery_ar(2, 256, 64, 4)

@@ -75,13 +75,16 @@ def test_bench_models_plot(tmp_path):
 
 
 def test_bench_generation_plot(tmp_path):
-    rows = [{"attn": a, "context": L, "new_tokens": 4, "batch": 1, "prefill_s": f * L / 1e3, "prefill_tok_s": 1.0,
-             "decode_tok_s": 10.0, "decode_ms_per_token": 100.0 * f, "peak_mem_mib": L / 10 * f,
-             "cache_mib": 0.1 if a == "linear" else L / 100}
-            for L in (256, 1024) for a, f in (("mhla", 1.0), ("softmax", 2.0), ("linear", 0.9))]
-    rows.append({"attn": "softmax", "context": 4096, "error": "OOM"})
-    args = argparse.Namespace(out=str(tmp_path), device="cpu", preset="small", new_tokens=4)
-    stem = bench_generation.write_results(rows, {"device": "cpu"}, args, "fp32", [])
+    rows = [{"preset": p, "attn": a, "context": L, "ms_per_token": f * (L / 1e3 if a == "softmax" else 1.0),
+             "ms_per_token_iqr": [f, f], "cache_bytes": L * 100 if a == "softmax" else 1000,
+             "cache_mib": (L * 100 if a == "softmax" else 1000) / 2**20}
+            for p in ("small", "340m") for L in (1024, 4096) for a, f in (("mhla", 1.0), ("softmax", 2.0),
+                                                                          ("linear", 0.9))]
+    rows.append({"preset": "340m", "attn": "softmax", "context": 65536, "error": "OOM"})
+    data = {"machine": {"device": "cpu"}, "command": "python scripts/bench_generation.py", "busy": None,
+            "settings": {"device": "cpu", "dtype": "fp32", "batch": 1, "new_tokens": 4, "repeats": 1,
+                         "warmup": 0, "fill": "synthetic"}, "rows": rows}
+    stem = bench_generation.write_results(data, str(tmp_path))
     assert_png(stem + ".png", 20000)
     assert "Plot: `generation_cpu.png`" in open(stem + ".md").read()
     redraws(stem + ".png", lambda: bench_generation.main(["--plot-only", "--out", str(tmp_path)]))

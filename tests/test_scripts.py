@@ -40,6 +40,23 @@ def test_release_loop_reimplementation_matches_ours():
     assert bench_ops.check_release_equivalence(None) < 1e-9
 
 
+def test_plain_chunked_form_is_causal_linear_attention():
+    assert bench_ops.check_plain_equivalence() < 1e-9
+
+
+def test_bench_causal_overhead_quick_run(tmp_path):
+    """--causal-overhead: MHLA and linear against the plain chunked form, side by side, in one process."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_ops.py"), "--causal-overhead",
+                           "--quick", "--seq-lens", "128", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "causal_overhead_cpu_quick.json").read_text())
+    (rec,) = data["records"]
+    assert rec["T"] == 128 and rec["mhla_over_plain_fwdbwd"] > 0 and rec["linear_over_plain_fwd"] > 0
+    assert data["header"]["loadavg_start"] and data["header"]["loadavg_end"]
+    assert "MHLA / plain fwd+bwd" in (tmp_path / "causal_overhead_cpu_quick.md").read_text()
+
+
 def test_bench_quick_run(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_ops.py"), "--quick",
                            "--seq-lens", "256", "--out-dir", str(tmp_path)],
@@ -48,6 +65,6 @@ def test_bench_quick_run(tmp_path):
     data = json.loads((tmp_path / "ops_cpu_quick.json").read_text())
     ops = {(r["op"], r["causal"]) for r in data["records"] if not r.get("skipped")}
     assert ops == {("mhla", False), ("linear", False), ("sdpa", False), ("mhla", True), ("linear", True),
-                   ("sdpa", True), ("release_loop", True)}
+                   ("plain_linear", True), ("sdpa", True), ("release_loop", True)}
     assert data["header"]["cpu_count"] >= 1
     assert (tmp_path / "ops_cpu_quick.md").read_text().startswith("# Op benchmark")

@@ -15,6 +15,7 @@ from .linear import linear_attention, linear_attention_reference
 from .mhla import (
     BACKENDS,
     MHLAState,
+    MixingRows,
     init_state,
     mhla_attention,
     mhla_attention_matrix,
@@ -31,6 +32,7 @@ from .utils import check_cu_seqlens, run_varlen, sequence_bounds, token_index, u
 __all__ = [
     "BACKENDS",
     "MHLAState",
+    "MixingRows",
     "check_cu_seqlens",
     "init_state",
     "linear_attention",

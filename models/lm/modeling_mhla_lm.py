@@ -7,11 +7,13 @@ applies the feature map and the rotary tables the model passes with each call (:
 this file adds the tables and the model glue.
 
 Decoding: :class:`MHLALMCache` (a transformers ``Cache``) holds one :class:`mhla.layers.AttentionCache` per
-layer: the MHLA decode state (:class:`mhla.MHLAState`: every finished chunk's summary plus the running one),
-``(S, z)`` for linear attention, the growing ``(k, v)`` for softmax, and the causal CPE's last inputs. A
-prompt is prefilled in one chunked call; each new token is one ``mhla_decode_step``. Greedy outputs with the
-cache equal those without it (tests), at any length: there is no position cap (mixing coefficients beyond the
-learned ``max_learned_blocks`` rows extend by the config's ``mixing_extension`` rule, RoPE is computed on the fly).
+layer: the MHLA decode state (:class:`mhla.MHLAState`: at most ``max_learned_blocks - 1`` finished chunks'
+summaries, one folded sum of the older ones and the running one: constant size at any length), ``(S, z)`` for
+linear attention, the growing ``(k, v)`` for softmax, and the last inputs of the causal CPE and of the short
+convolution (``attn.short_conv``); :meth:`MHLALMCache.nbytes` reports its size. A prompt is prefilled in one
+chunked call; each new token is one ``mhla_decode_step``. Greedy outputs with the cache equal those without it
+(tests), at any length: there is no position cap (mixing coefficients beyond the learned
+``max_learned_blocks`` rows extend by the config's ``mixing_extension`` rule, RoPE is computed on the fly).
 
 Padding and packed documents (:class:`PackedBatch`): a 2-D ``attention_mask`` with zeros (left or right
 padding, as ``generate()`` and tokenizers make them) or ``cu_seqlens`` (documents packed in a row) turns the
@@ -122,13 +124,15 @@ class MHLALMCacheLayer(CacheLayerMixin):
         self.state, self.seen, self.seq_seen = AttentionCache(), 0, None
 
     def _map(self, fn) -> None:
-        self.state = AttentionCache(attn=_map_tensors(self.state.attn, fn), conv=_map_tensors(self.state.conv, fn))
+        self.state = AttentionCache(**{f.name: _map_tensors(getattr(self.state, f.name), fn)
+                                       for f in dataclasses.fields(self.state)})
 
     def _reindex(self, rows: torch.Tensor) -> None:
         """Per-sequence cache: keep the sequences ``rows`` (int indices, repeats allowed), in that order."""
         rows = rows.tolist()
         pick = lambda states: [states[i] for i in rows] if isinstance(states, list) else states  # noqa: E731
-        self.state = AttentionCache(attn=pick(self.state.attn), conv=pick(self.state.conv))
+        self.state = AttentionCache(**{f.name: pick(getattr(self.state, f.name))
+                                       for f in dataclasses.fields(self.state)})
         self.seq_seen = self.seq_seen[rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -180,6 +184,10 @@ class MHLALMCache(Cache):
         if len(seq_seen) != num_seqs:
             raise ValueError(f"the cache holds {len(seq_seen)} sequences but this call has {num_seqs}")
         return seq_seen.to(device)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds, all layers (decode states, KV caches, conv inputs)."""
+        return sum(layer.state.nbytes() for layer in self.layers)
 
     @property
     def is_per_sequence(self) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Callable, Iterable
 from tqdm import tqdm
 
 from .records import read_run_record
+from .stats import mean_std  # noqa: F401  (the drivers import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _METRIC = re.compile(r"([\w/]+)=([-\d.eE+naninf]+)")
@@ -105,10 +105,6 @@ def metric_curve(run_dir: str, key: str = "train/loss") -> list[tuple[int, float
 def train_loss_curve(run_dir: str) -> list[tuple[int, float]]:
     """``(step, train loss)`` pairs from a run's ``metrics.jsonl``."""
     return metric_curve(run_dir, "train/loss")
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
 def read_notes(notes: str) -> str:

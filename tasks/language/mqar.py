@@ -47,13 +47,14 @@ def power_law_probs(space: int, power_a: float) -> np.ndarray:
 
 def multiquery_ar(num_examples: int, input_seq_len: int, vocab_size: int, num_kv_pairs: int,
                   power_a: float = 0.01, random_non_queries: bool = True,
-                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: int = 0, long_context: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate MQAR sequences. Returns ``inputs [n, N]`` (int64) and ``labels [n, N]`` (``-100`` or a value)."""
     n, N, V, K = num_examples, input_seq_len, vocab_size, num_kv_pairs
     if N % 2:
         raise ValueError(f"input_seq_len must be even, got {N}")
-    if V <= N:
-        raise ValueError(f"vocab_size ({V}) must exceed input_seq_len ({N}), as in Zoology")
+    if V <= N and not long_context:
+        raise ValueError(f"vocab_size ({V}) must exceed input_seq_len ({N}), as in Zoology (long_context=True lifts "
+                         "it for evaluation past the training length: keys, values and fillers keep their ranges)")
     if 4 * K > N:
         raise ValueError(f"{K} key-value pairs need input_seq_len >= 4 * K = {4 * K} (pairs + queries), got {N}")
     half = V // 2
@@ -151,6 +152,39 @@ def mixing_shares(model: nn.Module) -> dict:
             out[f"mix{layer}_first"] = rows[:, 0].mean().item()
             out[f"mix{layer}_diag"] = rows.diagonal(offset=1).mean().item()
     return out
+
+
+@torch.no_grad()
+def recall_by_distance(model: nn.Module, seq_len: int, *, vocab_size: int, num_kv_pairs: int, num_examples: int = 256,
+                       power_a: float = 1.0, edges: tuple[int, ...] = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+                       seed: int = 12345, batch_size: int = 16) -> dict:
+    """Recall past the training length: MQAR examples of ``seq_len`` tokens (pairs first, the K queries at gaps
+    drawn with ``power_a``: 1 = uniform over the whole sequence), accuracy overall and by the query's distance
+    from the pair it recalls (``edges``: bucket bounds in tokens).
+
+    Returns ``{"acc", "n", "buckets": [{"lo", "hi", "acc", "n"}, ...]}`` (empty buckets left out).
+    """
+    inputs, labels = multiquery_ar(num_examples, seq_len, vocab_size, num_kv_pairs, power_a, True, seed,
+                                   long_context=True)
+    K = num_kv_pairs
+    device = next(model.parameters()).device
+    correct, distance = [], []
+    for i in range(0, num_examples, batch_size):
+        x, y = inputs[i:i + batch_size].to(device), labels[i:i + batch_size].to(device)
+        logits, target = query_logits(model, x, y)
+        correct.append((logits.argmax(-1) == target).cpu())
+        mask = (y != -100).cpu()
+        pos = mask.nonzero()  # [P, 2] (row, position), in the order of logits[mask]
+        keys = x.cpu()[pos[:, 0], pos[:, 1]]
+        pair_pos = (x.cpu()[pos[:, 0], :2 * K:2] == keys[:, None]).float().argmax(-1) * 2  # where its key was
+        distance.append(pos[:, 1] - pair_pos)
+    correct, distance = torch.cat(correct), torch.cat(distance)
+    buckets = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (distance >= lo) & (distance < hi)
+        if sel.any():
+            buckets.append({"lo": lo, "hi": hi, "acc": correct[sel].float().mean().item(), "n": int(sel.sum())})
+    return {"acc": correct.float().mean().item(), "n": int(correct.numel()), "buckets": buckets}
 
 
 class MQARTask(Task):

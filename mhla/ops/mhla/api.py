@@ -30,7 +30,7 @@ from ..utils import (
 )
 from .chunk import mhla_causal_torch, mhla_noncausal_torch
 from .naive import mhla_reference
-from .state import MHLAState, check_causal, check_state, init_state
+from .state import MHLAState, MixingRows, check_causal, check_rows, check_state, check_window, init_state
 
 BACKENDS = ("auto", "torch", "reference", "triton")
 
@@ -65,7 +65,7 @@ def mhla_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mixing: torch.Tensor,
+    mixing: torch.Tensor | MixingRows,
     block_size: int,
     *,
     causal: bool = False,
@@ -82,6 +82,9 @@ def mhla_attention(
         q, k: ``[B, T, H, D]``, already passed through a nonnegative feature map.
         v: ``[B, T, H, Dv]``.
         mixing: ``[M, M]`` shared, or ``[H, M, M]`` per head; nonnegative. Row ``i`` is query block ``i``.
+            Causal calls also take :class:`MixingRows`, the rows of the call's blocks in the compact form of
+            a bounded state (from :meth:`mhla.mixing.MixingMatrix.causal_rows`; ``backend`` torch or triton):
+            the state then keeps only the blocks of their window and one folded sum (:class:`MHLAState`).
         block_size: tokens per block ``C``. Tokens are in block-major order: block ``b`` holds tokens
             ``b*C ... (b+1)*C - 1`` (see :mod:`mhla.layouts` for 2-D/3-D grids).
             Non-causal: ``T == M * C``. Causal: any ``T``; the last block may be partial; ``mixing`` is
@@ -99,11 +102,11 @@ def mhla_attention(
             ``v: [1, total_T, H, Dv]``, ``cu_seqlens: [N + 1]`` int32/int64 (0 first, ``total_T`` last,
             non-decreasing; sequence ``n`` is tokens ``cu_seqlens[n]:cu_seqlens[n + 1]``, possibly empty).
             Every sequence is computed as if alone: its blocks start at its own first token, and ``mixing``
-            needs ``ceil(L_n / C)`` rows for the longest (counting its state's tokens). States are per
-            sequence: ``initial_state`` is a list of ``N`` :class:`MHLAState` of batch 1 (None entries start
-            empty; a single ``MHLAState`` of batch ``N``, all sequences after the same tokens, is split), and
-            ``output_final_state`` returns a list of ``N`` :class:`MHLAState` of batch 1 (an empty sequence
-            keeps its initial state).
+            needs ``ceil(L_n / C)`` rows for the longest (counting its state's tokens; :class:`MixingRows`
+            must cover the blocks of every sequence). States are per sequence: ``initial_state`` is a list
+            of ``N`` :class:`MHLAState` of batch 1 (None entries start empty; a single ``MHLAState`` of
+            batch ``N``, all sequences after the same tokens, is split), and ``output_final_state`` returns a
+            list of ``N`` :class:`MHLAState` of batch 1 (an empty sequence keeps its initial state).
     Returns:
         ``o: [B, T, H, Dv]`` with the dtype of ``v``; ``(o, state)`` when ``output_final_state``
         (``[1, total_T, H, Dv]`` and a list of ``N`` states with ``cu_seqlens``).
@@ -139,6 +142,9 @@ def mhla_attention(
     which = resolve_backend(backend, q, causal=causal)
     if which == "reference" and stateful:
         raise ValueError("the reference backend has no state; use backend='torch'")
+    if which == "reference" and isinstance(mixing, MixingRows):
+        raise ValueError("the reference backend takes a dense mixing matrix, not MixingRows; use "
+                         "backend='torch'")
     if causal:
         return _causal_op(which, mixing, block_size, mode, eps)(q, k, v, initial_state, output_final_state)
     if which == "reference":
@@ -181,17 +187,27 @@ def _mhla_varlen(q, k, v, mixing, block_size, cu_seqlens, *, normalize, eps, bac
         if state is not None:
             try:
                 check_state(state, q[:, :1], v[:, :1], block_size)  # batch 1, heads, dims, dtype, block size
+                check_window(state, mixing)
             except ValueError as err:
                 raise ValueError(f"initial_state[{n}]: {err}") from None
             seen[n] = state.num_tokens
-    check_mixing(mixing, q.shape[2], max(ceil_div(p + n, block_size) for p, n in zip(seen, lengths)))
+    stop = max(ceil_div(p + n, block_size) for p, n in zip(seen, lengths))
+    compact = isinstance(mixing, MixingRows)
+    if compact:
+        check_rows(mixing, q.shape[2], min(p // block_size for p in seen), stop)
+    else:
+        check_mixing(mixing, q.shape[2], stop)
     which = resolve_backend(backend, q, causal=True)
     if which == "reference" and (states is not None or output_final_state):
         raise ValueError("the reference backend has no state; use backend='torch'")
+    if which == "reference" and compact:
+        raise ValueError("the reference backend takes a dense mixing matrix, not MixingRows; use "
+                         "backend='torch'")
     H, D, Dv = q.shape[2], q.shape[3], v.shape[3]
 
     def empty_state():
-        return init_state(1, H, D, Dv, block_size, device=q.device, dtype=accumulation_dtype(q.dtype))
+        return init_state(1, H, D, Dv, block_size, device=q.device, dtype=accumulation_dtype(q.dtype),
+                          window=mixing.window if compact else None)
 
     return run_varlen(_causal_op(which, mixing, block_size, mode, eps), (q, k, v), cu_seqlens,
                       initial_state=states, output_final_state=output_final_state, empty_state=empty_state)

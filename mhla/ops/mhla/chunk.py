@@ -20,7 +20,9 @@ may be partial. A query ``t`` in block ``i`` reads
 (the denominator only when normalizing). ``mixing`` is read as lower-triangular: entries above the
 diagonal are ignored. Its row ``i`` must exist for every block the sequence touches. A call may continue
 an :class:`~mhla.ops.mhla.state.MHLAState` (chunked prefill) and return the state after its tokens
-(docs/method.md#decoding-state).
+(docs/method.md#decoding-state). ``mixing`` may also be :class:`~mhla.ops.mhla.state.MixingRows`, the compact
+rows of the call's blocks: the state then keeps the blocks of their window and one folded sum, which every
+block reads as one more column with the rows' shared coefficient.
 
 Causality holds whatever the values: a NaN or inf in token ``s`` reaches the outputs ``t >= s`` only. The
 masked terms of a causal sum are never multiplied in (``0 * nan`` is ``nan``); see
@@ -33,7 +35,17 @@ import torch
 
 from ...layouts import ceil_div
 from ..utils import accumulation_dtype, causal_product, check_mixing, normalizer_mode
-from .state import MHLAState, check_state, init_state
+from .state import (
+    MHLAState,
+    MixingRows,
+    check_rows,
+    check_state,
+    check_window,
+    fold_blocks,
+    init_state,
+    rewindow,
+    row_coefficients,
+)
 
 
 def _mix(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -91,21 +103,25 @@ def mhla_noncausal_torch(
     return out.permute(0, 2, 3, 1, 4).reshape(B, T, H, Dv).to(v.dtype)
 
 
-def _mix_rows(mixing: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tensor:
-    """Strictly-lower-triangular coefficients for global block rows ``rows`` over columns ``0..cols-1``.
-
-    Returns ``[H or 1, len(rows), cols]`` with entry ``mixing[r, c]`` where ``c < r`` else 0.
-    """
+def _mix_rows(mixing: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Strictly-lower-triangular coefficients of the block rows ``first .. first + n - 1`` over the columns
+    ``0 .. first + n - 1``: ``[H or 1, n, first + n]`` with entry ``mixing[r, c]`` where ``c < r`` else 0."""
     mix = mixing if mixing.dim() == 3 else mixing.unsqueeze(0)
-    keep = torch.arange(cols, device=mix.device).unsqueeze(0) < rows.unsqueeze(1)
-    return torch.where(keep, mix[:, rows, :cols], 0.0)
+    keep = torch.ones(n, first + n, dtype=torch.bool, device=mix.device).tril(first - 1)
+    return torch.where(keep, mix[:, first:first + n, :first + n], 0.0)
+
+
+#: a call with compact mixing rows runs in pieces of at most this many blocks, each continuing the state of
+#: the one before: its work is then O(T * (window + SEGMENT_BLOCKS)) per head, linear in T, where one piece
+#: would mix every block of the call with every earlier one.
+SEGMENT_BLOCKS = 64
 
 
 def mhla_causal_torch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mixing: torch.Tensor,
+    mixing: torch.Tensor | MixingRows,
     block_size: int,
     *,
     normalize="paper",
@@ -118,7 +134,9 @@ def mhla_causal_torch(
     Args:
         q, k: ``[B, T, H, D]``; v: ``[B, T, H, Dv]``; any ``T >= 1``.
         mixing: ``[M, M]`` or ``[H, M, M]`` with ``M >= ceil((P + T) / block_size)``, where ``P`` is the
-            number of tokens already in ``initial_state`` (0 without one).
+            number of tokens already in ``initial_state`` (0 without one); or :class:`MixingRows` covering the
+            blocks ``P // block_size .. ceil((P + T) / block_size) - 1`` (the state then keeps the blocks of
+            their window and folds the others, :class:`MHLAState`).
         initial_state: state after ``P`` tokens (``P`` need not be a multiple of the block size).
         output_final_state: also return the state after ``P + T`` tokens.
     Returns:
@@ -135,25 +153,35 @@ def mhla_causal_torch(
     Dv = v.shape[-1]
     C = block_size
     acc = accumulation_dtype(q.dtype)
+    compact = isinstance(mixing, MixingRows)
     if initial_state is None:
-        state = init_state(B, H, D, Dv, C, device=q.device, dtype=acc)
+        state = init_state(B, H, D, Dv, C, device=q.device, dtype=acc,
+                           window=mixing.window if compact else None)
     else:
         check_state(initial_state, q, v, C)
-        state = initial_state
+        check_window(initial_state, mixing)
+        state = rewindow(initial_state, mixing.window) if compact else initial_state
     P = state.num_tokens
     first_block, offset = divmod(P, C)
     total_blocks = ceil_div(P + T, C)
     # shape and rows only: the values were checked once by mhla_attention, and a variable-length call runs
     # this once per length bucket (a full-matrix scan per call was most of its per-call cost)
-    check_mixing(mixing, H, total_blocks, check_values=False)
+    if compact:
+        check_rows(mixing, H, first_block, total_blocks, check_values=False)
+    else:
+        check_mixing(mixing, H, total_blocks, check_values=False)
+    cut = 0
     if offset and offset + T > C:
         # The chunk starts inside a block and runs past it: finish that block first, so that below a chunk
         # either starts on a block boundary or lies inside one block.
-        head = C - offset
+        cut = C - offset
+    elif compact and total_blocks - first_block > SEGMENT_BLOCKS:
+        cut = SEGMENT_BLOCKS * C
+    if cut:
         kw = dict(normalize=mode, eps=eps)
-        o1, mid = mhla_causal_torch(q[:, :head], k[:, :head], v[:, :head], mixing, C, initial_state=state,
+        o1, mid = mhla_causal_torch(q[:, :cut], k[:, :cut], v[:, :cut], mixing, C, initial_state=state,
                                     output_final_state=True, **kw)
-        rest = mhla_causal_torch(q[:, head:], k[:, head:], v[:, head:], mixing, C, initial_state=mid,
+        rest = mhla_causal_torch(q[:, cut:], k[:, cut:], v[:, cut:], mixing, C, initial_state=mid,
                                  output_final_state=output_final_state, **kw)
         if output_final_state:
             return torch.cat([o1, rest[0]], dim=1), rest[1]
@@ -164,34 +192,70 @@ def mhla_causal_torch(
     # O(T L) whatever the block size. The `offset` tokens of the first block seen before live in the state.
     nb = ceil_div(offset + T, C)
     L = C if nb > 1 else T
+    pad = nb * L - T
 
     def blocks(x):
-        x = torch.nn.functional.pad(x.to(acc), (0, 0, 0, 0, 0, nb * L - T))
+        x = x.to(acc)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
         return x.reshape(B, nb, L, H, x.shape[-1]).transpose(2, 3)  # [B, nb, H, L, d]
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    # Without an initial state nothing is carried in: the state's terms (zeros) are left out, not added.
+    carry = initial_state is not None
     mix = mixing.to(acc)
-    mix_h = mix if mix.dim() == 3 else mix.unsqueeze(0)
-    rows = torch.arange(first_block, first_block + nb, device=q.device)
-    diag = mix_h[:, rows, rows].transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
+    if compact:
+        diag = mix.rows(first_block, first_block + nb)[0].transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
+    else:
+        mix_h = mix if mix.dim() == 3 else mix.unsqueeze(0)
+        own = mix_h[:, first_block:first_block + nb, first_block:first_block + nb]
+        diag = torch.diagonal(own, dim1=1, dim2=2).transpose(0, 1)  # [nb, H or 1]: mixing[i, i]
 
     # Summaries of the chunk's blocks; the first also holds the state's running sum for that block.
     chunk_summaries = torch.einsum("bnhcd,bnhce->bnhde", kb, vb)
     chunk_key_sums = kb.sum(3)
-    chunk_summaries = torch.cat(
-        [chunk_summaries[:, :1] + state.current_summary.unsqueeze(1), chunk_summaries[:, 1:]], dim=1
-    )
-    chunk_key_sums = torch.cat(
-        [chunk_key_sums[:, :1] + state.current_key_sum.unsqueeze(1), chunk_key_sums[:, 1:]], dim=1
-    )
-    all_summaries = torch.cat([state.block_summaries.transpose(1, 2), chunk_summaries], dim=1)
-    all_key_sums = torch.cat([state.block_key_sums.transpose(1, 2), chunk_key_sums], dim=1)
+    if carry:
+        chunk_summaries = torch.cat(
+            [chunk_summaries[:, :1] + state.current_summary.unsqueeze(1), chunk_summaries[:, 1:]], dim=1
+        )
+        chunk_key_sums = torch.cat(
+            [chunk_key_sums[:, :1] + state.current_key_sum.unsqueeze(1), chunk_key_sums[:, 1:]], dim=1
+        )
+    # The columns every block of the chunk may read: the state's kept blocks (and its folded sum), then the
+    # chunk's own blocks.
+    prev_s, prev_z = state.block_summaries, state.block_key_sums
+    if compact:
+        ids = torch.tensor(state.kept_block_ids() + list(range(first_block, first_block + nb)),
+                           device=q.device)
+        coeff = row_coefficients(mix, first_block, nb, ids)  # [H or 1, nb, n_kept + nb]
+        if state.num_folded_blocks:  # the folded blocks: one column, read with the shared coefficient
+            n_prev = prev_s.shape[2]
+            far = mix.rows(first_block, first_block + nb)[3].unsqueeze(-1)
+            coeff = torch.cat([coeff[..., :n_prev], far, coeff[..., n_prev:]], dim=-1)
+            prev_s = torch.cat([prev_s, state.far_summary.unsqueeze(2)], dim=2)
+            prev_z = torch.cat([prev_z, state.far_key_sum.unsqueeze(2)], dim=2)
+    else:
+        coeff = _mix_rows(mix, first_block, nb)
+    coeff = coeff.expand(H, -1, -1)  # [H, nb, n_all]
+    if prev_s.shape[2]:
+        all_summaries = torch.cat([prev_s.transpose(1, 2), chunk_summaries], dim=1)
+        all_key_sums = torch.cat([prev_z.transpose(1, 2), chunk_key_sums], dim=1)
+    else:
+        all_summaries, all_key_sums = chunk_summaries, chunk_key_sums
+
+    # The causal sums below are dense products that also multiply the masked (zero) weights by later values;
+    # one host sync says whether every value is finite, and only then are the products taken as they are
+    # (else :func:`causal_product` keeps a non-finite value from reaching earlier outputs).
+    paper = mode == "paper"
+    finite = not torch.compiler.is_compiling() and bool(torch.isfinite(
+        all_summaries.detach().sum() + vb.detach().sum() + (all_key_sums.detach().sum() if paper else 0)))
+
+    def causal(product, x, dim, strict=False):
+        return product(x) if finite else causal_product(product, x, dim, strict=strict, lazy=False)
 
     # Inter-block term: every block reads the strictly earlier blocks through its row of the mixing.
-    coeff = _mix_rows(mix, rows, first_block + nb).expand(H, -1, -1)  # [H, nb, n_all]
-
     def mix_earlier(spec, x):  # x: [B, n_all, H, ...] -> [B, nb, H, ...], block i reads blocks j < i
-        return causal_product(lambda y: torch.einsum(spec, coeff, y), x, 1, strict=True)
+        return causal(lambda y: torch.einsum(spec, coeff, y), x, 1, strict=True)
 
     prefix = mix_earlier("hij,bjhde->bihde", all_summaries)
     out = torch.einsum("bnhcd,bnhde->bnhce", qb, prefix)
@@ -200,18 +264,19 @@ def mhla_causal_torch(
     causal_mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     scores = torch.where(causal_mask, torch.einsum("bnhcd,bnhsd->bnhcs", qb, kb), 0.0)
     diag_b = diag.view(1, nb, -1, 1)  # broadcast over [B, nb, H, L]
-    intra = causal_product(lambda x: torch.einsum("bnhcs,bnhse->bnhce", scores, x), vb, 3)
-    # Tokens of the first block that were consumed before this call live in the state's running sum.
-    carried = torch.einsum("bhcd,bhde->bhce", qb[:, 0], state.current_summary)
-    intra = torch.cat([intra[:, :1] + carried.unsqueeze(1), intra[:, 1:]], dim=1)
+    intra = causal(lambda x: torch.einsum("bnhcs,bnhse->bnhce", scores, x), vb, 3)
+    if carry:  # tokens of the first block that were consumed before this call live in the state's running sum
+        carried = torch.einsum("bhcd,bhde->bhce", qb[:, 0], state.current_summary)
+        intra = torch.cat([intra[:, :1] + carried.unsqueeze(1), intra[:, 1:]], dim=1)
     out = out + diag_b.unsqueeze(-1) * intra
 
-    if mode == "paper":
+    if paper:
         prefix_z = mix_earlier("hij,bjhd->bihd", all_key_sums)
         den = torch.einsum("bnhcd,bnhd->bnhc", qb, prefix_z)
         intra_z = scores.sum(-1)
-        carried_z = torch.einsum("bhcd,bhd->bhc", qb[:, 0], state.current_key_sum)
-        intra_z = torch.cat([intra_z[:, :1] + carried_z.unsqueeze(1), intra_z[:, 1:]], dim=1)
+        if carry:
+            carried_z = torch.einsum("bhcd,bhd->bhc", qb[:, 0], state.current_key_sum)
+            intra_z = torch.cat([intra_z[:, :1] + carried_z.unsqueeze(1), intra_z[:, 1:]], dim=1)
         den = den + diag_b * intra_z
         out = out / (den.unsqueeze(-1) + eps)
 
@@ -221,18 +286,23 @@ def mhla_causal_torch(
 
     end = P + T
     finished = end // C
-    n_all = first_block + nb
-    if finished == n_all:  # the chunk ended exactly on a block boundary
+    new = finished - first_block  # blocks of the chunk that are finished: nb, or nb - 1
+    if new == nb:  # the chunk ended exactly on a block boundary
         cur_s = torch.zeros_like(state.current_summary)
         cur_z = torch.zeros_like(state.current_key_sum)
     else:
-        cur_s, cur_z = all_summaries[:, -1], all_key_sums[:, -1]
+        cur_s, cur_z = chunk_summaries[:, -1], chunk_key_sums[:, -1]
+    kept_s, kept_z, far_s, far_z = fold_blocks(state, chunk_summaries[:, :new].transpose(1, 2),
+                                               chunk_key_sums[:, :new].transpose(1, 2), finished)
     new_state = MHLAState(
-        block_summaries=all_summaries[:, :finished].transpose(1, 2),
-        block_key_sums=all_key_sums[:, :finished].transpose(1, 2),
+        block_summaries=kept_s,
+        block_key_sums=kept_z,
         current_summary=cur_s,
         current_key_sum=cur_z,
         num_tokens=end,
         block_size=C,
+        window=state.window,
+        far_summary=far_s,
+        far_key_sum=far_z,
     )
     return o, new_state

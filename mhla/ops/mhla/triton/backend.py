@@ -7,7 +7,9 @@ calls it; ``cu_seqlens`` is handled there) and returns the same values as the to
 * ``mixing`` ``[M, M]`` (shared) or ``[H, M, M]`` (per head), any float dtype (read as fp32);
 * fp16 / bf16 / fp32 inputs, fp32 accumulation and summaries, output in ``v``'s dtype. Under the CPU
   interpreter bf16 tensors are computed in fp32 (numpy has no bf16) and the output cast back;
-* causal calls may continue an :class:`~mhla.ops.MHLAState` and return the final one (fp32 summaries).
+* causal calls may continue an :class:`~mhla.ops.MHLAState` and return the final one (fp32 summaries), with
+  a dense mixing matrix or compact :class:`~mhla.ops.mhla.state.MixingRows` (the state then keeps the blocks
+  of their window and folds the others).
 
 Routed to the torch path instead (same results, documented): ``normalize="official"`` (the release's
 vision normalizer) and float64 inputs.
@@ -21,9 +23,19 @@ from __future__ import annotations
 
 import torch
 
+from ....layouts import ceil_div
 from ...utils import normalizer_mode
 from ..chunk import mhla_causal_torch, mhla_noncausal_torch
-from ..state import MHLAState, check_state
+from ..state import (
+    MHLAState,
+    MixingRows,
+    check_state,
+    check_window,
+    fold_blocks,
+    init_state,
+    rewindow,
+    row_coefficients,
+)
 from .causal import mhla_causal_triton
 from .noncausal import mhla_noncausal_triton
 from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES
@@ -51,7 +63,7 @@ def mhla_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mixing: torch.Tensor,
+    mixing: torch.Tensor | MixingRows,
     block_size: int,
     *,
     causal: bool = False,
@@ -87,37 +99,60 @@ def mhla_triton(
         o = mhla_noncausal_triton(q, k, v, mixing, block_size, normalize=normalize_b, eps=eps)
         return o.to(out_dtype)
 
-    state = None
-    P = 0
+    C = block_size
+    compact = isinstance(mixing, MixingRows)
+    B, T, H, D = q.shape
+    Dv = v.shape[-1]
     if initial_state is not None:
-        check_state(initial_state, q, v, block_size)
-        st = initial_state
-        P = st.num_tokens
-        state = (st.block_summaries, st.block_key_sums, st.current_summary, st.current_key_sum, P)
-    o, S, Z = mhla_causal_triton(q, k, v, mixing, block_size, normalize=normalize_b, eps=eps, state=state,
-                                 keep_z=output_final_state)
+        check_state(initial_state, q, v, C)
+        check_window(initial_state, mixing)
+        st = rewindow(initial_state, mixing.window) if compact else initial_state
+    else:
+        st = init_state(B, H, D, Dv, C, device=q.device, window=mixing.window if compact else None)
+    P = st.num_tokens
+    first = P // C
+    NB = ceil_div(P % C + T, C)
+    cols_s, cols_z = st.block_summaries, st.block_key_sums
+    coefficients = None
+    if compact:
+        rows = mixing.to(torch.float32)
+        ids = torch.tensor(st.kept_block_ids() + list(range(first, first + NB)), device=q.device)
+        coeff = row_coefficients(rows, first, NB, ids)
+        diag, _, _, far = rows.rows(first, first + NB)
+        if st.num_folded_blocks:  # the folded blocks: one more state column, read with the shared coefficient
+            n_kept = cols_s.shape[2]
+            coeff = torch.cat([coeff[..., :n_kept], far.unsqueeze(-1), coeff[..., n_kept:]], dim=-1)
+            cols_s = torch.cat([cols_s, st.far_summary.unsqueeze(2)], dim=2)
+            cols_z = torch.cat([cols_z, st.far_key_sum.unsqueeze(2)], dim=2)
+        coefficients = (coeff, diag)
+    state = None
+    if initial_state is not None:
+        state = (cols_s, cols_z, st.current_summary, st.current_key_sum, P)
+    o, S, Z = mhla_causal_triton(q, k, v, None if compact else mixing, C, normalize=normalize_b, eps=eps,
+                                 state=state, keep_z=output_final_state, coefficients=coefficients)
     o = o.to(out_dtype)
     if not output_final_state:
         return o
 
-    C = block_size
-    first = P // C
-    end = P + q.shape[1]
+    end = P + T
     finished = end // C  # finished blocks after this call
-    NB = S.shape[2]
     new_done = finished - first  # this call's blocks that are finished: NB or NB - 1
-    prev_s = initial_state.block_summaries.float() if initial_state is not None else S[:, :, :0]
-    prev_z = initial_state.block_key_sums.float() if initial_state is not None else Z[:, :, :0]
     if new_done == NB:
         cur_s, cur_z = torch.zeros_like(S[:, :, 0]), torch.zeros_like(Z[:, :, 0])
     else:
         cur_s, cur_z = S[:, :, NB - 1], Z[:, :, NB - 1]
+    if initial_state is None:  # the empty state of the right dtype (the kernels' summaries are fp32)
+        st = init_state(B, H, D, Dv, C, device=q.device, dtype=S.dtype, window=st.window)
+    kept_s, kept_z, far_s, far_z = fold_blocks(st, S[:, :, :new_done], Z[:, :, :new_done], finished)
     new_state = MHLAState(
-        block_summaries=torch.cat([prev_s, S[:, :, :new_done]], dim=2),
-        block_key_sums=torch.cat([prev_z, Z[:, :, :new_done]], dim=2),
+        block_summaries=kept_s,
+        block_key_sums=kept_z,
         current_summary=cur_s,
         current_key_sum=cur_z,
         num_tokens=end,
         block_size=C,
+        window=st.window,
+        far_summary=far_s,
+        far_key_sum=far_z,
     )
     return o, new_state

@@ -31,6 +31,7 @@ the backend can assemble the final state; gradients flow through the state in bo
 from __future__ import annotations
 
 import torch
+import triton
 
 from ...utils import causal_product
 from .chunk import (
@@ -42,24 +43,24 @@ from .chunk import (
     fwd_output,
     mix_summaries_backward,
     mixing_3d,
-    mixing_grad_like,
     output_delta,
 )
 
 
 def _causal_coefficients(mix: torch.Tensor, first: int, NB: int):
-    """Strictly-lower mixing rows of this call's blocks and their diagonal.
+    """Strictly-lower mixing rows of this call's blocks and their diagonal, from a dense
+    ``mix [1 or H, M, M]``.
 
     Returns ``coeff [1 or H, NB, first + NB]`` with ``coeff[:, i, b] = Mix[first + i, b]`` for
-    ``b < first + i`` (else 0), ``mask`` (the same support, bool), and ``mdiag [1 or H, NB]`` =
-    ``Mix[first + i, first + i]``.
+    ``b < first + i`` (else 0), and ``mdiag [1 or H, NB]`` = ``Mix[first + i, first + i]`` (differentiable:
+    autograd carries their gradients back to ``mix``).
     """
     rows = torch.arange(first, first + NB, device=mix.device)
     cols = torch.arange(first + NB, device=mix.device)
     mask = cols[None, :] < rows[:, None]
     coeff = torch.where(mask, mix[:, rows, : first + NB], 0.0)
-    mdiag = mix[:, rows, rows].contiguous()
-    return coeff, mask, mdiag
+    mdiag = mix[:, rows, rows]
+    return coeff, mdiag
 
 
 def _mix_earlier(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None):
@@ -85,11 +86,13 @@ def _mix_earlier(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor |
 class MHLACausalFunction(torch.autograd.Function):
     """Causal chunkwise MHLA with fused Triton kernels (module docstring for the math).
 
-    Inputs: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]``; ``mixing [M, M]`` or ``[H, M, M]`` with
-    ``M >= first + NB``; optional state tensors (fp32): ``state_s [B, H, first, D, Dv]``,
-    ``state_z [B, H, first, D]`` (finished blocks), ``cur_s [B, H, D, Dv]``, ``cur_z [B, H, D]``
-    (running sums of the unfinished block, ``offset`` tokens of it seen). ``keep_z``: compute the key
-    sums even without the normalizer (a state needs them).
+    Inputs: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]``; the mixing of this call's ``NB`` blocks as
+    ``coeff [1 or H, NB, first + NB]`` (fp32; row ``i`` on the ``first`` state columns then the call's blocks,
+    zero on block ``i`` and after) and ``mdiag [1 or H, NB]`` (fp32, the diagonal); optional state tensors
+    (fp32): ``state_s [B, H, first, D, Dv]``, ``state_z [B, H, first, D]`` (the summaries the state's columns
+    hold: its kept blocks and folded sum), ``cur_s [B, H, D, Dv]``, ``cur_z [B, H, D]`` (running sums of the
+    unfinished block, ``offset`` tokens of it seen). ``keep_z``: compute the key sums even without the
+    normalizer (a state needs them).
 
     Returns ``o [B, T, H, Dv]`` (dtype of v), and this call's block summaries ``S [B, H, NB, D, Dv]`` and
     ``Z [B, H, NB, D]`` (fp32; block 0 includes ``cur_s``; ``Z`` is empty when neither normalizing nor
@@ -97,7 +100,7 @@ class MHLACausalFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mixing, state_s, state_z, cur_s, cur_z, block_size: int, first: int,
+    def forward(ctx, q, k, v, coeff, mdiag, state_s, state_z, cur_s, cur_z, block_size: int, first: int,
                 offset: int, normalize: bool, eps: float, keep_z: bool):
         ctx.set_materialize_grads(False)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -105,8 +108,7 @@ class MHLACausalFunction(torch.autograd.Function):
         B, H, NB, D, Dv = g.B, g.H, g.NB, g.D, g.Dv
         has_init = cur_s is not None
         store_z = normalize or keep_z
-        mix = mixing_3d(mixing)
-        coeff, mask, mdiag = _causal_coefficients(mix, first, NB)
+        coeff, mdiag = coeff.float().contiguous(), mdiag.float().contiguous()
         has_r = g.NC > 1 or has_init  # with one chunk per block and no state, R is zero
         if has_init:
             cur_s = cur_s.float().contiguous()
@@ -123,7 +125,6 @@ class MHLACausalFunction(torch.autograd.Function):
                             normalize=normalize, eps=eps, out_dtype=v.dtype)
         ctx.save_for_backward(q, k, v, o, coeff, mdiag, S_all, Z_all, P, Pz, R, Rz, den)
         ctx.g, ctx.normalize, ctx.first, ctx.has_init = g, normalize, first, has_init
-        ctx.mask, ctx.mix_shape, ctx.mixing_meta = mask, mix.shape, (mixing.dim(), mixing.dtype)
         Z_out = Z if store_z else S.new_zeros(0)
         return o, S, Z_out
 
@@ -140,7 +141,7 @@ class MHLACausalFunction(torch.autograd.Function):
         delta = output_delta(do, o) if normalize else None
 
         dP, dPz, dR, dRz, dm_r = bwd_block_grads(q, do, den, delta, R, Rz, g, normalize=normalize)
-        need_dmix = ctx.needs_input_grad[3]
+        need_dmix = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
         dS_all, dZ_all, dcoeff = mix_summaries_backward(
             coeff, S_all, Z_all if normalize else None, dP, dPz, need_dcoeff=need_dmix
         )
@@ -163,18 +164,13 @@ class MHLACausalFunction(torch.autograd.Function):
             blk = (torch.arange(g.T, device=q.device) + g.OFFSET) // g.C  # block of each token
             dk = (dk.float() + dZ.permute(0, 2, 1, 3)[:, blk]).to(q.dtype)
 
-        # Mixing: strictly-lower entries from the mix GEMM, the diagonal from the kernels.
-        dmixing = None
+        # Mixing: the coefficients from the mix GEMM, the diagonal from the kernels.
+        dmdiag = None
         if need_dmix:
             dm = dm_i if dm_r is None else dm_i + dm_r  # [B*H, NB]
-            dm = dm.view(B, H, NB).sum(0)
-            if coeff.shape[0] == 1:
-                dm = dm.sum(0, keepdim=True)
-            dmix = torch.zeros(ctx.mix_shape, device=q.device, dtype=torch.float32)
-            rows = torch.arange(first, first + NB, device=q.device)
-            dmix[:, rows, : first + NB] = torch.where(ctx.mask, dcoeff, 0.0)
-            dmix[:, rows, rows] += dm
-            dmixing = mixing_grad_like(dmix, *ctx.mixing_meta)
+            dmdiag = dm.view(B, H, NB).sum(0)
+            if mdiag.shape[0] == 1:
+                dmdiag = dmdiag.sum(0, keepdim=True)
 
         d_state_s = d_state_z = d_cur_s = d_cur_z = None
         if first > 0:
@@ -189,27 +185,37 @@ class MHLACausalFunction(torch.autograd.Function):
                 d_cur_z = dZ[:, :, 0]
                 if normalize:
                     d_cur_z = d_cur_z + m0[..., 0] * dPz.view(B, H, NB, D)[:, :, 0]
-        return (dq, dk, dv, dmixing, d_state_s, d_state_z, d_cur_s, d_cur_z,
+        return (dq, dk, dv, dcoeff, dmdiag, d_state_s, d_state_z, d_cur_s, d_cur_z,
                 None, None, None, None, None, None)
 
 
 def mhla_causal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = True, eps: float = 1e-6,
-                       state=None, keep_z: bool = False):
+                       state=None, keep_z: bool = False, coefficients=None):
     """Causal MHLA on the Triton kernels (no input checks; see :func:`mhla.ops.mhla_attention`).
 
-    ``q, k: [B, T, H, D]``, ``v: [B, T, H, Dv]``; ``state``: None or ``(state_s, state_z, cur_s, cur_z,
-    num_tokens)``. Returns ``(o, S, Z)`` as :class:`MHLACausalFunction`. When the call lies inside one block
-    the kernels tile only its ``T`` tokens, not the whole block (a block far longer than the call is cheap).
+    ``q, k: [B, T, H, D]``, ``v: [B, T, H, Dv]``; ``mixing``: dense ``[M, M]`` / ``[H, M, M]``, or None with
+    ``coefficients``; ``state``: None or ``(state_s, state_z, cur_s, cur_z, num_tokens)``, ``state_s`` holding
+    every finished block (dense mixing) or the state's columns (with ``coefficients``).
+    ``coefficients``: ``(coeff, mdiag)`` of :class:`MHLACausalFunction` built by the caller (compact mixing
+    rows; ``state_s`` then holds the columns ``coeff`` reads first). Returns ``(o, S, Z)`` as
+    :class:`MHLACausalFunction`. When the call lies inside one block the kernels tile only its ``T`` tokens,
+    not the whole block (a block far longer than the call is cheap).
     """
     state_s = state_z = cur_s = cur_z = None
     first = offset = 0
     if state is not None:
         state_s, state_z, cur_s, cur_z, num_tokens = state
         first, offset = divmod(num_tokens, block_size)
+    NB = triton.cdiv(offset + q.shape[1], block_size)
+    if coefficients is None:
+        coeff, mdiag = _causal_coefficients(mixing_3d(mixing), first, NB)
+    else:
+        coeff, mdiag = coefficients
+    columns = 0 if state_s is None else state_s.shape[2]
     if offset + q.shape[1] <= block_size:  # one block: its earlier tokens are in cur_s, its later ones absent
         block_size, offset = q.shape[1], 0
-    return MHLACausalFunction.apply(q, k, v, mixing, state_s, state_z, cur_s, cur_z, block_size, first,
-                                    offset, bool(normalize), float(eps), bool(keep_z))
+    return MHLACausalFunction.apply(q, k, v, coeff, mdiag, state_s, state_z, cur_s, cur_z, block_size,
+                                    columns, offset, bool(normalize), float(eps), bool(keep_z))
 
 
 __all__ = ["MHLACausalFunction", "mhla_causal_triton"]

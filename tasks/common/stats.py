@@ -1,0 +1,59 @@
+"""Small statistics for results tables over seeds: mean ± std, paired per-seed differences with a 95% interval,
+and the "holds" / "level" verdict of an ordering.
+
+    diff = paired_difference({0: 93.1, 1: 94.0, 2: 92.5}, {0: 91.0, 1: 92.2, 2: 92.9})
+    diff["mean"], diff["ci95"]      # the mean of a - b over the seeds both have, and its t interval
+    ordering_verdict(a_values, b_values)   # "holds" when mean(a) - mean(b) > 2 pooled std, else "level"
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from scipy import stats as _stats
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def t_interval(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The ``level`` t interval of the mean of ``xs`` (None for fewer than 2 values)."""
+    n = len(xs)
+    if n < 2:
+        return None
+    m, s = mean_std(xs)
+    half = _stats.t.ppf(0.5 + level / 2, n - 1) * s / math.sqrt(n)
+    return m - half, m + half
+
+
+def paired_difference(a: dict, b: dict, level: float = 0.95) -> dict:
+    """Per-seed differences ``a[s] - b[s]`` over the seeds both dicts have: ``{"seeds", "diffs", "mean", "std",
+    "n", "ci95" (or None), "excludes_zero"}``."""
+    seeds = sorted(set(a) & set(b))
+    diffs = [float(a[s]) - float(b[s]) for s in seeds]
+    if not diffs:
+        return {"seeds": [], "diffs": [], "mean": None, "std": None, "n": 0, "ci95": None, "excludes_zero": False}
+    m, s = mean_std(diffs)
+    ci = t_interval(diffs, level)
+    return {"seeds": seeds, "diffs": diffs, "mean": m, "std": s, "n": len(diffs), "ci95": ci,
+            "excludes_zero": ci is not None and (ci[0] > 0 or ci[1] < 0)}
+
+
+def pooled_std(a: list[float], b: list[float]) -> float:
+    """``sqrt((var(a) + var(b)) / 2)`` (sample variances; 0 when neither has two values)."""
+    va = statistics.variance(a) if len(a) > 1 else 0.0
+    vb = statistics.variance(b) if len(b) > 1 else 0.0
+    return math.sqrt((va + vb) / 2)
+
+
+def ordering_verdict(a: list[float], b: list[float], k: float = 2.0) -> str:
+    """``"holds"`` when ``mean(a) - mean(b)`` exceeds ``k`` pooled standard deviations (and is positive), else
+    ``"level"`` (also with fewer than two values on a side: no spread, no verdict)."""
+    if len(a) < 2 or len(b) < 2:
+        return "level"
+    gap = statistics.fmean(a) - statistics.fmean(b)
+    sd = pooled_std(a, b)
+    return "holds" if gap > 0 and gap > k * sd else "level"
