@@ -1,19 +1,26 @@
-"""FSDP2 (``trainer.strategy=fsdp``) and multi-node launches, on the CPU: 2 processes under ``torchrun`` with gloo.
+"""FSDP2 (``trainer.strategy=fsdp``) and multi-node launches, on the CPU: 2 processes under ``torchrun`` with
+gloo.
 
-* classification (MNIST, a 2-block ViT of width 16 with MHLA, EMA evaluated beside the model, gradient clipping that
-  bites) and the LM task (``lm_mini``, 2 blocks of width 32 with MHLA, on a local text folder; greedy samples at the
-  end): the FSDP run's loss curve, evaluations and final weights equal a single-process run with the same global
-  batch, and an FSDP run interrupted at step 3 and resumed ends bit-identical to the uninterrupted FSDP run;
-* the checkpoint of an FSDP run is the file a single process writes (same keys, optimizer layout, EMA), and
-  ``eval.py``'s evaluation of it reproduces the run's metrics;
-* two launchers with ``--nnodes 2`` on one machine: one run folder, the result of the single-node 2-process run.
+* classification (MNIST, a 2-block ViT of width 16 with MHLA, EMA evaluated beside the model, gradient
+  clipping that bites) and the LM task (``lm_mini``, 2 blocks of width 32 with MHLA, on a local text folder;
+  greedy samples at the end): the FSDP run's loss curve, evaluations and final weights equal a single-process
+  run with the same global batch, and an FSDP run interrupted at step 3 and resumed ends bit-identical to the
+  uninterrupted FSDP run;
+* the checkpoint of an FSDP run (a DCP folder, ``last.dcp``, each rank writing its shards) reads on one
+  process as the dict a single process saves (same keys, optimizer layout, EMA), and ``eval.py``'s evaluation
+  of it reproduces the run's metrics; a run resumes across strategies (one process's ``last.pt`` under FSDP,
+  an FSDP run's ``last.dcp`` on one process);
+* two launchers with ``--nnodes 2`` on one machine: one run folder, the result of the single-node 2-process
+  run.
 
-Tolerance of "equal" (FSDP vs one process): the ranks' gradients are averaged by a reduce-scatter instead of one
-mean over the global batch, so float sums run in another order. Observed: train losses within 1e-7 relative,
-weights within 4e-6 absolute after 6 AdamW steps; asserted: losses and eval losses rtol 1e-5, weights atol 5e-5
-(rtol 1e-4). Resumed vs uninterrupted FSDP runs: exact (every tensor of the checkpoint, every logged loss).
+Tolerance of "equal" (FSDP vs one process): the ranks' gradients are averaged by a reduce-scatter instead of
+one mean over the global batch, so float sums run in another order. Observed: train losses within 1e-7
+relative, weights within 4e-6 absolute after 6 AdamW steps; asserted: losses and eval losses rtol 1e-5,
+weights atol 5e-5 (rtol 1e-4). Resumed vs uninterrupted FSDP runs: exact (every tensor of the checkpoint,
+every logged loss).
 
-Each ``torchrun`` launch runs several runs in a row (``tests/helpers/trainer_runs.py``), one thread per process.
+Each ``torchrun`` launch runs several runs in a row (``tests/helpers/trainer_runs.py``), one thread per
+process.
 """
 
 import json
@@ -34,8 +41,9 @@ TIMEOUT = 600
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# 128 samples: 4 steps per epoch at global batch 32, so 6 steps cross an epoch and the resume at 3 crosses it; 97
-# eval samples in batches of 16: rank 0 runs 4 eval batches, rank 1 three (the gathered evaluation allows it)
+# 128 samples: 4 steps per epoch at global batch 32, so 6 steps cross an epoch and the resume at 3 crosses it;
+# 97 eval samples in batches of 16: rank 0 runs 4 eval batches, rank 1 three (the gathered evaluation allows
+# it)
 CLS = ["logger=none", "trainer.progress_bar=false", "trainer.count_flops=false", "trainer.device=cpu",
        "data.limit=128", "data.eval_limit=97", "data.eval_batch_size=16", "model.embed_dim=16", "model.depth=2",
        "model.num_heads=2", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every_steps=3",
@@ -68,8 +76,11 @@ def run_torchrun(runs: list[tuple[str, list[str]]], tmp) -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 
 
-def load(run_dir, name="last.pt"):
-    return torch.load(os.path.join(run_dir, "checkpoints", name), weights_only=False)
+def load(run_dir, which="last"):
+    """The run's ``last`` checkpoint (``.pt`` or an FSDP run's ``.dcp`` folder) as one dict."""
+    from tasks.common.checkpoint import find_checkpoint, load_checkpoint  # noqa: PLC0415
+
+    return load_checkpoint(find_checkpoint(run_dir, which))
 
 
 def records(run_dir, key):
@@ -140,6 +151,12 @@ def test_shard_units_are_the_repeated_blocks():
             self.layers = nn.ModuleList(Block() for _ in range(3))
             self.head = nn.Linear(4, 2)
 
+    from tasks.video_gen.task import VideoGenTask  # noqa: PLC0415
+
+    wan = VideoGenTask(make_cfg(["task=video_mini"])).build_model()  # diffusers WanTransformer3DModel inside
+    assert [type(u).__name__ for u in shard_units(wan)] == ["WanTransformerBlock"] * len(wan.transformer.blocks)
+    assert make_cfg(["task=wan_finetune"]).trainer.strategy == "fsdp"  # the Wan recipe asks for FSDP
+
     net = Net()
     assert shard_units(net) == list(net.layers)
     assert shard_units(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) == []
@@ -156,14 +173,18 @@ def test_strategy_is_checked_at_start(tmp_path):
 @pytest.fixture(scope="module")
 def cls_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_cls")
-    dirs = {name: tmp / name for name in ("single", "fsdp", "straight", "split")}
+    dirs = {name: tmp / name for name in ("single", "fsdp", "straight", "split", "to_fsdp", "from_fsdp")}
     torch.set_num_threads(1)
-    run_single(CLS + ["data.batch_size=32"], dirs["single"])
-    two = CLS + ["data.batch_size=16"]  # x 2 processes: the same global batch
+    one, two = CLS + ["data.batch_size=32"], CLS + ["data.batch_size=16"]  # x 2 processes: the same global batch
+    run_single(one, dirs["single"])
+    run_single(one + ["trainer.stop_after_steps=3"], dirs["to_fsdp"])  # last.pt at step 3, resumed under FSDP
     run_torchrun([(dirs["fsdp"], two),
                   (dirs["straight"], two + DROP_PATH),
                   (dirs["split"], two + DROP_PATH + ["trainer.stop_after_steps=3"]),
-                  (dirs["split"], two + DROP_PATH + ["trainer.resume=last"])], tmp)
+                  (dirs["split"], two + DROP_PATH + ["trainer.resume=last"]),
+                  (dirs["to_fsdp"], two + ["trainer.resume=last"]),
+                  (dirs["from_fsdp"], two + ["trainer.stop_after_steps=3"])], tmp)
+    run_single(one + ["trainer.resume=last"], dirs["from_fsdp"])  # last.dcp at step 3, resumed on one process
     return dirs
 
 
@@ -178,6 +199,9 @@ def test_fsdp_classification_equals_one_process(cls_runs):
     assert a["step"] == b["step"] == 6
     assert_states_close(a["model"], b["model"])
     assert_states_close(a["ema"], b["ema"])  # the EMA of the sharded weights = the EMA of the whole ones
+    assert sorted(os.listdir(fsdp / "checkpoints")) == ["best.dcp", "last.dcp"]
+    assert sorted(f for f in os.listdir(fsdp / "checkpoints" / "last.dcp") if f.endswith(".distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its shards
     train_log = (fsdp / "train.log").read_text()
     assert "FSDP2 over 2 processes: sharded 2 blocks (Block), then the rest of the model" in train_log
 
@@ -198,6 +222,20 @@ def test_fsdp_classification_resume_is_bit_identical(cls_runs):
     assert records(straight, "train/loss") != records(cls_runs["fsdp"], "train/loss")
 
 
+def test_resume_across_strategies(cls_runs):
+    """One process's ``last.pt`` resumed under FSDP, and an FSDP run's ``last.dcp`` resumed on one process,
+    end where the single-process run ends (to the tolerance of FSDP vs one process)."""
+    single = load(cls_runs["single"])
+    for name, fmt in (("to_fsdp", ".dcp"), ("from_fsdp", ".pt")):
+        run = cls_runs[name]
+        state = load(run)
+        assert state["step"] == 6 and os.path.exists(run / "checkpoints" / f"last{fmt}"), name
+        assert_states_close(single["model"], state["model"])
+        assert_states_close(single["ema"], state["ema"])
+        assert_curves_close(cls_runs["single"], run, ["train/loss", "eval/loss"])
+        assert "resumed from" in (run / "train.log").read_text()
+
+
 def test_fsdp_checkpoint_is_the_single_process_file(cls_runs):
     one, fsdp = load(cls_runs["single"]), load(cls_runs["fsdp"])
     assert one.keys() == fsdp.keys()
@@ -215,8 +253,10 @@ def test_fsdp_checkpoint_is_the_single_process_file(cls_runs):
     from tasks.common.evaluation import evaluate_checkpoint  # noqa: PLC0415
 
     final = records(cls_runs["fsdp"], "eval/ema_loss")[6]
-    assert evaluate_checkpoint(str(cls_runs["fsdp"] / "checkpoints" / "last.pt"))["loss"] == pytest.approx(final,
-                                                                                                           rel=1e-5)
+    assert evaluate_checkpoint(str(cls_runs["fsdp"] / "checkpoints" / "last.dcp"))["loss"] == pytest.approx(
+        final, rel=1e-5)
+    best = load(cls_runs["fsdp"], "best")  # best.dcp: the step with the best eval top-1
+    assert best["step"] in (3, 6) and best["best_metric"] == max(records(cls_runs["fsdp"], "eval/top1").values())
 
 
 # ------------------------------------------------------------------------------------------ LM
@@ -279,8 +319,8 @@ def _free_port() -> int:
 
 
 def test_two_nodes_on_one_machine_write_one_run_folder(cls_runs, tmp_path):
-    """``torchrun --nnodes 2 --nproc_per_node 1`` twice (two elastic agents, as on two machines): one run folder
-    named by the launch (the same start time and launcher id on both nodes), and the training of the
+    """``torchrun --nnodes 2 --nproc_per_node 1`` twice (two elastic agents, as on two machines): one run
+    folder named by the launch (the same start time and launcher id on both nodes), and the training of the
     single-node 2-process run, bit for bit."""
     port = _free_port()
     cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}",
@@ -296,13 +336,15 @@ def test_two_nodes_on_one_machine_write_one_run_folder(cls_runs, tmp_path):
     assert all(node.returncode == 0 for node in nodes), "\n=====\n".join(o[-4000:] for o in outs)
     parent = tmp_path / "outputs" / "mnist" / "vit_mnist-mhla"
     (run_dir,) = [p for p in parent.iterdir()]  # one folder for both nodes
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["best.pt", "last.pt"]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["best.dcp", "last.dcp"]
     assert (run_dir / "run.json").exists() and (run_dir / "train.log").exists()
     launcher = run_dir.name.rsplit("_", 1)[1]
     assert launcher.isdigit() and int(launcher) in {node.pid for node in nodes}  # one node's agent names it
     for key in ("train/loss", "train/grad_norm", "eval/loss", "eval/ema_loss"):
         assert records(run_dir, key) == records(cls_runs["fsdp"], key), key
     assert_states_equal(load(run_dir)["model"], load(cls_runs["fsdp"])["model"])
-    # global rank 0 alone writes: each line of train.log once
+    # global rank 0 alone writes: each line of train.log once; the ranks read their node from torchrun's
+    # variables
     lines = (run_dir / "train.log").read_text().splitlines()
+    assert sum("torchrun: 2 processes on 2 nodes (1 per node), trainer.strategy=fsdp" in line for line in lines) == 1
     assert sum("step 6: top1=" in line for line in lines) == 1

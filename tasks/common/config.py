@@ -345,11 +345,12 @@ def _under_torchrun() -> bool:
 
 
 def _agreed_launch() -> tuple[float, str] | None:
-    """Under ``torchrun`` (its elastic agents' store at ``MASTER_ADDR:MASTER_PORT``): the start time and the id of
-    the launcher (the elastic agent's pid) of the first rank of this launch to ask, the same for every rank on
-    every node; None where there is no such store (another launcher). A key in that store, set once per launch."""
+    """Under ``torchrun`` (its elastic agents' store at ``MASTER_ADDR:MASTER_PORT``): the start time and the
+    id of the launcher (the elastic agent's pid) of the first rank of this launch to ask, the same for every
+    rank on every node; None where there is no such store (another launcher). A key in that store, set once
+    per launch."""
     env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
         return None
     key = (env["MASTER_ADDR"], env["MASTER_PORT"], env.get("TORCHELASTIC_RUN_ID"))
     if key not in _AGREED:
@@ -368,10 +369,11 @@ def _agreed_launch() -> tuple[float, str] | None:
 
 
 def launch_id() -> str:
-    """An id shared by the processes of one launch: this process's pid; under ``torchrun`` the pid of the elastic
-    agent (the common parent of a node's ranks) of the launch's first rank, agreed through torchrun's store so that
-    the ranks on every node share it (else this node's agent). Part of the default run folder, so that two runs
-    started in the same second get different folders while the ranks of one run share theirs."""
+    """An id shared by the processes of one launch: this process's pid; under ``torchrun`` the pid of the
+    elastic agent (the common parent of a node's ranks) of the launch's first rank, agreed through torchrun's
+    store so that the ranks on every node share it (else this node's agent). Part of the default run folder,
+    so that two runs started in the same second get different folders while the ranks of one run share
+    theirs."""
     if not _under_torchrun():
         return str(os.getpid())
     agreed = _agreed_launch()
@@ -379,9 +381,9 @@ def launch_id() -> str:
 
 
 def launch_time(fmt: str = "%Y-%m-%d_%H-%M-%S") -> str:
-    """The start time of this launch, formatted (``strftime``): now; under ``torchrun`` the time its first rank
-    asked, agreed as :func:`launch_id` is, so that ranks that resolve the run folder a second apart (or on
-    nodes started apart) name the same folder."""
+    """The start time of this launch, formatted (``strftime``): now; under ``torchrun`` the time its first
+    rank asked, agreed as :func:`launch_id` is, so that ranks that resolve the run folder a second apart (or
+    on nodes started apart) name the same folder."""
     import datetime  # noqa: PLC0415
 
     agreed = _agreed_launch() if _under_torchrun() else None

@@ -1,37 +1,40 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the trainer: ``trainer.strategy=fsdp`` under ``torchrun``.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the trainer: ``trainer.strategy=fsdp`` under
+``torchrun``.
 
 Sharding: :func:`shard_model` applies ``fully_shard`` to each of the model's transformer blocks
 (:func:`shard_units`), then to the model itself (the root: the embeddings, heads and everything outside the
-blocks). Every parameter becomes a ``DTensor`` sharded on its first dimension across the ranks; the model keeps its
-class, its parameter names and their order, so the optimizer groups, the modules' hooks and the EMA see the same
-names as in a single-process run. The rule for the blocks, in order:
+blocks). Every parameter becomes a ``DTensor`` sharded on its first dimension across the ranks; the model
+keeps its class, its parameter names and their order, so the optimizer groups, the modules' hooks and the EMA
+see the same names as in a single-process run. The rule for the blocks, in order:
 
-1. the classes named in ``_no_split_modules`` (the transformers / diffusers convention: ``WanTransformerBlock``,
-   ``MHLALMBlock``, ``LlamaDecoderLayer``, ...) of the model or any of its modules;
-2. else the children of each ``nn.ModuleList`` / ``nn.Sequential`` that holds two or more modules of one class,
-   each with submodules of its own (``blocks``, ``layers``, the stages of a hierarchical model): the repeated
-   blocks, not a ``Sequential(Linear, GELU, Linear)``;
+1. the classes named in ``_no_split_modules`` (the transformers / diffusers convention:
+   ``WanTransformerBlock``, ``MHLALMBlock``, ``LlamaDecoderLayer``, ...) of the model or any of its modules;
+2. else the children of each ``nn.ModuleList`` / ``nn.Sequential`` that holds two or more modules of one
+   class, each with submodules of its own (``blocks``, ``layers``, the stages of a hierarchical model): the
+   repeated blocks, not a ``Sequential(Linear, GELU, Linear)``;
 
-only the outermost of them (a block inside a block is not sharded on its own); a model with none is sharded as one
-unit (the root).
+only the outermost of them (a block inside a block is not sharded on its own); a model with none is sharded as
+one unit (the root).
 
-Mixed precision (:func:`mixed_precision`): with ``trainer.precision`` bf16 / fp16, parameters are all-gathered and
-used in that dtype, gradients are reduced in fp32, and the sharded parameters and the optimizer stay fp32; the
-trainer's autocast stays on as with DDP. Inputs are not cast (``cast_forward_inputs=False``): timesteps and
-rotary tables stay fp32, as under DDP's autocast.
+Mixed precision (:func:`mixed_precision`): with ``trainer.precision`` bf16 / fp16, parameters are all-gathered
+and used in that dtype, gradients are reduced in fp32, and the sharded parameters and the optimizer stay fp32;
+the trainer's autocast stays on as with DDP. Inputs are not cast (``cast_forward_inputs=False``): timesteps
+and rotary tables stay fp32, as under DDP's autocast.
 
 Evaluation and ``after_fit``: :func:`gathered` all-gathers the parameters of the model (and the EMA) for the
 duration: the forward passes inside then need no communication, so ranks may run different numbers of them
 (uneven evaluation shards, ``model.generate`` on rank 0 alone), and the modules' ``logged_matrices`` see whole
 matrices. It costs one unsharded copy of the weights (in the compute dtype) per rank while it lasts.
 
-Checkpoints (:func:`full_model_state`, :func:`full_optimizer_state`, :func:`load_optimizer_state`): the trainer
-saves the same ``last.pt`` / ``best.pt`` as with DDP: full (unsharded) model, EMA and optimizer states, gathered
-to rank 0's CPU memory with ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
-``get_optimizer_state_dict``, ``full_state_dict=True, cpu_offload=True``), the optimizer state keyed by parameter
-index as ``optimizer.state_dict()`` keys it. A resume loads the model and EMA weights into the model before it is
-sharded and the optimizer with ``set_optimizer_state_dict`` (``broadcast_from_rank0=True``). So ``eval.py`` and
-every script that reads a checkpoint read an FSDP run's as any other, and a run may resume under either strategy.
+Checkpoints (:func:`sharded_state`, :func:`load_sharded`): with ``torch.distributed.checkpoint`` (DCP). Each
+rank writes its own shards of the model, optimizer and EMA to the run's ``checkpoints/last.dcp/`` folder
+(:meth:`tasks.common.checkpoint.CheckpointManager.save_sharded`): nothing is gathered, no rank holds more than
+its shard. A resume builds the same sharded state dicts on the sharded model and loads them in place
+(``dcp.load``, then ``set_model_state_dict`` / ``set_optimizer_state_dict``); DCP re-shards on load, so a run
+may resume on another number of processes. On one process, :func:`tasks.common.checkpoint.load_checkpoint`
+reads the folder as whole tensors in a single process's layout, so ``eval.py``, the scripts and a DDP resume
+read it as a ``last.pt``. The other way, an FSDP run resumed from a ``.pt`` loads the whole weights into the
+model before it is sharded and the optimizer state from rank 0 (:func:`load_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ import contextlib
 
 import torch
 import torch.nn as nn
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -61,8 +66,8 @@ def device_mesh(device: torch.device, world_size: int) -> DeviceMesh:
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules :func:`shard_model` shards on their own: the model's blocks, by the rule in the module
-    docstring (``_no_split_modules`` classes, else the repeated blocks of a ModuleList / Sequential), outermost
-    only, in the order of ``model.modules()``; those without parameters are left to the root."""
+    docstring (``_no_split_modules`` classes, else the repeated blocks of a ModuleList / Sequential),
+    outermost only, in the order of ``model.modules()``; those without parameters are left to the root."""
     names: set[str] = set()
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or ())
@@ -73,7 +78,8 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
         for m in model.modules():
             if isinstance(m, (nn.ModuleList, nn.Sequential)):
                 kids = list(m.children())
-                if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and any(True for _ in kids[0].children()):
+                repeated = len(kids) >= 2 and len({type(k) for k in kids}) == 1
+                if repeated and any(True for _ in kids[0].children()):
                     candidates.extend(kids)
     units, covered = [], set()
     for m in candidates:
@@ -85,8 +91,8 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
-    """``fp32``: none; ``bf16`` / ``fp16``: parameters all-gathered and computed in that dtype, gradients reduced
-    in fp32, inputs left as they are (the trainer's autocast casts what it casts under DDP)."""
+    """``fp32``: none; ``bf16`` / ``fp16``: parameters all-gathered and computed in that dtype, gradients
+    reduced in fp32, inputs left as they are (the trainer's autocast casts what it casts under DDP)."""
     if precision == "fp32":
         return MixedPrecisionPolicy(cast_forward_inputs=False)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -115,13 +121,14 @@ def is_sharded(module: nn.Module | None) -> bool:
 
 
 def _fsdp_modules(*modules: nn.Module | None) -> list[FSDPModule]:
-    return [m for module in modules if module is not None for m in module.modules() if isinstance(m, FSDPModule)]
+    return [m for module in modules if module is not None
+            for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 @contextlib.contextmanager
 def gathered(*modules: nn.Module | None):
-    """Within the block, the parameters of the FSDP ``modules`` are whole (plain tensors, all-gathered once) and
-    stay so through forward passes, which then communicate nothing; every rank must enter it. A no-op for
+    """Within the block, the parameters of the FSDP ``modules`` are whole (plain tensors, all-gathered once)
+    and stay so through forward passes, which then communicate nothing; every rank must enter it. A no-op for
     modules that are not sharded (DDP, one process)."""
     units = _fsdp_modules(*modules)
     if not units:
@@ -143,29 +150,33 @@ def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema_module: nn.Module | None) -> dict:
+    """What DCP saves of a sharded run: ``model`` and ``ema`` (the EMA's module) state dicts and the
+    optimizer's (keyed by parameter name), their tensors this rank's shards (DTensors). Builds the optimizer's
+    state (zeros) if it has none yet, as a load target needs it."""
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if ema_module is not None:
+        state["ema"] = get_model_state_dict(ema_module)
+    return state
 
 
-def full_model_state(module: nn.Module) -> dict:
-    """``module.state_dict()`` with whole tensors on the CPU, on rank 0 ({} on the others); a collective."""
-    return get_model_state_dict(module, options=_FULL)
+def load_sharded(path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 ema_module: nn.Module | None) -> None:
+    """Load a DCP checkpoint folder (:meth:`~tasks.common.checkpoint.CheckpointManager.save_sharded`) into the
+    sharded ``model``, ``optimizer`` and EMA module, each rank reading the pieces of its shards; a
+    collective."""
+    state = sharded_state(model, optimizer, ema_module)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if ema_module is not None:
+        set_model_state_dict(ema_module, state["ema"])
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The names of the optimizer's parameters in its order (the index ``optimizer.state_dict()`` keys by)."""
     names = {id(p): n for n, p in model.named_parameters()}
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` as a single process has it (keyed by parameter index, whole tensors on the CPU),
-    on rank 0 ({} on the others); a collective."""
-    state = get_optimizer_state_dict(model, optimizer, options=_FULL)
-    if not state:
-        return {}
-    index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
-    return {"state": dict(sorted((index[name], s) for name, s in state["state"].items())),
-            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state["param_groups"]]}
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, rank: int) -> None:
@@ -177,7 +188,8 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     by_name = {}
     if rank == 0:
         by_name = {"state": {names[i]: s for i, s in state["state"].items()},
-                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                    for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):

@@ -1,20 +1,21 @@
 """The training loop every task uses.
 
 A task supplies a :class:`Task` (model, datasets, loss, evaluation); :class:`Trainer` does the rest:
-devices and ``torchrun`` (DDP, or FSDP2 with ``trainer.strategy=fsdp``: :mod:`tasks.common.fsdp`), seeds,
-AdamW with a cosine schedule and warmup, gradient clipping, mixed precision (bf16 autocast on GPU), EMA, the
-modules' training hooks (:mod:`tasks.common.hooks`: optimizer groups, a call after each optimizer step, matrices
-to log), progress bars, periodic evaluation, atomic checkpoints (``last.pt`` and ``best.pt``, the same file under
-every strategy) with exact resume, and logging (stdout, ``train.log``, ``metrics.jsonl``, W&B offline by
-default).
+devices and ``torchrun`` on one node or several (DDP, or FSDP2 with ``trainer.strategy=fsdp``:
+:mod:`tasks.common.fsdp`), seeds, AdamW with a cosine schedule and warmup, gradient clipping, mixed precision
+(bf16 autocast on GPU), EMA, the modules' training hooks (:mod:`tasks.common.hooks`: optimizer groups, a call
+after each optimizer step, matrices to log), progress bars, periodic evaluation, atomic checkpoints
+(``last.pt`` and ``best.pt``; under FSDP the DCP folders ``last.dcp`` and ``best.dcp``, which every reader
+of a checkpoint reads as the same dict) with exact resume, and logging (stdout, ``train.log``,
+``metrics.jsonl``, W&B offline by default).
 
 Exact resume: the checkpoint holds the model, optimizer, scheduler, EMA, RNG states and the step; the data
 order is a function of ``(seed, epoch)`` (:class:`~tasks.common.data.ResumableSampler`), each ``DataLoader`` has
 its own generator seeded from ``(seed, epoch)`` (so making an iterator does not consume the global RNG that
 drop-path uses), and a resumed run skips the batches of the current epoch it already consumed. A resumed run
 therefore ends with the same parameters, and logs the same losses, as an uninterrupted one (tested, with
-drop-path). ``trainer.resume``: ``auto`` (this run folder's ``last.pt`` if there is one), ``last`` (it must be
-there), or a run folder / checkpoint path.
+drop-path). ``trainer.resume``: ``auto`` (this run folder's ``last.pt`` / ``last.dcp`` if there is one),
+``last`` (it must be there), or a run folder / checkpoint path.
 
 Logging: each record goes with the same keys to ``metrics.jsonl``, W&B and the text lines
 (:mod:`tasks.common.logger`); with W&B, a heatmap of every matrix the modules log at each evaluation (MHLA's
@@ -50,7 +51,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from .checkpoint import CheckpointManager, find_checkpoint, load_run_checkpoint
+from .checkpoint import (
+    TRAINER_STATE,
+    CheckpointManager,
+    find_checkpoint,
+    is_sharded_checkpoint,
+    latest_checkpoint,
+    load_run_checkpoint,
+)
 from .config import ConfigError, check_trainer
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
@@ -116,8 +124,8 @@ class Task:
         """Hook for task-specific end-of-run work (sample grids, ...). Returns extra metrics, and
         :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``.
 
-        Every rank calls it. Under FSDP the weights of ``trainer.model`` and ``trainer.ema.module`` are whole for
-        its duration (:func:`tasks.common.fsdp.gathered`), so rank 0 may sample alone; a transformers
+        Every rank calls it. Under FSDP the weights of ``trainer.model`` and ``trainer.ema.module`` are whole
+        for its duration (:func:`tasks.common.fsdp.gathered`), so rank 0 may sample alone; a transformers
         ``generate`` there needs ``synced_gpus=False`` (it would wait for the other ranks at each token)."""
         return {}
 
@@ -323,11 +331,15 @@ class Trainer:
             run_log().info(msg)
 
     def _wrap(self, model: nn.Module, ema: ModelEMA | None) -> nn.Module:
-        """The model the training step runs: ``model`` itself with one process; under ``torchrun``, DDP around it
-        (``trainer.strategy=ddp``) or ``model`` sharded in place with FSDP2 (``fsdp``; the EMA's copy is sharded
-        the same way, so each rank averages its own shard: :mod:`tasks.common.fsdp`)."""
+        """The model the training step runs: ``model`` itself with one process; under ``torchrun``, DDP around
+        it (``trainer.strategy=ddp``) or ``model`` sharded in place with FSDP2 (``fsdp``; the EMA's copy is
+        sharded the same way, so each rank averages its own shard: :mod:`tasks.common.fsdp`)."""
         if not self.dist.enabled:
             return model
+        d = self.dist
+        nodes = d.world_size // max(d.local_world_size, 1)
+        self._print(f"torchrun: {d.world_size} processes on {nodes} node{'s' * (nodes != 1)} "
+                    f"({d.local_world_size} per node), trainer.strategy={self.tcfg.get('strategy', 'ddp')}")
         if self.tcfg.get("strategy", "ddp") == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
             return DDP(model, device_ids=ids)
@@ -336,7 +348,8 @@ class Trainer:
         if ema is not None:
             fsdp.shard_model(ema.module, mesh, self.precision)
         self._print(f"FSDP2 over {self.dist.world_size} processes: sharded {sharded}"
-                    + ("" if self.precision == "fp32" else f"; {self.precision} parameters, fp32 gradient reduction"))
+                    + ("" if self.precision == "fp32"
+                       else f"; {self.precision} parameters, fp32 gradient reduction"))
         return model
 
     def _loader(self, dataset, sampler, batch_size: int, generator: torch.Generator) -> DataLoader:
@@ -395,37 +408,44 @@ class Trainer:
         resume = self.tcfg.get("resume")
         if resume is None or resume is False or resume == "":
             return None
-        own = self.run_dir / "checkpoints" / "last.pt"
+        own = latest_checkpoint(self.run_dir / "checkpoints")  # last.pt, or last.dcp (FSDP)
         if resume == "auto":
-            if own.exists():
+            if own is not None:
                 return own
-            self._print(f"resume=auto: no checkpoint at {own}, starting fresh (to continue a run in another "
-                        f"folder, pass trainer.resume=<its run folder>)")
+            self._print(f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}, starting fresh (to "
+                        f"continue a run in another folder, pass trainer.resume=<its run folder>)")
             return None
         if resume is True or resume == "last":
-            if not own.exists():
+            if own is None:
                 raise FileNotFoundError(
-                    f"trainer.resume={resume}: no checkpoint at {own}. Pass trainer.resume=<run folder or "
-                    f"checkpoint> to continue another run, or trainer.resume=auto to start fresh when there is "
-                    f"none")
+                    f"trainer.resume={resume}: no checkpoint (last.pt / last.dcp) in "
+                    f"{self.run_dir / 'checkpoints'}. Pass trainer.resume=<run folder or checkpoint> to "
+                    f"continue another run, or trainer.resume=auto to start fresh when there is none")
             return own
         return find_checkpoint(resume)
 
     def _load_resume(self, model: nn.Module, ckpt: CheckpointManager, facts: dict) -> dict | None:
         """Load the weights of the checkpoint to resume into ``model`` (before wrapping, so full weights load
-        into the plain model) and return its state; warn about settings that changed; None to start fresh."""
+        into the plain model) and return its state; warn about settings that changed; None to start fresh. An
+        FSDP run resuming from a DCP folder reads only its ``trainer.pt`` here (the state's ``sharded_from``):
+        the tensors load after sharding (:meth:`_restore`)."""
         path = self._resume_path()
         if path is None:
-            if ckpt.last_path.exists():
-                self._print(f"WARNING: {ckpt.last_path} is left from an earlier run in this folder; this fresh run "
+            if (left := latest_checkpoint(ckpt.dir)) is not None:
+                self._print(f"WARNING: {left} is left from an earlier run in this folder; this fresh run "
                             f"overwrites it (trainer.resume=auto would continue it)")
             return None
-        if self._fsdp:  # every rank maps the file; the weights go to the model before it is sharded
+        if self._fsdp and is_sharded_checkpoint(path):
+            state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+            state["sharded_from"] = path
+        elif self._fsdp:  # every rank maps the file; the weights go to the model before it is sharded
             state = load_run_checkpoint(path, map_location="cpu", require=("optimizer", "scheduler", "rng"),
                                         mmap=True)
         else:
-            state = load_run_checkpoint(path, map_location=self.device, require=("optimizer", "scheduler", "rng"))
-        model.load_state_dict(state["model"])
+            state = load_run_checkpoint(path, map_location=self.device,
+                                        require=("optimizer", "scheduler", "rng"))
+        if "sharded_from" not in state:
+            model.load_state_dict(state["model"])
         step, total = int(state["step"]), facts["total_steps"]
         self._print(f"resumed from {path} at step {step}")
         for warning in resume_mismatches(state, facts):
@@ -442,11 +462,16 @@ class Trainer:
 
     def _restore(self, state: dict, run: _Run) -> None:
         """Optimizer, scheduler, EMA, scaler, RNG and best metric from a checkpoint's ``state``."""
-        if fsdp.is_sharded(run.model):
+        if "sharded_from" in state:  # FSDP from a DCP folder: each rank loads its shards
+            fsdp.load_sharded(state["sharded_from"], run.model, run.optimizer,
+                              run.ema.module if run.ema is not None else None)
+            if run.ema is not None and state.get("ema_num_updates") is not None:
+                run.ema.num_updates.copy_(state["ema_num_updates"])
+        elif fsdp.is_sharded(run.model):  # FSDP from a .pt: the weights were loaded before sharding
             fsdp.load_optimizer_state(run.model, run.optimizer, state["optimizer"], self.dist.rank)
         else:
             run.optimizer.load_state_dict(state["optimizer"])
-        run.scheduler.load_state_dict(state["scheduler"])  # (the EMA was loaded before sharding: _setup)
+        run.scheduler.load_state_dict(state["scheduler"])  # (a .pt's EMA was loaded before sharding: _setup)
         if state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)]
@@ -499,7 +524,7 @@ class Trainer:
                  "lr": float(cfg.optim.lr), "seed": seed}
 
         ckpt = CheckpointManager(self.run_dir / "checkpoints", monitor=self.task.monitor,
-                                 mode=self.task.monitor_mode)
+                                 mode=self.task.monitor_mode, sharded=self._fsdp)
         if self.dist.is_main and (stale := ckpt.remove_stale_temp_files()):
             self._print(f"removed {len(stale)} temp file(s) left by an interrupted checkpoint save in {ckpt.dir}")
         state = self._load_resume(model, ckpt, facts)
@@ -720,43 +745,42 @@ class Trainer:
         return metrics
 
     def _save(self, run: _Run, metrics: dict | None) -> None:
-        """Write ``last.pt`` (and ``best.pt`` when ``metrics`` improved) from the main process."""
+        """Write ``last.pt`` (and ``best.pt`` when ``metrics`` improved) from the main process; under FSDP
+        ``last.dcp`` (``best.dcp``) from every rank, each writing its shards."""
         rngs = rng_state()
         if self.dist.enabled:
             gathered = [None] * self.dist.world_size
             dist.all_gather_object(gathered, rngs)
             rngs = gathered
-        model_state, optim_state, ema_state = self._full_state(run)
         run.saved_step = run.step
+        if fsdp.is_sharded(run.model):
+            ema = run.ema.module if run.ema is not None else None
+            tensors = fsdp.sharded_state(run.model, run.optimizer, ema)
+            ema_updates = run.ema.num_updates.detach().cpu().clone() if run.ema is not None else None
+            state = {**self._trainer_state(run, rngs), "ema_num_updates": ema_updates}
+            run.ckpt.save_sharded(tensors, state, metrics, run.step, self.dist.is_main)
+            return
         if not self.dist.is_main:
             return
         state = {
-            "model": model_state,
-            "optimizer": optim_state,
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "ema": run.ema.state_dict() if run.ema is not None else None,
+            **self._trainer_state(run, rngs),
+        }
+        run.ckpt.save(state, metrics)
+
+    def _trainer_state(self, run: _Run, rngs) -> dict:
+        """What a checkpoint holds besides the model, optimizer and EMA weights."""
+        return {
             "scheduler": run.scheduler.state_dict(),
             "scaler": run.scaler.state_dict(),
-            "ema": ema_state,
             "step": run.step,
             "rng": rngs,
             "config": self.cfg_container(),
             "run": {k: run.facts[k] for k in _RESUME_FACTS},
             "wandb_run_id": run.logger.run_id if run.logger is not None else None,
         }
-        run.ckpt.save(state, metrics)
-
-    def _full_state(self, run: _Run) -> tuple[dict, dict, dict | None]:
-        """Model, optimizer and EMA state dicts (the EMA's None without one). Under FSDP they are gathered whole to
-        rank 0's CPU (the other ranks get empty dicts; every rank must call this), in the layout of a single
-        process's: ``last.pt`` is the same file for every strategy (:mod:`tasks.common.fsdp`)."""
-        if not fsdp.is_sharded(run.model):
-            return (run.model.state_dict(), run.optimizer.state_dict(),
-                    run.ema.state_dict() if run.ema is not None else None)
-        ema_state = None
-        if run.ema is not None:
-            module = fsdp.full_model_state(run.ema.module)
-            ema_state = {"num_updates": run.ema.num_updates.detach().cpu().clone(),
-                         **{f"module.{k}": v for k, v in module.items()}}
-        return fsdp.full_model_state(run.model), fsdp.full_optimizer_state(run.model, run.optimizer), ema_state
 
     def cfg_container(self):
         return OmegaConf.to_container(self.cfg, resolve=True) if OmegaConf.is_config(self.cfg) else self.cfg

@@ -1,10 +1,11 @@
-"""Several ``train.py`` runs one after another in one launch (one process, or each rank under ``torchrun``), so
-that the start-up (imports, process group) is paid once:
+"""Several ``train.py`` runs one after another in one launch (one process, or each rank under ``torchrun``),
+so that the start-up (imports, process group) is paid once:
 
     torchrun --nproc_per_node=2 tests/helpers/trainer_runs.py SPEC.json
 
-``SPEC.json``: ``[{"dir": run folder, "overrides": [Hydra overrides of configs/train.yaml]}, ...]``, each run by
-``train.run`` (what ``python train.py`` runs) in its folder, in order; the process group stays up between them.
+``SPEC.json``: ``[{"dir": run folder, "overrides": [Hydra overrides of configs/train.yaml]}, ...]``, each run
+by ``train.run`` (what ``python train.py`` runs) in its folder, in order; the process group stays up between
+them.
 """
 
 import json
