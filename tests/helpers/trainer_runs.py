@@ -5,7 +5,8 @@ so that the start-up (imports, process group) is paid once:
 
 ``SPEC.json``: ``[{"dir": run folder, "overrides": [Hydra overrides of configs/train.yaml]}, ...]``, each run
 by ``train.run`` (what ``python train.py`` runs) in its folder, in order; the process group stays up between
-them.
+them. ``"dir": null``: the folder ``python train.py`` would make (``hydra.run.dir`` resolved, relative to the
+current folder; under torchrun the one that the ranks of all nodes agree on).
 """
 
 import json
@@ -19,6 +20,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 
 def main(spec_path: str) -> None:
@@ -29,8 +31,12 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     for item in spec:
         with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=list(item["overrides"]))
-        train.run(cfg, item["dir"])
+            cfg = compose(config_name="train", overrides=list(item["overrides"]), return_hydra_config=True)
+        run_dir = item["dir"] or OmegaConf.select(cfg, "hydra.run.dir")  # the resolvers train.py registered
+        with open_dict(cfg):
+            del cfg["hydra"]  # as @hydra.main passes it
+        os.makedirs(run_dir, exist_ok=True)
+        train.run(cfg, run_dir)
     if dist.is_initialized():
         dist.destroy_process_group()
 
