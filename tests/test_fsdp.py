@@ -351,3 +351,38 @@ def test_two_nodes_on_one_machine_write_one_run_folder(cls_runs):
     assert sum("torchrun: 2 processes on 2 nodes (1 per node), trainer.strategy=fsdp" in line
                for line in lines) == 1
     assert sum("step 6: top1=" in line for line in lines) == 1
+
+
+# ------------------------------------------------------------------------------------------ DCP folders
+def test_dcp_folders_replace_atomically_and_recover(tmp_path):
+    """``CheckpointManager.save_sharded`` on one process (DCP needs no process group): ``last.dcp`` replaced
+    whole at each save, ``best.dcp`` a copy when the metric improves; a save stopped between its renames (only
+    ``.last.dcp.old`` left) and a temp folder of a killed save are put right at the next start."""
+    import torch.nn as nn  # noqa: PLC0415
+
+    from tasks.common.checkpoint import CheckpointManager, find_checkpoint, load_checkpoint  # noqa: PLC0415
+    from tasks.common.fsdp import sharded_state  # noqa: PLC0415
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckpt = CheckpointManager(tmp_path, monitor="top1", mode="max", sharded=True)
+
+    def save(step, top1):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        state = {"step": step, "config": {}, "scheduler": {}, "rng": [], "ema_num_updates": None}
+        return ckpt.save_sharded(sharded_state(model, opt, None), state, {"top1": top1}, step, True)
+
+    assert save(1, 0.5) and not save(2, 0.4)
+    last, best = load_checkpoint(tmp_path / "last.dcp"), load_checkpoint(tmp_path / "best.dcp")
+    assert (last["step"], best["step"], best["best_metric"]) == (2, 1, 0.5)
+    assert torch.equal(last["model"]["weight"], torch.full((2, 3), 2.0)) and last["ema"] is None
+    assert list(last["optimizer"]["state"]) == [0, 1] and last["optimizer"]["param_groups"][0]["params"] == [0, 1]
+    assert find_checkpoint(tmp_path.parent / tmp_path.name) == tmp_path / "last.dcp"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.dcp", "last.dcp"]  # nothing left behind
+
+    os.rename(tmp_path / "last.dcp", tmp_path / ".last.dcp.old")  # stopped between the renames
+    (tmp_path / ".last.dcp.step3.tmp").mkdir()  # a save killed while writing
+    removed = CheckpointManager(tmp_path, sharded=True).remove_stale_temp_files()
+    assert [p.name for p in removed] == [".last.dcp.step3.tmp"]
+    assert load_checkpoint(find_checkpoint(tmp_path))["step"] == 2
