@@ -43,6 +43,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TIMEOUT = 600
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+#: the tests that use the torchrun launches (two for the whole module; the file took 2.5 min on the 2 shared
+#: cores at load average 14): part of ``make test``, left out by ``make test-fast``
+SLOW = pytest.mark.slow
 
 # 128 samples: 4 steps per epoch at global batch 32, so 6 steps cross an epoch and the resume at 3 crosses it;
 # 97 eval samples in batches of 16: rank 0 runs 4 eval batches, rank 1 three (the gathered evaluation allows
@@ -213,6 +216,7 @@ def cls_runs(tmp_path_factory):
     return dirs
 
 
+@SLOW
 def test_fsdp_classification_equals_one_process(cls_runs):
     one, fsdp = cls_runs["single"], cls_runs["fsdp"]
     assert_curves_close(one, fsdp, ["train/loss", "train/grad_norm", "eval/loss", "eval/ema_loss"])
@@ -231,6 +235,7 @@ def test_fsdp_classification_equals_one_process(cls_runs):
     assert "FSDP2 over 2 processes: sharded 2 blocks (Block), then the rest of the model" in train_log
 
 
+@SLOW
 def test_fsdp_classification_resume_is_bit_identical(cls_runs):
     straight, split = cls_runs["straight"], cls_runs["split"]
     a, b = load(straight), load(split)
@@ -247,6 +252,7 @@ def test_fsdp_classification_resume_is_bit_identical(cls_runs):
     assert records(straight, "train/loss") != records(cls_runs["fsdp"], "train/loss")
 
 
+@SLOW
 def test_resume_across_strategies(cls_runs):
     """One process's ``last.pt`` resumed under FSDP, and an FSDP run's ``last.dcp`` resumed on one process,
     end where the single-process run ends (to the tolerance of FSDP vs one process)."""
@@ -261,6 +267,7 @@ def test_resume_across_strategies(cls_runs):
         assert "resumed from" in (run / "train.log").read_text()
 
 
+@SLOW
 def test_fsdp_checkpoint_is_the_single_process_file(cls_runs):
     one, fsdp = load(cls_runs["single"]), load(cls_runs["fsdp"])
     assert one.keys() == fsdp.keys()
@@ -312,6 +319,7 @@ def lm_runs(tmp_path_factory):
     return dirs
 
 
+@SLOW
 def test_fsdp_lm_equals_one_process(lm_runs):
     one, fsdp = lm_runs["single"], lm_runs["straight"]
     assert_curves_close(one, fsdp, ["train/loss", "train/grad_norm", "eval/val_loss"])
@@ -325,6 +333,7 @@ def test_fsdp_lm_equals_one_process(lm_runs):
     assert "sharded 2 blocks (MHLALMBlock)" in (fsdp / "train.log").read_text()
 
 
+@SLOW
 def test_fsdp_lm_resume_is_bit_identical(lm_runs):
     straight, split = lm_runs["straight"], lm_runs["split"]
     a, b = load(straight), load(split)
@@ -337,6 +346,7 @@ def test_fsdp_lm_resume_is_bit_identical(lm_runs):
 
 
 # ------------------------------------------------------------------------------------------ multi-node
+@SLOW
 def test_two_nodes_on_one_machine_write_one_run_folder(cls_runs):
     """The classification launch was two ``torchrun --nnodes 2 --nproc_per_node 1`` launchers (two elastic
     agents, as on two machines): the default run folder is one, named by the launch (the same start time and
@@ -354,6 +364,7 @@ def test_two_nodes_on_one_machine_write_one_run_folder(cls_runs):
 
 
 # ------------------------------------------------------------------------------------------ DCP folders
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: what we want
 def test_dcp_folders_replace_atomically_and_recover(tmp_path):
     """``CheckpointManager.save_sharded`` on one process (DCP needs no process group): ``last.dcp`` replaced
     whole at each save, ``best.dcp`` a copy when the metric improves; a save stopped between its renames (only

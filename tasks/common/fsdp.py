@@ -116,10 +116,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, precision: str = "fp32") -> 
     return words
 
 
-def is_sharded(module: nn.Module | None) -> bool:
-    return isinstance(module, FSDPModule)
-
-
 def _fsdp_modules(*modules: nn.Module | None) -> list[FSDPModule]:
     return [m for module in modules if module is not None
             for m in module.modules() if isinstance(m, FSDPModule)]

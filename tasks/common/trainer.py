@@ -63,7 +63,6 @@ from .config import ConfigError, check_trainer
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
-from . import fsdp
 from .hooks import after_optimizer_step, logged_matrices
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
@@ -78,6 +77,13 @@ from .utils import (
     set_rng_state,
     system_info,
 )
+
+
+def _fsdp_module():
+    """:mod:`tasks.common.fsdp`, imported when a run uses FSDP (torch's FSDP and DCP take ~1 s to import)."""
+    from . import fsdp  # noqa: PLC0415
+
+    return fsdp
 
 
 class Task:
@@ -323,6 +329,11 @@ class Trainer:
         """FSDP2 shards this run: ``trainer.strategy=fsdp`` with more than one process."""
         return self.dist.enabled and self.tcfg.get("strategy", "ddp") == "fsdp"
 
+    def _gathered(self, *modules: nn.Module | None):
+        """Under FSDP, the whole weights of ``modules`` for the block (:func:`tasks.common.fsdp.gathered`);
+        else nothing."""
+        return _fsdp_module().gathered(*modules) if self._fsdp else contextlib.nullcontext()
+
     def _print(self, *args) -> None:
         """Print on the main process, and write the line to ``train.log``."""
         if self.dist.is_main:
@@ -343,6 +354,7 @@ class Trainer:
         if self.tcfg.get("strategy", "ddp") == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
             return DDP(model, device_ids=ids)
+        fsdp = _fsdp_module()
         mesh = fsdp.device_mesh(self.device, self.dist.world_size)
         sharded = fsdp.shard_model(model, mesh, self.precision)
         if ema is not None:
@@ -463,12 +475,12 @@ class Trainer:
     def _restore(self, state: dict, run: _Run) -> None:
         """Optimizer, scheduler, EMA, scaler, RNG and best metric from a checkpoint's ``state``."""
         if "sharded_from" in state:  # FSDP from a DCP folder: each rank loads its shards
-            fsdp.load_sharded(state["sharded_from"], run.model, run.optimizer,
+            _fsdp_module().load_sharded(state["sharded_from"], run.model, run.optimizer,
                               run.ema.module if run.ema is not None else None)
             if run.ema is not None and state.get("ema_num_updates") is not None:
                 run.ema.num_updates.copy_(state["ema_num_updates"])
-        elif fsdp.is_sharded(run.model):  # FSDP from a .pt: the weights were loaded before sharding
-            fsdp.load_optimizer_state(run.model, run.optimizer, state["optimizer"], self.dist.rank)
+        elif self._fsdp:  # FSDP from a .pt: the weights were loaded before sharding
+            _fsdp_module().load_optimizer_state(run.model, run.optimizer, state["optimizer"], self.dist.rank)
         else:
             run.optimizer.load_state_dict(state["optimizer"])
         run.scheduler.load_state_dict(state["scheduler"])  # (a .pt's EMA was loaded before sharding: _setup)
@@ -539,7 +551,7 @@ class Trainer:
         optimizer = build_optimizer(wrapped, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.sched, total, sampler.batches_per_epoch)
         fp16_cuda = self.precision == "fp16" and self.device.type == "cuda"
-        if fsdp.is_sharded(model):  # found-inf agreed by all ranks (each sees its shard of the gradients)
+        if self._fsdp:  # found-inf agreed by all ranks (each sees its shard of the gradients)
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415
 
             scaler = ShardedGradScaler(enabled=fp16_cuda)
@@ -596,7 +608,7 @@ class Trainer:
         if run.step == start_step and run.eval_loader is not None:  # resumed at the end of the schedule
             metrics = self._evaluate(run)
         elapsed = time.time() - t0
-        with fsdp.gathered(run.model, run.ema.module if run.ema is not None else None):  # FSDP: whole weights
+        with self._gathered(run.model, run.ema.module if run.ema is not None else None):  # FSDP: whole weights
             extra, media = split_media(self.task.after_fit(self, dict(metrics)) or {})
         metrics = {**metrics, **extra}
         if self.dist.is_main:
@@ -656,7 +668,8 @@ class Trainer:
         if clip:
             run.scaler.unscale_(run.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(run.wrapped.parameters(), float(clip))
-            grad_norm = fsdp.full_tensor(grad_norm)  # FSDP: a DTensor (gradients are sharded)
+            if self._fsdp:  # a DTensor (the gradients are sharded): its value, all shards' norm
+                grad_norm = _fsdp_module().full_tensor(grad_norm)
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.scheduler.step()
@@ -734,7 +747,7 @@ class Trainer:
         target.eval()
         run.eval_loader.generator.manual_seed(loader_seed(run.seed, 0))  # the same for every evaluation
         # FSDP: whole weights for the evaluation (ranks may get different numbers of batches) and the heatmaps
-        with fsdp.gathered(target):
+        with self._gathered(target):
             with _precision_context(self.precision, self.device):
                 loader = ProgressLoader(run.eval_loader, f"eval @ step {run.step}",
                                         enabled=self.dist.is_main and self.tcfg.get("progress_bar", True))
@@ -753,9 +766,9 @@ class Trainer:
             dist.all_gather_object(gathered, rngs)
             rngs = gathered
         run.saved_step = run.step
-        if fsdp.is_sharded(run.model):
+        if self._fsdp:
             ema = run.ema.module if run.ema is not None else None
-            tensors = fsdp.sharded_state(run.model, run.optimizer, ema)
+            tensors = _fsdp_module().sharded_state(run.model, run.optimizer, ema)
             ema_updates = run.ema.num_updates.detach().cpu().clone() if run.ema is not None else None
             state = {**self._trainer_state(run, rngs), "ema_num_updates": ema_updates}
             run.ckpt.save_sharded(tensors, state, metrics, run.step, self.dist.is_main)
