@@ -372,11 +372,14 @@ def test_dcp_folders_replace_atomically_and_recover(tmp_path):
     import torch.nn as nn  # noqa: PLC0415
 
     from tasks.common.checkpoint import CheckpointManager, find_checkpoint, load_checkpoint  # noqa: PLC0415
+    from tasks.common.config import resume_run_dir  # noqa: PLC0415
     from tasks.common.fsdp import sharded_state  # noqa: PLC0415
 
+    run = tmp_path / "run"
+    folder = run / "checkpoints"
     model = nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ckpt = CheckpointManager(tmp_path, monitor="top1", mode="max", sharded=True)
+    ckpt = CheckpointManager(folder, monitor="top1", mode="max", sharded=True)
 
     def save(step, top1):
         with torch.no_grad():
@@ -385,15 +388,17 @@ def test_dcp_folders_replace_atomically_and_recover(tmp_path):
         return ckpt.save_sharded(sharded_state(model, opt, None), state, {"top1": top1}, step, True)
 
     assert save(1, 0.5) and not save(2, 0.4)
-    last, best = load_checkpoint(tmp_path / "last.dcp"), load_checkpoint(tmp_path / "best.dcp")
+    last, best = load_checkpoint(folder / "last.dcp"), load_checkpoint(folder / "best.dcp")
     assert (last["step"], best["step"], best["best_metric"]) == (2, 1, 0.5)
     assert torch.equal(last["model"]["weight"], torch.full((2, 3), 2.0)) and last["ema"] is None
     assert list(last["optimizer"]["state"]) == [0, 1] and last["optimizer"]["param_groups"][0]["params"] == [0, 1]
-    assert find_checkpoint(tmp_path.parent / tmp_path.name) == tmp_path / "last.dcp"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.dcp", "last.dcp"]  # nothing left behind
+    assert find_checkpoint(run) == find_checkpoint(folder) == folder / "last.dcp"
+    assert sorted(p.name for p in folder.iterdir()) == ["best.dcp", "last.dcp"]  # nothing left behind
+    # trainer.resume=<run>/checkpoints/last.dcp goes on in that run's folder, as with last.pt
+    assert resume_run_dir(str(folder / "last.dcp"), "new") == str(run)
 
-    os.rename(tmp_path / "last.dcp", tmp_path / ".last.dcp.old")  # stopped between the renames
-    (tmp_path / ".last.dcp.step3.tmp").mkdir()  # a save killed while writing
-    removed = CheckpointManager(tmp_path, sharded=True).remove_stale_temp_files()
+    os.rename(folder / "last.dcp", folder / ".last.dcp.old")  # stopped between the renames
+    (folder / ".last.dcp.step3.tmp").mkdir()  # a save killed while writing
+    removed = CheckpointManager(folder, sharded=True).remove_stale_temp_files()
     assert [p.name for p in removed] == [".last.dcp.step3.tmp"]
-    assert load_checkpoint(find_checkpoint(tmp_path))["step"] == 2
+    assert load_checkpoint(find_checkpoint(run))["step"] == 2

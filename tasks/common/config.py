@@ -393,11 +393,12 @@ def launch_time(fmt: str = "%Y-%m-%d_%H-%M-%S") -> str:
 
 def resume_run_dir(resume, default: str) -> str:
     """The run folder of ``trainer.resume`` when it names another run (its folder, its ``checkpoints/`` folder
-    or a checkpoint file in it), so that a resumed run goes on writing there; else ``default``."""
+    or a checkpoint in it: a file or an FSDP run's DCP folder), so that a resumed run goes on writing there;
+    else ``default``."""
     if resume is None or isinstance(resume, bool) or str(resume) in ("", "auto", "last"):
         return default
     path = Path(str(resume))
-    if path.is_file():
+    if path.is_file() or (path / ".metadata").is_file():
         path = path.parent
     if path.name == "checkpoints":
         path = path.parent
