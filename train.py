@@ -25,7 +25,7 @@ from tasks.common.config import model_attention, register_resolvers, validate_co
 from tasks.common.logger import run_log  # noqa: E402
 from tasks.common.trainer import Trainer, TrainingInterrupted, task_class  # noqa: E402
 
-register_resolvers()  # ${launch_id:} and ${resume_run_dir:...} in hydra.run.dir
+register_resolvers()  # ${launch_time:...}, ${launch_id:} and ${resume_run_dir:...} in hydra.run.dir
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:

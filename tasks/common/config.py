@@ -320,6 +320,10 @@ def check_trainer(cfg) -> None:
     workers = tcfg.get("num_workers", 0)
     if not (_is_int(workers) and workers >= 0):
         raise ConfigError(f"trainer.num_workers must be an integer >= 0, got {workers!r}")
+    strategy = tcfg.get("strategy", "ddp")
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"trainer.strategy must be ddp or fsdp (how torchrun's processes share the model; "
+                          f"docs/training.md), got {strategy!r}")
 
 
 def validate_config(cfg) -> None:
@@ -354,21 +358,70 @@ def apply_overrides(cfg, overrides: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------ hydra.run.dir resolvers
+#: under torchrun: the (start time, launcher id) that the ranks agreed on, per launch
+_AGREED: dict[tuple, tuple[float, str]] = {}
+_STORE_TIMEOUT_S = 1800  # the ranks of one launch may start their Python minutes apart (cold nodes)
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _agreed_launch() -> tuple[float, str] | None:
+    """Under ``torchrun`` (its elastic agents' store at ``MASTER_ADDR:MASTER_PORT``): the start time and the
+    id of the launcher (the elastic agent's pid) of the first rank of this launch to ask, the same for every
+    rank on every node; None where there is no such store (another launcher). A key in that store, set once
+    per launch."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        return None
+    key = (env["MASTER_ADDR"], env["MASTER_PORT"], env.get("TORCHELASTIC_RUN_ID"))
+    if key not in _AGREED:
+        import datetime  # noqa: PLC0415
+        import time  # noqa: PLC0415
+
+        import torch.distributed as dist  # noqa: PLC0415
+
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+        mine = f"{time.time()!r} {os.getppid()}"
+        agreed = store.compare_set("mhla/run_dir/launch", "", mine).decode()  # the first rank's value wins
+        start, launcher = agreed.split()
+        _AGREED[key] = (float(start), launcher)
+    return _AGREED[key]
+
+
 def launch_id() -> str:
-    """An id shared by the processes of one launch: this process's pid, or under ``torchrun`` the pid of the
-    elastic agent (the common parent of the ranks). Part of the default run folder, so that two runs started in
-    the same second get different folders while the ranks of one run share theirs."""
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    return str(os.getppid() if under_torchrun else os.getpid())
+    """An id shared by the processes of one launch: this process's pid; under ``torchrun`` the pid of the
+    elastic agent (the common parent of a node's ranks) of the launch's first rank, agreed through torchrun's
+    store so that the ranks on every node share it (else this node's agent). Part of the default run folder,
+    so that two runs started in the same second get different folders while the ranks of one run share
+    theirs."""
+    if not _under_torchrun():
+        return str(os.getpid())
+    agreed = _agreed_launch()
+    return agreed[1] if agreed is not None else str(os.getppid())
+
+
+def launch_time(fmt: str = "%Y-%m-%d_%H-%M-%S") -> str:
+    """The start time of this launch, formatted (``strftime``): now; under ``torchrun`` the time its first
+    rank asked, agreed as :func:`launch_id` is, so that ranks that resolve the run folder a second apart (or
+    on nodes started apart) name the same folder."""
+    import datetime  # noqa: PLC0415
+
+    agreed = _agreed_launch() if _under_torchrun() else None
+    when = datetime.datetime.fromtimestamp(agreed[0]) if agreed is not None else datetime.datetime.now()
+    return when.strftime(fmt)
 
 
 def resume_run_dir(resume, default: str) -> str:
     """The run folder of ``trainer.resume`` when it names another run (its folder, its ``checkpoints/`` folder
-    or a checkpoint file in it), so that a resumed run goes on writing there; else ``default``."""
+    or a checkpoint in it: a file or an FSDP run's DCP folder), so that a resumed run goes on writing there;
+    else ``default``."""
     if resume is None or isinstance(resume, bool) or str(resume) in ("", "auto", "last"):
         return default
     path = Path(str(resume))
-    if path.is_file():
+    if path.is_file() or (path / ".metadata").is_file():
         path = path.parent
     if path.name == "checkpoints":
         path = path.parent
@@ -376,7 +429,8 @@ def resume_run_dir(resume, default: str) -> str:
 
 
 def register_resolvers() -> None:
-    """Register ``${launch_id:}`` and ``${resume_run_dir:...}`` (used by ``hydra.run.dir`` in
-    ``configs/train.yaml``) with OmegaConf; call before Hydra composes the config."""
+    """Register ``${launch_time:FORMAT}``, ``${launch_id:}`` and ``${resume_run_dir:...}`` (used by
+    ``hydra.run.dir`` in ``configs/train.yaml``) with OmegaConf; call before Hydra composes the config."""
+    OmegaConf.register_new_resolver("launch_time", launch_time, replace=True)
     OmegaConf.register_new_resolver("launch_id", launch_id, replace=True)
     OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir, replace=True)
