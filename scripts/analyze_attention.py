@@ -44,7 +44,7 @@ from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttent
 from mhla.layouts import ceil_div, layout_from_num_blocks
 from mhla.mixing import mixing_init
 from mhla.ops import mhla_attention_matrix
-from scripts.tables.results import write_result
+from tasks.common.results import write_result
 from tasks.common.checkpoint import find_checkpoint
 from tasks.common.evaluation import load_run
 from tasks.common.launch import mean_std

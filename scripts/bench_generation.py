@@ -24,7 +24,7 @@ Load: :class:`tasks.common.records.Measurement` around the run (commit, the 1-mi
 after, the share of the CPUs other processes used during it; the busy rule:
 ``tasks.common.records.BUSY_RULE``).
 On a CPU a busy machine refuses the run before it starts (load average) or nothing is written at the end (exit
-status 2), unless ``--allow-busy``, which writes it marked BUSY (``scripts.tables.results.write_result``).
+status 2), unless ``--allow-busy``, which writes it marked BUSY (``tasks.common.results.write_result``).
 
     python scripts/bench_generation.py                                   # CPU: small and 340m, 1k .. 64k
     python scripts/bench_generation.py --presets small --contexts 1024 4096
@@ -50,7 +50,7 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from scripts.tables.results import BusyMachine, load_summary, write_result
+from tasks.common.results import BusyMachine, load_summary, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.records import Measurement
 from tasks.common.utils import system_info
@@ -214,7 +214,7 @@ def quartiles(xs: list[float]) -> list[float]:
 # ------------------------------------------------------------------------------------------------ output
 def write_results(data: dict, out_dir: str, allow_busy: bool = False) -> str:
     """``<out_dir>/generation_<device>.json``, ``.md`` and ``.png`` for ``data`` through
-    :func:`scripts.tables.results.write_result` (its ``measurement``: refused when busy unless ``allow_busy``,
+    :func:`tasks.common.results.write_result` (its ``measurement``: refused when busy unless ``allow_busy``,
     then marked BUSY); returns the stem."""
     stem = os.path.join(out_dir, f"generation_{data['settings']['device']}")
     return write_result(stem, markdown(data, os.path.basename(stem)), data,

@@ -14,7 +14,7 @@ A case whose estimated time (from the same model / attention at the previous res
 count, squared for softmax) exceeds ``--max-case-s`` is skipped and listed with the estimate.
 Writes ``results/bench/models_<device>.json`` and ``.md`` with a machine header (and the CPU load, since on a
 shared machine other processes inflate wall-clock times), and ``.png`` (time against N per attention, log-log;
-``--plot-only`` redraws it from the ``.json``), through ``scripts.tables.results.write_result``. The load before
+``--plot-only`` redraws it from the ``.json``), through ``tasks.common.results.write_result``. The load before
 and after (``measurement``: :class:`tasks.common.records.Measurement`) decides whether the machine was busy; a
 busy run is not written unless ``--allow-busy`` (then it is marked BUSY).
 
@@ -37,7 +37,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 import torch
 
 from scripts.bench_ops import timer
-from scripts.tables.results import BusyMachine, write_result
+from tasks.common.results import BusyMachine, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.records import Measurement, busy_cpu_s
 from tasks.common.utils import system_info
@@ -277,8 +277,8 @@ def main(argv=None) -> int:
 
 def write_results(data: dict, stem: str, allow_busy: bool = False) -> str:
     """``<stem>.json`` (``data``), ``.md`` (:func:`to_markdown`) and ``.png`` (:func:`plot_models`), through
-    :func:`scripts.tables.results.write_result`: a run whose ``measurement`` says busy is refused
-    (:class:`~scripts.tables.results.BusyMachine`) unless ``allow_busy``."""
+    :func:`tasks.common.results.write_result`: a run whose ``measurement`` says busy is refused
+    (:class:`~tasks.common.results.BusyMachine`) unless ``allow_busy``."""
     md = to_markdown(data) + (f"\nPlot: `{os.path.basename(stem)}.png` (seconds per call against the token count N "
                               "per attention, one panel per model and mode, log-log; skipped cases left out; redraw "
                               "from the .json with `--plot-only`).\n")

@@ -23,7 +23,7 @@ and memory against T per op, log-log); ``--plot-only`` redraws the ``.png`` from
 Load (every mode): :class:`tasks.common.records.Measurement` around the run (commit, 1-minute load before
 and after, other processes' CPU share), stored as ``measurement``; a CPU run refuses to start on a busy machine
 and a busy run is not written (exit status 2) unless ``--allow-busy``, which writes it marked BUSY
-(``scripts.tables.results.write_result``). Each case also keeps its own ``other_cpu_frac`` (flagged "busy").
+(``tasks.common.results.write_result``). Each case also keeps its own ``other_cpu_frac`` (flagged "busy").
 
 ``--varlen``: causal MHLA on a packed batch of N documents (``--num-docs``, default 8; a seeded uniform split
 of total_T, document lengths not multiples of the block, one 5-token document), ``--seq-lens`` the total
@@ -67,7 +67,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 import mhla
 from mhla.mixing import distances_1d, mixing_init
 from mhla.ops.utils import bucket_sequences, default_call_cost_tokens
-from scripts.tables.results import BusyMachine, load_summary, write_result
+from tasks.common.results import BusyMachine, load_summary, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.records import Measurement, busy_cpu_s, own_cpu_s
 from tasks.common.utils import system_info
@@ -114,7 +114,7 @@ def refuses_to_start(load: Measurement, args) -> bool:
 
 def write_measured(stem: str, out: dict, markdown, plot, load: Measurement, args) -> bool:
     """``<stem>`` .json / .md (``markdown(out)``) / .png (``plot``, or None) through
-    :func:`scripts.tables.results.write_result` with the run's measurement (its loads also go to the header's
+    :func:`tasks.common.results.write_result` with the run's measurement (its loads also go to the header's
     ``loadavg_start`` / ``loadavg_end``, which the tables quote); False (nothing written, the reason printed)
     when the machine was busy and not ``--allow-busy``."""
     out["header"].update(loadavg_start=load.record["load_before"], loadavg_end=load.record["load_after"])
@@ -967,7 +967,7 @@ def ops_markdown(out: dict, name: str | None = None) -> str:
 
 def write_results(stem: str, out: dict) -> str:
     """``<stem>.json`` (``out``), ``.md`` (its tables) and ``.png`` (:func:`plot_ops`) through
-    :func:`scripts.tables.results.write_result` (``out["measurement"]``, when it has one, is kept: a busy one
+    :func:`tasks.common.results.write_result` (``out["measurement"]``, when it has one, is kept: a busy one
     stays marked); returns ``stem``."""
     return write_result(stem, ops_markdown(out, os.path.basename(stem)), out, lambda png: plot_ops(out, png),
                         indent=2)

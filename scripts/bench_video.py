@@ -12,7 +12,7 @@ random weights (latency does not depend on them), text context 512 tokens.
 
 Writes ``results/bench/video_<preset>_<device>.json``, ``.md`` and ``.png`` (``video_cpu.*`` for the ``cpu``
 preset on the CPU; ``--plot-only`` redraws the ``.png`` from the ``.json``) through
-``scripts.tables.results.write_result``, with the load before and after (``measurement``); a run made on a busy
+``tasks.common.results.write_result``, with the load before and after (``measurement``); a run made on a busy
 machine is not written unless ``--allow-busy`` (then it is marked BUSY). The paper (Table 5) reports end-to-end
 sampling latency of 166 s (FlashAttention) vs 81 s (MHLA) vs 103 s (hybrid) for 50 steps with CFG; the
 per-step ratio measured here is the comparable number (VAE and text encoder excluded).
@@ -34,7 +34,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 import torch
 
 from models.wan import WAN_1_3B, apply_attention
-from scripts.tables.results import BusyMachine, load_summary, write_result
+from tasks.common.results import BusyMachine, load_summary, write_result
 from tasks.common.plots import colors_for, grouped_bars, pyplot, save_figure
 from tasks.common.records import Measurement
 from tasks.common.utils import system_info
@@ -164,7 +164,7 @@ def out_name(preset: str, device: str) -> str:
 
 def write_results(info: dict, stem: str, measurement: dict | None = None, allow_busy: bool = False) -> str:
     """``<stem>.json`` (``info``), ``.md`` (ms per step and speed-up per attention), ``.png`` (:func:`plot_video`),
-    through :func:`scripts.tables.results.write_result` (``measurement``: the load around the timing; a busy one
+    through :func:`tasks.common.results.write_result` (``measurement``: the load around the timing; a busy one
     is refused unless ``allow_busy``)."""
     results = info["results"]
     base = results.get("softmax", {}).get("median_s")

@@ -54,7 +54,7 @@ from mhla.mixing import EXTENSION_RULES, mixing_matrices
 from tasks.common.checkpoint import find_checkpoint, load_run_checkpoint, model_weights
 from tasks.common.evaluation import load_run
 from tasks.common.plots import pyplot, save_figure
-from scripts.tables.results import write_result
+from tasks.common.results import write_result
 from tasks.common.utils import system_info
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)

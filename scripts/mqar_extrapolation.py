@@ -20,7 +20,7 @@ coefficient, ``last_row`` and ``mass_matched`` as documented there. Linear and s
 
 Runs are ``name=run_dir`` (or ``name=.../checkpoints/last.pt``); several runs may share a name's prefix
 ``<name>_s<seed>`` and are then averaged per seed. Writes ``<out>.md``, ``.json``, ``.png`` through
-:func:`scripts.tables.results.write_result`.
+:func:`tasks.common.results.write_result`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from mhla.mixing import EXTENSION_RULES, mixing_matrices  # noqa: E402
 from scripts.length_extrapolation import extension_rule  # noqa: E402
-from scripts.tables.results import write_result  # noqa: E402
+from tasks.common.results import write_result  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
 from tasks.common.records import Measurement  # noqa: E402

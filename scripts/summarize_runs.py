@@ -13,7 +13,7 @@ that resolved differently, e.g. before and after a default changed, gives two). 
 is grouped by its command, and the table says so. Per row: per-seed values, mean ± std (sample std,
 ``tasks.common.launch.mean_std``), n, and the settings that tell it from the other rows. Folders without the
 metric (not finished) are listed as such. Writes ``<out>.md`` and ``<out>.json``
-(``scripts.tables.results.write_result``); measures nothing itself. (The video runs have their own table with
+(``tasks.common.results.write_result``); measures nothing itself. (The video runs have their own table with
 prompt following: ``scripts/summarize_video_runs.py``.)
 """
 
@@ -30,7 +30,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 import yaml
 from omegaconf import OmegaConf
 
-from scripts.tables.results import write_result
+from tasks.common.results import write_result
 from tasks.common.config import model_attention, register_resolvers, upgrade_config
 from tasks.common.launch import mean_std, metric_curve, read_notes
 from tasks.common.records import read_run_record

@@ -23,7 +23,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 import yaml
 
-from scripts.tables.results import write_result
+from tasks.common.results import write_result
 from tasks.common.launch import metric_curve
 
 HIDDEN = ("logger=", "trainer.progress_bar=", "hydra.run.dir=")

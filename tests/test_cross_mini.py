@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scripts.tables.results import BusyMachine
+from tasks.common.results import BusyMachine
 from tasks.video_gen import cross_mini
 
 

@@ -1,11 +1,11 @@
-"""The one results writer (scripts/tables/results.py) and the load guard of benchmarks (tasks/common/records.py):
+"""The one results writer (tasks/common/results.py) and the load guard of benchmarks (tasks/common/records.py):
 md + json + png written whole, a busy measurement refused unless allowed and then marked BUSY, and the rule."""
 
 import json
 
 import pytest
 
-from scripts.tables import results
+from tasks.common import results
 from tasks.common import records
 
 

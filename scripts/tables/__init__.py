@@ -20,8 +20,9 @@ one job per module:
 * The tables with a driver of their own (``registry.DELEGATES``, run in this process): :mod:`.table5` (Wan2.1
   fine-tunes: commands or ``--run``, the latency table), :mod:`.table5_mini` (its CPU proxy), :mod:`.lm_tables`
   (Tables 6 and 8 on trained LMs), :mod:`.mqar` (the MQAR grid; ``scripts/run_mqar.py``).
-* :mod:`.results` - the one writer of results files (``write_result``: md + json + png, whole; a benchmark's
-  ``measurement`` refused when busy unless allowed, then marked BUSY), used by every table and benchmark.
+* The one writer of results files is :mod:`tasks.common.results` (``write_result``: md + json + png, whole; a
+  benchmark's ``measurement`` refused when busy unless allowed, then marked BUSY), used by every table and
+  benchmark, and by the task-side drivers, which is why it lives below both.
 
 Modules call each other's functions through the module (``registry.table_cells(...)``), not through names
 imported from it, so a test that monkeypatches a function where it is defined changes every caller."""

@@ -13,7 +13,7 @@ from scripts import bench_models as bm
 from tasks.common.records import Measurement
 from tasks.common.utils import system_info
 
-from . import results
+from tasks.common import results
 from .registry import BENCH, Table
 
 

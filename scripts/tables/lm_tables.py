@@ -36,7 +36,7 @@ from tasks.language.lm_eval_adapter import HAVE_LM_EVAL, INSTALL_HELP
 from tasks.language.longbench import TABLE8_GROUPS, TABLE8_TASKS, run_longbench
 
 from .registry import ROOT
-from .results import write_result
+from tasks.common.results import write_result
 
 
 # ------------------------------------------------------------------------------------------- tables

@@ -12,7 +12,7 @@ Each run is ``python train.py task=mqar <variant overrides> data.seq_len=N data.
 trainer.max_epochs=E ...`` (the 2-layer model of ``configs/task/mqar.yaml``, only the attention changes), run
 ``--jobs`` at a time with one thread each. A variant is a name for a list of overrides (:data:`VARIANTS`):
 ``mhla`` is whatever ``configs/task/mqar.yaml`` sets (the language-model default rule), the others name
-what they change. Records are saved after every run (``<out>.json``, through ``scripts.tables.results``; each
+what they change. Records are saved after every run (``<out>.json``, through ``tasks.common.results``; each
 record keeps its run's ``run.json`` as ``run``: the resolved config, commit, machine and load); ``--resume`` skips
 finished runs.
 
@@ -35,7 +35,7 @@ from tasks.common.plots import pyplot, save_figure
 from tasks.common.utils import system_info
 
 from .registry import ROOT
-from .results import saved_machine, write_result
+from tasks.common.results import saved_machine, write_result
 
 # name -> Hydra overrides. "softmax", "linear" and "mhla" are the task's defaults (configs/task/mqar.yaml: a short
 # conv of kernel 4, lr 3e-3, and for MHLA the MQAR rule: uniform init, clamp, optim.mixing_lr_scale=0.01);
@@ -211,7 +211,7 @@ def run_key(rec: dict) -> tuple:
 
 def write_outputs(results: list[dict], args, stem: str) -> None:
     """``<stem>.md`` (the table, the conditions, the reading), ``.json`` (every run's record) and ``.png`` /
-    ``_curves.png``, through :func:`scripts.tables.results.write_result`. ``args.machine`` / ``args.date``: those of
+    ``_curves.png``, through :func:`tasks.common.results.write_result`. ``args.machine`` / ``args.date``: those of
     the runs (kept by ``--plot-only``; default this machine, now)."""
     args.machine = getattr(args, "machine", None) or system_info()
     args.date = getattr(args, "date", None) or datetime.now(timezone.utc).isoformat()

@@ -46,7 +46,7 @@ from tasks.common.utils import count_flops_split, count_parameters, system_info
 
 from . import config, registry
 from .registry import ROOT, Cell
-from .results import write_result
+from tasks.common.results import write_result
 
 TOLERANCE = 0.03
 OUT = os.path.join(ROOT, "results", "params")

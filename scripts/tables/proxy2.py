@@ -17,7 +17,7 @@ from tasks.common.utils import system_info
 
 from . import registry
 from .registry import ROOT
-from .results import saved_machine, write_result
+from tasks.common.results import saved_machine, write_result
 
 # MNIST digits padded to 32 px with 2x2 patches give a 16x16 grid of 256 tokens and MHLA M = 16 blocks of 4x4
 # tokens, as DeiT at 256 px (16x16 patches of 16 px). The model is the DeiT-T-size proxy `vit_mini` (width 64,

@@ -16,7 +16,7 @@ MQAR's ``mix1_first``: the share of the first block in layer 1's causal rows) ge
 (the first evaluation) and at the end.
 
 ``--runs-meta`` reads the queue's ``run_info.json`` beside ``run.json`` when present (niceness, load while it ran).
-Writes ``<out>.md``, ``.json`` and ``.png`` through :func:`scripts.tables.results.write_result`.
+Writes ``<out>.md``, ``.json`` and ``.png`` through :func:`tasks.common.results.write_result`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 if __package__ in (None, ""):  # run as a file: the checkout's root on the path, then import as the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from scripts.tables.results import write_result  # noqa: E402
+from tasks.common.results import write_result  # noqa: E402
 from tasks.common.launch import metric_curve  # noqa: E402
 from tasks.common.records import read_run_record  # noqa: E402
 from tasks.common.stats import mean_std, ordering_verdict, paired_difference  # noqa: E402

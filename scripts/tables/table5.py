@@ -32,9 +32,9 @@ from tasks.common.plots import grouped_bars, pyplot, save_figure
 from tasks.common.records import read_run_record
 from tasks.video_gen.table5 import ROWS, commands, finetunes, missing_row_inputs, row_config, row_settings
 
-from . import results
+from tasks.common import results
 from .registry import ROOT
-from .results import write_result
+from tasks.common.results import write_result
 
 BENCH_KEY = {"wan_flash": "softmax", "wan_linear": "linear", "wan_mhla": "mhla", "wan_mhla_hybrid": "mhla_hybrid"}
 

@@ -37,7 +37,7 @@ from tasks.video_gen.media import to_uint8_frames
 from tasks.video_gen.table5_mini import measure_row
 
 from .registry import ROOT
-from .results import write_result
+from tasks.common.results import write_result
 from .table5 import load_bench
 
 COMMAND = "python scripts/reproduce_table.py --table 5 --scale mini"  # + " -- <this driver's arguments>"

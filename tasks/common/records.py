@@ -9,7 +9,7 @@ table drivers (:mod:`tasks.common.launch`) pick it up.
 
 A benchmark (a measurement of time, not a training run) records the same things around its timing with
 :class:`Measurement`: the commit, the 1-minute load average before and after, and whether the machine was busy
-(:func:`is_busy`, the rule in :data:`BUSY_RULE`); the results writer (``scripts/tables/results.py``) refuses to
+(:func:`is_busy`, the rule in :data:`BUSY_RULE`); the results writer (``tasks/common/results.py``) refuses to
 write a busy measurement unless told to, and then marks it BUSY.
 """
 

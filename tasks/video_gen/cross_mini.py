@@ -18,7 +18,7 @@ Then, in this process, one row after the other:
   in turn (median and min), all inside one load guard (:class:`tasks.common.records.Measurement`): a busy
   machine is refused unless ``--allow-busy`` (then marked BUSY).
 
-The results file is written through :func:`scripts.tables.results.write_result` (``<out>.md``, ``.json``,
+The results file is written through :func:`tasks.common.results.write_result` (``<out>.md``, ``.json``,
 ``.png``).
 """
 
@@ -198,7 +198,7 @@ def write(data: dict, args, measurement: dict | None = None) -> None:
     """Write the results files; ``measurement``: the latency's fresh load-guard record (judged here: a busy
     one is refused unless ``--allow-busy``). Later writes carry it in ``data["measurement"]`` (a BUSY mark
     stays)."""
-    from scripts.tables.results import write_result  # noqa: PLC0415
+    from tasks.common.results import write_result  # noqa: PLC0415
 
     record = {k: v for k, v in data.items() if not (k == "measurement" and measurement is not None)}
     write_result(data["stem"], to_markdown(data), record, lambda p: plot(data, p),

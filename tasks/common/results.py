@@ -1,7 +1,7 @@
 """The one writer of results files: every table and benchmark writes ``<stem>.md`` (its table and reading),
 ``<stem>.json`` (the records the table is made from) and ``<stem>.png`` (its plot) through :func:`write_result`.
 
-    from scripts.tables.results import write_result
+    from tasks.common.results import write_result
     from tasks.common.records import Measurement
 
     with Measurement(threads=torch.get_num_threads()) as m:      # a benchmark: commit and load around the timing
