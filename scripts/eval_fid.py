@@ -24,6 +24,9 @@ import re
 import sys
 import zipfile
 
+if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import numpy as np
 
 

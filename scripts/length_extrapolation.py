@@ -42,6 +42,9 @@ import os
 import sys
 import time
 
+if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import numpy as np
 import torch
 import torch.nn.functional as F

@@ -51,9 +51,11 @@ import argparse
 import os
 import sys
 
-# siblings: scripts/ is on sys.path (Python puts the running script's folder there; tests/conftest.py too)
-from eval_fid import parse_fid_refs
-from tables import builders, figures, proxy2, registry, writers
+if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from scripts.eval_fid import parse_fid_refs
+from scripts.tables import builders, figures, proxy2, registry, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--bench-batch", type=int, default=None, help="benchmark batch (default 32 on GPU, 1 on CPU)")
     p.add_argument("--bench-repeats", type=int, default=None, help="timed calls per benchmark case")
     p.add_argument("--bench-only", action="store_true", help="Table 7b: measure throughput only, no training")
+    p.add_argument("--allow-busy", action="store_true",
+                   help="benchmarks (Tables 7b, 14): keep a timing made on a busy machine, marked BUSY (default: "
+                        "refused; the rule: tasks.common.records.BUSY_RULE)")
     p.add_argument("--no-bench", action="store_true", help="Table 7b: skip the throughput benchmark")
     p.add_argument("--results-dir", default=os.path.join(ROOT, "results"), help="where results/<table>.md go")
     p.add_argument("--plot-only", action="store_true",

@@ -29,6 +29,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from tasks.common.fileio import atomic_write
 from tasks.common.launch import mean_std, metric_curve, read_notes, run_parallel, run_training, train_loss_curve
 from tasks.common.plots import pyplot, save_figure

@@ -17,6 +17,9 @@ import json
 import os
 import sys
 
+if __name__ == "__main__" and not __package__:  # python scripts/x.py: import from this checkout's root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import yaml
 
 from tasks.common.launch import mean_std, metric_curve, read_notes

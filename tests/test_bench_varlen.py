@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-import bench_ops
+from scripts import bench_ops
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

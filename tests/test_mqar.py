@@ -119,7 +119,7 @@ def test_train_py_runs_mqar_for_each_attention(tmp_path):
 
 def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     """scripts/run_mqar.py: runs every (variant, cell, seed), writes mean ± std, flags unsolved cells."""
-    import run_mqar
+    from scripts import run_mqar
 
     out = tmp_path / "grid"
     argv = ["--cells", "16x2", "--variants", "softmax", "mhla_clamp", "--seeds", "0", "1", "--epochs", "1",
@@ -152,7 +152,7 @@ def test_run_mqar_keeps_stopped_runs_as_eval_curves(tmp_path):
     eval curve, not a failure; the table compares such runs at the eval steps they all reached."""
     import types
 
-    import run_mqar
+    from scripts import run_mqar
 
     def fake_run(name, evals, stopped):
         d = tmp_path / name
@@ -191,7 +191,7 @@ def test_run_mqar_keeps_stopped_runs_as_eval_curves(tmp_path):
 def test_run_mqar_resume_on_a_subset_keeps_other_records(tmp_path, monkeypatch):
     """``--resume`` with a narrower grid reruns only the failed or stopped runs *of that grid*: a stopped run of
     another seed stays in ``<out>.json`` as it was (it once dropped every interrupted record)."""
-    import run_mqar
+    from scripts import run_mqar
 
     def rec(variant, seed, **kw):
         return {"variant": variant, "seq_len": 256, "num_kv_pairs": 8, "seed": seed, "epochs": 10,

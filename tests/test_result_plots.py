@@ -5,13 +5,9 @@ import argparse
 import json
 import os
 
-import bench_generation
-import bench_models
-import bench_ops
-import bench_video
-import reproduce_table
-from tables import figures, writers
-from tables.registry import Cell
+from scripts import bench_generation, bench_models, bench_ops, bench_video, reproduce_table
+from scripts.tables import figures, writers
+from scripts.tables.registry import Cell
 
 from tasks.video_gen import table5
 

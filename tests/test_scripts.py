@@ -6,8 +6,7 @@ import os
 import subprocess
 import sys
 
-import analyze_attention
-import bench_ops
+from scripts import analyze_attention, bench_ops
 import pytest
 import torch
 

@@ -1,6 +1,5 @@
 """scripts/summarize_runs.py: runs that differ only in seed= form one row with mean ± std."""
 
-import importlib.util
 import json
 import os
 
@@ -11,10 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("summarize_runs", os.path.join(ROOT, "scripts", "summarize_runs.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts import summarize_runs  # noqa: PLC0415
+
+    return summarize_runs
 
 
 def _fake_run(path, overrides, ppl=None):

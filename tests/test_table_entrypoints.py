@@ -13,11 +13,11 @@ import shutil
 import subprocess
 import sys
 
-import eval_fid
+from scripts import eval_fid
 import numpy as np
 import pytest
-import reproduce_table as rt
-from tables import benchmark, config, registry, runner, writers
+from scripts import reproduce_table as rt
+from scripts.tables import benchmark, config, registry, runner, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_FID = runner.sample_fid  # the real one (Launcher replaces it)
@@ -272,14 +272,33 @@ def test_delegates_pass_scale_and_refuse_a_missing_proxy(monkeypatch, tmp_path, 
 
 
 def test_table14_benchmark_runs_for_real(monkeypatch, tmp_path):
-    """A tiny case through bench_models' timing: DiT-S/2 at 64 px (N = 16 tokens), M = 1 and 4."""
+    """A tiny case through bench_models' timing: DiT-S/2 at 64 px (N = 16 tokens), M = 1 and 4; the load around
+    it is recorded, and a busy machine's timing is refused unless --allow-busy (then marked BUSY)."""
+    from tasks.common import records  # noqa: PLC0415
+
     monkeypatch.setitem(registry.BENCH, "14", {**registry.BENCH["14"], "mini": (64, (1, 4))})
+    monkeypatch.setattr(records, "load_average", lambda: [0.1, 0.1, 0.1])  # an idle machine
     assert rt.main(["--table", "14", "--scale", "mini", "--bench-repeats", "1", "--results-dir", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "table14_mini.json").read_text())["bench"]
+    saved = json.loads((tmp_path / "table14_mini.json").read_text())
+    data = saved["bench"]
     assert [r["M"] for r in data["rows"]] == [1, 4] and all(r["ms"] > 0 for r in data["rows"])
     assert data["rows"][1]["blocks"] == [2, 2] and data["rows"][1]["tokens_per_block"] == 4
+    m = saved["measurement"]
+    assert m["load_before"] == m["load_after"] == [0.1, 0.1, 0.1] and m["busy"] is False and len(m["commit"]) == 40
     md = (tmp_path / "table14_mini.md").read_text()
     assert "on this CPU" in md and "| 4 | 2x2 | 4 | yes | 145-157 (range, M <= 256) |" in md
+    assert "Load: 1-minute load average 0.10 before, 0.10 after" in md and "**BUSY**" not in md
+
+    monkeypatch.setattr(records, "load_average", lambda: [5.0, 5.0, 5.0])  # another job on a 2-core machine
+    monkeypatch.setattr(records.os, "cpu_count", lambda: 2)
+    busy = tmp_path / "busy"
+    assert rt.main(["--table", "14", "--scale", "mini", "--bench-repeats", "1", "--results-dir", str(busy)]) == 2
+    assert not busy.exists() or not list(busy.iterdir())  # refused: nothing written
+    assert rt.main(["--table", "14", "--scale", "mini", "--bench-repeats", "1", "--results-dir", str(busy),
+                    "--allow-busy"]) == 0
+    md = (busy / "table14_mini.md").read_text()
+    assert md.splitlines()[0].endswith(" - BUSY") and "**BUSY**: measured while the machine was busy" in md
+    assert json.loads((busy / "table14_mini.json").read_text())["measurement"]["busy"] is True
 
 
 # ----------------------------------------------------------------------------------------- FID references

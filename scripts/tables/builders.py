@@ -8,7 +8,7 @@ import sys
 
 from tasks.common.launch import mean_std, run_parallel
 
-from . import benchmark, config, registry, runner, writers
+from . import benchmark, config, registry, results, runner, writers
 from .registry import Cell, NoCells, Table
 
 
@@ -93,7 +93,11 @@ def run_cells_table(spec: Table, args) -> int:
 
 def run_bench_table(spec: Table, args) -> int:
     bench = benchmark.run_bench(spec, args)
-    md = writers.write_bench_table(spec, args, bench)
+    try:
+        md = writers.write_bench_table(spec, args, bench)
+    except results.BusyMachine as e:
+        print(e, file=sys.stderr)
+        return 2
     print(f"wrote {md}")
     return 0 if "rows" in bench else 1
 

@@ -88,6 +88,16 @@ BENCH = {
 }
 
 
+# What the tables report: a metric's label in the results files and plots; PERCENT: stored as fractions, shown in %.
+LABELS = {"top1": "top-1", "ema_top1": "top-1 of the EMA", "top5": "top-5", "fid": "FID", "fid_cfg": "FID (cfg 1.5)", "is": "IS",
+          "inception_score": "IS", "inception_score_cfg": "IS (cfg 1.5)", "sfid": "sFID", "sfid_cfg": "sFID (cfg 1.5)",
+          "precision": "precision", "recall": "recall", "clip": "CLIP", "geneval": "GenEval",
+          "throughput": "throughput (img/s)", "loss": "held-out loss (proxy)", "mse": "eps-MSE",
+          "latency_s": "latency (s)", "lit_fid": "LiT FID (quoted)", "params_M": "params (M)",
+          "gflops": "GFLOPs (MACs)"}
+PERCENT = ("top1", "ema_top1", "top5")
+
+
 def table_spec(table: str) -> Table:
     key = ALIASES.get(str(table), str(table))
     if key not in TABLES:
@@ -164,6 +174,13 @@ def table_cells(table: str) -> list[Cell]:
                       f"experiment files; each cell is configs/experiment/{spec.folder}/<cell>.yaml with a `paper:` "
                       f"block (being added). Nothing was run.")
     return out
+
+
+def stem_path(spec: Table, args) -> str:
+    """``<results dir>/<table>[_mini]`` (``--results-dir``, default ``results/``): the .md and .json without
+    their extension."""
+    out_dir = getattr(args, "results_dir", None) or os.path.join(ROOT, "results")
+    return os.path.join(out_dir, spec.results_stem(args.scale))
 
 
 def cells(table: str) -> list[tuple[str, dict]]:

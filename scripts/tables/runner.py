@@ -9,10 +9,10 @@ import os
 import subprocess
 import time
 
-import eval_fid  # scripts/eval_fid.py: scripts/ is on sys.path
 import torch
 from omegaconf import OmegaConf
 
+from scripts import eval_fid
 from tasks.common.checkpoint import atomic_save
 from tasks.common.config import model_attention, run_settings, settings_tag
 from tasks.common.launch import run_training

@@ -6,6 +6,11 @@ before and after, the wall time, the final metrics, and the *resolved* config (e
 that a recorded condition can be rerun exactly under later defaults (``python train.py --config-dir
 <folder holding config.yaml> --config-name config``, or by comparing the fields). :func:`read_run_record` is how the
 table drivers (:mod:`tasks.common.launch`) pick it up.
+
+A benchmark (a measurement of time, not a training run) records the same things around its timing with
+:class:`Measurement`: the commit, the 1-minute load average before and after, and whether the machine was busy
+(:func:`is_busy`, the rule in :data:`BUSY_RULE`); the results writer (``scripts/tables/results.py``) refuses to
+write a busy measurement unless told to, and then marks it BUSY.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -62,3 +68,51 @@ def read_run_record(run_dir: str | os.PathLike) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------ measurements
+BUSY_FRACTION = 0.5
+BUSY_RULE = ("busy: the 1-minute load average before the measurement is above half the CPU cores (other work was "
+             "running), or after it is above the measurement's own threads plus half the cores (other work started "
+             "during it); the load average lags by about a minute, so start a benchmark a minute after the last job")
+
+
+def is_busy(load_before, load_after, cpu_count: int | None, threads: int = 1) -> bool | None:
+    """Whether a measurement ran on a busy machine (:data:`BUSY_RULE`), from the 1-minute load averages before and
+    after it (``[1 min, 5 min, 15 min]`` lists or numbers), the machine's ``cpu_count`` and the measurement's own
+    ``threads`` (what it adds to the load itself). None when the OS reports no load average."""
+    if load_before is None or load_after is None or not cpu_count:
+        return None
+    first = (lambda x: float(x[0]) if isinstance(x, (list, tuple)) else float(x))
+    slack = BUSY_FRACTION * cpu_count
+    return first(load_before) > slack or first(load_after) > min(threads, cpu_count) + slack
+
+
+class Measurement:
+    """The record of a benchmark's conditions, taken around the timing::
+
+        with Measurement(threads=torch.get_num_threads()) as m:
+            rows = run_the_benchmark()
+        write_result(stem, md, {..., "rows": rows}, plot, measurement=m.record, allow_busy=args.allow_busy)
+
+    ``m.record``: ``commit``, ``dirty`` (:func:`code_version`), ``load_before``, ``load_after`` (1 / 5 / 15-minute
+    load averages), ``cpu_count``, ``threads`` (the measurement's own: ``threads`` for a CPU benchmark, 1 for a
+    GPU one), ``seconds``, ``busy`` (:func:`is_busy`) and ``busy_rule`` (:data:`BUSY_RULE`)."""
+
+    def __init__(self, threads: int = 1):
+        self.threads = max(1, int(threads or 1))
+        self.record: dict = {}
+
+    def __enter__(self) -> Measurement:
+        self.record = {**code_version(), "load_before": load_average(), "load_after": None,
+                       "cpu_count": os.cpu_count(), "threads": self.threads}
+        self._t0 = time.time()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        r = self.record
+        r["load_after"] = load_average()
+        r["seconds"] = round(time.time() - self._t0, 1)
+        r["busy"] = is_busy(r["load_before"], r["load_after"], r["cpu_count"], self.threads)
+        r["busy_rule"] = BUSY_RULE
+        return False
