@@ -1,7 +1,7 @@
 """``attn.num_blocks=auto``: M chosen from the model's token grid by the paper's ``M^2 <= N`` rule
-(:func:`mhla.layouts.auto_blocks`), resolved when the layer is built with its grid, printed at start, refused where
-the grid is unknown or the rule has no solution; the language model's ``block_size=auto`` (the same bound on a
-causal sequence)."""
+(:func:`mhla.layouts.auto_blocks`), resolved when the layer is built with its grid, printed at start, refused
+where the grid is unknown or the rule has no solution; the language model's ``block_size=auto`` (the same bound
+on a causal sequence)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def _divisors(n):
     + [(f, h, w) for f in (1, 3, 4, 7) for h in (4, 6, 8, 10) for w in (8, 10, 12)],
 )
 def test_rule_properties(grid):
-    """The choice tiles the grid, keeps M^2 <= N, has square spatial blocks whenever any tiling with M >= 2 does,
-    and no tiling of the same kind has more blocks."""
+    """The choice tiles the grid, keeps M^2 <= N, has square spatial blocks whenever any tiling with M >= 2
+    does, and no tiling of the same kind has more blocks."""
     n = math.prod(grid)
     tilings = [
         c
@@ -193,30 +193,10 @@ def test_start_refuses_a_grid_without_a_solution():
 
 
 def test_train_py_prints_the_chosen_m(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "train.py"),
-            "task=mnist",
-            "model=vit_mini",
-            "attn=mhla",
-            "attn.num_blocks=auto",
-            "trainer.max_steps=1",
-            "data.limit=64",
-            "data.batch_size=32",
-            "data.eval_limit=64",
-            "trainer.device=cpu",
-            "logger=none",
-            "trainer.progress_bar=false",
-            "trainer.count_flops=false",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    overrides = ["task=mnist", "model=vit_mini", "attn=mhla", "attn.num_blocks=auto", "trainer.max_steps=1",
+                 "data.limit=64", "data.batch_size=32", "data.eval_limit=64", "trainer.device=cpu", "logger=none",
+                 "trainer.progress_bar=false", "trainer.count_flops=false", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (
-        "attention: name=mhla num_blocks=auto(M=4: 2x2 blocks of 4x4 tokens on the 8x8 grid)" in proc.stdout
-    )
+    assert "attention: name=mhla num_blocks=auto(M=4: 2x2 blocks of 4x4 tokens on the 8x8 grid)" in proc.stdout
