@@ -159,6 +159,15 @@ def test_composed_config_builds_the_chosen_m_and_prints_it(overrides, grid, bloc
         assert (s["grid"], s["blocks"], tuple(s["block"])) == (grid, blocks, block)
 
 
+def test_model_default_mhla_num_blocks_auto():
+    from tasks.common.trainer import task_class
+
+    cfg = _compose(["task=mnist", "model=vit_mini", "attn=mhla", "model.mhla_num_blocks=auto"])
+    assert model_attention(cfg)["num_blocks"] == "auto"
+    layers = _mhla_layers(task_class(cfg)(cfg).build_model())
+    assert layers and all(layer.settings()["num_blocks"] == 4 for layer in layers)
+
+
 def test_vlt_resolves_auto_per_stage():
     cfg = _compose(["task=mnist", "model=vlt_t", "scale=mini/vlt_t", "attn=mhla", "attn.num_blocks=auto"])
     line = attention_line(cfg, model_attention(cfg))
