@@ -168,6 +168,18 @@ def test_model_default_mhla_num_blocks_auto():
     assert layers and all(layer.settings()["num_blocks"] == 4 for layer in layers)
 
 
+def test_video_model_resolves_auto_on_its_3d_grid():
+    from tasks.common.trainer import task_class
+
+    cfg = _compose(["task=video_mini", "model.num_layers=3", "data.num_frames=4", "data.height=8", "data.width=8",
+                    "attn=mhla", "attn.num_blocks=auto"])
+    options = model_attention(cfg)
+    assert "num_blocks=auto(per layer at build, from its token grid)" in attention_line(cfg, options)
+    layers = _mhla_layers(task_class(cfg)(cfg).build_model())
+    assert layers and {(layer.settings()["grid"], layer.settings()["blocks"]) for layer in layers} == {
+        ((4, 4, 4), (2, 2, 2))}
+
+
 def test_vlt_resolves_auto_per_stage():
     cfg = _compose(["task=mnist", "model=vlt_t", "scale=mini/vlt_t", "attn=mhla", "attn.num_blocks=auto"])
     line = attention_line(cfg, model_attention(cfg))
