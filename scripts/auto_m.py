@@ -33,6 +33,7 @@ from mhla.layouts import AUTO_RULE, auto_blocks, factorize_blocks
 from scripts.tables.registry import BENCH, ROOT
 from scripts.tables.results import write_json, write_result
 from tasks.common.launch import read_notes, run_parallel, run_training, train_loss_curve
+from tasks.common.records import read_run_record
 from tasks.common.stats import mean_std, ordering_verdict, paired_difference
 from tasks.common.utils import system_info
 
@@ -77,6 +78,11 @@ def run_sweep(args) -> list[dict]:
         with open(path) as f:
             records = [r for r in json.load(f) if "error" not in r]
     done = {(r["M"], r["seed"]) for r in records}
+    for m, seed in [(m, s) for s in args.seeds for m in args.ms if (m, s) not in done]:
+        rec = finished_run(m, seed, args)  # a run that finished but was not saved here (the sweep was stopped)
+        if rec is not None:
+            records.append(rec)
+            done.add((m, seed))
     todo = [(m, s) for s in args.seeds for m in args.ms if (m, s) not in done]
 
     def one(item):
@@ -100,6 +106,23 @@ def run_sweep(args) -> list[dict]:
 
     run_parallel(one, todo, args.jobs, "auto_m sweep", on_done)
     return records
+
+
+def finished_run(m: int, seed: int, args) -> dict | None:
+    """The record of a finished run of this sweep from its folder's ``run.json`` (the run's own record:
+    command, metrics, time, commit, machine, load), or None when it did not finish with these settings."""
+    run_dir = os.path.join(args.runs_dir, f"M{m}_s{seed}")
+    run = read_run_record(run_dir)
+    if not run or "top1" not in run.get("metrics", {}):
+        return None
+    cfg = run.get("config") or {}
+    if (cfg.get("trainer", {}).get("max_steps") != args.steps or cfg.get("attn", {}).get("num_blocks") != m
+            or cfg.get("seed") != seed):
+        return None
+    return {"command": run["command"].replace(ROOT + os.sep, ""), "seconds": run["seconds"],
+            "metrics": run["metrics"], "M": m, "seed": seed, "steps": args.steps,
+            "curve": train_loss_curve(run_dir), "from_run_record": True,
+            "run": {k: run.get(k) for k in ("commit", "dirty", "machine", "load_before", "load_after")}}
 
 
 def run_bench(args) -> dict:
