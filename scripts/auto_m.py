@@ -9,7 +9,7 @@ curve; writes ``results/auto_m.{md,json,png}`` (:func:`scripts.tables.results.wr
 
 (a) Accuracy: MNIST ``vit_mini`` (its 8 x 8 token grid, N = 64) with MHLA at the M values of ``--ms`` (any
 M that tiles the grid), seeds x ``--steps`` steps each; top-1 mean ± std, and the paired per-seed difference
-of every M against the rule's M (:mod:`tasks.common.stats`; "level" where the gap does not clear 2 pooled std).
+of every M against the rule's M (:mod:`tasks.common.stats`; "level" where the gap is within 2 pooled std).
 (b) Latency: Table 14's shapes (DiT-S/2 forward, batch 1, no CPE / gate; 1024 px = a 64 x 64 grid, N = 4096)
 for its M values on this CPU, timed in this one process by ``scripts.tables.benchmark.time_m`` (one warm-up
 call, median of ``--bench-repeats``; ``--bench-rounds`` rounds in alternating order, the lowest median per M),
@@ -79,7 +79,7 @@ def run_sweep(args) -> list[dict]:
             records = [r for r in json.load(f) if "error" not in r]
     done = {(r["M"], r["seed"]) for r in records}
     for m, seed in [(m, s) for s in args.seeds for m in args.ms if (m, s) not in done]:
-        rec = finished_run(m, seed, args)  # a run that finished but was not saved here (the sweep was stopped)
+        rec = finished_run(m, seed, args)  # finished, but not saved here (the sweep was stopped)
         if rec is not None:
             records.append(rec)
             done.add((m, seed))
@@ -140,7 +140,8 @@ def run_bench(args) -> dict:
             order = args.bench_ms if i % 2 == 0 else list(reversed(args.bench_ms))
             rounds.append([time_m(b, m, latent, 1, "cpu", args.bench_repeats) for m in order])
     # per M: the round with the lowest median (the one least disturbed by the other jobs on the machine)
-    rows = [min((r for rnd in rounds for r in rnd if r["M"] == m), key=lambda r: r["ms"]) for m in args.bench_ms]
+    rows = [min((r for rnd in rounds for r in rnd if r["M"] == m), key=lambda r: r["ms"])
+            for m in args.bench_ms]
     bench = {
         "rounds": rounds,
         "model": b["model"],
@@ -206,10 +207,11 @@ def to_markdown(data: dict) -> str:
              f"**The rule** (`mhla.layouts.auto_blocks`): {AUTO_RULE}.{where}.", "",
              f"Commands: {commands}", "",
              "## (a) M sweep: MNIST vit_mini (8 x 8 grid, N = 64)", "",
-             (f"{data['steps']} steps at the MNIST task's batch and schedule, fp32, {data['threads']} thread(s) per "
-              f"run, {data['jobs']} run(s) at a time; top-1 on the full 10k test set; seeds {data['seeds']}. Paired "
-              f"difference: each M minus the rule's M = {rule_m}, per seed, with its 95% t interval; verdict "
-              "`higher` / `lower` where the gap clears 2 pooled std, else `level` (tasks/common/stats.py)."), "",
+             (f"{data['steps']} steps at the MNIST task's batch and schedule, fp32, {data['threads']} "
+              f"thread(s) per run, {data['jobs']} run(s) at a time; top-1 on the full 10k test set; seeds "
+              f"{data['seeds']}. Paired difference: each M minus the rule's M = {rule_m}, per seed, with its "
+              "95% t interval; verdict `higher` / `lower` where the gap clears 2 pooled std, else `level` "
+              "(tasks/common/stats.py)."), "",
              ("| M | block (tokens) | M^2 <= N | top-1 % (mean ± std) | per seed | n | minus rule's M (pp) "
               "| 95% CI | verdict |"),
              "|---|---|---|---|---|---|---|---|---|"]
@@ -228,8 +230,9 @@ def to_markdown(data: dict) -> str:
                        f"{block_text(bench['grid'], (1, 1))} grid, N = {n})"), "",
                   (f"Batch {bench['batch']}, no CPE / gate, fp32, {bench['threads']} thread(s), one process "
                    "(`scripts.tables.benchmark.time_m`): per M one warm-up call then the median of "
-                   f"{bench['repeats']} calls (p25-p75 beside it); {len(bench.get('rounds', [1]))} round(s) over "
-                   "the M values in alternating order, and per M the round with the lowest median. Load: "
+                   f"{bench['repeats']} calls (p25-p75 beside it); {len(bench.get('rounds', [1]))} round(s) "
+                   "over the M values in alternating order, and per M the round with the lowest median. "
+                   "Load: "
                    f"{load_text(bench['measurement'])}."), "",
                   "| M | block (tokens) | M^2 <= N | ms (median) | p25-p75 ms | vs rule's M |",
                   "|---|---|---|---|---|---|"]
@@ -237,13 +240,15 @@ def to_markdown(data: dict) -> str:
         for r in bench["rows"]:
             rel = f"{r['ms'] / ref:.2f}x" if ref else "-"
             lines.append(f"| {r['M']}{' **(rule)**' if r['M'] == data['rule_m_bench'] else ''} | "
-                         f"{block_text(bench['grid'], r['blocks'])} | {'yes' if r['M'] ** 2 <= n else 'no'} | "
+                         f"{block_text(bench['grid'], r['blocks'])} | "
+                         f"{'yes' if r['M'] ** 2 <= n else 'no'} | "
                          f"{r['ms']:.0f} | {r['p25_ms']:.0f}-{r['p75_ms']:.0f} | {rel} |")
     lines += ["", "## Reading", "", *reading(data)]
     if data.get("notes"):
         lines += ["", data["notes"].strip()]
-    lines += ["", (f"Machine: {json.dumps(data['machine'])}. Plot: `auto_m.png` (top-1 across M; latency across "
-                   "M). Raw records (commands, per-seed metrics, loss curves, times, load): `auto_m.json`.")]
+    lines += ["", (f"Machine: {json.dumps(data['machine'])}. Plot: `auto_m.png` (top-1 across M; latency "
+                   "across M). Raw records (commands, per-seed metrics, loss curves, times, load): "
+                   "`auto_m.json`.")]
     return "\n".join(lines) + "\n"
 
 
@@ -251,8 +256,9 @@ def load_text(m: dict) -> str:
     def first(x):
         return f"{x[0]:.2f}" if isinstance(x, (list, tuple)) and x else "?"
 
+    busy = "BUSY" if m.get("busy") else "not busy"
     return (f"1-minute load {first(m.get('load_before'))} before, {first(m.get('load_after'))} after, on "
-            f"{m.get('cpu_count')} CPUs ({'BUSY' if m.get('busy') else 'not busy'} by `tasks.common.records`)")
+            f"{m.get('cpu_count')} CPUs ({busy} by `tasks.common.records`)")
 
 
 def reading(data: dict) -> list[str]:
@@ -266,10 +272,10 @@ def reading(data: dict) -> list[str]:
         parts = [f"M = {', '.join(ms)} {what}" for ms, what in (
             (groups["higher"], "clear the noise above it"), (groups["lower"], "clear the noise below it"),
             (groups["level"], "are level with it (gap within 2 pooled std)")) if ms]
-        out.append(f"- Accuracy: the rule's M = {rule_m} scores {rule['mean']:.2f} ± {rule['std']:.2f} (rank {rank} "
-                   f"of {len(sw)} by mean; best mean: M = {best['M']}, {best['mean']:.2f}). Against it, "
-                   f"{'; '.join(parts)}. {data['steps']} steps is a short proxy: it can show a poor choice, not "
-                   "which M is best after full training.")
+        out.append(f"- Accuracy: the rule's M = {rule_m} scores {rule['mean']:.2f} ± {rule['std']:.2f} "
+                   f"(rank {rank} of {len(sw)} by mean; best mean: M = {best['M']}, {best['mean']:.2f}). "
+                   f"Against it, {'; '.join(parts)}. {data['steps']} steps is a short proxy: it can show a "
+                   "poor choice, not which M is best after full training.")
     bench = data.get("bench")
     if bench and data["rule_m_bench"] in {r["M"] for r in bench["rows"]}:
         rows = {r["M"]: r["ms"] for r in bench["rows"]}
@@ -277,17 +283,32 @@ def reading(data: dict) -> list[str]:
         inside = [m for m in rows if m * m <= n]
         lo, hi = min(rows[m] for m in inside), max(rows[m] for m in inside)
         fastest = min(rows, key=rows.get)
-        text = (f"- Latency (Table 14's shapes, N = {n}): the rule picks M = {rm} ({rows[rm]:.0f} ms), the largest "
-                f"M here with M^2 <= N; the M within the bound ({', '.join(map(str, inside))}) take "
+        text = (f"- Latency (Table 14's shapes, N = {n}): the rule picks M = {rm} ({rows[rm]:.0f} ms), the "
+                f"largest M here with M^2 <= N; the M within the bound ({', '.join(map(str, inside))}) take "
                 f"{lo:.0f}-{hi:.0f} ms (a spread of {100 * (hi / lo - 1):.0f}%)")
-        past = [f"M = {m}: {rows[m]:.0f} ms ({rows[m] / rows[rm]:.2f}x the rule's)" for m in rows if m * m > n]
+        past = [f"M = {m}: {rows[m]:.0f} ms ({rows[m] / rows[rm]:.2f}x the rule's)"
+                for m in rows if m * m > n]
         if past:
             text += "; past the bound " + ", ".join(past)
-        out.append(text + f". The rule's M takes {rows[rm] / rows[fastest]:.2f}x the time of the fastest M "
-                   f"({fastest}).")
+        text += f". The rule's M takes {rows[rm] / rows[fastest]:.2f}x the time of the fastest M ({fastest})"
+        per_m = {m: [r["ms"] for rnd in bench.get("rounds", []) for r in rnd if r["M"] == m] for m in rows}
+        moved = [max(v) / min(v) - 1 for v in per_m.values() if len(v) > 1]
+        if moved:
+            noise = max(moved)
+            gap = {m: rows[m] / rows[rm] - 1 for m in rows if m != rm}
+            verdict = {m: "slower" if g > noise else "faster" if -g > noise else "level"
+                       for m, g in gap.items()}
+            groups = {v: [str(m) for m in verdict if verdict[m] == v] for v in ("slower", "faster", "level")}
+            text += (f". Round to round the same M moved by up to {100 * noise:.0f}% under the load, so "
+                     "only a gap larger than that is read: " + "; ".join(
+                         f"M = {', '.join(ms)} {what}" for ms, what in (
+                             (groups["slower"], "slower than the rule's M"),
+                             (groups["faster"], "faster than the rule's M"),
+                             (groups["level"], "level with it")) if ms))
+        out.append(text + ".")
     if bench and bench["measurement"].get("busy"):
-        out.append("- The benchmark ran on a busy CPU (other jobs running; written with `--allow-busy`): the times "
-                   "are a shape across M under that load, not latencies of an idle machine.")
+        out.append("- The benchmark ran on a busy CPU (other jobs running; written with `--allow-busy`): the "
+                   "times are a shape across M under that load, not latencies of an idle machine.")
     return out
 
 

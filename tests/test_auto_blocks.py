@@ -1,7 +1,7 @@
 """``attn.num_blocks=auto``: M chosen from the model's token grid by the paper's ``M^2 <= N`` rule
 (:func:`mhla.layouts.auto_blocks`), resolved when the layer is built with its grid, printed at start, refused
-where the grid is unknown or the rule has no solution; the language model's ``block_size=auto`` (the same bound
-on a causal sequence)."""
+where the grid is unknown or the rule has no solution; the language model's ``block_size=auto`` (the same
+bound on a causal sequence)."""
 
 from __future__ import annotations
 
@@ -171,8 +171,8 @@ def test_model_default_mhla_num_blocks_auto():
 def test_video_model_resolves_auto_on_its_3d_grid():
     from tasks.common.trainer import task_class
 
-    cfg = _compose(["task=video_mini", "model.num_layers=3", "data.num_frames=4", "data.height=8", "data.width=8",
-                    "attn=mhla", "attn.num_blocks=auto"])
+    cfg = _compose(["task=video_mini", "model.num_layers=3", "data.num_frames=4", "data.height=8",
+                    "data.width=8", "attn=mhla", "attn.num_blocks=auto"])
     options = model_attention(cfg)
     assert "num_blocks=auto(per layer at build, from its token grid)" in attention_line(cfg, options)
     layers = _mhla_layers(task_class(cfg)(cfg).build_model())
@@ -215,9 +215,11 @@ def test_start_refuses_a_grid_without_a_solution():
 
 def test_train_py_prints_the_chosen_m(tmp_path):
     overrides = ["task=mnist", "model=vit_mini", "attn=mhla", "attn.num_blocks=auto", "trainer.max_steps=1",
-                 "data.limit=64", "data.batch_size=32", "data.eval_limit=64", "trainer.device=cpu", "logger=none",
-                 "trainer.progress_bar=false", "trainer.count_flops=false", f"hydra.run.dir={tmp_path}"]
+                 "data.limit=64", "data.batch_size=32", "data.eval_limit=64", "trainer.device=cpu",
+                 "logger=none", "trainer.progress_bar=false", "trainer.count_flops=false",
+                 f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides], capture_output=True,
                           text=True, cwd=ROOT, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "attention: name=mhla num_blocks=auto(M=4: 2x2 blocks of 4x4 tokens on the 8x8 grid)" in proc.stdout
+    want = "attention: name=mhla num_blocks=auto(M=4: 2x2 blocks of 4x4 tokens on the 8x8 grid)"
+    assert want in proc.stdout

@@ -1,6 +1,6 @@
-"""scripts/auto_m.py writes results/auto_m.{md,json,png} from saved runs and a benchmark (``--stage write``): the
-rule's M is marked in both tables, the paired differences come from tasks/common/stats.py, and a benchmark
-measured on a busy machine is refused unless ``--allow-busy``."""
+"""scripts/auto_m.py writes results/auto_m.{md,json,png} from saved runs and a benchmark (``--stage write``):
+the rule's M is marked in both tables, the paired differences come from tasks/common/stats.py, and a
+benchmark measured on a busy machine is refused unless ``--allow-busy``."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ def _save(tmp_path, busy: bool):
     (tmp_path / "sweep.json").write_text(json.dumps(recs))
     rows = [{"M": m, "blocks": [int(m ** 0.5)] * 2, "ms": 100.0 + m, "p25_ms": 99.0 + m, "p75_ms": 101.0 + m}
             for m in (4, 16, 64, 256)]
-    meas = {"commit": "x", "load_before": [3.0, 3.0, 3.0] if busy else [0.1, 0.1, 0.1],
-            "load_after": [3.0, 3.0, 3.0] if busy else [0.2, 0.1, 0.1], "cpu_count": 2, "threads": 2, "busy": busy}
-    (tmp_path / "bench.json").write_text(json.dumps({"model": "DiT-S/2", "res": 1024, "grid": [64, 64], "batch": 1,
-                                                     "repeats": 3, "threads": 2, "rows": rows, "rounds": [rows],
-                                                     "measurement": meas}))
+    load = [3.0, 3.0, 3.0] if busy else [0.1, 0.1, 0.1]
+    meas = {"commit": "x", "load_before": load, "load_after": load, "cpu_count": 2, "threads": 2,
+            "busy": busy}
+    bench = {"model": "DiT-S/2", "res": 1024, "grid": [64, 64], "batch": 1, "repeats": 3, "threads": 2,
+             "rows": rows, "rounds": [rows], "measurement": meas}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
 
 
 def test_write_stage_marks_the_rules_m_and_refuses_a_busy_benchmark(tmp_path):
