@@ -269,9 +269,11 @@ def reading(data: dict) -> list[str]:
         best = max(sw, key=lambda r: r["mean"])
         rank = sorted(sw, key=lambda r: -r["mean"]).index(rule) + 1
         groups = {v: [str(r["M"]) for r in sw if r.get("verdict") == v] for v in ("higher", "lower", "level")}
-        parts = [f"M = {', '.join(ms)} {what}" for ms, what in (
-            (groups["higher"], "clear the noise above it"), (groups["lower"], "clear the noise below it"),
-            (groups["level"], "are level with it (gap within 2 pooled std)")) if ms]
+        parts = [f"M = {', '.join(ms)} {what[len(ms) == 1]}" for ms, what in (
+            (groups["higher"], ("clear the noise above it", "clears the noise above it")),
+            (groups["lower"], ("clear the noise below it", "clears the noise below it")),
+            (groups["level"], ("are level with it (gap within 2 pooled std)", "is level with it (gap within 2 "
+                                                                              "pooled std)"))) if ms]
         out.append(f"- Accuracy: the rule's M = {rule_m} scores {rule['mean']:.2f} ± {rule['std']:.2f} "
                    f"(rank {rank} of {len(sw)} by mean; best mean: M = {best['M']}, {best['mean']:.2f}). "
                    f"Against it, {'; '.join(parts)}. {data['steps']} steps is a short proxy: it can show a "
