@@ -311,16 +311,26 @@ def check_attention(options: dict, contract: AttentionContract, num_heads: int =
     """Build each of ``contract.probes`` with the resolved ``options`` (:func:`resolve_attention`) on the meta
     device: a layout that does not fit raises ValueError now, not after the model is built. Native attentions
     are not checked."""
+    probe_layers(options, contract, num_heads, head_dim, key)
+
+
+def probe_layers(options: dict, contract: AttentionContract, num_heads: int = 1,
+                 head_dim: int = 8, key: str = "attn") -> list[nn.Module]:
+    """The layers of ``contract.probes`` built with the resolved ``options`` on the meta device, one per probe
+    (none for a native attention); their ``settings()`` say what the model's layers run with, e.g. the M that
+    MHLA's ``num_blocks="auto"`` picks on each token grid. Raises ValueError (naming the model and the grid)
+    for a layer that cannot be built."""
     import torch  # noqa: PLC0415  (registry imports nothing heavy at module level)
 
     name = options["name"]
     if name in contract.native:
-        return
+        return []
     cls = get_attention_class(name)
     accepted = accepted_options(cls)
     if contract.prepare is not None:
         options = contract.prepare(dict(options))
     layer_options = {k: v for k, v in options.items() if k not in contract.host_keys(name)}
+    layers = []
     for fixed, defaults in contract.probes:
         opts = with_defaults(layer_options, defaults.get(name, {}), cls)
         fixed = dict(fixed)
@@ -329,10 +339,11 @@ def check_attention(options: dict, contract: AttentionContract, num_heads: int =
         fixed = {k: v for k, v in fixed.items() if accepted is None or k in accepted}
         try:
             with torch.device("meta"):
-                build_attention(opts, dim, heads, **fixed)
+                layers.append(build_attention(opts, dim, heads, **fixed))
         except ValueError as e:
             where = f" on its {'x'.join(map(str, fixed['grid']))} token grid" if fixed.get("grid") else ""
             raise ValueError(f"{contract.model}{where}: {key}={name}: {e}") from None
+    return layers
 
 
 def choices(contract: AttentionContract) -> list[str]:

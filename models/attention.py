@@ -43,13 +43,20 @@ def _plain(value):
     return value
 
 
+def mhla_defaults(model_cfg) -> dict:
+    """``{"mhla": {"num_blocks": M}}`` from ``model.mhla_num_blocks`` (an int, or ``auto``: chosen from the model's
+    token grid, docs/choosing_m.md), ``{}`` when it is unset: a model family's MHLA default M."""
+    value = model_cfg.get("mhla_num_blocks")
+    if value is None:
+        return {}
+    return {"mhla": {"num_blocks": "auto" if str(value) == "auto" else int(value)}}
+
+
 def grid_model_contract(model_cfg, *, patch_grid: tuple[int, int], width: dict) -> AttentionContract:
     """The contract of a model whose blocks attend over its 2-D patch grid (DiT, DiG): any bidirectional attention
     on a 2-D grid; MHLA's default M is ``model.mhla_num_blocks``; ``width``: ``{"dim", "num_heads"}`` of its
     layers for the start-of-run probe (empty: the probe's own)."""
-    defaults = {}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    defaults = mhla_defaults(model_cfg)
     return AttentionContract(model=f"model={model_cfg.get('name', model_cfg.get('kind'))}", needs=Needs(grid_rank=2),
                              defaults=defaults, fixed=GRID_MODEL_FIXED,
                              probes=(({"grid": tuple(patch_grid), **width}, {}),))

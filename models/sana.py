@@ -29,6 +29,8 @@ from omegaconf import OmegaConf
 from mhla.adapters.diffusers import swap_cross_attention, swap_self_attention
 from mhla.registry import AttentionContract, Needs
 
+from .attention import mhla_defaults
+
 # docs/baselines.md#sana-06b (scripts/convert_sana_to_diffusers.py, SanaMS_600M_P1_D28); sample_size 32 = 1024 px.
 SANA_600M = dict(in_channels=32, out_channels=32, num_attention_heads=36, attention_head_dim=32, num_layers=28,
                  num_cross_attention_heads=16, cross_attention_head_dim=72, cross_attention_dim=1152,
@@ -74,9 +76,7 @@ HOST_REFUSED = {k: "the diffusers module owns the projections" for k in ("cpe", 
 def attention_contract(model_cfg) -> AttentionContract:
     """SANA's self-attention takes any registered attention that runs inside diffusers' projections over the 2-D
     latent grid, or ``native`` (SANA's own ReLU linear attention); MHLA's default M is ``model.mhla_num_blocks``."""
-    defaults = {}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    defaults = mhla_defaults(model_cfg)
     probes = ()
     if not model_cfg.get("pretrained"):  # a released checkpoint's grid is known once it is loaded
         arch = sana_config(model_cfg.get("config", "sana_tiny"))

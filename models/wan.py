@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 from mhla.adapters.diffusers import hybrid_layers, swap_cross_attention, swap_self_attention
 from mhla.registry import AttentionContract, Needs
 
+from .attention import mhla_defaults
 from .weights import MissingWeightsError, require_local_weights  # noqa: F401  (MissingWeightsError: re-exported)
 
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B (diffusers' conversion script; docs/baselines.md#wan21-t2v-13b).
@@ -109,9 +110,7 @@ def attention_contract(model_cfg) -> AttentionContract:
     latent grid with Wan's rotary tables, or ``softmax`` (Wan's own processor, the FlashAttention row). Host options
     (``attn.layers`` / ``softmax_every`` / ``softmax_offset``): which layers get it. MHLA's default M is
     ``model.mhla_num_blocks`` (``attn.blocks`` per axis wins when set)."""
-    defaults = {"*": dict(WAN_ATTENTION_DEFAULTS)}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    defaults = {"*": dict(WAN_ATTENTION_DEFAULTS), **mhla_defaults(model_cfg)}
     refused = {k: "the diffusers module owns the projections" for k in ("cpe", "cpe_kernel", "gate", "qk_norm",
                                                                         "short_conv")}
     return AttentionContract(

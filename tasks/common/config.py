@@ -18,7 +18,13 @@ from pathlib import Path
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from mhla.registry import accepted_options, check_attention, get_attention_class, resolve_attention
+from mhla.registry import (
+    accepted_options,
+    check_attention,
+    get_attention_class,
+    probe_layers,
+    resolve_attention,
+)
 from models.attention import attention_contract, cross_attention_contract
 from models.lm.configuration_mhla_lm import LEGACY_ATTENTION_FIELDS
 
@@ -55,6 +61,42 @@ def model_cross_attention(cfg) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return options
+
+
+AUTO_OPTIONS = ("num_blocks", "block_size")  # MHLA's options that take "auto" (from the token grid / context)
+
+
+def attention_line(cfg, options: dict) -> str:
+    """The ``attention: name=mhla num_blocks=... ...`` line that train.py prints for the resolved ``options``
+    (:func:`model_attention`). An option set to ``auto`` (MHLA's ``num_blocks`` on a grid, ``block_size`` in a
+    language model) shows what it resolves to in the model's layers (the start-of-run probes), e.g.
+    ``num_blocks=auto(M=16: 4x4 blocks of 4x4 tokens on the 16x16 grid)``."""
+    auto = [k for k in AUTO_OPTIONS if options.get(k) == "auto"]
+    resolved = []
+    if auto:
+        try:
+            layers = probe_layers(options, attention_contract(cfg.model))
+        except ValueError:
+            layers = []
+        resolved = list(dict.fromkeys(auto_resolution(layer.settings()) for layer in layers))
+    parts = []
+    for k, v in options.items():
+        if k in auto:
+            v = f"auto({'; '.join(resolved) or 'per layer at build, from its token grid'})"
+        parts.append(f"{k}={v}")
+    return "attention: " + " ".join(parts)
+
+
+def auto_resolution(settings: dict) -> str:
+    """What ``auto`` resolved to in a built MHLA layer, from its ``settings()``."""
+    if settings.get("causal"):
+        return f"block_size={settings['block_size']}, {settings['num_blocks']} learned blocks"
+    grid, blocks, block = settings.get("grid"), settings.get("blocks"), settings.get("block")
+    text = f"M={settings['num_blocks']}"
+    if blocks is not None and block is not None and grid is not None:
+        text += (f": {'x'.join(map(str, blocks))} blocks of {'x'.join(map(str, block))} tokens on the "
+                 f"{'x'.join(map(str, grid))} grid")
+    return text
 
 
 # The one mapping of configs written before the attention schema (``attn.*`` for every model): the language models
