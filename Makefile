@@ -21,6 +21,7 @@ help:
 	@echo "make bench-generation / bench-video - LM decoding and video (Wan-shaped, CPU preset) benchmarks"
 	@echo "make length-extrapolation [SEED=0] - lm_mini MHLA / linear / softmax at 256 tokens, evaluated to 4k (~15 min)"
 	@echo "make plots     - redraw the committed benchmark and table plots (<stem>.png) from their .json; runs nothing"
+	@echo "make auto-m    - the num_blocks=auto rule vs an M sweep and Table 14's CPU latency -> results/auto_m.md (~1 h)"
 	@echo "make params    - parameters and GMACs of every table cell beside the paper's -> results/params.md (~10 min, CPU)"
 	@echo "make clean     - remove .venv and build files"
 	@echo "make help      - this list"
@@ -152,6 +153,12 @@ reproduce-mqar: $(VENV)/.installed
 bench-video: $(VENV)/.installed
 	$(PY) scripts/bench_video.py --preset cpu
 
+# The num_blocks=auto rule against an M sweep (MNIST vit_mini, 3 seeds) and Table 14's latency across M (CPU);
+# EXTRA='--allow-busy' writes a benchmark measured on a busy machine, marked BUSY.
+.PHONY: auto-m
+auto-m: $(VENV)/.installed
+	$(PY) scripts/auto_m.py $(EXTRA)
+
 # Parameters and GMACs of every table cell (full-scale configs, random weights, the paper's resolution), beside
 # the paper's numbers; the counting convention is in the file. tests/test_params_table.py checks it.
 .PHONY: params
@@ -166,7 +173,7 @@ plots: $(VENV)/.installed
 	$(PY) scripts/bench_generation.py --plot-only
 	$(PY) scripts/bench_video.py --plot-only --preset cpu --device cpu
 	$(REPRODUCE) --table 3a --scale mini --plot-only
-	$(PY) -m tasks.video_gen.table5 --plot-only
+	$(REPRODUCE) --table 5 --plot-only
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -10,7 +10,8 @@ Hydra and W&B are used by the training harness, not here.
     model = mhla.convert(trained_softmax_model, attn="mhla")   # keep its weights, swap the attention
 """
 
-from . import baselines, gla  # noqa: F401  (register focused, inline, mala, rala and gla; .layers the other three)
+# (registers focused, inline, mala, rala, gla and the cross-attentions; .layers the other three)
+from . import baselines, cross, gla  # noqa: F401
 from .conversion import convert
 from .feature_maps import FEATURE_MAPS, get_feature_map
 from .layers import (
@@ -22,7 +23,7 @@ from .layers import (
     SoftmaxAttention,
 )
 from .layouts import BlockLayout, layout_1d, layout_2d, layout_3d, layout_from_num_blocks
-from .mixing import MixingMatrix, distances_1d, mixing_init
+from .mixing import CrossMixingMatrix, MixingMatrix, distances_1d, mixing_init
 from .ops import (
     MHLAState,
     MixingRows,
@@ -48,7 +49,8 @@ from .rope import RotaryTables
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionBase", "AttentionCache", "AttentionContract", "BlockLayout", "FEATURE_MAPS", "KernelAttention",
+    "AttentionBase", "AttentionCache", "AttentionContract", "BlockLayout", "CrossMixingMatrix",
+    "FEATURE_MAPS", "KernelAttention",
     "LinearAttention", "MHLAState", "MixingMatrix", "MixingRows", "MultiHeadLinearAttention", "Needs",
     "RotaryTables", "SoftmaxAttention", "Supports", "build_attention", "convert", "distances_1d",
     "get_feature_map", "init_state", "layout_1d", "layout_2d", "layout_3d", "layout_from_num_blocks",

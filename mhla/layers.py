@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .feature_maps import get_feature_map
-from .layouts import BlockLayout, ceil_div, layout_for_grid, resolve_blocks
+from .layouts import BlockLayout, auto_blocks, ceil_div, layout_for_grid, resolve_blocks
 from .mixing import MixingMatrix
 from .ops import MHLAState, linear_attention, mhla_attention, mhla_decode_step, softmax_attention
 from .ops.utils import check_cu_seqlens, run_varlen, sequence_bounds, unbind_state
@@ -543,8 +543,12 @@ class MultiHeadLinearAttention(KernelAttention):
         blocks / block / num_blocks: the block grid, non-causal. ``blocks``: blocks per axis (``(4, 4)``;
             the block shape follows the grid of each call); ``block``: tokens per block (with ``grid``);
             ``num_blocks``: M, factorised over the grid's axes (:func:`mhla.layouts.factorize_blocks`: a perfect
-            square / cube splits evenly). Exactly one, or ``block_size`` for a 1-D sequence.
-        block_size: tokens per block of a 1-D sequence; causal layers: the chunk length (default 64).
+            square / cube splits evenly), or ``"auto"``: M chosen from the layer's ``grid`` by the paper's
+            ``M^2 <= N`` rule (:func:`mhla.layouts.auto_blocks`; refused without a grid). Exactly one, or
+            ``block_size`` for a 1-D sequence.
+        block_size: tokens per block of a 1-D sequence (``"auto"`` on a 1-D grid: as ``num_blocks="auto"``);
+            causal layers: the chunk length (default 64; ``"auto"`` is resolved by the model from its context,
+            :func:`mhla.layouts.auto_block_size`).
         mixing_init: ``"locality"`` (paper default), ``"uniform"``, ``"identity"``, ``"cos"``, ``"exp"``,
             ``"gaussian"``, ``"local"``, ``"locality_visible"``, ``"locality_official"`` (:func:`mhla.mixing_init`).
         mixing_learnable: learn the mixing matrix (else a frozen buffer). mixing_per_head: one matrix per head.
@@ -567,8 +571,8 @@ class MultiHeadLinearAttention(KernelAttention):
         *,
         blocks=None,
         block=None,
-        num_blocks: int | None = None,
-        block_size: int | None = None,
+        num_blocks: int | str | None = None,
+        block_size: int | str | None = None,
         mixing_init: str = "locality",
         mixing_learnable: bool = True,
         mixing_per_head: bool = False,
@@ -585,10 +589,16 @@ class MultiHeadLinearAttention(KernelAttention):
             given = [n for n, v in (("grid", self.grid if self.grid and len(self.grid) != 1 else None),
                                     ("blocks", blocks), ("block", block), ("num_blocks", num_blocks)) if v is not None]
             if given:
+                hint = (" (num_blocks=auto: use block_size=auto, which the language model resolves from its "
+                        "context)" if num_blocks == "auto" else "")
                 raise ValueError(f"causal MHLA works on 1-D sequences in chunks of block_size tokens; it does not "
-                                 f"take {', '.join(given)}")
+                                 f"take {', '.join(given)}{hint}")
+            if block_size == "auto":
+                raise ValueError("block_size=auto is resolved by the model from its context length "
+                                 "(mhla.layouts.auto_block_size, e.g. the language model's "
+                                 "max_position_embeddings); a layer built directly needs block_size=<int>")
             self.block_size = int(block_size or 64)
-            self.blocks = None
+            self.blocks, self.auto_blocks = None, False
             m, distances = int(max_learned_blocks or 32), None
         else:
             if max_learned_blocks is not None or mixing_extension is not None:
@@ -619,8 +629,24 @@ class MultiHeadLinearAttention(KernelAttention):
 
     def _block_grid(self, blocks, block, num_blocks, block_size) -> tuple[int, ...]:
         """Blocks per axis of a non-causal layer, from exactly one of ``blocks`` / ``block`` / ``num_blocks``
-        (or ``block_size`` on a 1-D grid)."""
+        (or ``block_size`` on a 1-D grid). ``num_blocks="auto"`` (or ``block_size="auto"`` on a 1-D grid): the
+        rule of :func:`mhla.layouts.auto_blocks` on the layer's token grid."""
         grid = self.grid
+        self.auto_blocks = "auto" in (num_blocks, block_size)
+        if self.auto_blocks:
+            others = [n for n, v in (("blocks", blocks), ("block", block), ("num_blocks", num_blocks),
+                                     ("block_size", block_size)) if v is not None and v != "auto"]
+            if others:
+                raise ValueError(f"num_blocks=auto chooses the block grid itself; drop {', '.join(others)}")
+            if num_blocks == "auto" and block_size is not None:
+                raise ValueError("give num_blocks=auto or block_size=auto, not both")
+            if grid is None:
+                raise ValueError("num_blocks=auto chooses M from the layer's token grid, but this layer is "
+                                 "built without one (grid=None): the model must pass its token grid "
+                                 "(grid=(H, W), (F, H, W) or (T,)), or give num_blocks=M / blocks=(per axis)")
+            if block_size is not None and len(grid) != 1:
+                raise ValueError("block_size is for 1-D sequences; on a grid use num_blocks=auto")
+            return auto_blocks(grid)
         if grid is not None and len(grid) == 1 and block_size is not None and (blocks, block, num_blocks) == (
                 None, None, None):
             block = (block_size,)
@@ -647,7 +673,7 @@ class MultiHeadLinearAttention(KernelAttention):
         if self.causal:
             out.update(block_size=self.block_size, max_learned_blocks=m.num_blocks, mixing_extension=m.extension)
         else:
-            out.update(blocks=self.blocks)
+            out.update(blocks=self.blocks, auto_blocks=self.auto_blocks)
             if self.grid is not None:
                 out["block"] = self.layout_for(self.grid).block
         return out

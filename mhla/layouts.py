@@ -371,3 +371,71 @@ def layout_for_grid(grid: Sequence[int], blocks: Sequence[int]) -> BlockLayout:
                 f"{g} (divisors: {divs}). Change the video/image size or the block grid (attn.blocks)"
             )
     return BlockLayout(grid, tuple(g // b for g, b in zip(grid, blocks)))
+
+
+# ------------------------------------------------------------------------------ choosing M from the grid
+AUTO_RULE = ("blocks tile the grid exactly; 2 <= M and M^2 <= N; square blocks on the spatial (last two) "
+             "axes where any such tiling has them; the largest such M; ties: the most isotropic block, then "
+             "more blocks along the leading axes")
+
+
+def auto_blocks(grid: Sequence[int]) -> tuple[int, ...]:
+    """Blocks per axis for ``num_blocks="auto"``: the paper's ``M^2 <= N`` rule on a token grid.
+
+    Candidates: every block grid ``b`` (blocks per axis) that tiles ``grid`` exactly (``b_i | grid_i``), with
+    ``2 <= M = prod(b)`` and ``M^2 <= N = prod(grid)``. When some candidate has square blocks on the spatial
+    axes (2-D: ``bh = bw`` tokens; 3-D video ``(F, H, W)``: ``bh = bw``, any ``bf``; 1-D: every candidate),
+    only those count. Among them, the largest ``M``; ties: the most isotropic block in tokens (smallest
+    ``max(block) / min(block)``), then more blocks along the leading axes (as :func:`factorize_blocks`).
+
+    Examples (grid -> blocks per axis, block in tokens, M): ``(16, 16)`` -> ``(4, 4)``, 4 x 4, 16;
+    ``(32, 32)`` -> ``(4, 4)``, 8 x 8, 16 (32 blocks would need 4 x 8 tiles); ``(14, 14)`` -> ``(2, 2)``,
+    7 x 7, 4; ``(7, 7)`` (no square tile but the whole grid) -> ``(7, 1)``, 1 x 7, 7; ``(21, 30, 50)`` ->
+    ``(7, 3, 5)``, 3 x 10 x 10, 105 (the paper's Wan2.1 setting); ``(64,)`` -> ``(8,)``, 8, 8.
+
+    Raises:
+        ValueError: a grid of rank other than 1-3 or with a non-positive size, or one that no block grid with
+            ``2 <= M``, ``M^2 <= N`` tiles (a 1-D prime length, a 1 x 1 grid, ...); the message says why.
+    """
+    grid = _as_int_tuple(grid, "grid")
+    if len(grid) not in _AXES or any(g < 1 for g in grid):
+        raise ValueError(f"num_blocks=auto needs a token grid of 1-3 positive sizes, got {grid}")
+    n = math.prod(grid)
+    best, best_key = None, None
+    for combo in itertools.product(*(_divisors(g) for g in grid)):
+        m = math.prod(combo)
+        if m < 2 or m * m > n:
+            continue
+        shape = [g // b for g, b in zip(grid, combo)]
+        square = len(grid) == 1 or shape[-1] == shape[-2]
+        key = (not square, -m, max(shape) / min(shape), tuple(-b for b in combo))
+        if best_key is None or key < best_key:
+            best, best_key = combo, key
+    if best is None:
+        div = "; ".join(f"{a} {g}: {', '.join(map(str, _divisors(g)))}"
+                        for a, g in zip(_AXES[len(grid)], grid))
+        raise ValueError(
+            f"num_blocks=auto has no solution on the token grid {'x'.join(map(str, grid))} (N = {n}): no "
+            f"block grid tiles it with at least 2 blocks and M^2 <= N (divisors per axis: {div}). Give "
+            f"num_blocks, blocks or block explicitly, or change the grid (pad the input)")
+    return tuple(best)
+
+
+def auto_num_blocks(grid: Sequence[int]) -> int:
+    """``M`` that ``num_blocks="auto"`` picks on ``grid`` (:func:`auto_blocks`)."""
+    return math.prod(auto_blocks(grid))
+
+
+def auto_block_size(seq_len: int) -> int:
+    """Chunk length of causal MHLA for ``block_size="auto"``: the smallest power of two ``C`` with
+    ``C^2 >= N`` (``C >= sqrt(N)``), so a context of ``N = seq_len`` tokens has ``N / C <= sqrt(N)``
+    blocks: ``M^2 <= N`` exactly when ``C`` divides ``N`` (a power-of-two context), else up to the partial
+    last chunk (64 -> 8, 128 -> 16, 256 -> 16, 2048 -> 64). A causal sequence may end in a partial chunk
+    (:func:`num_blocks_for`), so ``C`` need not divide ``N``; a power of two suits the chunked kernels."""
+    seq_len = _as_int(seq_len, "seq_len")
+    if seq_len < 1:
+        raise ValueError(f"block_size=auto needs a context length >= 1, got {seq_len}")
+    c = 1
+    while c * c < seq_len:
+        c *= 2
+    return c

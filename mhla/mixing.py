@@ -537,3 +537,78 @@ def mixing_matrices(model: nn.Module) -> dict[str, MixingMatrix]:
     """Every :class:`MixingMatrix` of ``model`` by the name of the layer that holds it (``blocks.0.attn``), in
     model order: the one way to find them."""
     return {name.rpartition(".")[0] or name: m for name, m in model.named_modules() if isinstance(m, MixingMatrix)}
+
+
+# ------------------------------------------------------------------------------------ cross-attention
+CROSS_INIT_KINDS = ("uniform",)
+
+
+class CrossMixingMatrix(MixingMatrix):
+    """The ``[Mq, Mk]`` mixing matrix of MHLA cross-attention (docs/cross_attention.md): row ``i`` says how
+    much query block ``i`` reads of each key block's summary. Same parameterizations, training hooks
+    (optimizer group ``mixing``, the projection after each step, logged heatmaps) and ``forward()`` as
+    :class:`MixingMatrix`.
+
+    Args:
+        query_blocks, key_blocks: ``Mq`` and ``Mk``.
+        init: ``"uniform"`` (``1 / Mk`` everywhere: every query block starts as plain linear cross-attention).
+            The distance-based inits (``locality`` and the others of :data:`INIT_KINDS`) are refused: a query
+            block (a region of the image or video) and a key block (a span of the condition) have no distance.
+        learnable, num_heads, parameterization, max_value: as :class:`MixingMatrix`.
+    """
+
+    def __init__(self, query_blocks: int, key_blocks: int, *, init: str = "uniform", learnable: bool = True,
+                 num_heads: int | None = None, parameterization: str = "clamp", max_value: float = 1.0):
+        nn.Module.__init__(self)
+        if init not in CROSS_INIT_KINDS:
+            raise ValueError(
+                f"cross-attention mixing_init={init!r} is not available: there is no distance between a "
+                f"query block (a region of the tokens) and a key block (a span of the condition), so locality-type "
+                f"inits do not apply; use mixing_init=uniform ({', '.join(CROSS_INIT_KINDS)}), learned with "
+                f"mixing_learnable=true")
+        for name, m in (("query_blocks", query_blocks), ("key_blocks", key_blocks)):
+            if not _is_int(m) or m < 1:
+                raise ValueError(f"{name} must be a positive int, got {m!r}")
+        self._check_args(query_blocks, num_heads, parameterization, max_value, None)
+        self.query_blocks, self.key_blocks = int(query_blocks), int(key_blocks)
+        self.num_blocks = self.query_blocks
+        self.init, self.causal, self.learnable = init, False, learnable
+        self.num_heads = None if num_heads is None else operator.index(num_heads)
+        self.parameterization, self.max_value, self.extension = parameterization, max_value, None
+        raw = self.initial_raw().to(torch.get_default_device())
+        if learnable:
+            self.raw = nn.Parameter(raw)
+        else:
+            self.register_buffer("raw", raw)
+
+    def initial_raw(self) -> torch.Tensor:
+        with torch.device("cpu"):
+            w = torch.full((self.query_blocks, self.key_blocks), 1.0 / self.key_blocks)
+            if self.num_heads is not None:
+                w = w.unsqueeze(0).repeat(self.num_heads, 1, 1)
+            if self.parameterization == "softplus":
+                return _inverse_softplus(w.clamp_min(1e-4))
+            if self.parameterization == "log":
+                return w.clamp_min(1e-4).log()
+            return w
+
+    @torch.no_grad()
+    def logged_matrices(self) -> dict[str, torch.Tensor]:
+        if not self.learnable or tuple(self.raw.shape[-2:]) != (self.query_blocks, self.key_blocks):
+            return {}
+        return {"mixing": self().detach().float().cpu()}
+
+    def forward(self, num_blocks: int | None = None) -> torch.Tensor:
+        """The effective nonnegative ``[Mq, Mk]`` (or ``[H, Mq, Mk]``) matrix."""
+        if num_blocks not in (None, self.query_blocks):
+            raise ValueError(f"this cross-attention was built for {self.query_blocks} query blocks, asked "
+                             f"for {num_blocks}")
+        return self.learned()
+
+    def causal_rows(self, start: int, stop: int):
+        raise ValueError("cross-attention mixing has no causal rows")
+
+    def extra_repr(self) -> str:
+        heads = "shared" if self.num_heads is None else f"per_head={self.num_heads}"
+        return (f"Mq={self.query_blocks}, Mk={self.key_blocks}, init={self.init}, "
+                f"learnable={self.learnable}, {heads}, param={self.parameterization}")

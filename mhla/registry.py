@@ -55,6 +55,9 @@ class Supports:
         rope: applies the rotary tables a model passes with each call (option ``rope``: the placement).
         host_projections: runs inside a host module that owns the q/k/v and output projections
             (diffusers attention processors, :mod:`mhla.adapters.diffusers`).
+        cross: a cross-attention: queries from the layer's tokens (over a grid of ``grid_ranks``), keys and
+            values from a condition of another length with a key padding mask (:mod:`mhla.cross`). A
+            cross-attention fits only a model's cross-attention, a self-attention only its self-attention.
     """
 
     bidirectional: bool = True
@@ -65,12 +68,14 @@ class Supports:
     varlen: bool = False
     rope: bool = False
     host_projections: bool = False
+    cross: bool = False
 
 
 @dataclass(frozen=True)
 class Needs:
     """What a model asks of its attention: ``causal`` (else bidirectional over a ``grid_rank``-D grid), and the
-    capabilities of :class:`Supports` it uses."""
+    capabilities of :class:`Supports` it uses; ``cross``: the model's cross-attention (queries over the grid,
+    keys from a condition)."""
 
     causal: bool = False
     grid_rank: int | None = None
@@ -79,11 +84,15 @@ class Needs:
     varlen: bool = False
     rope: bool = False
     host_projections: bool = False
+    cross: bool = False
 
     def describe(self) -> str:
         """``"causal attention with decoding, varlen"`` / ``"attention over a 2-D token grid with ..."``."""
         base = "causal attention" if self.causal else (
             f"attention over a {self.grid_rank}-D token grid" if self.grid_rank else "bidirectional attention")
+        if self.cross:
+            where = f"a {self.grid_rank}-D token grid" if self.grid_rank else "tokens"
+            base = f"cross-attention from {where} to a condition"
         extra = [name.replace("_", " ") for name in ("prefix_tokens", "decoding", "varlen", "rope",
                                                      "host_projections") if getattr(self, name)]
         return base + (f" with {', '.join(extra)}" if extra else "")
@@ -92,6 +101,9 @@ class Needs:
 def unmet_needs(supports: Supports, needs: Needs) -> list[str]:
     """The needs that ``supports`` does not meet (empty: the attention fits)."""
     missing = []
+    if needs.cross != supports.cross:  # a cross-attention is never a self-attention, nor the reverse
+        missing.append("cross-attention (queries and keys of different lengths)" if needs.cross
+                       else "self-attention (it is a cross-attention)")
     if needs.causal and not supports.causal:
         missing.append("causal")
     if not needs.causal:
@@ -222,11 +234,13 @@ def _plain_value(v):
     return list(v)
 
 
-def resolve_attention(cfg, contract: AttentionContract) -> dict:
+def resolve_attention(cfg, contract: AttentionContract, key: str = "attn") -> dict:
     """The attention a model builds for config ``cfg``: ``{"name": ..., **options}`` with every option set.
 
     Options: the class's own defaults, then ``contract.defaults["*"]`` (where the class takes the option), then
     ``contract.defaults[name]``, then the options of ``cfg`` that are not None (None: "the model's default").
+
+    ``key``: the config key the messages name (``attn``; ``attn_cross`` for a model's cross-attention).
 
     Raises:
         ValueError: the attention is not registered (and not native to the model), does not meet the model's
@@ -239,31 +253,36 @@ def resolve_attention(cfg, contract: AttentionContract) -> dict:
     if name in contract.native:
         extra = sorted(given)
         if extra:
-            raise ValueError(f"attn={name} is {contract.model}'s own attention ({contract.native[name]}); it takes "
-                             f"no options, but attn.{', attn.'.join(extra)} {'is' if len(extra) == 1 else 'are'} "
+            named = ", ".join(f"{key}.{k}" for k in extra)
+            raise ValueError(f"{key}={name} is {contract.model}'s own attention "
+                             f"({contract.native[name]}); it takes no options, but {named} {'is' if len(extra) == 1 else 'are'} "
                              "set: unset them (null) or pick a registered attention")
         return {"name": name, **given}
     if name not in _REGISTRY or contract.native_only:
-        raise ValueError(f"{contract.model} cannot take attn={name}; it takes {', '.join(choices(contract))}")
+        raise ValueError(f"{contract.model} cannot take {key}={name}; it takes "
+                         f"{', '.join(choices(contract))}")
     cls = _REGISTRY[name]
     missing = unmet_needs(cls.supports, contract.needs)
     if missing:
-        raise ValueError(f"{contract.model} needs {contract.needs.describe()}; attn={name} has no "
+        raise ValueError(f"{contract.model} needs {contract.needs.describe()}; {key}={name} has no "
                          f"{', '.join(missing)}. Attentions that fit: {', '.join(choices(contract))}")
     accepted = accepted_options(cls)
     fixed = sorted(set(given) & set(contract.fixed))
     if fixed:
-        raise ValueError(f"attn.{', attn.'.join(fixed)}: {contract.model} sets {'it' if len(fixed) == 1 else 'them'} "
+        named = ", ".join(f"{key}.{k}" for k in fixed)
+        raise ValueError(f"{named}: {contract.model} sets {'it' if len(fixed) == 1 else 'them'} "
                          "itself; remove it from the attention config")
     refused = {k: why for k, why in contract.refused.items() if k in given}
     if not contract.needs.rope and given.get("rope", "none") != "none":
         refused["rope"] = "the model passes no rotary tables"
     if refused:
-        raise ValueError(f"{contract.model} cannot take " + "; ".join(f"attn.{k} ({why})" for k, why in refused.items()))
+        raise ValueError(f"{contract.model} cannot take "
+                         + "; ".join(f"{key}.{k} ({why})" for k, why in refused.items()))
     unknown = sorted(k for k in given if k not in host and accepted is not None and k not in accepted)
     if unknown:
         valid = sorted((accepted or set()) - set(contract.fixed) | host)
-        raise ValueError(f"attn={name} does not take {', '.join('attn.' + k for k in unknown)} (in {contract.model}); "
+        named = ", ".join(f"{key}.{k}" for k in unknown)
+        raise ValueError(f"{key}={name} does not take {named} (in {contract.model}); "
                          f"its options: {', '.join(valid)}")
     options = {k: v for k, v in contract.defaults.get("*", {}).items()
                if accepted is None or k in accepted or k in host}
@@ -287,20 +306,31 @@ def with_defaults(options: dict, defaults: dict, cls) -> dict:
     return out
 
 
-def check_attention(options: dict, contract: AttentionContract, num_heads: int = 1, head_dim: int = 8) -> None:
+def check_attention(options: dict, contract: AttentionContract, num_heads: int = 1, head_dim: int = 8,
+                    key: str = "attn") -> None:
     """Build each of ``contract.probes`` with the resolved ``options`` (:func:`resolve_attention`) on the meta
     device: a layout that does not fit raises ValueError now, not after the model is built. Native attentions
     are not checked."""
+    probe_layers(options, contract, num_heads, head_dim, key)
+
+
+def probe_layers(options: dict, contract: AttentionContract, num_heads: int = 1,
+                 head_dim: int = 8, key: str = "attn") -> list[nn.Module]:
+    """The layers of ``contract.probes`` built with the resolved ``options`` on the meta device, one per probe
+    (none for a native attention); their ``settings()`` say what the model's layers run with, e.g. the M that
+    MHLA's ``num_blocks="auto"`` picks on each token grid. Raises ValueError (naming the model and the grid)
+    for a layer that cannot be built."""
     import torch  # noqa: PLC0415  (registry imports nothing heavy at module level)
 
     name = options["name"]
     if name in contract.native:
-        return
+        return []
     cls = get_attention_class(name)
     accepted = accepted_options(cls)
     if contract.prepare is not None:
         options = contract.prepare(dict(options))
     layer_options = {k: v for k, v in options.items() if k not in contract.host_keys(name)}
+    layers = []
     for fixed, defaults in contract.probes:
         opts = with_defaults(layer_options, defaults.get(name, {}), cls)
         fixed = dict(fixed)
@@ -309,10 +339,11 @@ def check_attention(options: dict, contract: AttentionContract, num_heads: int =
         fixed = {k: v for k, v in fixed.items() if accepted is None or k in accepted}
         try:
             with torch.device("meta"):
-                build_attention(opts, dim, heads, **fixed)
+                layers.append(build_attention(opts, dim, heads, **fixed))
         except ValueError as e:
             where = f" on its {'x'.join(map(str, fixed['grid']))} token grid" if fixed.get("grid") else ""
-            raise ValueError(f"{contract.model}{where}: attn={name}: {e}") from None
+            raise ValueError(f"{contract.model}{where}: {key}={name}: {e}") from None
+    return layers
 
 
 def choices(contract: AttentionContract) -> list[str]:

@@ -9,6 +9,10 @@ the option), so a config file can change a default for one model without touchin
     contract = attention_contract(cfg.model)
     options = mhla.registry.resolve_attention(cfg.attn, contract)   # {"name": "mhla", ...every option...}
 
+The cross-attention of the models that have one (Wan, SANA) has its own contract,
+:func:`cross_attention_contract` (config ``attn_cross``, defaults ``model.attn_cross_defaults``;
+docs/cross_attention.md).
+
 The family modules are imported on use (the language model imports transformers, SANA and Wan diffusers).
 """
 
@@ -39,13 +43,20 @@ def _plain(value):
     return value
 
 
+def mhla_defaults(model_cfg) -> dict:
+    """``{"mhla": {"num_blocks": M}}`` from ``model.mhla_num_blocks`` (an int, or ``auto``: chosen from the model's
+    token grid, docs/choosing_m.md), ``{}`` when it is unset: a model family's MHLA default M."""
+    value = model_cfg.get("mhla_num_blocks")
+    if value is None:
+        return {}
+    return {"mhla": {"num_blocks": "auto" if str(value) == "auto" else int(value)}}
+
+
 def grid_model_contract(model_cfg, *, patch_grid: tuple[int, int], width: dict) -> AttentionContract:
     """The contract of a model whose blocks attend over its 2-D patch grid (DiT, DiG): any bidirectional attention
     on a 2-D grid; MHLA's default M is ``model.mhla_num_blocks``; ``width``: ``{"dim", "num_heads"}`` of its
     layers for the start-of-run probe (empty: the probe's own)."""
-    defaults = {}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    defaults = mhla_defaults(model_cfg)
     return AttentionContract(model=f"model={model_cfg.get('name', model_cfg.get('kind'))}", needs=Needs(grid_rank=2),
                              defaults=defaults, fixed=GRID_MODEL_FIXED,
                              probes=(({"grid": tuple(patch_grid), **width}, {}),))
@@ -66,4 +77,26 @@ def attention_contract(model_cfg) -> AttentionContract:
     for name, options in own.items():  # (MHLA's blocks here drop the family's num_blocks default, and so on)
         cls = get_attention_class(name) if name in list_attentions() else None
         contract.defaults[name] = with_defaults(options, contract.defaults.get(name, {}), cls)
+    return contract
+
+
+NO_CROSS = {"native": "the model's own cross-attention, or none (nothing to swap)"}
+
+
+def cross_attention_contract(model_cfg) -> AttentionContract:
+    """The contract of the model's cross-attention (``attn_cross``): its family's ``cross_attention_contract``
+    (Wan, SANA: queries over the latent grid, keys from the text), plus the config's ``attn_cross_defaults``.
+    A family without one has only ``native`` (its own cross-attention, or none): any other ``attn_cross`` is
+    refused."""
+    kind = model_cfg.get("kind")
+    if kind not in FAMILIES:
+        raise ValueError(f"model.kind={kind!r} has no attention contract; known kinds: {', '.join(FAMILIES)}")
+    family = importlib.import_module(FAMILIES[kind])
+    name = f"model={model_cfg.get('name', kind)}"
+    if not hasattr(family, "cross_attention_contract"):
+        return AttentionContract(model=name, needs=Needs(cross=True), native=dict(NO_CROSS), native_only=True)
+    contract = family.cross_attention_contract(model_cfg)
+    for attn_name, options in _plain(model_cfg.get("attn_cross_defaults") or {}).items():
+        cls = get_attention_class(attn_name) if attn_name in list_attentions() else None
+        contract.defaults[attn_name] = with_defaults(options, contract.defaults.get(attn_name, {}), cls)
     return contract

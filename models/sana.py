@@ -13,7 +13,10 @@ everything else (Mix-FFN, adaLN-single, NoPE) as is.
 
 ``attn.name``: any registered attention that runs inside diffusers' projections (``mhla``: M blocks over the latent
 grid, 16 = 4 x 4 at 1024 px; ``linear``: plain linear attention; ...) or ``native`` (keep SANA's own ReLU
-linear attention, the baseline row).
+linear attention, the baseline row). ``attn_cross`` (:func:`cross_attention_contract`): the text
+cross-attention, ``native`` (SANA's softmax, the default) or a registered cross-attention (``mhla_cross``,
+``linear_cross``, ``softmax_cross``; docs/cross_attention.md); the encoder's padding mask reaches it as a key
+padding mask.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import os
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from mhla.adapters.diffusers import swap_self_attention
+from mhla.adapters.diffusers import swap_cross_attention, swap_self_attention
 from mhla.registry import AttentionContract, Needs
+
+from .attention import mhla_defaults
 
 # docs/baselines.md#sana-06b (scripts/convert_sana_to_diffusers.py, SanaMS_600M_P1_D28); sample_size 32 = 1024 px.
 SANA_600M = dict(in_channels=32, out_channels=32, num_attention_heads=36, attention_head_dim=32, num_layers=28,
@@ -71,9 +76,7 @@ HOST_REFUSED = {k: "the diffusers module owns the projections" for k in ("cpe", 
 def attention_contract(model_cfg) -> AttentionContract:
     """SANA's self-attention takes any registered attention that runs inside diffusers' projections over the 2-D
     latent grid, or ``native`` (SANA's own ReLU linear attention); MHLA's default M is ``model.mhla_num_blocks``."""
-    defaults = {}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    defaults = mhla_defaults(model_cfg)
     probes = ()
     if not model_cfg.get("pretrained"):  # a released checkpoint's grid is known once it is loaded
         arch = sana_config(model_cfg.get("config", "sana_tiny"))
@@ -87,6 +90,33 @@ def attention_contract(model_cfg) -> AttentionContract:
         probes=probes)
 
 
+def cross_attention_contract(model_cfg) -> AttentionContract:
+    """SANA's text cross-attention (``attn2``): ``native`` (its softmax, the default) or a registered
+    cross-attention that runs inside diffusers' projections with queries over the 2-D latent grid; the caption
+    padding mask is its key padding mask. Defaults from ``model.attn_cross_defaults``."""
+    probes = ()
+    if not model_cfg.get("pretrained"):
+        arch = sana_config(model_cfg.get("config", "sana_tiny"))
+        g = arch["sample_size"] // arch["patch_size"]
+        probes = (({"grid": (g, g), "projections": False, "num_heads": arch["num_cross_attention_heads"],
+                    "dim": arch["num_cross_attention_heads"] * arch["cross_attention_head_dim"]}, {}),)
+    return AttentionContract(
+        model=f"model={model_cfg.get('name', 'sana')}",
+        needs=Needs(cross=True, grid_rank=2, host_projections=True),
+        fixed=("grid", "projections", "head_dim", "value_dim", "context_dim"),
+        native={"native": "SANA's own softmax cross-attention"}, probes=probes)
+
+
+def swap_cross(model: nn.Module, cross_cfg) -> list[str]:
+    """Replace SANA's ``attn2`` processors per the resolved ``cross_cfg`` (``native`` or None: keep SANA's
+    own)."""
+    cfg = {str(k): v for k, v in dict(cross_cfg or {"name": "native"}).items()}
+    if cfg["name"] == "native":
+        return []
+    grid = (model.config.sample_size // model.config.patch_size,) * 2
+    return swap_cross_attention(model, cfg, grid=grid)
+
+
 def swap_attention(model: nn.Module, attn_cfg) -> list[str]:
     """Replace SANA's ``attn1`` processors per the resolved ``attn_cfg`` (a registered attention, or ``native``:
     keep SANA's own); returns the names of the swapped modules."""
@@ -97,9 +127,10 @@ def swap_attention(model: nn.Module, attn_cfg) -> list[str]:
     return swap_self_attention(model, cfg, grid=grid)
 
 
-def build_sana(model_cfg, attn_cfg):
+def build_sana(model_cfg, attn_cfg, cross_cfg=None):
     """Build SANA from ``model_cfg`` (``config``: a name in :data:`CONFIGS` or a mapping; ``pretrained``: a
-    local diffusers checkpoint folder, which wins over ``config``) and swap its self-attention per ``attn_cfg``."""
+    local diffusers checkpoint folder, which wins over ``config``) and swap its self-attention per
+    ``attn_cfg`` and its cross-attention per ``cross_cfg`` (None: SANA's own)."""
     from diffusers import SanaTransformer2DModel  # noqa: PLC0415
 
     to_dict = (lambda c: OmegaConf.to_container(c, resolve=True)) if OmegaConf.is_config(model_cfg) else dict
@@ -112,4 +143,6 @@ def build_sana(model_cfg, attn_cfg):
     if mcfg.get("gradient_checkpointing"):
         model.enable_gradient_checkpointing()
     swap_attention(model, acfg)
+    swap_cross(model, OmegaConf.to_container(cross_cfg, resolve=True) if OmegaConf.is_config(cross_cfg)
+               else cross_cfg)
     return model

@@ -29,6 +29,8 @@ from timm.models.vision_transformer import VisionTransformer
 from mhla.adapters.timm import timm_attn_layer
 from mhla.registry import AttentionContract, Needs
 
+from .attention import mhla_defaults
+
 # Options a ViT sets on its attention itself (timm passes them, or the model's grid / class token decide them).
 VIT_FIXED_OPTIONS = ("grid", "num_prefix_tokens", "causal", "qkv_bias", "qk_norm", "proj_bias", "attn_drop",
                      "proj_drop", "norm_layer", "scale_norm", "device", "dtype", "head_dim", "value_dim",
@@ -38,9 +40,7 @@ VIT_FIXED_OPTIONS = ("grid", "num_prefix_tokens", "causal", "qkv_bias", "qk_norm
 def attention_contract(model_cfg) -> AttentionContract:
     """A ViT takes any bidirectional attention over its 2-D patch grid (with the class token, one that supports
     prefix tokens); MHLA's default M is ``model.mhla_num_blocks``."""
-    defaults = {}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    defaults = mhla_defaults(model_cfg)
     class_token = bool(model_cfg.get("class_token", False))
     needs = Needs(grid_rank=2, prefix_tokens=class_token)
     img, patch = int(model_cfg.get("pad_to") or model_cfg.img_size), int(model_cfg.patch_size)

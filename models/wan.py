@@ -8,7 +8,9 @@ Wan2.1-T2V-1.3B (docs/baselines.md#wan21-t2v-13b): 30 layers, width 1536 = 12 he
 16 latent channels, UMT5-XXL text (4096-dim, 512 tokens), qk RMSNorm across heads, 1419M params. The VAE
 compresses (4, 8, 8): 81 frames at 480 x 800 -> latents 21 x 60 x 100 -> 21 x 30 x 50 = 31,500 tokens.
 
-Attention variants (``attn`` config; only the self-attention ``attn1`` changes, cross-attention stays softmax):
+Attention variants (``attn`` config: the self-attention ``attn1``; the text cross-attention ``attn2`` stays
+Wan's softmax unless ``attn_cross`` says otherwise, :func:`cross_attention_contract`,
+docs/cross_attention.md):
     ``softmax``  the model's own processor (SDPA / FlashAttention): Table 5's "FlashAttention" row
     ``linear``   plain linear attention (ReLU features): Table 5's "Linear" row
     ``mhla``     MHLA over a 3-D block grid ``blocks`` (default 7 x 3 x 5 = 105 blocks of 3 x 10 x 10),
@@ -31,9 +33,10 @@ from collections.abc import Mapping
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from mhla.adapters.diffusers import hybrid_layers, swap_self_attention
+from mhla.adapters.diffusers import hybrid_layers, swap_cross_attention, swap_self_attention
 from mhla.registry import AttentionContract, Needs
 
+from .attention import mhla_defaults
 from .weights import MissingWeightsError, require_local_weights  # noqa: F401  (MissingWeightsError: re-exported)
 
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B (diffusers' conversion script; docs/baselines.md#wan21-t2v-13b).
@@ -107,9 +110,7 @@ def attention_contract(model_cfg) -> AttentionContract:
     latent grid with Wan's rotary tables, or ``softmax`` (Wan's own processor, the FlashAttention row). Host options
     (``attn.layers`` / ``softmax_every`` / ``softmax_offset``): which layers get it. MHLA's default M is
     ``model.mhla_num_blocks`` (``attn.blocks`` per axis wins when set)."""
-    defaults = {"*": dict(WAN_ATTENTION_DEFAULTS)}
-    if model_cfg.get("mhla_num_blocks") is not None:
-        defaults["mhla"] = {"num_blocks": int(model_cfg.mhla_num_blocks)}
+    defaults = {"*": dict(WAN_ATTENTION_DEFAULTS), **mhla_defaults(model_cfg)}
     refused = {k: "the diffusers module owns the projections" for k in ("cpe", "cpe_kernel", "gate", "qk_norm",
                                                                         "short_conv")}
     return AttentionContract(
@@ -155,10 +156,35 @@ def apply_attention(model, attn_cfg, grid=None) -> list[str]:
     return swap_self_attention(model, layer_options, layers=attention_layers(a, len(model.blocks)), grid=grid)
 
 
-def build_wan(model_cfg, attn_cfg, grid=None) -> nn.Module:
-    """The Wan transformer with ``attn_cfg`` applied to its self-attention."""
+CROSS_FIXED = ("grid", "projections", "head_dim", "value_dim", "context_dim")
+
+
+def cross_attention_contract(model_cfg) -> AttentionContract:
+    """Wan's text cross-attention (``attn2``; ``attn_cross``): ``native`` (Wan's own softmax processor, the
+    default) or a registered cross-attention that runs inside diffusers' projections with queries over the 3-D
+    latent grid (``mhla_cross``, ``linear_cross``, ``softmax_cross``); defaults from
+    ``model.attn_cross_defaults``."""
+    return AttentionContract(
+        model=f"model={model_cfg.get('name', 'wan')}",
+        needs=Needs(cross=True, grid_rank=3, host_projections=True),
+        fixed=CROSS_FIXED, native={"native": "Wan's own softmax cross-attention (SDPA)"})
+
+
+def apply_cross_attention(model, cross_cfg, grid=None) -> list[str]:
+    """Swap the text cross-attention of ``model`` as the resolved ``cross_cfg`` says (``native``: keep Wan's
+    own); returns the swapped module names."""
+    a = _plain(cross_cfg)
+    if a.get("name", "native") == "native":
+        return []
+    return swap_cross_attention(model, a, grid=grid)
+
+
+def build_wan(model_cfg, attn_cfg, grid=None, cross_cfg=None) -> nn.Module:
+    """The Wan transformer with ``attn_cfg`` applied to its self-attention and ``cross_cfg`` (None: Wan's own)
+    to its text cross-attention."""
     model = build_transformer(model_cfg)
     apply_attention(model, attn_cfg, grid)
+    apply_cross_attention(model, cross_cfg, grid)
     return model
 
 

@@ -35,12 +35,16 @@ import math
 import os
 import sys
 
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 
 from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
 from mhla.layouts import ceil_div, layout_from_num_blocks
 from mhla.mixing import mixing_init
 from mhla.ops import mhla_attention_matrix
+from tasks.common.results import write_result
 from tasks.common.checkpoint import find_checkpoint
 from tasks.common.evaluation import load_run
 from tasks.common.launch import mean_std
@@ -225,17 +229,13 @@ def main_trained(args, argv) -> int:
               + ", ".join(f"{lay['rank']:.1f}" for lay in m["layers"]) + f"; {m['checkpoint']})", flush=True)
     out = {"command": "python scripts/analyze_attention.py " + " ".join(argv), "rank_rtol": args.rtol,
            "images": args.batch, "models": models, "paper": PAPER, "machine": _system_info()}
-    os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, args.name)
-    with open(stem + ".json", "w") as f:
-        json.dump(out, f, indent=2)
-    plot_trained(models, stem + ".png")
-    write_trained_md(out, stem + ".md")
+    write_result(stem, trained_md(out), out, lambda png: plot_trained(models, png), indent=2)
     print(f"wrote {stem}.json, .md, .png")
     return 0
 
 
-def write_trained_md(out: dict, path: str) -> None:
+def trained_md(out: dict) -> str:
     """The Fig. 3 table: mean rank / entropy per model beside the paper's, then every layer and head."""
     models = out["models"]
     n = models[0]["N"]
@@ -270,8 +270,7 @@ def write_trained_md(out: dict, path: str) -> None:
         for lay in m["layers"]:
             cells = [f"{r:.1f} / {e:.3f}" for r, e in zip(lay["rank_per_head"], lay["entropy_per_head"])]
             lines.append(f"| {m['attention']} {m.get('run', '')} | {lay['layer']} | " + " | ".join(cells) + " |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def _system_info() -> dict:
@@ -322,10 +321,8 @@ def main(argv=None) -> int:
            "rank_rtol": args.rtol, "max_entropy_logN": math.log(n), "results": results, "paper": PAPER,
            "command": "python scripts/analyze_attention.py " + " ".join(argv),
            "note": "SANITY CHECK on synthetic inputs: not the paper's measure (use --ckpt on trained models)"}
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "attention_rank_entropy.json"), "w") as f:
-        json.dump(out, f, indent=2)
-    plot(results, mats, os.path.join(args.out_dir, "attention_rank_entropy.png"))
+    write_result(os.path.join(args.out_dir, "attention_rank_entropy"), None, out, lambda png: plot(results, mats, png),
+                 indent=2)
     print(" | ".join(f"{k}: rank {v['rank']:.1f}, entropy {v['entropy']:.3f}" for k, v in results.items())
           + f" (N={n}, log N={math.log(n):.3f}; {source})")
     return 0

@@ -20,10 +20,11 @@ decode step's cost depends on those shapes only and a real 64k-token prefill of 
 on a CPU. ``--fill prefill`` runs the real chunked prefill instead (``--prefill-chunk`` tokens per call) and
 records its time. The tests check that a synthetic cache has the layout and the size of a real prefill's.
 
-Load: the 1-minute load average before anything runs and after, and the CPU time other processes used during
-the run (``/proc/stat`` minus this process). When either the starting load average or that share exceeds
-``--busy-threshold`` (0.5) per core, the machine was busy: the run is refused before it starts (load average)
-or nothing is written at the end (exit status 2), unless ``--allow-busy``, which writes it marked BUSY.
+Load: :class:`tasks.common.records.Measurement` around the run (commit, the 1-minute load average before and
+after, the share of the CPUs other processes used during it; the busy rule:
+``tasks.common.records.BUSY_RULE``).
+On a CPU a busy machine refuses the run before it starts (load average) or nothing is written at the end (exit
+status 2), unless ``--allow-busy``, which writes it marked BUSY (``tasks.common.results.write_result``).
 
     python scripts/bench_generation.py                                   # CPU: small and 340m, 1k .. 64k
     python scripts/bench_generation.py --presets small --contexts 1024 4096
@@ -46,8 +47,13 @@ import time
 
 import torch
 
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from tasks.common.results import BusyMachine, load_summary, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
-from tasks.common.utils import load_average, system_info
+from tasks.common.records import Measurement
+from tasks.common.utils import system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -205,47 +211,26 @@ def quartiles(xs: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
-def busy_cpu_s() -> float | None:
-    """System-wide busy CPU seconds from /proc/stat (Linux), or None where it is not available."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    return time.process_time()
-
-
 # ------------------------------------------------------------------------------------------------ output
-def write_results(data: dict, out_dir: str) -> str:
-    """``<out_dir>/generation_<device>.json``, ``.md`` and ``.png`` for ``data``; returns the stem."""
-    os.makedirs(out_dir, exist_ok=True)
+def write_results(data: dict, out_dir: str, allow_busy: bool = False) -> str:
+    """``<out_dir>/generation_<device>.json``, ``.md`` and ``.png`` for ``data`` through
+    :func:`tasks.common.results.write_result` (its ``measurement``: refused when busy unless ``allow_busy``,
+    then marked BUSY); returns the stem."""
     stem = os.path.join(out_dir, f"generation_{data['settings']['device']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(data, os.path.basename(stem)))
-    plot_generation(data, stem + ".png")
-    return stem
+    return write_result(stem, markdown(data, os.path.basename(stem)), data,
+                        lambda png: plot_generation(data, png), measurement=data.get("measurement"),
+                        allow_busy=allow_busy, indent=2)
 
 
 def markdown(data: dict, name: str) -> str:
     h, s, rows = data["machine"], data["settings"], data["rows"]
-    fmt = lambda la: "/".join(f"{x:.2f}" for x in la) if la else "n/a"  # noqa: E731
     lines = [f"# Decoding against the context: per-token time and cache size ({s['device']}, {s['dtype']})",
              "",
              f"Command: `{data['command']}`", "", f"GPU: `{GPU_COMMAND}`", ""]
-    if data.get("busy"):
-        lines += [f"**BUSY: {data['busy']}. These times are inflated and noisy; re-run on an idle machine.**",
-                  ""]
+    m = data.get("measurement")
     lines += [f"Machine: {h.get('gpu') or h.get('cpu', '?')}, {h.get('cpu_count')} CPUs, torch "
-              f"{h.get('torch')} ({h.get('torch_threads')} threads), {h.get('date')}. Load average "
-              f"(1/5/15 min) {fmt(data.get('loadavg_start'))} before, {fmt(data.get('loadavg_end'))} after; "
-              f"other processes used {data.get('other_cpu_frac', 'n/a')} of the CPUs during the run.", ""]
+              f"{h.get('torch')} ({h.get('torch_threads')} threads), {h.get('date')}. "
+              + (f"Load: {load_summary(m)}; commit {m.get('commit')}." if m else "Load: not recorded."), ""]
     presets = sorted({r["preset"] for r in rows}, key=list(PRESETS).index)
     fill = FILL_METHOD[s["fill"]].format(chunk=s.get("prefill_chunk"))
     lines += ["Presets: " + "; ".join(f"`{p}` {PRESETS[p]}" for p in presets) + " (the same MHLALM code for "
@@ -309,7 +294,7 @@ def plot_generation(data: dict, path: str) -> str:
             series.setdefault(label(r), []).append((r["context"], r.get(key)))
         loglog_lines(ax, series, "context L (tokens)", name, name, colors)
     s = data.get("settings", {})
-    busy = " (BUSY machine)" if data.get("busy") else ""
+    busy = " (BUSY machine)" if (data.get("measurement") or {}).get("busy") or data.get("busy") else ""
     device = data.get("machine", {}).get("device", "")
     fig.suptitle(f"Decoding against the context, {device} {s.get('dtype', '')}, batch "
                  f"{s.get('batch', '?')}{busy}", fontsize=11)
@@ -334,14 +319,34 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--max-cache-gib", type=float, default=8.0,
                     help="skip a softmax context whose KV cache is larger")
-    ap.add_argument("--busy-threshold", type=float, default=0.5,
-                    help="load per core above which the machine is busy")
     ap.add_argument("--allow-busy", action="store_true",
                     help="measure and write on a busy machine, marked BUSY")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench"))
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw <out>/generation_<device>.png from its .json; measure nothing")
     return ap.parse_args(argv)
+
+
+def measure_preset(preset: str, attn: str, args, dtype) -> list[dict]:
+    """One model, every context of ``args.contexts``: its rows (skipped where the cache would not fit, an
+    error row where it ran out of memory)."""
+    model, rows = build_model(preset, attn, args.device, dtype), []
+    for L in sorted(args.contexts):
+        need = cache_bytes_estimate(preset, attn, L, args.batch, dtype)
+        if need > args.max_cache_gib * 2**30:
+            row = {"preset": preset, "attn": attn, "context": L,
+                   "skipped": f"skipped: a {need / 2**30:.1f} GiB KV cache > --max-cache-gib"}
+        else:
+            try:
+                row = measure(model, preset, attn, L, args, dtype)
+            except (RuntimeError, MemoryError) as e:  # out of memory: a row that says so
+                row = {"preset": preset, "attn": attn, "context": L, "error": repr(e)[:160]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        gc.collect()
+    del model
+    gc.collect()
+    return rows
 
 
 def main(argv=None) -> int:
@@ -353,17 +358,6 @@ def main(argv=None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpus = os.cpu_count() or 1
-    limit = args.busy_threshold * cpus
-    load0 = load_average()
-    busy = []
-    if args.device == "cpu" and load0 and load0[0] > limit:
-        busy.append(f"load average {load0[0]:.2f} before the run, above {limit:g} ({args.busy_threshold} x "
-                    f"{cpus} CPUs)")
-        if not args.allow_busy:
-            print(f"refusing to measure: {busy[0]}; wait for an idle machine or pass --allow-busy",
-                  file=sys.stderr)
-            return 2
     dtype_name = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     header = system_info(args.device)
@@ -371,41 +365,21 @@ def main(argv=None) -> int:
     settings = {k: getattr(args, k) for k in ("device", "presets", "attns", "contexts", "batch", "new_tokens",
                                               "repeats", "warmup", "threads", "fill", "prefill_chunk")}
     settings["dtype"] = dtype_name
-    busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
-    rows = []
-    for preset in args.presets:
-        for attn in args.attns:
-            model = build_model(preset, attn, args.device, dtype)
-            for L in sorted(args.contexts):
-                need = cache_bytes_estimate(preset, attn, L, args.batch, dtype)
-                if need > args.max_cache_gib * 2**30:
-                    row = {"preset": preset, "attn": attn, "context": L,
-                           "skipped": f"skipped: a {need / 2**30:.1f} GiB KV cache > --max-cache-gib"}
-                else:
-                    try:
-                        row = measure(model, preset, attn, L, args, dtype)
-                    except (RuntimeError, MemoryError) as e:  # out of memory: a row that says so
-                        row = {"preset": preset, "attn": attn, "context": L, "error": repr(e)[:160]}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                gc.collect()
-            del model
-            gc.collect()
-    busy1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
-    other = None
-    if busy0 is not None and busy1 is not None:
-        other = round(max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall * cpus), 3)
-        if args.device == "cpu" and other > args.busy_threshold:
-            busy.append(f"other processes used {other:.0%} of the CPUs during the run (above "
-                        f"{args.busy_threshold:.0%})")
-    data = {"machine": header, "command": cmd.strip(), "settings": settings, "loadavg_start": load0,
-            "loadavg_end": load_average(), "other_cpu_frac": other, "busy": "; ".join(busy) or None,
+    with Measurement(threads=1 if args.device == "cuda" else torch.get_num_threads(),
+                     watch_other_cpu=args.device == "cpu") as load:
+        if args.device == "cpu" and load.busy_at_start() and not args.allow_busy:
+            print(f"refusing to measure: the machine is busy ({load_summary(load.record)}); wait for an idle "
+                  "machine or pass --allow-busy", file=sys.stderr)
+            return 2
+        rows = [row for preset in args.presets for attn in args.attns
+                for row in measure_preset(preset, attn, args, dtype)]
+    data = {"machine": header, "command": cmd.strip(), "settings": settings, "measurement": load.record,
             "rows": rows}
-    if busy and not args.allow_busy:
-        print(f"not writing: the machine was busy ({data['busy']}); re-run on an idle machine or pass "
-              "--allow-busy", file=sys.stderr)
+    try:
+        stem = write_results(data, args.out, allow_busy=args.allow_busy)
+    except BusyMachine as e:
+        print(e, file=sys.stderr)
         return 2
-    stem = write_results(data, args.out)
     print(f"wrote {stem}.json, .md and .png")
     return 0
 

@@ -14,7 +14,9 @@ A case whose estimated time (from the same model / attention at the previous res
 count, squared for softmax) exceeds ``--max-case-s`` is skipped and listed with the estimate.
 Writes ``results/bench/models_<device>.json`` and ``.md`` with a machine header (and the CPU load, since on a
 shared machine other processes inflate wall-clock times), and ``.png`` (time against N per attention, log-log;
-``--plot-only`` redraws it from the ``.json``).
+``--plot-only`` redraws it from the ``.json``), through ``tasks.common.results.write_result``. The load before
+and after (``measurement``: :class:`tasks.common.records.Measurement`) decides whether the machine was busy; a
+busy run is not written unless ``--allow-busy`` (then it is marked BUSY).
 
 The paper's claim (docs/paper_tables.md#speed-claims): at 512 px MHLA has about 2x the throughput of self-attention and is on par with
 linear attention (Table 7b: DiT-S/2 512 px, 435 img/s for M = 16 on their GPU).
@@ -29,10 +31,15 @@ import statistics
 import sys
 import time
 
-import torch
-from bench_ops import busy_cpu_s, timer  # a sibling: scripts/ is on sys.path
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import torch
+
+from scripts.bench_ops import timer
+from tasks.common.results import BusyMachine, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
+from tasks.common.records import Measurement, busy_cpu_s
 from tasks.common.utils import system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,9 +132,22 @@ def run(args) -> dict:
     amp = device == "cuda" and not args.fp32
     batch = args.batch or (32 if device == "cuda" else 1)
     header = system_info(device)
-    header.update(batch=batch, precision="bf16 autocast" if amp else "fp32", repeats=args.repeats,
-                  loadavg_start=os.getloadavg() if hasattr(os, "getloadavg") else None)
-    busy0, wall0 = busy_cpu_s(), time.time()
+    with Measurement(threads=1 if device == "cuda" else torch.get_num_threads(),
+                     watch_other_cpu=device != "cuda") as load:
+        header.update(batch=batch, precision="bf16 autocast" if amp else "fp32", repeats=args.repeats,
+                      loadavg_start=load.record["load_before"])  # (the .md's line; the whole record: measurement)
+        busy0, wall0 = busy_cpu_s(), time.time()
+        rows = measure_grid(args, device, batch, amp)
+        busy1 = busy_cpu_s()
+    if busy0 is not None and busy1 is not None:
+        header["cpu_busy_fraction"] = round((busy1 - busy0) / max(time.time() - wall0, 1e-9) / (os.cpu_count() or 1), 3)
+    header["loadavg_end"] = load.record["load_after"]
+    header["note"] = args.note
+    return {"header": header, "time_method": TIME_METHOD, "results": rows, "measurement": load.record}
+
+
+def measure_grid(args, device: str, batch: int, amp: bool) -> list[dict]:
+    """Every (model, resolution, attention, mode) case: its time per call, or why it was skipped."""
     rows, prev = [], {}
     for model_name in args.models:
         for res in args.resolutions:
@@ -162,12 +182,7 @@ def run(args) -> dict:
                     del model, inputs
                     if device == "cuda":
                         torch.cuda.empty_cache()
-    busy1 = busy_cpu_s()
-    if busy0 is not None and busy1 is not None:
-        header["cpu_busy_fraction"] = round((busy1 - busy0) / max(time.time() - wall0, 1e-9) / (os.cpu_count() or 1), 3)
-    header["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-    header["note"] = args.note
-    return {"header": header, "time_method": TIME_METHOD, "results": rows}
+    return rows
 
 
 def to_markdown(data: dict) -> str:
@@ -224,6 +239,9 @@ def parse_args(argv=None):
     ap.add_argument("--mhla-cpe-gate", action="store_true", help="MHLA with CPE and output gate (Table 3 rows)")
     ap.add_argument("--quick", action="store_true", help="smoke run: DiT-S/2 at 64 px, 2 repeats")
     ap.add_argument("--note", default="", help="free text stored in the header (e.g. 'ran under load')")
+    ap.add_argument("--allow-busy", action="store_true",
+                    help="write a run made on a busy machine, marked BUSY (default: refused; the rule: "
+                         "tasks.common.records.BUSY_RULE)")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "results", "bench"))
     ap.add_argument("--out-name", default=None, help="file stem (default models_<device>)")
     ap.add_argument("--plot-only", action="store_true",
@@ -238,7 +256,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--mode" in argv and argv[argv.index("--mode") + 1:argv.index("--mode") + 2] == ["video"]:
         i = argv.index("--mode")
-        import bench_video  # noqa: PLC0415  (a sibling; imports models.wan, so timm)
+        from scripts import bench_video  # noqa: PLC0415  (imports models.wan, so timm)
 
         bench_video.main(argv[:i] + argv[i + 2:])
         return 0
@@ -248,22 +266,25 @@ def main(argv=None) -> int:
         with open(stem + ".json") as f:
             print(f"wrote {plot_models(json.load(f), stem + '.png')}")
         return 0
-    write_results(run(args), stem)
+    try:
+        write_results(run(args), stem, allow_busy=args.allow_busy)
+    except BusyMachine as e:
+        print(e, file=sys.stderr)
+        return 2
     print(f"wrote {stem}.json, .md and .png")
     return 0
 
 
-def write_results(data: dict, stem: str) -> str:
-    """``<stem>.json`` (``data``), ``.md`` (:func:`to_markdown`) and ``.png`` (:func:`plot_models`)."""
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(to_markdown(data) + f"\nPlot: `{os.path.basename(stem)}.png` (seconds per call against the "
-                "token count N per attention, one panel per model and mode, log-log; skipped cases left out; "
-                "redraw from the .json with `--plot-only`).\n")
-    plot_models(data, stem + ".png")
-    return stem
+def write_results(data: dict, stem: str, allow_busy: bool = False) -> str:
+    """``<stem>.json`` (``data``), ``.md`` (:func:`to_markdown`) and ``.png`` (:func:`plot_models`), through
+    :func:`tasks.common.results.write_result`: a run whose ``measurement`` says busy is refused
+    (:class:`~tasks.common.results.BusyMachine`) unless ``allow_busy``."""
+    md = to_markdown(data) + (f"\nPlot: `{os.path.basename(stem)}.png` (seconds per call against the token count N "
+                              "per attention, one panel per model and mode, log-log; skipped cases left out; redraw "
+                              "from the .json with `--plot-only`).\n")
+    record = {k: v for k, v in data.items() if k != "measurement"}
+    return write_result(stem, md, record, lambda png: plot_models(data, png), measurement=data.get("measurement"),
+                        allow_busy=allow_busy)
 
 
 def plot_models(data: dict, path: str) -> str:

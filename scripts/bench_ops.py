@@ -20,6 +20,11 @@ RSS (``ru_maxrss``) over the fwd+bwd runs, relative to the RSS after the inputs 
 are skipped and marked with the estimate. Writes ``results/bench/ops_<device>.json``, ``.md`` and ``.png`` (time
 and memory against T per op, log-log); ``--plot-only`` redraws the ``.png`` from the ``.json``.
 
+Load (every mode): :class:`tasks.common.records.Measurement` around the run (commit, 1-minute load before
+and after, other processes' CPU share), stored as ``measurement``; a CPU run refuses to start on a busy machine
+and a busy run is not written (exit status 2) unless ``--allow-busy``, which writes it marked BUSY
+(``tasks.common.results.write_result``). Each case also keeps its own ``other_cpu_frac`` (flagged "busy").
+
 ``--varlen``: causal MHLA on a packed batch of N documents (``--num-docs``, default 8; a seeded uniform split
 of total_T, document lengths not multiples of the block, one 5-token document), ``--seq-lens`` the total
 lengths (default 4096 16384 on CPU, 16384 65536 on GPU, 512 with ``--quick``), batch 1, for backend
@@ -56,11 +61,16 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import mhla
 from mhla.mixing import distances_1d, mixing_init
 from mhla.ops.utils import bucket_sequences, default_call_cost_tokens
+from tasks.common.results import BusyMachine, load_summary, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
-from tasks.common.utils import load_average, system_info
+from tasks.common.records import Measurement, busy_cpu_s, own_cpu_s
+from tasks.common.utils import system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,20 +96,35 @@ MEMORY_METHOD = ("CPU: growth of the subprocess's peak RSS (getrusage ru_maxrss)
 BUSY_WARN = 0.10  # flag a case when other processes used more than this fraction of the CPUs meanwhile
 
 
-def busy_cpu_s() -> float | None:
-    """System-wide busy CPU seconds from /proc/stat (Linux), or None where it is not available."""
+def measurement(args) -> Measurement:
+    """The load guard of a run (:class:`tasks.common.records.Measurement`; other processes' CPU share counts
+    on a CPU)."""
+    return Measurement(threads=1 if args.device == "cuda" else (args.threads or torch.get_num_threads()),
+                       watch_other_cpu=args.device == "cpu")
+
+
+def refuses_to_start(load: Measurement, args) -> bool:
+    """A CPU run on a machine already busy before it starts is refused (unless ``--allow-busy``)."""
+    if args.device == "cpu" and load.busy_at_start() and not args.allow_busy:
+        print(f"refusing to measure: the machine is busy ({load_summary(load.record)}); wait for an idle "
+              "machine or pass --allow-busy", file=sys.stderr)
+        return True
+    return False
+
+
+def write_measured(stem: str, out: dict, markdown, plot, load: Measurement, args) -> bool:
+    """``<stem>`` .json / .md (``markdown(out)``) / .png (``plot``, or None) through
+    :func:`tasks.common.results.write_result` with the run's measurement (its loads also go to the header's
+    ``loadavg_start`` / ``loadavg_end``, which the tables quote); False (nothing written, the reason printed)
+    when the machine was busy and not ``--allow-busy``."""
+    out["header"].update(loadavg_start=load.record["load_before"], loadavg_end=load.record["load_after"])
     try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
+        write_result(stem, markdown(out), out, plot, measurement=load.record, allow_busy=args.allow_busy,
+                     indent=2)
+    except BusyMachine as e:
+        print(e, file=sys.stderr)
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------- the ops
@@ -485,12 +510,6 @@ def varlen_case(args, total_T: int, backend: str) -> dict:
     return rec
 
 
-def own_cpu_s() -> float:
-    """CPU seconds this process has used (user + system)."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
 def varlen_backends(args) -> list[str]:
     """``torch``, and ``auto`` when it resolves to another backend on this device (the fused kernels)."""
     probe = torch.zeros(1, 1, 1, 1, device=args.device)
@@ -503,35 +522,33 @@ def run_varlen(args, command: str) -> int:
     Returns the exit status: 1 when a case's (a) differs from its (c) (that case is not timed)."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
     header = system_info(args.device)
-    header["loadavg_start"] = load_average()
     print("machine:", json.dumps(header))
     records, failed = [], []
-    for backend in varlen_backends(args):
-        for total_T in sorted(args.seq_lens):
-            rec = varlen_case(args, total_T, backend)
-            records.append(rec)
-            if "a_fwd_ms" not in rec:
-                failed.append(rec)
-                print(f"ERROR: {backend} total_T={total_T}: the variable-length call differs from the "
-                      f"per-document loop by {rec['max_abs_diff_a_c']:.2e} (> {VARLEN_TOL[args.dtype]:.0e}); "
-                      "not timed", file=sys.stderr)
-                continue
-            ms = "; ".join(label + " " + " ".join(f"{w} {rec[f'{w}_{key}_ms']:.2f}" for w in "abc") + " ms"
-                           for label, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")))
-            print(f"{backend:6s} total_T={total_T:6d} N={rec['N']}: {ms}; a/b {rec['a_over_b_fwdbwd']:.2f}, "
-                  f"c/a {rec['c_over_a_fwdbwd']:.2f} (fwd+bwd)", flush=True)
-    header["loadavg_end"] = load_average()
+    with measurement(args) as load:
+        if refuses_to_start(load, args):
+            return 2
+        for backend in varlen_backends(args):
+            for total_T in sorted(args.seq_lens):
+                rec = varlen_case(args, total_T, backend)
+                records.append(rec)
+                if "a_fwd_ms" not in rec:
+                    failed.append(rec)
+                    print(f"ERROR: {backend} total_T={total_T}: the variable-length call differs from the "
+                          f"per-document loop by {rec['max_abs_diff_a_c']:.2e} (> "
+                          f"{VARLEN_TOL[args.dtype]:.0e}); not timed", file=sys.stderr)
+                    continue
+                ms = "; ".join(label + " " + " ".join(f"{w} {rec[f'{w}_{key}_ms']:.2f}" for w in "abc")
+                               + " ms" for label, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")))
+                print(f"{backend:6s} total_T={total_T:6d} N={rec['N']}: {ms}; "
+                      f"a/b {rec['a_over_b_fwdbwd']:.2f}, c/a {rec['c_over_a_fwdbwd']:.2f} (fwd+bwd)", flush=True)
     keys = ("device", "heads", "dim", "dtype", "block", "num_docs", "seq_lens", "repeats", "budget_s",
             "threads", "quick")
     settings = {k: getattr(args, k) for k in keys}
     out = {"header": header, "command": command, "settings": settings, "ways": VARLEN_WAYS,
            "time_method": VARLEN_TIME_METHOD, "records": records}
     stem = os.path.join(args.out_dir, f"varlen_{args.device}" + ("_quick" if args.quick else ""))
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(out, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(varlen_markdown(out))
+    if not write_measured(stem, out, varlen_markdown, None, load, args):
+        return 2
     print(f"wrote {stem}.json and .md")
     return 1 if failed else 0
 
@@ -688,63 +705,63 @@ def run_causal_overhead(args, command: str) -> int:
     status (1 when the plain form does not equal the project's linear attention)."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
     header = system_info(args.device)
-    header["loadavg_start"] = load_average()
     equiv = check_plain_equivalence()
     print("machine:", json.dumps(header), f"\nplain form == linear_attention to {equiv:.1e}", flush=True)
     if equiv > 1e-9:
         print("ERROR: the plain chunked form does not match mhla.linear_attention", file=sys.stderr)
         return 1
     records = []
-    for T in sorted(args.seq_lens):
-        fns, ps, grad = overhead_fns(args, T)
+    with measurement(args) as load:
+        if refuses_to_start(load, args):
+            return 2
+        for T in sorted(args.seq_lens):
+            fns, ps, grad = overhead_fns(args, T)
 
-        def fwd(fn):
-            def run():
-                with torch.no_grad():
-                    fn()
-            return run
+            def fwd(fn):
+                def run():
+                    with torch.no_grad():
+                        fn()
+                return run
 
-        def fwdbwd(fn, params):
-            def run():
-                for p in params:
-                    p.grad = None
-                fn().backward(grad)
-            return run
+            def fwdbwd(fn, params):
+                def run():
+                    for p in params:
+                        p.grad = None
+                    fn().backward(grad)
+                return run
 
-        busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
-        first = time_round_robin({n: fwdbwd(fn, ps[n]) for n, fn in fns.items()}, args.device, 2)  # warm-up
-        round_ms = max(sum(t[-1] for t in first.values()), 1e-3)
-        repeats = max(3, min(args.repeats, int(args.budget_s * 1e3 / round_ms)))
-        rec = {"T": T, "repeats": repeats}
-        for label, times in (("fwd", time_round_robin({n: fwd(fn) for n, fn in fns.items()}, args.device,
-                                                      repeats)),
-                             ("fwdbwd", time_round_robin({n: fwdbwd(fn, ps[n]) for n, fn in fns.items()},
-                                                         args.device, repeats))):
-            for name, ts in times.items():
-                rec[f"{name}_{label}_ms"] = statistics.median(ts)
-                rec[f"{name}_{label}_ms_iqr"] = quartiles(ts)
-            for name in ("mhla", "linear"):
-                rec[f"{name}_over_plain_{label}"] = rec[f"{name}_{label}_ms"] / rec[f"plain_{label}_ms"]
-        busy1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
-        if busy0 is not None and busy1 is not None:
-            other = max(0.0, (busy1 - busy0) - (own1 - own0))
-            rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
-        records.append(rec)
-        print(f"T={T:6d}: fwd+bwd plain {rec['plain_fwdbwd_ms']:.2f} ms, MHLA {rec['mhla_fwdbwd_ms']:.2f} ms "
-              f"({rec['mhla_over_plain_fwdbwd']:.2f}x), linear {rec['linear_fwdbwd_ms']:.2f} ms "
-              f"({rec['linear_over_plain_fwdbwd']:.2f}x)", flush=True)
-    header["loadavg_end"] = load_average()
+            busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
+            # warm-up
+            first = time_round_robin({n: fwdbwd(fn, ps[n]) for n, fn in fns.items()}, args.device, 2)
+            round_ms = max(sum(t[-1] for t in first.values()), 1e-3)
+            repeats = max(3, min(args.repeats, int(args.budget_s * 1e3 / round_ms)))
+            rec = {"T": T, "repeats": repeats}
+            for label, times in (("fwd", time_round_robin({n: fwd(fn) for n, fn in fns.items()}, args.device,
+                                                          repeats)),
+                                 ("fwdbwd", time_round_robin({n: fwdbwd(fn, ps[n]) for n, fn in fns.items()},
+                                                             args.device, repeats))):
+                for name, ts in times.items():
+                    rec[f"{name}_{label}_ms"] = statistics.median(ts)
+                    rec[f"{name}_{label}_ms_iqr"] = quartiles(ts)
+                for name in ("mhla", "linear"):
+                    rec[f"{name}_over_plain_{label}"] = rec[f"{name}_{label}_ms"] / rec[f"plain_{label}_ms"]
+            busy1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
+            if busy0 is not None and busy1 is not None:
+                other = max(0.0, (busy1 - busy0) - (own1 - own0))
+                rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
+            records.append(rec)
+            print(f"T={T:6d}: fwd+bwd plain {rec['plain_fwdbwd_ms']:.2f} ms, "
+                  f"MHLA {rec['mhla_fwdbwd_ms']:.2f} ms "
+                  f"({rec['mhla_over_plain_fwdbwd']:.2f}x), linear {rec['linear_fwdbwd_ms']:.2f} ms "
+                  f"({rec['linear_over_plain_fwdbwd']:.2f}x)", flush=True)
     settings = {k: getattr(args, k) for k in ("device", "batch", "heads", "dim", "dtype", "block", "seq_lens",
                                               "repeats", "budget_s", "threads", "quick")}
     out = {"header": header, "command": command, "settings": settings, "ops": OVERHEAD_OPS,
            "plain_max_abs_diff": equiv, "time_method": OVERHEAD_TIME_METHOD,
            "records": records}
     stem = os.path.join(args.out_dir, f"causal_overhead_{args.device}" + ("_quick" if args.quick else ""))
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(out, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(overhead_markdown(out))
+    if not write_measured(stem, out, overhead_markdown, None, load, args):
+        return 2
     print(f"wrote {stem}.json and .md")
     return 0
 
@@ -809,6 +826,8 @@ def parse_args(argv=None):
                         "4096 16384")
     p.add_argument("--plot-only", action="store_true",
                    help="redraw <out-dir>/<stem>.png from the .json these options name; measure nothing")
+    p.add_argument("--allow-busy", action="store_true",
+                   help="measure and write on a busy machine (tasks.common.records.BUSY_RULE), marked BUSY")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: op,causal,T -> run one case, print JSON
     args = p.parse_args(argv)
     if args.varlen:
@@ -875,52 +894,59 @@ def main(argv=None) -> int:
         passthrough += ["--heads", str(args.heads), "--dim", str(args.dim), "--repeats", str(args.repeats),
                         "--budget-s", str(args.budget_s)]
     records = []
-    for causal in (False, True):
-        for op in OPS[causal]:
-            if args.ops and op not in args.ops:
-                continue
-            if op in GPU_ONLY and args.device != "cuda":
-                continue
-            prev = None
-            for T in sorted(args.seq_lens):
-                if prev is not None:
-                    est_s = 2 * prev["fwdbwd_ms"] / 1e3 * (T / prev["T"]) ** COMPLEXITY[op] * 3
-                    if est_s > args.max_case_s:
-                        reason = f"skipped (est. {est_s:.0f}s)"
-                        records.append({"op": op, "causal": causal, "T": T, "skipped": reason})
-                        print(f"{op:12s} causal={causal!s:5s} T={T:6d}: skipped (est. {est_s:.0f}s)")
-                        continue
-                case = f"{op},{int(causal)},{T}"
-                cmd = [sys.executable, os.path.abspath(__file__), "--case", case, *passthrough]
-                busy0, kids0, t0 = busy_cpu_s(), children_cpu_s(), time.monotonic()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                busy1, kids1, wall = busy_cpu_s(), children_cpu_s(), time.monotonic() - t0
-                if proc.returncode != 0:
-                    reason = (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
-                    records.append({"op": op, "causal": causal, "T": T, "skipped": f"failed: {reason}"})
-                    print(f"{op:12s} causal={causal!s:5s} T={T:6d}: FAILED {reason}")
+    with measurement(args) as load:
+        if refuses_to_start(load, args):
+            return 2
+        for causal in (False, True):
+            for op in OPS[causal]:
+                if args.ops and op not in args.ops:
                     continue
-                rec = json.loads(proc.stdout.strip().splitlines()[-1])
-                if busy0 is not None and busy1 is not None:
-                    # CPU time other processes used while the case ran, as a fraction of all cores
-                    other = max(0.0, (busy1 - busy0) - (kids1 - kids0))
-                    rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
-                if "copy_bandwidth_GBps" in header:
-                    gbps = min_bytes_moved(rec, args) / (rec["fwd_ms"] / 1e3) / 1e9
-                    rec["fwd_frac_of_copy_bw"] = round(gbps / header["copy_bandwidth_GBps"], 3)
-                records.append(rec)
-                prev = rec
-                busy = rec.get("other_cpu_frac", 0.0)
-                print(f"{op:12s} causal={causal!s:5s} T={T:6d} M={rec['M']:5d}: fwd {rec['fwd_ms']:9.2f} ms  "
-                      f"fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  peak {rec['peak_mem_mb']:8.1f} MB"
-                      + (f"  WARNING: other processes used {busy:.0%} of the CPUs" if busy > BUSY_WARN
-                         else ""), flush=True)
+                if op in GPU_ONLY and args.device != "cuda":
+                    continue
+                prev = None
+                for T in sorted(args.seq_lens):
+                    if prev is not None:
+                        est_s = 2 * prev["fwdbwd_ms"] / 1e3 * (T / prev["T"]) ** COMPLEXITY[op] * 3
+                        if est_s > args.max_case_s:
+                            reason = f"skipped (est. {est_s:.0f}s)"
+                            records.append({"op": op, "causal": causal, "T": T, "skipped": reason})
+                            print(f"{op:12s} causal={causal!s:5s} T={T:6d}: skipped (est. {est_s:.0f}s)")
+                            continue
+                    case = f"{op},{int(causal)},{T}"
+                    cmd = [sys.executable, os.path.abspath(__file__), "--case", case, *passthrough]
+                    busy0, kids0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
+                    proc = subprocess.run(cmd, capture_output=True, text=True)
+                    busy1, kids1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
+                    if proc.returncode != 0:
+                        reason = (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
+                        records.append({"op": op, "causal": causal, "T": T, "skipped": f"failed: {reason}"})
+                        print(f"{op:12s} causal={causal!s:5s} T={T:6d}: FAILED {reason}")
+                        continue
+                    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+                    if busy0 is not None and busy1 is not None:
+                        # CPU time other processes used while the case ran, as a fraction of all cores
+                        other = max(0.0, (busy1 - busy0) - (kids1 - kids0))
+                        rec["other_cpu_frac"] = round(other / (wall * (os.cpu_count() or 1)), 3)
+                    if "copy_bandwidth_GBps" in header:
+                        gbps = min_bytes_moved(rec, args) / (rec["fwd_ms"] / 1e3) / 1e9
+                        rec["fwd_frac_of_copy_bw"] = round(gbps / header["copy_bandwidth_GBps"], 3)
+                    records.append(rec)
+                    prev = rec
+                    busy = rec.get("other_cpu_frac", 0.0)
+                    print(f"{op:12s} causal={causal!s:5s} T={T:6d} M={rec['M']:5d}: "
+                          f"fwd {rec['fwd_ms']:9.2f} ms  "
+                          f"fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  peak {rec['peak_mem_mb']:8.1f} MB"
+                          + (f"  WARNING: other processes used {busy:.0%} of the CPUs" if busy > BUSY_WARN
+                             else ""), flush=True)
     command = "python scripts/bench_ops.py " + " ".join(passthrough)
     settings = {k: v for k, v in vars(args).items() if k not in ("case", "out_dir", "plot_only")}
     out = {"header": header, "command": command, "settings": settings, "release_loop_max_abs_diff": equiv,
            "time_method": TIME_METHOD, "memory_method": MEMORY_METHOD,
            "records": records}
-    stem = write_results(os.path.join(args.out_dir, out_stem(args)), out)
+    stem = os.path.join(args.out_dir, out_stem(args))
+    if not write_measured(stem, out, lambda o: ops_markdown(o, os.path.basename(stem)),
+                          lambda png: plot_ops(out, png), load, args):
+        return 2
     print(f"wrote {stem}.json, .md and .png")
     return 0
 
@@ -931,16 +957,20 @@ def out_stem(args) -> str:
     return stem + ("_" + "-".join(args.ops) if args.ops else "")
 
 
-def write_results(stem: str, out: dict) -> str:
-    """``<stem>.json`` (``out``), ``.md`` (its tables) and ``.png`` (:func:`plot_ops`); returns ``stem``."""
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(out, f, indent=2)
+def ops_markdown(out: dict, name: str | None = None) -> str:
+    """The ``.md`` of an op run: its tables and the plot's line (``name``: the file's stem, default from the
+    device and settings)."""
+    name = name or "ops_" + out["header"]["device"]
     md = to_markdown(out["header"], out["records"], out["command"], out["release_loop_max_abs_diff"])
-    with open(stem + ".md", "w") as f:
-        f.write(md + f"\nPlot: `{os.path.basename(stem)}.png` ({PLOT_NOTE}).\n")
-    plot_ops(out, stem + ".png")
-    return stem
+    return md + f"\nPlot: `{name}.png` ({PLOT_NOTE}).\n"
+
+
+def write_results(stem: str, out: dict) -> str:
+    """``<stem>.json`` (``out``), ``.md`` (its tables) and ``.png`` (:func:`plot_ops`) through
+    :func:`tasks.common.results.write_result` (``out["measurement"]``, when it has one, is kept: a busy one
+    stays marked); returns ``stem``."""
+    return write_result(stem, ops_markdown(out, os.path.basename(stem)), out, lambda png: plot_ops(out, png),
+                        indent=2)
 
 
 OP_LABELS = {"mhla": "MHLA", "mhla_torch": "MHLA (torch path)", "linear": "linear",

@@ -11,7 +11,9 @@ random weights (latency does not depend on them), text context 512 tokens.
     python scripts/bench_video.py --preset mini_31k --device cpu     # the video_mini model at 31,500 tokens
 
 Writes ``results/bench/video_<preset>_<device>.json``, ``.md`` and ``.png`` (``video_cpu.*`` for the ``cpu``
-preset on the CPU; ``--plot-only`` redraws the ``.png`` from the ``.json``). The paper (Table 5) reports end-to-end
+preset on the CPU; ``--plot-only`` redraws the ``.png`` from the ``.json``) through
+``tasks.common.results.write_result``, with the load before and after (``measurement``); a run made on a busy
+machine is not written unless ``--allow-busy`` (then it is marked BUSY). The paper (Table 5) reports end-to-end
 sampling latency of 166 s (FlashAttention) vs 81 s (MHLA) vs 103 s (hybrid) for 50 steps with CFG; the
 per-step ratio measured here is the comparable number (VAE and text encoder excluded).
 """
@@ -23,12 +25,18 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
+
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 
 from models.wan import WAN_1_3B, apply_attention
+from tasks.common.results import BusyMachine, load_summary, write_result
 from tasks.common.plots import colors_for, grouped_bars, pyplot, save_figure
+from tasks.common.records import Measurement
 from tasks.common.utils import system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +115,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench"))
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw the .png of --preset / --device from its .json in --out; measure nothing")
+    ap.add_argument("--allow-busy", action="store_true",
+                    help="write a run made on a busy machine, marked BUSY (default: refused; the rule: "
+                         "tasks.common.records.BUSY_RULE)")
     args = ap.parse_args(argv)
     if args.plot_only:
         stem = os.path.join(args.out, out_name(args.preset, torch.device(args.device).type))
@@ -126,17 +137,23 @@ def main(argv=None) -> None:
           f"token grid {grid} = {tokens} tokens, MHLA blocks {preset['blocks']} (M = {math.prod(preset['blocks'])}), "
           f"{device} {dtype}", flush=True)
     results = {}
-    for v in args.variants:
-        r = bench_variant(preset, v, device, dtype, warmup, iters)
-        results[v] = r
-        print(f"  {v:12s} {r['median_s'] * 1e3:10.1f} ms / step (min {r['min_s'] * 1e3:.1f})", flush=True)
+    with Measurement(threads=1 if device.type == "cuda" else torch.get_num_threads(),
+                     watch_other_cpu=device.type != "cuda") as load:
+        for v in args.variants:
+            r = bench_variant(preset, v, device, dtype, warmup, iters)
+            results[v] = r
+            print(f"  {v:12s} {r['median_s'] * 1e3:10.1f} ms / step (min {r['min_s'] * 1e3:.1f})", flush=True)
     machine = system_info(str(device))
-    # device_name / threads / torch: flat keys tasks/video_gen/table5.py reads; "machine": the full header
+    # device_name / threads / torch: flat keys scripts/tables/table5.py reads; "machine": the full header
     info = {"preset": args.preset, "device": str(device), "device_name": machine.get("gpu", "cpu"),
             "threads": machine["torch_threads"], "dtype": str(dtype), "tokens": tokens, "grid": grid,
             "blocks": preset["blocks"], "layers": arch["num_layers"], "torch": machine["torch"],
             "warmup": warmup, "iters": iters, "machine": machine, "note": preset.get("note"), "results": results}
-    stem = write_results(info, os.path.join(args.out, out_name(args.preset, device.type)))
+    try:
+        stem = write_results(info, os.path.join(args.out, out_name(args.preset, device.type)), load.record,
+                             args.allow_busy)
+    except BusyMachine as e:
+        raise SystemExit(str(e)) from None
     print(f"wrote {stem}.json, .md and .png")
 
 
@@ -145,11 +162,10 @@ def out_name(preset: str, device: str) -> str:
     return f"video_{preset}" if preset == device else f"video_{preset}_{device}"
 
 
-def write_results(info: dict, stem: str) -> str:
-    """``<stem>.json`` (``info``), ``.md`` (ms per step and speed-up per attention), ``.png`` (:func:`plot_video`)."""
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(info, f, indent=2)
+def write_results(info: dict, stem: str, measurement: dict | None = None, allow_busy: bool = False) -> str:
+    """``<stem>.json`` (``info``), ``.md`` (ms per step and speed-up per attention), ``.png`` (:func:`plot_video`),
+    through :func:`tasks.common.results.write_result` (``measurement``: the load around the timing; a busy one
+    is refused unless ``allow_busy``)."""
     results = info["results"]
     base = results.get("softmax", {}).get("median_s")
     lines = [f"# One denoising step, Wan2.1-shaped transformer ({info['preset']})", "",
@@ -163,10 +179,11 @@ def write_results(info: dict, stem: str) -> str:
         lines.append(f"| {v} | {r['median_s'] * 1e3:.1f} | {sp} |")
     lines += ["", f"Plot: `{os.path.basename(stem)}.png` (ms per step per attention, speed-up over softmax above "
                   "each bar; peak memory where measured; redraw from the .json with `--plot-only`)."]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    plot_video(info, stem + ".png")
-    return stem
+    m = measurement or info.get("measurement")
+    if m:
+        lines += ["", f"Load: {load_summary(m)}."]
+    return write_result(stem, "\n".join(lines) + "\n", info, lambda png: plot_video(info, png), measurement=measurement,
+                        allow_busy=allow_busy, indent=2)
 
 
 def plot_video(info: dict, path: str) -> str:

@@ -10,9 +10,13 @@ results/params.md.
 
 from __future__ import annotations
 
+import os
 import sys
 
-from tables import params  # a sibling: scripts/ is on sys.path
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from scripts.tables import params
 
 if __name__ == "__main__":
     sys.exit(params.main())

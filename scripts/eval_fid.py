@@ -24,6 +24,9 @@ import re
 import sys
 import zipfile
 
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import numpy as np
 
 

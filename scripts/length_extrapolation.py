@@ -36,11 +36,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
 import sys
 import time
+
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
 import torch
@@ -50,6 +54,7 @@ from mhla.mixing import EXTENSION_RULES, mixing_matrices
 from tasks.common.checkpoint import find_checkpoint, load_run_checkpoint, model_weights
 from tasks.common.evaluation import load_run
 from tasks.common.plots import pyplot, save_figure
+from tasks.common.results import write_result
 from tasks.common.utils import system_info
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -343,19 +348,16 @@ def main(argv=None) -> int:
         results = evaluate_runs(runs, args.lengths, args.rules, args.tokens_per_batch, args.max_windows)
         results["seconds"] = round(time.time() - t0, 1)
     results["command"], results["system"] = command, header
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    write_plot(results, args.out + ".png")
+    full = copy.deepcopy(results) if args.compact_json else results  # the plot reads the per-position losses
     if args.compact_json:  # per-position losses -> 32-token bucket means (the full curves are large)
         for by_len in results["curves"].values():
             for e in by_len.values():
                 if "loss" in e:
                     loss = np.asarray(e.pop("loss"))
                     e["loss_per_32_positions"] = [round(float(loss[a:a + 32].mean()), 4) for a in range(0, len(loss), 32)]
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f)
     notes = open(args.notes).read() if args.notes and os.path.exists(args.notes) else ""
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(results, command, header, notes))
+    write_result(args.out, markdown(results, command, header, notes), results,
+                 lambda png: write_plot(full, png), indent=None)
     print(f"wrote {args.out}.md / .json / .png ({results['seconds']} s)")
     return 0
 

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 

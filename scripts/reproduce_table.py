@@ -17,18 +17,21 @@ Tables (``make reproduce-table<id>`` takes the same ids; ``--table 3`` is Table 
 * cells - 2, 3a, 3b, 4, 7a, 11, 12, 13: one ``train.py`` run per cell. A cell is an experiment config
   ``configs/experiment/table<N>/<cell>.yaml`` with a ``paper:`` block; Table 7a's and 7b's cells, until their
   folders exist, are the sweeps ``configs/sweep/mhla_init.yaml`` / ``dit_blocks.yaml`` on the Table 2 / 3 cell
-  they vary (:func:`tables.registry.derived_cells`); Table 3b adds the self-attention DiT-XL/2 baseline, an
+  they vary (:func:`scripts.tables.registry.derived_cells`); Table 3b adds the self-attention DiT-XL/2 baseline, an
   evaluation of the released weights (no training). Full scale: ``torchrun --nproc_per_node=<GPUs> train.py
   experiment=... <extra>``, then, for image generation, 50k samples (250 DDPM steps) scored by
   ``scripts/eval_fid.py`` against the ``--fid-ref`` of the cell's resolution. Mini scale (CPU proxy): the
   same cell with ``scale=mini/<model>`` (``configs/scale/mini/``, chosen by the cell's model and resolution);
-  Table 2's mini scale is the seeded proxy :func:`tables.proxy2.main_proxy2` with its own options (``--attns
+  Table 2's mini scale is the seeded proxy :func:`scripts.tables.proxy2.main_proxy2` with its own options (``--attns
   --seeds --steps --batch --jobs --resume --plot-only``). ``--seeds`` runs every cell once per seed and
   reports mean ± std (Table 11's default: seeds 0 1 2).
 * 7b also measures throughput across M, 14 is a benchmark only: DiT-S/2 forward time across M with the timing
-  of ``scripts/bench_models.py`` (:func:`tables.benchmark.bench_across_m`).
-* delegates - 5: ``python -m tasks.video_gen.table5``; 6 / 8: ``python -m tasks.language.evaluate table6|table8``;
-  mqar: ``scripts/run_mqar.py --scale <scale>``. Arguments after ``--`` go to them unchanged.
+  of ``scripts/bench_models.py`` (:func:`scripts.tables.benchmark.bench_across_m`).
+* delegates - tables with a driver of their own in :mod:`scripts.tables`, run in this process: 5:
+  :mod:`scripts.tables.table5` (the Wan2.1 fine-tunes; mini scale: :mod:`scripts.tables.table5_mini`, the
+  video_mini model); 6 / 8: :mod:`scripts.tables.lm_tables` ``table6|table8`` (evaluates the trained models with
+  ``tasks.language.evaluate``); mqar: :mod:`scripts.tables.mqar` ``--scale <scale>`` (= ``scripts/run_mqar.py``).
+  Arguments after ``--`` go to them unchanged; ``--plot-only`` reaches the drivers of 5 and mqar.
 
 Inputs: every full-scale cell declares what it reads from disk (``inputs:`` of its config: ImageNet, the
 SD-VAE, released weights, the FID reference of its resolution, ...). If one is missing nothing starts: the
@@ -51,9 +54,11 @@ import argparse
 import os
 import sys
 
-# siblings: scripts/ is on sys.path (Python puts the running script's folder there; tests/conftest.py too)
-from eval_fid import parse_fid_refs
-from tables import builders, figures, proxy2, registry, writers
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from scripts.eval_fid import parse_fid_refs
+from scripts.tables import builders, figures, proxy2, registry, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,14 +95,18 @@ def main(argv=None) -> int:
     p.add_argument("--bench-batch", type=int, default=None, help="benchmark batch (default 32 on GPU, 1 on CPU)")
     p.add_argument("--bench-repeats", type=int, default=None, help="timed calls per benchmark case")
     p.add_argument("--bench-only", action="store_true", help="Table 7b: measure throughput only, no training")
+    p.add_argument("--allow-busy", action="store_true",
+                   help="benchmarks (Tables 7b, 14): keep a timing made on a busy machine, marked BUSY (default: "
+                        "refused; the rule: tasks.common.records.BUSY_RULE)")
     p.add_argument("--no-bench", action="store_true", help="Table 7b: skip the throughput benchmark")
     p.add_argument("--results-dir", default=os.path.join(ROOT, "results"), help="where results/<table>.md go")
     p.add_argument("--plot-only", action="store_true",
-                   help="cell tables: redraw results/<table>[_mini].png from its .json, run nothing (Tables 5 and "
-                        "mqar: pass it after --, to their entry point)")
+                   help="cell tables: redraw results/<table>[_mini].png from its .json, run nothing; Table 5 (and "
+                        "its mini scale) and mqar: their driver's --plot-only (redraw from the saved results)")
     p.add_argument("--rewrite", action="store_true",
                    help="cell tables: write results/<table>[_mini].md again from its .json (the cells' current "
-                        "paper numbers and assumptions beside the saved rows, their machine and date); runs nothing")
+                        "paper numbers and assumptions beside the saved rows, their machine and date); runs nothing "
+                        "(Table 5, its mini scale and mqar: as --plot-only)")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every cell (e.g. data.root=...); for "
                                             "Tables 5 / 6 / 8 / mqar, the arguments of their entry point")
     args = p.parse_args(argv)

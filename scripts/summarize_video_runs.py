@@ -18,8 +18,12 @@ import os
 import re
 import sys
 
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import yaml
 
+from tasks.common.results import write_result
 from tasks.common.launch import metric_curve
 
 HIDDEN = ("logger=", "trainer.progress_bar=", "hydra.run.dir=")
@@ -75,10 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="", help="a line under the command (e.g. which defaults the overrides sit on)")
     args = ap.parse_args(argv)
     rows = [r for r in (run_summary(d) for d in args.runs) if r is not None]
-    with open(args.out + ".md", "w") as f:
-        f.write(to_markdown(rows, list(argv) if argv is not None else sys.argv[1:], args.note))
-    with open(args.out + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
+    given = list(argv) if argv is not None else sys.argv[1:]
+    write_result(args.out, to_markdown(rows, given, args.note), rows, indent=1)
     print(f"wrote {args.out}.md, .json ({len(rows)} runs)")
     return 0
 

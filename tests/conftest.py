@@ -5,11 +5,11 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# train.py and eval.py (top-level files), and the scripts as ``python scripts/x.py`` sees them: their siblings
-# (``import bench_ops``, ``from tables import registry``) resolve from scripts/, which Python puts on sys.path
-for p in (ROOT, os.path.join(ROOT, "scripts")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+# train.py and eval.py are top-level files, not a package: the repository root on sys.path imports them (and the
+# packages of this checkout: mhla, models, tasks, scripts). Scripts are imported through their package
+# (``from scripts import bench_ops``, ``from scripts.tables import registry``), never from scripts/ itself.
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 # Keep CPU tests reproducible and fast on a 2-core machine.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

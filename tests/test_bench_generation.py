@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-import bench_generation as bg
+from scripts import bench_generation as bg
+from tasks.common import records
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,9 +58,10 @@ def test_tiny_run_writes_json_md_png(tmp_path):
     by = {(r["attn"], r["context"]): r for r in rows}
     assert by[("linear", 16)]["cache_bytes"] == by[("linear", 40)]["cache_bytes"]
     assert by[("softmax", 40)]["cache_bytes"] > by[("softmax", 16)]["cache_bytes"]
-    assert data["loadavg_start"] is not None and data["loadavg_end"] is not None
+    m = data["measurement"]  # tasks.common.records.Measurement
+    assert m["load_before"] is not None and m["load_after"] is not None and "commit" in m
     md = (tmp_path / "generation_cpu.md").read_text()
-    assert bg.GPU_COMMAND in md and "| tiny | mhla | 40 |" in md and ("BUSY" in md) == bool(data["busy"])
+    assert bg.GPU_COMMAND in md and "| tiny | mhla | 40 |" in md and ("BUSY" in md) == bool(m["busy"])
     assert (tmp_path / "generation_cpu.png").stat().st_size > 5000
     (tmp_path / "generation_cpu.png").unlink()
     assert bg.main(["--plot-only", "--out", str(tmp_path)]) == 0
@@ -79,15 +81,18 @@ def test_real_prefill_fill(tmp_path):
 def test_busy_machine_is_refused(tmp_path, monkeypatch):
     argv = ["--presets", "tiny", "--attns", "linear", "--contexts", "8", "--new-tokens", "1", "--repeats",
             "1", "--warmup", "0", "--out", str(tmp_path)]
-    monkeypatch.setattr(bg, "load_average", lambda: [100.0, 100.0, 100.0])
+    monkeypatch.setattr(records, "load_average", lambda: [100.0, 100.0, 100.0])
     assert bg.main(argv) == 2  # refused before measuring
     assert not (tmp_path / "generation_cpu.json").exists()
-    monkeypatch.setattr(bg, "load_average", lambda: [0.0, 0.0, 0.0])
+    monkeypatch.setattr(records, "load_average", lambda: [0.0, 0.0, 0.0])
+    monkeypatch.setattr(records, "MIN_WATCH_S", 0.0)
     clock = iter([0.0, 1e6])  # other processes used every CPU during the run
-    monkeypatch.setattr(bg, "busy_cpu_s", lambda: next(clock))
+    monkeypatch.setattr(records, "busy_cpu_s", lambda: next(clock))
     assert bg.main(argv) == 2  # measured, not written
     assert not (tmp_path / "generation_cpu.json").exists()
     clock = iter([0.0, 1e6])
     assert bg.main([*argv, "--allow-busy"]) == 0  # written, marked
     data = json.loads((tmp_path / "generation_cpu.json").read_text())
-    assert "other processes" in data["busy"] and "BUSY" in (tmp_path / "generation_cpu.md").read_text()
+    assert data["measurement"]["busy"] and data["measurement"]["other_cpu_frac"] > 0.5
+    md = (tmp_path / "generation_cpu.md").read_text()
+    assert "BUSY" in md and "other processes used" in md

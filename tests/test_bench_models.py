@@ -3,7 +3,7 @@
 import json
 import os
 
-import bench_models
+from scripts import bench_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,10 +28,13 @@ def test_estimate_scales_with_tokens_and_model_size():
 def test_bench_models_tiny_run(tmp_path):
     rc = bench_models.main(["--models", "DiT-S/2", "--resolutions", "64", "128", "--attns", "softmax", "mhla",
                             "--modes", "fwd", "--repeats", "1", "--max-case-s", "1e-6", "--out-dir", str(tmp_path),
-                            "--note", "test"])
+                            "--note", "test", "--allow-busy"])  # the test machine may be busy
     assert rc == 0
     data = json.loads((tmp_path / "models_cpu.json").read_text())
     assert {"cpu", "torch", "date", "batch", "precision"} <= set(data["header"])
+    m = data["measurement"]  # the load around the timing, and the verdict
+    assert len(m["load_before"]) == len(m["load_after"]) == 3 and isinstance(m["busy"], bool) and m["commit"]
+    assert (" - BUSY" in (tmp_path / "models_cpu.md").read_text().splitlines()[0]) == m["busy"]
     rows = {(r["res"], r["attn"]): r for r in data["results"]}
     assert rows[(64, "mhla")]["images_per_s"] > 0 and rows[(64, "mhla")]["n_tokens"] == 16
     assert rows[(64, "mhla")]["attn_config"]["num_blocks"] == 4
@@ -42,7 +45,7 @@ def test_bench_models_tiny_run(tmp_path):
 
 def test_video_mode_forwards_to_bench_video(monkeypatch):
     """``--mode video`` hands the remaining arguments to scripts/bench_video.py (the Wan2.1 step benchmark)."""
-    import bench_video
+    from scripts import bench_video
 
     seen = {}
     monkeypatch.setattr(bench_video, "main", lambda argv=None: seen.setdefault("argv", argv))

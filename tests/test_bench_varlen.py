@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-import bench_ops
+from scripts import bench_ops
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +23,7 @@ def test_varlen_lengths_split():
 
 
 def test_varlen_quick_run(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_ops.py"), "--varlen", "--quick",
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_ops.py"), "--varlen", "--quick", "--allow-busy",
            "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

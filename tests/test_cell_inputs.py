@@ -11,7 +11,7 @@ import os
 
 import pytest
 from helpers.inputs import fake_fid_refs, fake_inputs
-from tables import config, registry
+from scripts.tables import config, registry
 
 from tasks.common.config import ConfigError, declared_inputs, validate_config
 

@@ -11,7 +11,7 @@ import os
 import pytest
 from helpers.inputs import fake_fid_refs, fake_inputs
 from omegaconf import OmegaConf
-from tables import config, registry, runner
+from scripts.tables import config, registry, runner
 
 from tasks.common.config import model_attention, run_settings, settings_tag
 from tasks.image_gen.sample import run_name

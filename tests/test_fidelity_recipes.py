@@ -123,7 +123,7 @@ def test_table5_baselines_and_hybrid_follow_the_release():
     # the mini task keeps its own settings (and says so in its results)
     mini = model_attention(make_cfg(["task=video_mini", "attn=linear", "attn.layers=hybrid"]))
     assert mini["normalize"] is False and attention_layers(mini, 30)[:2] == [0, 1]  # softmax at 2, 5, ...
-    from tasks.video_gen.table5_mini import MINI_VS_FULL
+    from scripts.tables.table5_mini import MINI_VS_FULL
 
     with open(os.path.join(ROOT, "results", "table5_mini.md")) as f:
         assert MINI_VS_FULL in f.read()

@@ -143,22 +143,27 @@ def test_deit_t_linear_and_mhla_counts_unchanged(attn):
     assert count_flops(model, x) == plain_count(model, x) > 0
 
 
+CROSS_OPTIONS = {"mhla": {"num_blocks": 16}, "mhla_cross": {"num_blocks": 4, "key_blocks": 2}}
+
+
 @pytest.mark.parametrize("attn", list_attentions())
 def test_every_registered_attention_core_is_counted(attn):
     """The FLOPs a layer does outside its child modules (the attention itself, not qkv / proj / convs) are at
-    least linear attention's two D x Dv products per token and head, whatever the attention."""
+    least linear attention's two D x Dv products per token and head, whatever the attention (a cross-attention
+    reads a condition of N tokens)."""
     N, C, H = 64, 32, 2
     takes_grid = "grid" in (accepted_options(get_attention_class(attn)) or {"grid"})
-    layer = build_attention({"name": attn, **({"num_blocks": 16} if attn == "mhla" else {})}, C, H,
+    layer = build_attention({"name": attn, **CROSS_OPTIONS.get(attn, {})}, C, H,
                             **({"grid": [8, 8]} if takes_grid else {}))
+    inputs = (torch.randn(1, N, C),) * (2 if get_attention_class(attn).supports.cross else 1)
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=sdpa_flop_formulas()) as counter:
-        layer(torch.randn(1, N, C))
+        layer(*inputs)
     counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     root = type(layer).__name__
     core = counts[root] - sum(v for name, v in counts.items() if name.startswith(root + ".") and name.count(".") == 1)
     assert core >= 2 * 2 * N * H * (C // H) * (C // H)
-    if attn != "softmax":
-        assert count_flops(layer, torch.randn(1, N, C)) == plain_count(layer, torch.randn(1, N, C))
+    if not attn.startswith("softmax"):
+        assert count_flops(layer, *inputs) == plain_count(layer, *inputs)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ def test_registry_names_and_errors():
 
 def test_registry_imports_nothing_from_the_package_and_import_mhla_fills_it():
     """mhla/registry.py is a leaf (layers register themselves where they are defined); ``import mhla`` alone
-    registers the three layers and the four Table 2 baselines."""
+    registers the three layers, the four Table 2 baselines, GLA and the three cross-attentions."""
     import ast
     import pathlib
     import subprocess
@@ -43,7 +43,8 @@ def test_registry_imports_nothing_from_the_package_and_import_mhla_fills_it():
     out = subprocess.run([sys.executable, "-c", "import mhla; print(' '.join(mhla.list_attentions()))"],
                          capture_output=True, text=True, check=True,
                          cwd=pathlib.Path(__file__).resolve().parents[1]).stdout.split()
-    assert out == ["focused", "gla", "inline", "linear", "mala", "mhla", "rala", "softmax"]
+    assert out == ["focused", "gla", "inline", "linear", "linear_cross", "mala", "mhla", "mhla_cross", "rala",
+                   "softmax", "softmax_cross"]
 
 
 @pytest.mark.parametrize("name", ["mhla", "linear", "softmax"])

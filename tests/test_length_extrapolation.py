@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -15,11 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("length_extrapolation",
-                                                  os.path.join(ROOT, "scripts", "length_extrapolation.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts import length_extrapolation  # noqa: PLC0415
+
+    return length_extrapolation
 
 
 def test_extension_rules_and_per_position_loss(tmp_path):

@@ -210,21 +210,22 @@ def test_stock_task_reads_a_local_dataset_folder(setup, tmp_path):
 
 
 def test_table6_runs_through_lm_eval(setup, tmp_path, monkeypatch):
-    """``evaluate.py table6`` (``make reproduce-table6``): a cell with a model goes through the harness (here its
-    stock lambada_openai task on a local folder), a cell without one stays 'not trained'."""
+    """``scripts/tables/lm_tables.py table6`` (``make reproduce-table6``): a cell with a model goes through the
+    harness (here its stock lambada_openai task on a local folder), a cell without one stays 'not trained'."""
+    from scripts.tables import lm_tables
     from tasks.language import evaluate
 
     root = _fake_lambada_repo(tmp_path / "lm_eval_data", setup.files["lambada_file"])
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "mhla").symlink_to(setup.model_dir, target_is_directory=True)
-    monkeypatch.setattr(evaluate, "ROOT", str(tmp_path))
-    monkeypatch.setattr(evaluate, "table_cells", lambda table: [("mhla", {"row": "MHLA"}), ("gla", {"row": "GLA"})])
+    monkeypatch.setattr(lm_tables, "table_cells", lambda table: [("mhla", {"row": "MHLA"}), ("gla", {"row": "GLA"})])
     monkeypatch.setattr(evaluate, "TABLE6_TASKS", ("lambada_openai",))
     monkeypatch.setattr(evaluate, "run_lm_eval", partial(
         A.run_lm_eval, task_manager=TaskManager(include_path=str(STOCK_LAMBADA_DIR), include_defaults=False)))
-    assert evaluate.main(["table6", "--ckpt-dir", str(ckpt), "--lm-eval-data", str(root), "--device", "cpu",
-                          "--batch-size", "4", "--out", str(tmp_path / "out")]) == 0
+    assert lm_tables.main(["table6", "--ckpt-dir", str(ckpt), "--lm-eval-data", str(root), "--device", "cpu",
+                           "--batch-size", "4", "--out", str(tmp_path / "out"),
+                           "--results-dir", str(tmp_path / "results")]) == 0
     rows = {r["cell"]: r for r in json.load(open(tmp_path / "results" / "table6.json"))["rows"]}
     direct = evaluate_lambada(setup.model, setup.tok, setup.passages, EvalSettings(max_len=64, batch_size=1))
     assert rows["mhla"]["status"] == "ok"

@@ -184,7 +184,7 @@ def test_evaluate_samples_end_to_end(tmp_path):
 def test_eval_fid_cli_writes_metrics(tmp_path, capsys):
     import json
 
-    import eval_fid
+    from scripts import eval_fid
 
     base = _base_images()
     ref = save_npz(base, tmp_path / "ref.npz")

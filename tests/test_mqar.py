@@ -119,7 +119,7 @@ def test_train_py_runs_mqar_for_each_attention(tmp_path):
 
 def test_run_mqar_grid_writes_table_with_seeds_and_convergence_flag(tmp_path):
     """scripts/run_mqar.py: runs every (variant, cell, seed), writes mean ± std, flags unsolved cells."""
-    import run_mqar
+    from scripts.tables import mqar as run_mqar
 
     out = tmp_path / "grid"
     argv = ["--cells", "16x2", "--variants", "softmax", "mhla_clamp", "--seeds", "0", "1", "--epochs", "1",
@@ -152,7 +152,7 @@ def test_run_mqar_keeps_stopped_runs_as_eval_curves(tmp_path):
     eval curve, not a failure; the table compares such runs at the eval steps they all reached."""
     import types
 
-    import run_mqar
+    from scripts.tables import mqar as run_mqar
 
     def fake_run(name, evals, stopped):
         d = tmp_path / name
@@ -191,7 +191,7 @@ def test_run_mqar_keeps_stopped_runs_as_eval_curves(tmp_path):
 def test_run_mqar_resume_on_a_subset_keeps_other_records(tmp_path, monkeypatch):
     """``--resume`` with a narrower grid reruns only the failed or stopped runs *of that grid*: a stopped run of
     another seed stays in ``<out>.json`` as it was (it once dropped every interrupted record)."""
-    import run_mqar
+    from scripts.tables import mqar as run_mqar
 
     def rec(variant, seed, **kw):
         return {"variant": variant, "seq_len": 256, "num_kv_pairs": 8, "seed": seed, "epochs": 10,
@@ -232,3 +232,42 @@ def test_recall_by_distance_buckets_every_query_once():
     assert all(0 <= b["acc"] <= 1 for b in out["buckets"]) and out["buckets"][-1]["hi"] == 256
     with pytest.raises(ValueError, match="long_context"):
         multiquery_ar(2, 256, 64, 4)
+
+
+# The recorded conditions of the committed MQAR results: file -> (lr, short conv) every record trained with.
+RECORDED = {"results/mqar/no_conv.json": (3e-3, 0), "results/mqar/lr1e-3.json": (1e-3, 0),
+            "results/mqar.json": (3e-3, 4)}
+
+
+@pytest.mark.parametrize("path", sorted(RECORDED))
+def test_recorded_mqar_commands_train_the_recorded_model_today(path):
+    """Each record's ``command``, composed with today's configs, trains the model the record is about: its lr,
+    its short conv, and its variant's mixing settings (the runs predate today's defaults; the command that ran is
+    ``command_as_run``, and the file's ``note_commands`` says why they differ)."""
+    import shlex
+
+    from hydra import compose, initialize_config_dir
+
+    from scripts.tables.mqar import VARIANTS
+    from tasks.common.config import model_attention
+
+    with open(os.path.join(ROOT, path)) as f:
+        saved = json.load(f)
+    lr, conv = RECORDED[path]
+    assert "note_commands" in saved
+    by_variant = {r["variant"]: r for r in saved["results"]}  # one command per variant (seeds differ by seed)
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+        for variant, rec in by_variant.items():
+            words = shlex.split(rec["command"])
+            assert words[:2] == ["python", "train.py"] and "command_as_run" in rec
+            cfg = compose(config_name="train", overrides=[w for w in words[2:] if not w.startswith("hydra.")])
+            attn = model_attention(cfg)
+            assert float(cfg.optim.lr) == lr and attn.get("short_conv", 0) == conv, (variant, rec["command"])
+            want = dict(w.split("=", 1) for w in VARIANTS[variant] if w.startswith(("attn.", "optim.")))
+            for key, value in want.items():
+                group, name = key.split(".", 1)
+                got = attn[name] if group == "attn" else cfg.optim[name]
+                assert str(got).lower() == value.lower() or float(got) == float(value), (variant, key, got)
+            if attn["name"] == "mhla" and not {"attn.mixing_param", "optim.mixing_lr_scale"} & set(want):
+                # the task's rule
+                assert attn["mixing_param"] == "clamp" and float(cfg.optim.mixing_lr_scale) == 0.01

@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from tables import config, params
+from scripts.tables import config, params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEM = os.path.join(ROOT, "results", "params")

@@ -5,15 +5,9 @@ import argparse
 import json
 import os
 
-import bench_generation
-import bench_models
-import bench_ops
-import bench_video
-import reproduce_table
-from tables import figures, writers
-from tables.registry import Cell
-
-from tasks.video_gen import table5
+from scripts import bench_generation, bench_models, bench_ops, bench_video, reproduce_table
+from scripts.tables import figures, table5, writers
+from scripts.tables.registry import Cell
 
 
 def assert_png(path, min_bytes=5000):
@@ -138,4 +132,6 @@ def test_table5_plot_only_with_a_measurement(tmp_path, monkeypatch):
     table5.write_table(str(out))
     assert_png(str(tmp_path / "table5.png"))
     assert "Plot: `table5.png`" in out.read_text() and "| MHLA | 80 | 70 | 78 | 81 | external |" in out.read_text()
+    saved = json.loads((tmp_path / "table5.json").read_text())  # the table's record beside it
+    assert [r["row"] for r in saved["rows"]][2] == "wan_mhla" and saved["rows"][2]["ours"]["cpu_speedup"] == 4.0
     redraws(str(tmp_path / "table5.png"), lambda: table5.main(["--plot-only", "--out", str(out)]))

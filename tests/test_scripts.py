@@ -6,8 +6,7 @@ import os
 import subprocess
 import sys
 
-import analyze_attention
-import bench_ops
+from scripts import analyze_attention, bench_ops
 import pytest
 import torch
 
@@ -47,19 +46,21 @@ def test_plain_chunked_form_is_causal_linear_attention():
 def test_bench_causal_overhead_quick_run(tmp_path):
     """--causal-overhead: MHLA and linear against the plain chunked form, side by side, in one process."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_ops.py"), "--causal-overhead",
-                           "--quick", "--seq-lens", "128", "--out-dir", str(tmp_path)],
+                           "--quick", "--seq-lens", "128", "--allow-busy", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "causal_overhead_cpu_quick.json").read_text())
     (rec,) = data["records"]
     assert rec["T"] == 128 and rec["mhla_over_plain_fwdbwd"] > 0 and rec["linear_over_plain_fwd"] > 0
     assert data["header"]["loadavg_start"] and data["header"]["loadavg_end"]
+    m = data["measurement"]
+    assert m["load_before"] == data["header"]["loadavg_start"] and "commit" in m
     assert "MHLA / plain fwd+bwd" in (tmp_path / "causal_overhead_cpu_quick.md").read_text()
 
 
 def test_bench_quick_run(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_ops.py"), "--quick",
-                           "--seq-lens", "256", "--out-dir", str(tmp_path)],
+                           "--seq-lens", "256", "--allow-busy", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "ops_cpu_quick.json").read_text())
@@ -68,3 +69,15 @@ def test_bench_quick_run(tmp_path):
                    ("plain_linear", True), ("sdpa", True), ("release_loop", True)}
     assert data["header"]["cpu_count"] >= 1
     assert (tmp_path / "ops_cpu_quick.md").read_text().startswith("# Op benchmark")
+    assert data["measurement"]["busy_rule"]
+
+
+def test_bench_ops_refuses_a_busy_machine(tmp_path, monkeypatch):
+    """Every mode of bench_ops: a busy machine (tasks.common.records.BUSY_RULE) refuses the run before it
+    starts unless --allow-busy; nothing is written."""
+    from tasks.common import records
+
+    monkeypatch.setattr(records, "load_average", lambda: [100.0, 100.0, 100.0])
+    for mode in ([], ["--varlen"], ["--causal-overhead"]):
+        assert bench_ops.main([*mode, "--quick", "--seq-lens", "128", "--out-dir", str(tmp_path)]) == 2
+    assert not list(tmp_path.iterdir())

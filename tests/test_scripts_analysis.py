@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-import analyze_attention
+from scripts import analyze_attention
 import pytest
 import torch
 

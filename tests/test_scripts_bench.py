@@ -2,7 +2,7 @@
 
 import os
 
-import bench_ops
+from scripts import bench_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,8 +6,8 @@ import json
 import os
 
 import pytest
-import reproduce_table as rt
-from tables import proxy2, registry, runner
+from scripts import reproduce_table as rt
+from scripts.tables import proxy2, registry, runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

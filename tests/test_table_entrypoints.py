@@ -11,13 +11,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
-import eval_fid
+from scripts import eval_fid
 import numpy as np
 import pytest
-import reproduce_table as rt
-from tables import benchmark, config, registry, runner, writers
+from scripts import reproduce_table as rt
+from scripts.tables import benchmark, config, registry, runner, writers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_FID = runner.sample_fid  # the real one (Launcher replaces it)
@@ -51,8 +50,8 @@ class Launcher:
         self.fids.append((cell.name, image_size, cfg_scale))
         return {"fid": 50.0 + cfg_scale, "sfid": 5.0}
 
-    def delegate(self, cmd):
-        self.delegated.append(cmd)
+    def delegate(self, module, argv):
+        self.delegated.append((module, argv))
         return 0
 
     def export(self, overrides, run_dir):
@@ -95,9 +94,9 @@ def test_every_table_id_dispatches(table, monkeypatch, tmp_path, capsys):
     argv = ["--table", table, "--results-dir", str(tmp_path)]
     if spec.kind == "delegate":
         assert rt.main([*argv, "--", "--some-option", "x"]) == 0
-        (cmd,) = fake.delegated
-        command = registry.DELEGATE_COMMANDS[spec.id]
-        assert cmd[0] == sys.executable and cmd[1:1 + len(command)] == command
+        ((module, cmd),) = fake.delegated
+        driver, lead = registry.DELEGATES[spec.id]
+        assert module == driver and module.startswith("scripts.tables.") and cmd[:len(lead)] == lead
         assert cmd[-2:] == ["--some-option", "x"] and not fake.runs
         return
     if spec.kind == "bench":
@@ -256,30 +255,55 @@ def test_missing_cells_are_reported_not_crashed(monkeypatch, tmp_path, capsys):
 def test_delegates_pass_scale_and_refuse_a_missing_proxy(monkeypatch, tmp_path, capsys):
     fake = Launcher(monkeypatch)
     assert rt.main(["--table", "mqar", "--scale", "mini", "--seeds", "0", "1", "--", "--epochs", "1"]) == 0
-    assert fake.delegated[-1][1:] == [os.path.join("scripts", "run_mqar.py"), "--scale", "mini", "--seeds", "0", "1",
-                                      "--epochs", "1"]
+    assert fake.delegated[-1] == ("scripts.tables.mqar", ["--scale", "mini", "--seeds", "0", "1", "--epochs", "1"])
     assert rt.main(["--table", "6", "--", "--ckpt-dir", "/c"]) == 0
-    assert fake.delegated[-1][1:] == ["-m", "tasks.language.evaluate", "table6", "--ckpt-dir", "/c"]
+    assert fake.delegated[-1] == ("scripts.tables.lm_tables", ["table6", "--ckpt-dir", "/c"])
     for table in ("6", "8"):
         assert rt.main(["--table", table, "--scale", "mini"]) == 2
         assert "no CPU proxy" in capsys.readouterr().err
     assert len(fake.delegated) == 2
     # Table 5's CPU proxy is its own entry point (the video_mini model), the full scale the Wan2.1 one
     assert rt.main(["--table", "5", "--scale", "mini", "--seeds", "0", "1"]) == 0
-    assert fake.delegated[-1][1:] == ["-m", "tasks.video_gen.table5_mini", "--seeds", "0", "1"]
+    assert fake.delegated[-1] == ("scripts.tables.table5_mini", ["--seeds", "0", "1"])
     assert rt.main(["--table", "5", "--", "--wan", "/w"]) == 0
-    assert fake.delegated[-1][1:] == ["-m", "tasks.video_gen.table5", "--wan", "/w"]
+    assert fake.delegated[-1] == ("scripts.tables.table5", ["--wan", "/w"])
+    # --plot-only reaches the drivers that redraw; Tables 6 / 8 have nothing to redraw
+    assert rt.main(["--table", "5", "--scale", "mini", "--plot-only"]) == 0
+    assert fake.delegated[-1] == ("scripts.tables.table5_mini", ["--plot-only"])
+    assert rt.main(["--table", "mqar", "--plot-only"]) == 0
+    assert fake.delegated[-1] == ("scripts.tables.mqar", ["--scale", "full", "--plot-only"])
+    assert rt.main(["--table", "6", "--plot-only"]) == 2
 
 
 def test_table14_benchmark_runs_for_real(monkeypatch, tmp_path):
-    """A tiny case through bench_models' timing: DiT-S/2 at 64 px (N = 16 tokens), M = 1 and 4."""
+    """A tiny case through bench_models' timing: DiT-S/2 at 64 px (N = 16 tokens), M = 1 and 4; the load around
+    it is recorded, and a busy machine's timing is refused unless --allow-busy (then marked BUSY)."""
+    from tasks.common import records  # noqa: PLC0415
+
     monkeypatch.setitem(registry.BENCH, "14", {**registry.BENCH["14"], "mini": (64, (1, 4))})
+    monkeypatch.setattr(records, "load_average", lambda: [0.1, 0.1, 0.1])  # an idle machine
+    monkeypatch.setattr(records, "busy_cpu_s", lambda: None)  # (other processes' CPU share: not read here)
     assert rt.main(["--table", "14", "--scale", "mini", "--bench-repeats", "1", "--results-dir", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "table14_mini.json").read_text())["bench"]
+    saved = json.loads((tmp_path / "table14_mini.json").read_text())
+    data = saved["bench"]
     assert [r["M"] for r in data["rows"]] == [1, 4] and all(r["ms"] > 0 for r in data["rows"])
     assert data["rows"][1]["blocks"] == [2, 2] and data["rows"][1]["tokens_per_block"] == 4
+    m = saved["measurement"]
+    assert m["load_before"] == m["load_after"] == [0.1, 0.1, 0.1] and m["busy"] is False and len(m["commit"]) == 40
     md = (tmp_path / "table14_mini.md").read_text()
     assert "on this CPU" in md and "| 4 | 2x2 | 4 | yes | 145-157 (range, M <= 256) |" in md
+    assert "Load: 1-minute load average 0.10 before, 0.10 after" in md and "**BUSY**" not in md
+
+    monkeypatch.setattr(records, "load_average", lambda: [5.0, 5.0, 5.0])  # another job on a 2-core machine
+    monkeypatch.setattr(records.os, "cpu_count", lambda: 2)
+    busy = tmp_path / "busy"
+    assert rt.main(["--table", "14", "--scale", "mini", "--bench-repeats", "1", "--results-dir", str(busy)]) == 2
+    assert not busy.exists() or not list(busy.iterdir())  # refused: nothing written
+    assert rt.main(["--table", "14", "--scale", "mini", "--bench-repeats", "1", "--results-dir", str(busy),
+                    "--allow-busy"]) == 0
+    md = (busy / "table14_mini.md").read_text()
+    assert md.splitlines()[0].endswith(" - BUSY") and "**BUSY**: measured while the machine was busy" in md
+    assert json.loads((busy / "table14_mini.json").read_text())["measurement"]["busy"] is True
 
 
 # ----------------------------------------------------------------------------------------- FID references

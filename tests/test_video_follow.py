@@ -54,11 +54,11 @@ def test_colour_labels_and_shape():
 
 
 def test_table5_mini_trains_rows_and_writes_table(tmp_path):
-    """tasks/video_gen/table5_mini.py on a tiny setting: every row trained with train.py, sampled, checked and
+    """scripts/tables/table5_mini.py on a tiny setting: every row trained with train.py, sampled, checked and
     timed; the md has one line per row with the 31.5k-token columns, the json the records, a frames picture."""
     import json
 
-    from tasks.video_gen import table5_mini
+    from scripts.tables import table5_mini
 
     out = tmp_path / "t5"
     tiny = ["trainer.max_steps=2", "data.train_size=8", "data.eval_size=4", "data.batch_size=4", "data.num_frames=4",

@@ -6,8 +6,10 @@
                                       "rope": "after_feature_map"})
     # hybrid: the layers of hybrid_layers() get MHLA, the others keep their softmax processor
     names = swap_self_attention(wan, {"name": "mhla", "blocks": [7, 3, 5]}, layers=hybrid_layers(30))
-    # SANA (2-D latent grid, NoPE): attn1 only (cross-attention is never touched)
+    # SANA (2-D latent grid, NoPE): attn1 only (cross-attention is never touched by swap_self_attention)
     names = swap_self_attention(sana, {"name": "mhla", "num_blocks": 16}, grid=(32, 32))
+    # cross-attention (attn2: queries from the latents, keys / values from the text), the same way:
+    names = swap_cross_attention(sana, {"name": "mhla_cross", "blocks": [4, 4], "key_blocks": 4})
 
 One code path. :func:`swap_self_attention` builds the registered layer (:func:`mhla.registry.build_attention`)
 with ``projections=False`` and registers it ON THE DIFFUSERS ATTENTION MODULE as ``<attn>.attention``, so its
@@ -47,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from . import select_layers
+from ..cross import CrossAttentionBase
 from ..layers import AttentionBase
 from ..registry import build_attention, get_attention_class
 from ..rope import RotaryTables
@@ -270,3 +273,116 @@ def swapped_attentions(model: nn.Module) -> dict[str, AttentionBase]:
     """``{module name: layer}`` of the attentions :func:`swap_self_attention` put into ``model``."""
     return {n: m.attention for n, m in self_attention_modules(model)
             if isinstance(getattr(m, "attention", None), AttentionBase)}
+
+
+# ------------------------------------------------------------------------------------ cross-attention
+def key_padding_mask_from(attention_mask: torch.Tensor | None, batch: int,
+                          length: int) -> torch.Tensor | None:
+    """The keep-mask ``[B, L]`` (True: a real key) of a diffusers cross-attention mask, or None.
+
+    Accepted: a bool mask ``[B, L]`` / ``[B, 1, L]`` (True: keep), or an additive bias ``[B, L]`` / ``[B, 1,
+        L]``
+    (0: keep, a large negative value: drop; what SANA and PixArt pass their cross-attention after converting
+    the encoder's 0/1 mask). A float mask with positive entries is a 0/1 mask that was not converted, and is
+    refused (read as a bias it would keep everything)."""
+    if attention_mask is None:
+        return None
+    m = attention_mask
+    if m.dim() == 3 and m.shape[1] == 1:
+        m = m[:, 0]
+    if m.dim() != 2 or m.shape[-1] != length or m.shape[0] not in (1, batch):
+        raise ValueError(f"cross-attention mask of shape {tuple(attention_mask.shape)}: expected [B, L] or "
+                         f"[B, 1, L] with B = {batch}, L = {length} (one mask per condition, not per query)")
+    if m.dtype == torch.bool:
+        keep = m
+    elif (m > 0).any():
+        raise ValueError("a float cross-attention mask must be an additive bias (0: keep, large negative: "
+                         "drop); got positive entries (a 0/1 mask): pass it as bool")
+    else:
+        keep = m > -1.0
+    return keep.expand(batch, length)
+
+
+class CrossAttentionProcessor(AttentionProcessor):
+    """diffusers processor for a cross-attention module (``attn2``): the host's ``to_q`` on the tokens,
+    ``to_k`` / ``to_v`` on ``encoder_hidden_states``, its q / k norms and ``to_out``; between them the
+    registered cross-attention ``attn.attention`` (:class:`mhla.cross.CrossAttentionBase`): ``attend(q, k, v,
+    grid=..., key_padding_mask=...)`` and ``finish_heads``. ``attention_mask``: :func:`key_padding_mask_from`.
+    The token grid (MHLA's query blocks) comes as for :class:`AttentionProcessor`."""
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, rotary_emb=None, **kwargs) -> torch.Tensor:
+        if encoder_hidden_states is None:
+            raise ValueError("CrossAttentionProcessor needs encoder_hidden_states (it is for "
+                             "cross-attention)")
+        if getattr(attn, "add_k_proj", None) is not None:
+            raise ValueError("CrossAttentionProcessor does not handle added image keys / values (Wan I2V)")
+        layer: CrossAttentionBase = attn.attention
+        x, shape_4d = hidden_states, None
+        if x.dim() == 4:
+            shape_4d = x.shape
+            x = x.flatten(2).transpose(1, 2)
+        residual = x
+        grid = self.token_grid(x.shape[1], tuple(shape_4d[2:]) if shape_4d is not None else None,
+                               needs_grid=getattr(layer, "blocks", None) is not None)
+        enc = encoder_hidden_states
+        heads = attn.heads
+        q = _apply_qk_norm(getattr(attn, "norm_q", None), attn.to_q(x), heads)
+        k = _apply_qk_norm(getattr(attn, "norm_k", None), attn.to_k(enc), heads)
+        v = attn.to_v(enc).unflatten(-1, (heads, -1))
+        mask = key_padding_mask_from(attention_mask, x.shape[0], enc.shape[1])
+        o = layer.finish_heads(layer.attend(q, k, v, grid=grid, key_padding_mask=mask))
+        y = attn.to_out[0](o.flatten(2).to(x.dtype))
+        if len(attn.to_out) > 1:
+            y = attn.to_out[1](y)
+        if getattr(attn, "residual_connection", False):
+            y = y + residual
+        y = y / getattr(attn, "rescale_output_factor", 1.0)
+        if shape_4d is not None:
+            y = y.transpose(1, 2).reshape(shape_4d)
+        return y
+
+
+def cross_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every diffusers cross-attention module of ``model`` (``set_processor``, ``to_q``
+    and ``is_cross_attention``: the ``attn2`` of Wan / SANA / PixArt blocks), in definition order."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "set_processor") and hasattr(m, "to_q") and getattr(m, "is_cross_attention", False)]
+
+
+def swap_cross_attention(model: nn.Module, attn_cfg, *, grid: Sequence[int] | None = None,
+                         track_grid: bool = True) -> list[str]:
+    """Put the registered cross-attention ``attn_cfg`` (``supports.cross``: ``mhla_cross``, ``linear_cross``,
+    ``softmax_cross``) into every cross-attention module of ``model``; returns their names. As
+    :func:`swap_self_attention`: the layer is built with ``projections=False`` (the module keeps ``to_q`` /
+    ``to_k`` / ``to_v`` / ``to_out``), registered as ``<attn2>.attention`` (its mixing matrix trains and saves
+    with the model), and :class:`CrossAttentionProcessor` runs it; ``grid`` / ``track_grid`` as there."""
+    name = attn_cfg if isinstance(attn_cfg, str) else attn_cfg["name"]
+    supports = get_attention_class(name).supports
+    if not (supports.cross and supports.host_projections):
+        raise ValueError(f"attention {name!r} is not a cross-attention that runs inside a host's projections "
+                         "(supports.cross and supports.host_projections)")
+    modules = cross_attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no diffusers cross-attention modules")
+    context = _install_grid_hook(model) if track_grid else None
+    names = []
+    for module_name, attn in modules:
+        weight = attn.to_q.weight
+        pdtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        layer = build_attention(attn_cfg, weight.shape[1], attn.heads, projections=False,
+                                head_dim=weight.shape[0] // attn.heads,
+                                value_dim=attn.to_v.weight.shape[0] // attn.heads,
+                                context_dim=attn.to_k.weight.shape[1],
+                                grid=tuple(grid) if grid is not None else None, device=weight.device,
+                                dtype=pdtype)
+        attn.attention = layer
+        attn.set_processor(CrossAttentionProcessor(grid=None if track_grid else grid, context=context))
+        names.append(module_name)
+    return names
+
+
+def swapped_cross_attentions(model: nn.Module) -> dict[str, CrossAttentionBase]:
+    """``{module name: layer}`` of the cross-attentions :func:`swap_cross_attention` put into ``model``."""
+    return {n: m.attention for n, m in cross_attention_modules(model)
+            if isinstance(getattr(m, "attention", None), CrossAttentionBase)}

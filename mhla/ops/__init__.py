@@ -4,6 +4,9 @@
                reference (``naive``), the chunked torch forms (``chunk``), decoding (``decode``) and the
                fused Triton kernels (``triton``, optional)
     linear/    plain linear attention: ``naive`` (dense reference) and ``chunk`` (``linear_attention``)
+    mhla_cross/  MHLA cross-attention (queries and keys of different lengths, key padding masks):
+               ``mhla_cross_attention``; ``naive``, ``chunk`` (torch), ``triton`` (the query side; it reuses
+               mhla's Triton helpers)
     softmax    ``softmax_attention`` (SDPA)
     utils/     shared by every op: input checks, variable-length batches, causal sums
 
@@ -26,6 +29,7 @@ from .mhla import (
     mhla_reference,
     resolve_backend,
 )
+from .mhla_cross import mhla_cross_attention, mhla_cross_reference
 from .softmax import softmax_attention
 from .utils import check_cu_seqlens, run_varlen, sequence_bounds, token_index, unbind_state
 
@@ -39,6 +43,8 @@ __all__ = [
     "linear_attention_reference",
     "mhla_attention",
     "mhla_attention_matrix",
+    "mhla_cross_attention",
+    "mhla_cross_reference",
     "mhla_causal_torch",
     "mhla_decode_step",
     "mhla_effective_weights",

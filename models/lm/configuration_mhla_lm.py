@@ -36,11 +36,9 @@ is loaded in ``tests/test_lm_model.py``).
 
 from __future__ import annotations
 
-import math
-
 from transformers import PretrainedConfig
 
-from mhla.layouts import ceil_div
+from mhla.layouts import auto_block_size, ceil_div
 from mhla.registry import AttentionContract, Needs, accepted_options, get_attention_class
 from mhla.rope import ROPE_PLACEMENTS, rope_placement  # noqa: F401 (ROPE_PLACEMENTS: models.lm exports it)
 
@@ -70,12 +68,6 @@ def swiglu_intermediate(hidden_size: int, hidden_ratio: float = 4.0, multiple_of
     """GLA/fla's SwiGLU width: ``multiple_of * ceil(int(2/3 * hidden_ratio * hidden) / multiple_of)`` (1024 -> 2816)."""
     inner = int(hidden_size * hidden_ratio * 2 / 3)
     return multiple_of * ceil_div(inner, multiple_of)
-
-
-def auto_block_size(seq_len: int) -> int:
-    """MHLA chunk length for a context of ``N`` tokens: the smallest power of two ``C >= sqrt(N)``, so the
-    number of blocks ``M = N / C`` satisfies the paper's ``M^2 <= N`` (64 -> 8, 128 -> 16, 256 -> 16)."""
-    return 1 << math.ceil(math.log2(math.sqrt(seq_len)))
 
 
 def attention_contract(model_cfg) -> AttentionContract:

@@ -8,25 +8,36 @@ import sys
 
 from tasks.common.launch import mean_std, run_parallel
 
-from . import benchmark, config, registry, runner, writers
+from . import benchmark, config, registry, results, runner, writers
 from .registry import Cell, NoCells, Table
 
 
 def run_delegate(spec: Table, args) -> int:
+    """Hand over to the table's own driver (``registry.DELEGATES``; at mini scale ``DELEGATES_MINI``) in this
+    process: its ``main`` gets the table's leading arguments, then ``--scale`` / ``--seeds`` where it takes them,
+    ``--plot-only`` / ``--rewrite`` as its redraw option, then the arguments after ``--``."""
     if args.scale == "mini" and spec.mini is None:
         print(f"Table {spec.id} has no CPU proxy: its entry point needs {spec.needs}. Run it with --scale full "
               f"(without them it prints the commands and the paper's numbers).", file=sys.stderr)
         return 2
-    mini = registry.DELEGATE_MINI_COMMANDS.get(spec.id) if args.scale == "mini" else None
-    cmd = [sys.executable, *(mini or registry.DELEGATE_COMMANDS[spec.id])]
+    mini = registry.DELEGATES_MINI.get(spec.id) if args.scale == "mini" else None
+    module, lead = mini or registry.DELEGATES[spec.id]
+    argv = list(lead)
     if spec.id == "mqar":
-        cmd += ["--scale", args.scale] + (["--seeds", *map(str, args.seeds)] if args.seeds else [])
+        argv += ["--scale", args.scale] + (["--seeds", *map(str, args.seeds)] if args.seeds else [])
     elif mini and args.seeds:
-        cmd += ["--seeds", *map(str, args.seeds)]
+        argv += ["--seeds", *map(str, args.seeds)]
     elif args.seeds:
         print(f"--seeds does not apply to Table {spec.id} (it evaluates given models)", file=sys.stderr)
         return 2
-    return runner.delegate(cmd + list(args.extra))
+    if getattr(args, "plot_only", False) or getattr(args, "rewrite", False):
+        redraw = "--plot-only" if mini else registry.DELEGATE_REDRAW.get(spec.id)
+        if redraw is None:
+            print(f"Table {spec.id} has no --plot-only / --rewrite: run it again (it measures nothing without its "
+                  "models)", file=sys.stderr)
+            return 2
+        argv.append(redraw)
+    return runner.delegate(module, argv + list(args.extra))
 
 
 def run_cells_table(spec: Table, args) -> int:
@@ -93,7 +104,11 @@ def run_cells_table(spec: Table, args) -> int:
 
 def run_bench_table(spec: Table, args) -> int:
     bench = benchmark.run_bench(spec, args)
-    md = writers.write_bench_table(spec, args, bench)
+    try:
+        md = writers.write_bench_table(spec, args, bench)
+    except results.BusyMachine as e:
+        print(e, file=sys.stderr)
+        return 2
     print(f"wrote {md}")
     return 0 if "rows" in bench else 1
 

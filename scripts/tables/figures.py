@@ -10,7 +10,7 @@ import re
 
 from tasks.common.plots import colors_for, grouped_bars, pyplot, save_figure
 
-from . import registry, writers
+from . import registry
 
 # the word of a cell name where its attention starts (deit_t_mhla -> group deit_t)
 ATTENTION_WORDS = ("softmax", "linear", "mhla", "gla", "focused", "inline", "mala", "rala", "native", "flash")
@@ -96,7 +96,7 @@ def plot_table(table: str, rows: list[dict], path: str, mini: bool = False) -> s
                 src = r.get("paper" if name == "paper" else "metrics") or {}
                 v = src.get(key)
                 if isinstance(v, (int, float)):
-                    scale = 100 if key in writers.PERCENT and name == "ours" else 1  # the paper's are in %
+                    scale = 100 if key in registry.PERCENT and name == "ours" else 1  # the paper's are in %
                     std = (r.get("metrics_std") or {}).get(key) if name == "ours" else None
                     series[name].setdefault(bar, {})[g] = (scale * v, scale * std) if std else scale * v
     for name in series:
@@ -106,7 +106,7 @@ def plot_table(table: str, rows: list[dict], path: str, mini: bool = False) -> s
     fig, axes = plt.subplots(1, len(panels), figsize=(max(7.0, 1.1 * len(groups) + 3) * len(panels) / 1.4, 4.6),
                              squeeze=False)
     for i, (ax, (name, key)) in enumerate(zip(axes[0], panels)):
-        label = writers.LABELS.get(key, key) + (" %" if key in writers.PERCENT else "")
+        label = registry.LABELS.get(key, key) + (" %" if key in registry.PERCENT else "")
         grouped_bars(ax, list(groups), series[name], label, f"{name}: {label}", colors,
                      legend="outside" if i == len(panels) - 1 else None)
     spec = registry.table_spec(table)
@@ -117,7 +117,7 @@ def plot_table(table: str, rows: list[dict], path: str, mini: bool = False) -> s
 
 def redraw(spec, args) -> int:
     """``--plot-only``: draw ``<stem>.png`` from ``<stem>.json`` (the table's saved rows); runs nothing."""
-    stem = writers.stem_path(spec, args)
+    stem = registry.stem_path(spec, args)
     if not os.path.exists(stem + ".json"):
         print(f"--plot-only: {stem}.json does not exist (run the table first)")
         return 2

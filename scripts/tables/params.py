@@ -46,7 +46,7 @@ from tasks.common.utils import count_flops_split, count_parameters, system_info
 
 from . import config, registry
 from .registry import ROOT, Cell
-from .writers import write_text
+from tasks.common.results import write_result
 
 TOLERANCE = 0.03
 OUT = os.path.join(ROOT, "results", "params")
@@ -275,10 +275,9 @@ def write(rows: list[dict], out: str, argv: list[str], seconds: float) -> str:
     off = [r for r in rows if "OFF" in r["check"]]
     lines += ["", f"Cells off by more than {TOLERANCE:.0%} without an assumption: "
               + (", ".join(f"{r['table']}/{r['cell']}" for r in off) if off else "none") + "."]
-    write_text(out + ".md", "\n".join(lines) + "\n")
-    write_text(out + ".json", json.dumps({"command": COMMAND, "argv": argv, "machine": machine,
-                                          "date": datetime.now(timezone.utc).isoformat(), "tolerance": TOLERANCE,
-                                          "rows": rows}, indent=1, default=str))
+    write_result(out, "\n".join(lines) + "\n", {"command": COMMAND, "argv": argv, "machine": machine,
+                                                "date": datetime.now(timezone.utc).isoformat(),
+                                                "tolerance": TOLERANCE, "rows": rows}, indent=1, default=str)
     return out + ".md"
 
 

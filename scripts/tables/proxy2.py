@@ -10,15 +10,14 @@ import os
 import statistics
 from datetime import datetime, timezone
 
-import analyze_attention  # scripts/analyze_attention.py: scripts/ is on sys.path
-
+from scripts import analyze_attention
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training, train_loss_curve
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.utils import system_info
 
 from . import registry
 from .registry import ROOT
-from .writers import write_text
+from tasks.common.results import saved_machine, write_result
 
 # MNIST digits padded to 32 px with 2x2 patches give a 16x16 grid of 256 tokens and MHLA M = 16 blocks of 4x4
 # tokens, as DeiT at 256 px (16x16 patches of 16 px). The model is the DeiT-T-size proxy `vit_mini` (width 64,
@@ -107,7 +106,7 @@ def write_proxy2(records: list[dict], args) -> str:
         (f"Command: `python scripts/reproduce_table.py --table 2 --scale mini {' '.join(args.argv)}`"
          if "--out" in args.argv else f"Command: `make reproduce-table2 SCALE=mini` (= `python scripts/reproduce_table.py "
          f"--table 2 --scale mini {' '.join(args.argv)}`)".replace(" `)", "`)")), "",
-        f"Machine: {json.dumps(system_info())}", "",
+        f"Machine: {json.dumps(args.machine)}", "",
         "| attention | Table 2 cell | paper top-1 (ImageNet) | proxy top-1 % (mean ± std) | per seed | n | "
         "mean time s |", "|---|---|---|---|---|---|---|"]
     for attn, cell in PROXY2_ROWS.items():
@@ -125,13 +124,10 @@ def write_proxy2(records: list[dict], args) -> str:
               f"seeds). Raw records (commands, metrics, loss curves, times): `{os.path.basename(args.out)}.json`."]
     if args.notes:
         lines += ["", "## Reading", "", args.notes.strip()]
-    stem = args.out
-    write_text(stem + ".md", "\n".join(lines) + "\n")
-    saved = {"table": "2", "scale": "mini", "date": datetime.now(timezone.utc).isoformat(), "argv": args.argv,
+    saved = {"table": "2", "scale": "mini", "date": args.date, "argv": args.argv, "machine": args.machine,
              "records": records}
-    write_text(stem + ".json", json.dumps(saved, indent=1))
-    plot_proxy2(records, stats, stem + ".png")
-    return stem + ".md"
+    write_result(args.out, "\n".join(lines) + "\n", saved, lambda png: plot_proxy2(records, stats, png), indent=1)
+    return args.out + ".md"
 
 
 def plot_proxy2(records: list[dict], stats: dict, path: str) -> None:
@@ -184,12 +180,15 @@ def main_proxy2(argv: list[str]) -> int:
         p.error(f"unknown attentions {unknown}; choose from {', '.join(PROXY2_ROWS)}")
     args.notes = read_notes(args.notes)
     records = []
+    args.machine, args.date = system_info(), datetime.now(timezone.utc).isoformat()
     if (args.resume or args.plot_only) and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
             saved = json.load(f)
         records = [r for r in saved["records"] if "error" not in r]
-        if args.plot_only:  # the table keeps the command line and the settings that ran it
+        if args.plot_only:  # the table keeps the command line, the settings, the machine and date that ran it
             args.argv = [a for a in saved.get("argv", args.argv) if a not in ("--resume", "--plot-only")]
+            args.machine = saved.get("machine") or saved_machine(args.out + ".md") or args.machine
+            args.date = saved.get("date", args.date)
             ran = p.parse_args(args.argv)
             for key in ("steps", "batch", "warmup", "jobs", "threads", "extra"):
                 setattr(args, key, getattr(ran, key))

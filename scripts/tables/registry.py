@@ -67,15 +67,26 @@ TABLES = {t.id: t for t in (
           needs="nothing: runs on the CPU (SCALE=mini|full|large)"),
 )}
 ALIASES = {"3": "3a"}
-DELEGATE_COMMANDS = {  # table -> the command it hands over to (arguments after -- are appended)
-    "5": ["-m", "tasks.video_gen.table5"],
-    "6": ["-m", "tasks.language.evaluate", "table6"],
-    "8": ["-m", "tasks.language.evaluate", "table8"],
-    "mqar": [os.path.join("scripts", "run_mqar.py")],
+# Tables with a driver of their own (in this package: their runs, or the evaluation of given models, and their
+# results files): table -> (module, leading arguments); its main(argv) gets them, then the arguments after --.
+DELEGATES = {
+    "5": ("scripts.tables.table5", []),           # Wan2.1 fine-tunes (commands, or --run) and the latency table
+    "6": ("scripts.tables.lm_tables", ["table6"]),  # lm-evaluation-harness on the trained 340M models
+    "8": ("scripts.tables.lm_tables", ["table8"]),  # LongBench on the same models
+    "mqar": ("scripts.tables.mqar", []),          # the MQAR grid (also scripts/run_mqar.py)
 }
-DELEGATE_MINI_COMMANDS = {  # the CPU proxy's own entry point where it differs from the full table's
-    "5": ["-m", "tasks.video_gen.table5_mini"],  # the video_mini model: softmax / linear / MHLA / hybrid
+DELEGATES_MINI = {  # the CPU proxy's own driver where it differs from the full table's
+    "5": ("scripts.tables.table5_mini", []),      # the video_mini model: softmax / linear / MHLA / hybrid
 }
+# What a delegate's --plot-only / --rewrite become (forwarded to its driver; others take neither).
+DELEGATE_REDRAW = {"5": "--plot-only", "mqar": "--plot-only"}
+
+
+def delegate_path(module: str) -> str:
+    """``scripts/tables/table5.py`` for ``scripts.tables.table5``."""
+    return module.replace(".", "/") + ".py"
+
+
 # Benchmarks across M (Table 14, Table 7b's throughput): DiT forward time with scripts/bench_models.py's timing.
 # Full scale on the GPU at the paper's size; mini on this CPU (Table 14 at 512 px instead of 1024 px).
 BENCH = {
@@ -86,6 +97,16 @@ BENCH = {
     "7b": {"model": "DiT-S/2", "cpe_gate": True, "full": (512, (4, 16, 64)), "mini": (512, (4, 16, 64)),
            "paper_key": "throughput (img/s)", "paper": {4: 435, 16: 435, 64: 408}},
 }
+
+
+# What the tables report: a metric's label in the results files and plots; PERCENT: stored as fractions, shown in %.
+LABELS = {"top1": "top-1", "ema_top1": "top-1 of the EMA", "top5": "top-5", "fid": "FID", "fid_cfg": "FID (cfg 1.5)", "is": "IS",
+          "inception_score": "IS", "inception_score_cfg": "IS (cfg 1.5)", "sfid": "sFID", "sfid_cfg": "sFID (cfg 1.5)",
+          "precision": "precision", "recall": "recall", "clip": "CLIP", "geneval": "GenEval",
+          "throughput": "throughput (img/s)", "loss": "held-out loss (proxy)", "mse": "eps-MSE",
+          "latency_s": "latency (s)", "lit_fid": "LiT FID (quoted)", "params_M": "params (M)",
+          "gflops": "GFLOPs (MACs)"}
+PERCENT = ("top1", "ema_top1", "top5")
 
 
 def table_spec(table: str) -> Table:
@@ -166,6 +187,13 @@ def table_cells(table: str) -> list[Cell]:
     return out
 
 
+def stem_path(spec: Table, args) -> str:
+    """``<results dir>/<table>[_mini]`` (``--results-dir``, default ``results/``): the .md and .json without
+    their extension."""
+    out_dir = getattr(args, "results_dir", None) or os.path.join(ROOT, "results")
+    return os.path.join(out_dir, spec.results_stem(args.scale))
+
+
 def cells(table: str) -> list[tuple[str, dict]]:
     """``[(cell, paper block)]`` of a table."""
     try:
@@ -190,8 +218,9 @@ def list_tables() -> str:
              "|---|---|---|---|---|---|---|"]
     for spec in TABLES.values():
         if spec.kind == "delegate":
-            where = " ".join(DELEGATE_COMMANDS[spec.id]) + (
-                f" (mini: {' '.join(DELEGATE_MINI_COMMANDS[spec.id])})" if spec.id in DELEGATE_MINI_COMMANDS else "")
+            module, lead = DELEGATES[spec.id]
+            where = " ".join([delegate_path(module), *lead]) + (
+                f" (mini: {delegate_path(DELEGATES_MINI[spec.id][0])})" if spec.id in DELEGATES_MINI else "")
         elif spec.kind == "bench":
             where = "scripts/bench_models.py timing"
         else:

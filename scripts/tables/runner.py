@@ -5,14 +5,15 @@ for image generation; or its CPU proxy), an evaluation-only cell's export of rel
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import time
 
-import eval_fid  # scripts/eval_fid.py: scripts/ is on sys.path
 import torch
 from omegaconf import OmegaConf
 
+from scripts import eval_fid
 from tasks.common.checkpoint import atomic_save
 from tasks.common.config import model_attention, run_settings, settings_tag
 from tasks.common.launch import run_training
@@ -153,7 +154,7 @@ def sample_fid(spec: Table, cell: Cell, run_dir: str, n: int, image_size: int, c
             "samples": folder}
 
 
-def delegate(cmd: list[str]) -> int:
-    """Run another entry point (the tables that have their own) in the repository root; its exit status."""
-    print("$", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT).returncode
+def delegate(module: str, argv: list[str]) -> int:
+    """Run a table's own driver (``registry.DELEGATES``): ``<module>.main(argv)`` in this process; its exit status."""
+    print(f"$ {registry.delegate_path(module)} {' '.join(argv)}".rstrip(), flush=True)
+    return int(importlib.import_module(module).main(argv) or 0)

@@ -1,6 +1,7 @@
-"""The results files: ``<results dir>/<table>[_mini].md`` with the paper's numbers beside ours (mean ± std
-with seeds), the command and the machine, ``.json`` with the rows and ``.png`` (:mod:`.figures`); the
-benchmark's table; reading saved rows back (:func:`previous_rows`, for ``--only``)."""
+"""The cell tables' results: ``<results dir>/<table>[_mini].md`` with the paper's numbers beside ours (mean ± std
+with seeds), the command and the machine, ``.json`` with the rows and ``.png`` (:mod:`.figures`), written through
+the one writer (:func:`.results.write_result`); the benchmark's table; reading saved rows back
+(:func:`previous_rows`, for ``--only``)."""
 
 from __future__ import annotations
 
@@ -9,33 +10,12 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tasks.common.fileio import atomic_write
 from tasks.common.utils import system_info
 
-from . import config, figures, registry
-from .registry import BENCH, ROOT, Cell, Table
+from . import config, figures, registry, results
+from .registry import BENCH, LABELS, PERCENT, Cell, Table
 
 
-def stem_path(spec: Table, args) -> str:
-    """``<results dir>/<table>[_mini]`` (``--results-dir``, default ``results/``): the .md and .json without
-    their extension."""
-    out_dir = getattr(args, "results_dir", None) or os.path.join(ROOT, "results")
-    return os.path.join(out_dir, spec.results_stem(args.scale))
-
-
-def write_text(path: str, text: str) -> None:
-    """Write a results file whole (:func:`tasks.common.fileio.atomic_write`): tables are rewritten after every
-    run, and a reader never sees half of one."""
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-
-LABELS = {"top1": "top-1", "ema_top1": "top-1 of the EMA", "top5": "top-5", "fid": "FID", "fid_cfg": "FID (cfg 1.5)", "is": "IS",
-          "inception_score": "IS", "inception_score_cfg": "IS (cfg 1.5)", "sfid": "sFID", "sfid_cfg": "sFID (cfg 1.5)",
-          "precision": "precision", "recall": "recall", "clip": "CLIP", "geneval": "GenEval",
-          "throughput": "throughput (img/s)", "loss": "held-out loss (proxy)", "mse": "eps-MSE",
-          "latency_s": "latency (s)", "lit_fid": "LiT FID (quoted)", "params_M": "params (M)",
-          "gflops": "GFLOPs (MACs)"}
-PERCENT = ("top1", "ema_top1", "top5")
 HEADLINE_CLASSIFICATION = (  # full-scale classification cells evaluate both (task=imagenet: trainer.ema.evaluate both)
     "Headline: `top-1` is the trained model's own accuracy, as DeiT reports it; `top-1 of the EMA` is its "
     "exponential moving average (decay 0.99996, DeiT's) on the same validation set. The paper does not say which "
@@ -159,19 +139,18 @@ def write_table(table: str, args, rows: list[tuple[Cell, dict]], bench: dict | N
         lines += bench_lines(spec.bench, bench) if "rows" in bench else [f"Benchmark failed: {bench.get('error')}"]
     saved = [{"cell": c.name, "paper": c.paper, "overrides": c.overrides, **r,
               **({"assumptions": config.cell_assumptions(c)} if config.cell_assumptions(c) else {})} for c, r in rows]
-    stem = stem_path(spec, args)
+    stem = registry.stem_path(spec, args)
     if figures.metric_key(saved, figures.OURS_ORDER, "metrics"):
         lines += ["", f"Plot: `{os.path.basename(stem)}.png` ({figures.plot_note(spec.id, mini)})."]
-    md = save_table(spec, args, lines, saved, bench, machine=machine, date=date)
-    figures.plot_table(spec.id, saved, stem + ".png", mini=mini)
-    return md
+    return save_table(spec, args, lines, saved, bench, machine=machine, date=date,
+                      plot=lambda png: figures.plot_table(spec.id, saved, png, mini=mini))
 
 
 def rewrite(spec: Table, args) -> int:
     """``--rewrite``: write ``<stem>.md`` (and its .json, .png) again from ``<stem>.json``, with the cells' current
     paper numbers and assumptions and the measured rows as they are (their command, machine and date kept: the
     machine from the .json, else from the .md's ``Machine:`` line); runs nothing."""
-    stem = stem_path(spec, args)
+    stem = registry.stem_path(spec, args)
     if not os.path.exists(stem + ".json"):
         print(f"--rewrite: {stem}.json does not exist (run the table first)")
         return 2
@@ -227,15 +206,16 @@ def settings_lines(rows: list[tuple[Cell, dict]]) -> list[str]:
 
 
 def save_table(spec: Table, args, lines: list[str], rows: list[dict], bench: dict | None = None,
-               machine: dict | None = None, date: str | None = None) -> str:
-    """Write ``<results dir>/<stem>.md`` (``lines``) and ``.json`` (the rows, the machine); return the .md path."""
-    stem = stem_path(spec, args)
-    write_text(stem + ".md", "\n".join(lines) + "\n")
-    write_text(stem + ".json", json.dumps(
-        {"table": spec.id, "scale": args.scale, "date": date or datetime.now(timezone.utc).isoformat(),
-         "argv": getattr(args, "argv", None), "seeds": getattr(args, "seeds", None),
-         **({"machine": machine} if machine else {}), "rows": rows,
-         **({"bench": bench} if bench else {})}, indent=2, default=str))
+               machine: dict | None = None, date: str | None = None, plot=None, measurement: dict | None = None) -> str:
+    """Write ``<results dir>/<stem>.md`` (``lines``), ``.json`` (the rows, the machine) and ``.png`` (``plot``)
+    through :func:`.results.write_result`; return the .md path. ``measurement``: a benchmark table's (refused when
+    busy unless ``--allow-busy``)."""
+    stem = registry.stem_path(spec, args)
+    record = {"table": spec.id, "scale": args.scale, "date": date or datetime.now(timezone.utc).isoformat(),
+              "argv": getattr(args, "argv", None), "seeds": getattr(args, "seeds", None),
+              **({"machine": machine} if machine else {}), "rows": rows, **({"bench": bench} if bench else {})}
+    results.write_result(stem, "\n".join(lines) + "\n", record, plot, measurement=measurement,
+                         allow_busy=getattr(args, "allow_busy", False), indent=2, default=str)
     return stem + ".md"
 
 
@@ -249,7 +229,9 @@ def write_bench_table(spec: Table, args, bench: dict) -> str:
                   f"{BENCH[spec.bench]['mini'][0]} px instead of {BENCH[spec.bench]['full'][0]} px, batch 1, fp32, "
                   f"on a shared CPU: compare the trend across M, not the times.", ""]
     lines += bench_lines(spec.bench, bench) if "rows" in bench else [f"Benchmark failed: {bench.get('error')}"]
-    return save_table(spec, args, lines, [], bench)
+    measurement = bench.get("measurement")
+    return save_table(spec, args, lines, [], {k: v for k, v in bench.items() if k != "measurement"},
+                      measurement=measurement)
 
 
 def bench_lines(table: str, bench: dict) -> list[str]:
@@ -266,12 +248,15 @@ def bench_lines(table: str, bench: dict) -> list[str]:
         lines.append(f"| {r['M']} | {'x'.join(map(str, r['blocks']))} | {r['tokens_per_block']} | "
                      f"{'yes' if r['M'] ** 2 <= r['n_tokens'] else 'no'} | {b['paper'].get(r['M'], '')} | "
                      f"{r['ms']:.1f} [{r['p25_ms']:.1f}-{r['p75_ms']:.1f}] | {r['images_per_s']:.2f} |")
-    return lines + ["", f"Timing: {bench['time_method']}"]
+    m = bench.get("measurement") or {}
+    return lines + ["", f"Timing: {bench['time_method']}"] + (
+        ["", results.busy_note(m)] if m.get("busy") else
+        ["", f"Load: {results.load_summary(m)} (idle by the rule of `tasks.common.records.is_busy`)."] if m else [])
 
 
 def previous_rows(spec: Table, args) -> dict:
     """The saved rows of this table (kept for the cells that ``--only`` / ``--bench-only`` do not rerun)."""
-    path = stem_path(spec, args) + ".json"
+    path = registry.stem_path(spec, args) + ".json"
     if not os.path.exists(path):
         return {}
     with open(path) as f:

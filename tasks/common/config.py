@@ -18,8 +18,14 @@ from pathlib import Path
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from mhla.registry import accepted_options, check_attention, get_attention_class, resolve_attention
-from models.attention import attention_contract
+from mhla.registry import (
+    accepted_options,
+    check_attention,
+    get_attention_class,
+    probe_layers,
+    resolve_attention,
+)
+from models.attention import attention_contract, cross_attention_contract
 from models.lm.configuration_mhla_lm import LEGACY_ATTENTION_FIELDS
 
 
@@ -39,6 +45,58 @@ def model_attention(cfg) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return options
+
+
+def model_cross_attention(cfg) -> dict:
+    """The cross-attention this run builds: ``cfg.attn_cross`` (``native`` when the config has none, e.g. one
+    stored before the group existed) resolved against the model's cross-attention contract
+    (:func:`models.attention.cross_attention_contract`). ``native`` keeps the model's own cross-attention
+    (softmax in Wan and SANA); a model without a cross-attention takes only ``native``. Raises
+    :class:`ConfigError` as :func:`model_attention` does (docs/cross_attention.md)."""
+    given = cfg.get("attn_cross") if hasattr(cfg, "get") else None
+    try:
+        contract = cross_attention_contract(cfg.model)
+        options = resolve_attention(given if given is not None else "native", contract, key="attn_cross")
+        check_attention(options, contract, key="attn_cross")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return options
+
+
+AUTO_OPTIONS = ("num_blocks", "block_size")  # MHLA's options that take "auto" (from the token grid / context)
+
+
+def attention_line(cfg, options: dict) -> str:
+    """The ``attention: name=mhla num_blocks=... ...`` line that train.py prints for the resolved ``options``
+    (:func:`model_attention`). An option set to ``auto`` (MHLA's ``num_blocks`` on a grid, ``block_size`` in a
+    language model) shows what it resolves to in the model's layers (the start-of-run probes), e.g.
+    ``num_blocks=auto(M=16: 4x4 blocks of 4x4 tokens on the 16x16 grid)``."""
+    auto = [k for k in AUTO_OPTIONS if options.get(k) == "auto"]
+    resolved = []
+    if auto:
+        try:
+            layers = probe_layers(options, attention_contract(cfg.model))
+        except ValueError:
+            layers = []
+        resolved = list(dict.fromkeys(auto_resolution(layer.settings()) for layer in layers))
+    parts = []
+    for k, v in options.items():
+        if k in auto:
+            v = f"auto({'; '.join(resolved) or 'per layer at build, from its token grid'})"
+        parts.append(f"{k}={v}")
+    return "attention: " + " ".join(parts)
+
+
+def auto_resolution(settings: dict) -> str:
+    """What ``auto`` resolved to in a built MHLA layer, from its ``settings()``."""
+    if settings.get("causal"):
+        return f"block_size={settings['block_size']}, {settings['num_blocks']} learned blocks"
+    grid, blocks, block = settings.get("grid"), settings.get("blocks"), settings.get("block")
+    text = f"M={settings['num_blocks']}"
+    if blocks is not None and block is not None and grid is not None:
+        text += (f": {'x'.join(map(str, blocks))} blocks of {'x'.join(map(str, block))} tokens on the "
+                 f"{'x'.join(map(str, grid))} grid")
+    return text
 
 
 # The one mapping of configs written before the attention schema (``attn.*`` for every model): the language models
@@ -227,6 +285,12 @@ def run_settings(cfg) -> dict:
         attn += f"-hw{a['head_width']}"
     if name in ("linear", "mhla") and "normalize" in a and a.get("normalize") is not True:
         attn += "-nonorm" if a["normalize"] is False else f"-norm{a['normalize']}"
+    try:
+        cross = model_cross_attention(cfg)
+    except ConfigError:
+        cross = {"name": str((cfg.get("attn_cross") or {}).get("name", "native"))}
+    if cross["name"] != "native":  # the default (the model's own cross-attention) adds nothing to the tag
+        attn += f"+x{cross['name'].removesuffix('_cross')}"
     blocks = None
     if name == "mhla":
         if a.get("blocks"):
@@ -298,6 +362,10 @@ def check_trainer(cfg) -> None:
     workers = tcfg.get("num_workers", 0)
     if not (_is_int(workers) and workers >= 0):
         raise ConfigError(f"trainer.num_workers must be an integer >= 0, got {workers!r}")
+    strategy = tcfg.get("strategy", "ddp")
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"trainer.strategy must be ddp or fsdp (how torchrun's processes share the model; "
+                          f"docs/training.md), got {strategy!r}")
 
 
 def validate_config(cfg) -> None:
@@ -308,6 +376,7 @@ def validate_config(cfg) -> None:
     check_data(cfg)
     check_trainer(cfg)
     model_attention(cfg)
+    model_cross_attention(cfg)
 
 
 def apply_overrides(cfg, overrides: list[str]) -> None:
@@ -331,21 +400,70 @@ def apply_overrides(cfg, overrides: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------ hydra.run.dir resolvers
+#: under torchrun: the (start time, launcher id) that the ranks agreed on, per launch
+_AGREED: dict[tuple, tuple[float, str]] = {}
+_STORE_TIMEOUT_S = 1800  # the ranks of one launch may start their Python minutes apart (cold nodes)
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _agreed_launch() -> tuple[float, str] | None:
+    """Under ``torchrun`` (its elastic agents' store at ``MASTER_ADDR:MASTER_PORT``): the start time and the
+    id of the launcher (the elastic agent's pid) of the first rank of this launch to ask, the same for every
+    rank on every node; None where there is no such store (another launcher). A key in that store, set once
+    per launch."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        return None
+    key = (env["MASTER_ADDR"], env["MASTER_PORT"], env.get("TORCHELASTIC_RUN_ID"))
+    if key not in _AGREED:
+        import datetime  # noqa: PLC0415
+        import time  # noqa: PLC0415
+
+        import torch.distributed as dist  # noqa: PLC0415
+
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+        mine = f"{time.time()!r} {os.getppid()}"
+        agreed = store.compare_set("mhla/run_dir/launch", "", mine).decode()  # the first rank's value wins
+        start, launcher = agreed.split()
+        _AGREED[key] = (float(start), launcher)
+    return _AGREED[key]
+
+
 def launch_id() -> str:
-    """An id shared by the processes of one launch: this process's pid, or under ``torchrun`` the pid of the
-    elastic agent (the common parent of the ranks). Part of the default run folder, so that two runs started in
-    the same second get different folders while the ranks of one run share theirs."""
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    return str(os.getppid() if under_torchrun else os.getpid())
+    """An id shared by the processes of one launch: this process's pid; under ``torchrun`` the pid of the
+    elastic agent (the common parent of a node's ranks) of the launch's first rank, agreed through torchrun's
+    store so that the ranks on every node share it (else this node's agent). Part of the default run folder,
+    so that two runs started in the same second get different folders while the ranks of one run share
+    theirs."""
+    if not _under_torchrun():
+        return str(os.getpid())
+    agreed = _agreed_launch()
+    return agreed[1] if agreed is not None else str(os.getppid())
+
+
+def launch_time(fmt: str = "%Y-%m-%d_%H-%M-%S") -> str:
+    """The start time of this launch, formatted (``strftime``): now; under ``torchrun`` the time its first
+    rank asked, agreed as :func:`launch_id` is, so that ranks that resolve the run folder a second apart (or
+    on nodes started apart) name the same folder."""
+    import datetime  # noqa: PLC0415
+
+    agreed = _agreed_launch() if _under_torchrun() else None
+    when = datetime.datetime.fromtimestamp(agreed[0]) if agreed is not None else datetime.datetime.now()
+    return when.strftime(fmt)
 
 
 def resume_run_dir(resume, default: str) -> str:
     """The run folder of ``trainer.resume`` when it names another run (its folder, its ``checkpoints/`` folder
-    or a checkpoint file in it), so that a resumed run goes on writing there; else ``default``."""
+    or a checkpoint in it: a file or an FSDP run's DCP folder), so that a resumed run goes on writing there;
+    else ``default``."""
     if resume is None or isinstance(resume, bool) or str(resume) in ("", "auto", "last"):
         return default
     path = Path(str(resume))
-    if path.is_file():
+    if path.is_file() or (path / ".metadata").is_file():
         path = path.parent
     if path.name == "checkpoints":
         path = path.parent
@@ -353,7 +471,8 @@ def resume_run_dir(resume, default: str) -> str:
 
 
 def register_resolvers() -> None:
-    """Register ``${launch_id:}`` and ``${resume_run_dir:...}`` (used by ``hydra.run.dir`` in
-    ``configs/train.yaml``) with OmegaConf; call before Hydra composes the config."""
+    """Register ``${launch_time:FORMAT}``, ``${launch_id:}`` and ``${resume_run_dir:...}`` (used by
+    ``hydra.run.dir`` in ``configs/train.yaml``) with OmegaConf; call before Hydra composes the config."""
+    OmegaConf.register_new_resolver("launch_time", launch_time, replace=True)
     OmegaConf.register_new_resolver("launch_id", launch_id, replace=True)
     OmegaConf.register_new_resolver("resume_run_dir", resume_run_dir, replace=True)

@@ -6,6 +6,11 @@ before and after, the wall time, the final metrics, and the *resolved* config (e
 that a recorded condition can be rerun exactly under later defaults (``python train.py --config-dir
 <folder holding config.yaml> --config-name config``, or by comparing the fields). :func:`read_run_record` is how the
 table drivers (:mod:`tasks.common.launch`) pick it up.
+
+A benchmark (a measurement of time, not a training run) records the same things around its timing with
+:class:`Measurement`: the commit, the 1-minute load average before and after, and whether the machine was busy
+(:func:`is_busy`, the rule in :data:`BUSY_RULE`); the results writer (``tasks/common/results.py``) refuses to
+write a busy measurement unless told to, and then marks it BUSY.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -62,3 +68,93 @@ def read_run_record(run_dir: str | os.PathLike) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------ measurements
+BUSY_FRACTION = 0.5
+MIN_WATCH_S = 1.0  # other processes' CPU share is read only over at least this long (/proc/stat counts ticks)
+BUSY_RULE = ("busy: the 1-minute load average before the measurement is above half the CPU cores (other work was "
+             "running), or after it is above the measurement's own threads plus half the cores (other work started "
+             "during it), or (where watched) other processes used more than half the CPUs' time during it; "
+             "the "
+             "load average lags by about a minute, so start a benchmark a minute after the last job")
+
+
+def busy_cpu_s() -> float | None:
+    """System-wide busy CPU seconds since boot from ``/proc/stat`` (Linux), or None where not available."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (a benchmark that times in subprocesses)."""
+    import resource  # noqa: PLC0415  (POSIX)
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def is_busy(load_before, load_after, cpu_count: int | None, threads: int = 1,
+            other_cpu_frac: float | None = None) -> bool | None:
+    """Whether a measurement ran on a busy machine (:data:`BUSY_RULE`), from the 1-minute load averages before and
+    after it (``[1 min, 5 min, 15 min]`` lists or numbers), the machine's ``cpu_count``, the measurement's own
+    ``threads`` (what it adds to the load itself) and, where watched, the share of all CPUs' time other
+    processes used during it (``other_cpu_frac``). None when the OS reports no load average."""
+    if load_before is None or load_after is None or not cpu_count:
+        return None
+    first = (lambda x: float(x[0]) if isinstance(x, (list, tuple)) else float(x))
+    slack = BUSY_FRACTION * cpu_count
+    return (first(load_before) > slack or first(load_after) > min(threads, cpu_count) + slack
+            or (other_cpu_frac is not None and other_cpu_frac > BUSY_FRACTION))
+
+
+class Measurement:
+    """The record of a benchmark's conditions, taken around the timing::
+
+        with Measurement(threads=torch.get_num_threads()) as m:
+            rows = run_the_benchmark()
+        write_result(stem, md, {..., "rows": rows}, plot, measurement=m.record, allow_busy=args.allow_busy)
+
+    ``m.record``: ``commit``, ``dirty`` (:func:`code_version`), ``load_before``, ``load_after`` (1 / 5 / 15-minute
+    load averages), ``cpu_count``, ``threads`` (the measurement's own: ``threads`` for a CPU benchmark, 1 for a
+    GPU one), ``seconds``, ``other_cpu_frac`` (the share of all CPUs' time that other processes used during
+    it, from ``/proc/stat`` less this process and its children; None where not available or under
+    :data:`MIN_WATCH_S`), ``busy`` (:func:`is_busy`;
+    ``other_cpu_frac`` counts when ``watch_other_cpu``, the default: a CPU benchmark) and ``busy_rule``
+    (:data:`BUSY_RULE`)."""
+
+    def __init__(self, threads: int = 1, watch_other_cpu: bool = True):
+        self.threads = max(1, int(threads or 1))
+        self.watch_other_cpu = watch_other_cpu
+        self.record: dict = {}
+
+    def __enter__(self) -> Measurement:
+        self.record = {**code_version(), "load_before": load_average(), "load_after": None,
+                       "cpu_count": os.cpu_count(), "threads": self.threads}
+        self._t0, self._cpu0 = time.time(), (busy_cpu_s(), own_cpu_s())
+        return self
+
+    def busy_at_start(self) -> bool:
+        """The load before the measurement alone says busy (a benchmark may refuse to start)."""
+        r = self.record
+        return bool(r["load_before"] and r["cpu_count"]
+                    and float(r["load_before"][0]) > BUSY_FRACTION * r["cpu_count"])
+
+    def __exit__(self, *exc) -> bool:
+        r = self.record
+        r["load_after"] = load_average()
+        wall = time.time() - self._t0
+        r["seconds"] = round(wall, 1)
+        (busy0, own0), busy1, own1 = self._cpu0, busy_cpu_s(), own_cpu_s()
+        watched = None not in (busy0, busy1) and wall >= MIN_WATCH_S and r["cpu_count"]
+        r["other_cpu_frac"] = (round(max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall * r["cpu_count"]), 3)
+                               if watched else None)
+        r["busy"] = is_busy(r["load_before"], r["load_after"], r["cpu_count"], self.threads,
+                            r["other_cpu_frac"] if self.watch_other_cpu else None)
+        r["busy_rule"] = BUSY_RULE
+        return False

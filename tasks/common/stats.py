@@ -26,7 +26,7 @@ def t_interval(xs: list[float], level: float = 0.95) -> tuple[float, float] | No
         return None
     m, s = mean_std(xs)
     half = _stats.t.ppf(0.5 + level / 2, n - 1) * s / math.sqrt(n)
-    return m - half, m + half
+    return float(m - half), float(m + half)
 
 
 def paired_difference(a: dict, b: dict, level: float = 0.95) -> dict:
@@ -39,7 +39,7 @@ def paired_difference(a: dict, b: dict, level: float = 0.95) -> dict:
     m, s = mean_std(diffs)
     ci = t_interval(diffs, level)
     return {"seeds": seeds, "diffs": diffs, "mean": m, "std": s, "n": len(diffs), "ci95": ci,
-            "excludes_zero": ci is not None and (ci[0] > 0 or ci[1] < 0)}
+            "excludes_zero": bool(ci is not None and (ci[0] > 0 or ci[1] < 0))}
 
 
 def pooled_std(a: list[float], b: list[float]) -> float:

@@ -1,20 +1,21 @@
 """The training loop every task uses.
 
 A task supplies a :class:`Task` (model, datasets, loss, evaluation); :class:`Trainer` does the rest:
-devices and ``torchrun`` (DDP, or FSDP with ``trainer.strategy=fsdp``), seeds, AdamW with a cosine
-schedule and warmup, gradient clipping, mixed precision (bf16 autocast on GPU), EMA, the modules' training
-hooks (:mod:`tasks.common.hooks`: optimizer groups, a call after each optimizer step, matrices to log), progress
-bars, periodic evaluation, atomic checkpoints (``last.pt``
-and ``best.pt``) with exact resume, and logging (stdout, ``train.log``, ``metrics.jsonl``, W&B offline by
-default).
+devices and ``torchrun`` on one node or several (DDP, or FSDP2 with ``trainer.strategy=fsdp``:
+:mod:`tasks.common.fsdp`), seeds, AdamW with a cosine schedule and warmup, gradient clipping, mixed precision
+(bf16 autocast on GPU), EMA, the modules' training hooks (:mod:`tasks.common.hooks`: optimizer groups, a call
+after each optimizer step, matrices to log), progress bars, periodic evaluation, atomic checkpoints
+(``last.pt`` and ``best.pt``; under FSDP the DCP folders ``last.dcp`` and ``best.dcp``, which every reader
+of a checkpoint reads as the same dict) with exact resume, and logging (stdout, ``train.log``,
+``metrics.jsonl``, W&B offline by default).
 
 Exact resume: the checkpoint holds the model, optimizer, scheduler, EMA, RNG states and the step; the data
 order is a function of ``(seed, epoch)`` (:class:`~tasks.common.data.ResumableSampler`), each ``DataLoader`` has
 its own generator seeded from ``(seed, epoch)`` (so making an iterator does not consume the global RNG that
 drop-path uses), and a resumed run skips the batches of the current epoch it already consumed. A resumed run
 therefore ends with the same parameters, and logs the same losses, as an uninterrupted one (tested, with
-drop-path). ``trainer.resume``: ``auto`` (this run folder's ``last.pt`` if there is one), ``last`` (it must be
-there), or a run folder / checkpoint path.
+drop-path). ``trainer.resume``: ``auto`` (this run folder's ``last.pt`` / ``last.dcp`` if there is one),
+``last`` (it must be there), or a run folder / checkpoint path.
 
 Logging: each record goes with the same keys to ``metrics.jsonl``, W&B and the text lines
 (:mod:`tasks.common.logger`); with W&B, a heatmap of every matrix the modules log at each evaluation (MHLA's
@@ -50,7 +51,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from .checkpoint import CheckpointManager, find_checkpoint, load_run_checkpoint
+from .checkpoint import (
+    TRAINER_STATE,
+    CheckpointManager,
+    find_checkpoint,
+    is_sharded_checkpoint,
+    latest_checkpoint,
+    load_run_checkpoint,
+)
 from .config import ConfigError, check_trainer
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
@@ -69,6 +77,13 @@ from .utils import (
     set_rng_state,
     system_info,
 )
+
+
+def _fsdp_module():
+    """:mod:`tasks.common.fsdp`, imported when a run uses FSDP (torch's FSDP and DCP take ~1 s to import)."""
+    from . import fsdp  # noqa: PLC0415
+
+    return fsdp
 
 
 class Task:
@@ -113,7 +128,11 @@ class Task:
 
     def after_fit(self, trainer: "Trainer", metrics: dict) -> dict:
         """Hook for task-specific end-of-run work (sample grids, ...). Returns extra metrics, and
-        :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``."""
+        :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``.
+
+        Every rank calls it. Under FSDP the weights of ``trainer.model`` and ``trainer.ema.module`` are whole
+        for its duration (:func:`tasks.common.fsdp.gathered`), so rank 0 may sample alone; a transformers
+        ``generate`` there needs ``synced_gpus=False`` (it would wait for the other ranks at each token)."""
         return {}
 
 
@@ -305,6 +324,16 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = tf32
 
     # ------------------------------------------------------------------------------------ set-up
+    @property
+    def _fsdp(self) -> bool:
+        """FSDP2 shards this run: ``trainer.strategy=fsdp`` with more than one process."""
+        return self.dist.enabled and self.tcfg.get("strategy", "ddp") == "fsdp"
+
+    def _gathered(self, *modules: nn.Module | None):
+        """Under FSDP, the whole weights of ``modules`` for the block (:func:`tasks.common.fsdp.gathered`);
+        else nothing."""
+        return _fsdp_module().gathered(*modules) if self._fsdp else contextlib.nullcontext()
+
     def _print(self, *args) -> None:
         """Print on the main process, and write the line to ``train.log``."""
         if self.dist.is_main:
@@ -312,26 +341,28 @@ class Trainer:
             print(msg, flush=True)
             run_log().info(msg)
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        strategy = self.tcfg.get("strategy", "ddp")
+    def _wrap(self, model: nn.Module, ema: ModelEMA | None) -> nn.Module:
+        """The model the training step runs: ``model`` itself with one process; under ``torchrun``, DDP around
+        it (``trainer.strategy=ddp``) or ``model`` sharded in place with FSDP2 (``fsdp``; the EMA's copy is
+        sharded the same way, so each rank averages its own shard: :mod:`tasks.common.fsdp`)."""
         if not self.dist.enabled:
             return model
-        if strategy == "ddp":
+        d = self.dist
+        nodes = d.world_size // max(d.local_world_size, 1)
+        self._print(f"torchrun: {d.world_size} processes on {nodes} node{'s' * (nodes != 1)} "
+                    f"({d.local_world_size} per node), trainer.strategy={self.tcfg.get('strategy', 'ddp')}")
+        if self.tcfg.get("strategy", "ddp") == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
             return DDP(model, device_ids=ids)
-        if strategy == "fsdp":
-            # torch.distributed.fsdp takes ~0.7 s to import: only when FSDP is used
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
-
-            if self.device.type != "cuda":
-                raise ValueError("trainer.strategy=fsdp needs CUDA GPUs; use trainer.strategy=ddp on CPU")
-            if self.tcfg.get("ema", {}).get("enabled", False):
-                raise ValueError("trainer.strategy=fsdp does not support EMA yet; set trainer.ema.enabled=false "
-                                 "or use trainer.strategy=ddp")
-
-            return FSDP(model, device_id=self.device if self.device.type == "cuda" else None,
-                        use_orig_params=True)
-        raise ValueError(f"trainer.strategy must be ddp or fsdp, got {strategy!r}")
+        fsdp = _fsdp_module()
+        mesh = fsdp.device_mesh(self.device, self.dist.world_size)
+        sharded = fsdp.shard_model(model, mesh, self.precision)
+        if ema is not None:
+            fsdp.shard_model(ema.module, mesh, self.precision)
+        self._print(f"FSDP2 over {self.dist.world_size} processes: sharded {sharded}"
+                    + ("" if self.precision == "fp32"
+                       else f"; {self.precision} parameters, fp32 gradient reduction"))
+        return model
 
     def _loader(self, dataset, sampler, batch_size: int, generator: torch.Generator) -> DataLoader:
         """A loader with its own ``generator``; its workers stay alive across epochs and evaluations and leave
@@ -389,33 +420,44 @@ class Trainer:
         resume = self.tcfg.get("resume")
         if resume is None or resume is False or resume == "":
             return None
-        own = self.run_dir / "checkpoints" / "last.pt"
+        own = latest_checkpoint(self.run_dir / "checkpoints")  # last.pt, or last.dcp (FSDP)
         if resume == "auto":
-            if own.exists():
+            if own is not None:
                 return own
-            self._print(f"resume=auto: no checkpoint at {own}, starting fresh (to continue a run in another "
-                        f"folder, pass trainer.resume=<its run folder>)")
+            self._print(f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}, starting fresh (to "
+                        f"continue a run in another folder, pass trainer.resume=<its run folder>)")
             return None
         if resume is True or resume == "last":
-            if not own.exists():
+            if own is None:
                 raise FileNotFoundError(
-                    f"trainer.resume={resume}: no checkpoint at {own}. Pass trainer.resume=<run folder or "
-                    f"checkpoint> to continue another run, or trainer.resume=auto to start fresh when there is "
-                    f"none")
+                    f"trainer.resume={resume}: no checkpoint (last.pt / last.dcp) in "
+                    f"{self.run_dir / 'checkpoints'}. Pass trainer.resume=<run folder or checkpoint> to "
+                    f"continue another run, or trainer.resume=auto to start fresh when there is none")
             return own
         return find_checkpoint(resume)
 
     def _load_resume(self, model: nn.Module, ckpt: CheckpointManager, facts: dict) -> dict | None:
         """Load the weights of the checkpoint to resume into ``model`` (before wrapping, so full weights load
-        into the plain model) and return its state; warn about settings that changed; None to start fresh."""
+        into the plain model) and return its state; warn about settings that changed; None to start fresh. An
+        FSDP run resuming from a DCP folder reads only its ``trainer.pt`` here (the state's ``sharded_from``):
+        the tensors load after sharding (:meth:`_restore`)."""
         path = self._resume_path()
         if path is None:
-            if ckpt.last_path.exists():
-                self._print(f"WARNING: {ckpt.last_path} is left from an earlier run in this folder; this fresh run "
+            if (left := latest_checkpoint(ckpt.dir)) is not None:
+                self._print(f"WARNING: {left} is left from an earlier run in this folder; this fresh run "
                             f"overwrites it (trainer.resume=auto would continue it)")
             return None
-        state = load_run_checkpoint(path, map_location=self.device, require=("optimizer", "scheduler", "rng"))
-        model.load_state_dict(state["model"])
+        if self._fsdp and is_sharded_checkpoint(path):
+            state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+            state["sharded_from"] = path
+        elif self._fsdp:  # every rank maps the file; the weights go to the model before it is sharded
+            state = load_run_checkpoint(path, map_location="cpu", require=("optimizer", "scheduler", "rng"),
+                                        mmap=True)
+        else:
+            state = load_run_checkpoint(path, map_location=self.device,
+                                        require=("optimizer", "scheduler", "rng"))
+        if "sharded_from" not in state:
+            model.load_state_dict(state["model"])
         step, total = int(state["step"]), facts["total_steps"]
         self._print(f"resumed from {path} at step {step}")
         for warning in resume_mismatches(state, facts):
@@ -432,15 +474,16 @@ class Trainer:
 
     def _restore(self, state: dict, run: _Run) -> None:
         """Optimizer, scheduler, EMA, scaler, RNG and best metric from a checkpoint's ``state``."""
-        optim_state = state["optimizer"]
-        if type(run.wrapped).__name__ == "FullyShardedDataParallel":
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
-
-            optim_state = FSDP.optim_state_dict_to_load(run.wrapped, run.optimizer, optim_state)
-        run.optimizer.load_state_dict(optim_state)
-        run.scheduler.load_state_dict(state["scheduler"])
-        if run.ema is not None and state.get("ema") is not None:
-            run.ema.load_state_dict(state["ema"])
+        if "sharded_from" in state:  # FSDP from a DCP folder: each rank loads its shards
+            _fsdp_module().load_sharded(state["sharded_from"], run.model, run.optimizer,
+                              run.ema.module if run.ema is not None else None)
+            if run.ema is not None and state.get("ema_num_updates") is not None:
+                run.ema.num_updates.copy_(state["ema_num_updates"])
+        elif self._fsdp:  # FSDP from a .pt: the weights were loaded before sharding
+            _fsdp_module().load_optimizer_state(run.model, run.optimizer, state["optimizer"], self.dist.rank)
+        else:
+            run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])  # (a .pt's EMA was loaded before sharding: _setup)
         if state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)]
@@ -498,7 +541,7 @@ class Trainer:
                  "lr": float(cfg.optim.lr), "seed": seed}
 
         ckpt = CheckpointManager(self.run_dir / "checkpoints", monitor=self.task.monitor,
-                                 mode=self.task.monitor_mode)
+                                 mode=self.task.monitor_mode, sharded=self._fsdp)
         if self.dist.is_main and (stale := ckpt.remove_stale_temp_files()):
             self._print(f"removed {len(stale)} temp file(s) left by an interrupted checkpoint save in {ckpt.dir}")
         state = self._load_resume(model, ckpt, facts)
@@ -506,11 +549,19 @@ class Trainer:
         ema = None
         if tcfg.get("ema", {}).get("enabled", False):
             ema = ModelEMA(model, decay=tcfg.ema.decay, warmup=tcfg.ema.get("warmup", True))
-        wrapped = self._wrap(model)
+            if state is not None and state.get("ema") is not None:  # whole weights, before FSDP shards them
+                ema.load_state_dict(state["ema"])
+        wrapped = self._wrap(model, ema)
         self._wrapped = wrapped
         optimizer = build_optimizer(wrapped, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.sched, total, sampler.batches_per_epoch)
-        scaler = torch.amp.GradScaler(enabled=self.precision == "fp16" and self.device.type == "cuda")
+        fp16_cuda = self.precision == "fp16" and self.device.type == "cuda"
+        if self._fsdp:  # found-inf agreed by all ranks (each sees its shard of the gradients)
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415
+
+            scaler = ShardedGradScaler(enabled=fp16_cuda)
+        else:
+            scaler = torch.amp.GradScaler(enabled=fp16_cuda)
 
         if self._workers_note:
             self._print(self._workers_note)
@@ -562,7 +613,8 @@ class Trainer:
         if run.step == start_step and run.eval_loader is not None:  # resumed at the end of the schedule
             metrics = self._evaluate(run)
         elapsed = time.time() - t0
-        extra, media = split_media(self.task.after_fit(self, dict(metrics)) or {})
+        with self._gathered(run.model, run.ema.module if run.ema is not None else None):  # FSDP: whole weights
+            extra, media = split_media(self.task.after_fit(self, dict(metrics)) or {})
         metrics = {**metrics, **extra}
         if self.dist.is_main:
             run.logger.log_media({f"final/{k}": m for k, m in media.items()}, run.step)
@@ -621,6 +673,8 @@ class Trainer:
         if clip:
             run.scaler.unscale_(run.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(run.wrapped.parameters(), float(clip))
+            if self._fsdp:  # a DTensor (the gradients are sharded): its value, all shards' norm
+                grad_norm = _fsdp_module().full_tensor(grad_norm)
         run.scaler.step(run.optimizer)
         run.scaler.update()
         run.scheduler.step()
@@ -697,52 +751,54 @@ class Trainer:
     def _evaluate_weights(self, run: _Run, target: nn.Module, log_media: bool = True) -> dict:
         target.eval()
         run.eval_loader.generator.manual_seed(loader_seed(run.seed, 0))  # the same for every evaluation
-        with _precision_context(self.precision, self.device):
-            loader = ProgressLoader(run.eval_loader, f"eval @ step {run.step}",
-                                    enabled=self.dist.is_main and self.tcfg.get("progress_bar", True))
-            metrics, media = split_media(self.task.evaluate(target, loader, self.device, self.dist))
-        if log_media and run.logger is not None and run.logger.logs_media:
-            media = {**{f"eval/{k}": m for k, m in media.items()}, **matrix_heatmaps(target, run.step)}
-            run.logger.log_media(media, run.step)
+        # FSDP: whole weights for the evaluation (ranks may get different numbers of batches) and the heatmaps
+        with self._gathered(target):
+            with _precision_context(self.precision, self.device):
+                loader = ProgressLoader(run.eval_loader, f"eval @ step {run.step}",
+                                        enabled=self.dist.is_main and self.tcfg.get("progress_bar", True))
+                metrics, media = split_media(self.task.evaluate(target, loader, self.device, self.dist))
+            if log_media and run.logger is not None and run.logger.logs_media:
+                media = {**{f"eval/{k}": m for k, m in media.items()}, **matrix_heatmaps(target, run.step)}
+                run.logger.log_media(media, run.step)
         return metrics
 
     def _save(self, run: _Run, metrics: dict | None) -> None:
-        """Write ``last.pt`` (and ``best.pt`` when ``metrics`` improved) from the main process."""
+        """Write ``last.pt`` (and ``best.pt`` when ``metrics`` improved) from the main process; under FSDP
+        ``last.dcp`` (``best.dcp``) from every rank, each writing its shards."""
         rngs = rng_state()
         if self.dist.enabled:
             gathered = [None] * self.dist.world_size
             dist.all_gather_object(gathered, rngs)
             rngs = gathered
-        model_state, optim_state = self._full_state(run.model, run.optimizer)
         run.saved_step = run.step
+        if self._fsdp:
+            ema = run.ema.module if run.ema is not None else None
+            tensors = _fsdp_module().sharded_state(run.model, run.optimizer, ema)
+            ema_updates = run.ema.num_updates.detach().cpu().clone() if run.ema is not None else None
+            state = {**self._trainer_state(run, rngs), "ema_num_updates": ema_updates}
+            run.ckpt.save_sharded(tensors, state, metrics, run.step, self.dist.is_main)
+            return
         if not self.dist.is_main:
             return
         state = {
-            "model": model_state,
-            "optimizer": optim_state,
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "ema": run.ema.state_dict() if run.ema is not None else None,
+            **self._trainer_state(run, rngs),
+        }
+        run.ckpt.save(state, metrics)
+
+    def _trainer_state(self, run: _Run, rngs) -> dict:
+        """What a checkpoint holds besides the model, optimizer and EMA weights."""
+        return {
             "scheduler": run.scheduler.state_dict(),
             "scaler": run.scaler.state_dict(),
-            "ema": run.ema.state_dict() if run.ema is not None else None,
             "step": run.step,
             "rng": rngs,
             "config": self.cfg_container(),
             "run": {k: run.facts[k] for k in _RESUME_FACTS},
             "wandb_run_id": run.logger.run_id if run.logger is not None else None,
         }
-        run.ckpt.save(state, metrics)
-
-    def _full_state(self, model, optimizer):
-        """Model and optimizer state dicts, gathered to full tensors on rank 0 under FSDP."""
-        wrapped = getattr(self, "_wrapped", None)
-        if wrapped is None or type(wrapped).__name__ != "FullyShardedDataParallel":
-            return model.state_dict(), optimizer.state_dict()
-        # torch.distributed.fsdp takes ~0.7 s to import: only when FSDP is used
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType  # noqa: PLC0415
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415
-
-        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
-        with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, cfg):
-            return wrapped.state_dict(), FSDP.optim_state_dict(wrapped, optimizer)
 
     def cfg_container(self):
         return OmegaConf.to_container(self.cfg, resolve=True) if OmegaConf.is_config(self.cfg) else self.cfg

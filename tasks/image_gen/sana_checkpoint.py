@@ -9,9 +9,9 @@ import os
 
 from omegaconf import OmegaConf
 
-from models.sana import sana_config, swap_attention
+from models.sana import sana_config, swap_attention, swap_cross
 from tasks.common.checkpoint import find_checkpoint, load_checkpoint, model_weights, run_config
-from tasks.common.config import model_attention
+from tasks.common.config import model_attention, model_cross_attention
 
 
 def transformer_config(model_cfg) -> dict:
@@ -45,6 +45,7 @@ def load_sana_checkpoint(ckpt: str, weights: str = "ema", device="cpu", which: s
     cfg = run_config(state)
     model = SanaTransformer2DModel(**transformer_config(OmegaConf.to_container(cfg.model, resolve=True)))
     swap_attention(model, model_attention(cfg))
+    swap_cross(model, model_cross_attention(cfg))
     model.load_state_dict(model_weights(state, weights))
     for p in model.parameters():
         p.requires_grad_(False)

@@ -35,7 +35,7 @@ by ``save_pretrained`` (config + weights + tokenizer); ``tokenizer=PATH`` overri
 Stock tasks read their Hugging Face datasets; offline they come from a local copy: either a filled HF cache
 (``HF_HOME``, with ``HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1``) or plain folders, one per dataset repository
 (``DIR/cais/mmlu``, ``DIR/EleutherAI/lambada_openai``, ...; :func:`local_datasets` redirects the harness's
-``datasets.load_dataset`` calls to them; ``evaluate.py table6 --lm-eval-data DIR``).
+``datasets.load_dataset`` calls to them; ``make reproduce-table6 LM_EVAL_DATA=DIR``).
 """
 
 from __future__ import annotations

@@ -115,8 +115,11 @@ class LanguageModelingTask(Task):
         for i in range(min(n, len(val))):
             prompt = val[(i * len(val)) // n][:prompt_len].unsqueeze(0).to(trainer.device)
             with torch.no_grad():
+                # synced_gpus=False: only this rank generates (under FSDP the trainer has gathered the
+                # weights; transformers would otherwise wait for the other ranks at every token)
                 out = model.generate(prompt, max_new_tokens=new, do_sample=False, use_cache=True,
-                                     attention_mask=torch.ones_like(prompt), pad_token_id=tok.eos_token_id)
+                                     attention_mask=torch.ones_like(prompt), pad_token_id=tok.eos_token_id,
+                                     synced_gpus=False)
             lines.append(f"### prompt {i}\n{tok.decode(prompt[0])}\n### greedy continuation\n"
                          f"{tok.decode(out[0, prompt_len:])}\n")
         path = Path(trainer.run_dir) / "samples.txt"

@@ -1,6 +1,7 @@
-"""``make reproduce-table5``: run (or print) the Table 5 fine-tunes and sampling, write ``results/table5.md``.
+"""Table 5's rows on the task side: each row's config, its commands (fine-tune, then sample), and the sampling of
+the evaluation-only row. The table itself (running or printing the commands, ``results/table5.md``) is
+:mod:`scripts.tables.table5` (``make reproduce-table5``, ``python scripts/reproduce_table.py --table 5``).
 
-    python -m tasks.video_gen.table5 --wan /data/Wan2.1-T2V-1.3B-Diffusers --data /data/videos [--run]
     python -m tasks.video_gen.table5 --sample-pretrained wan_flash --wan /data/Wan2.1-T2V-1.3B-Diffusers \
         --prompts prompts/vbench.txt          # an evaluation-only row: sample the pretrained weights
 
@@ -9,32 +10,17 @@ Each row is its experiment config (``configs/experiment/table5/<row>.yaml``, com
 evaluation-only: no ``train.py`` command, its videos are sampled from ``model.pretrained`` directly
 (:func:`sample_pretrained`). The other rows are fine-tuned, then sampled from their checkpoint
 (``tasks.video_gen.sample``). Every row samples with its config's ``sample.*`` settings (steps, CFG, shift, seed).
-
-Without ``--run`` (or without the weights / data) it prints the commands of each row. The table holds the
-paper's numbers, our measured per-step latency where a benchmark result exists
-(``results/bench/video_wan1.3b_cuda.json`` from ``scripts/bench_video.py --preset wan1.3b``; the scaled-down
-CPU result, ``results/bench/video_cpu.json``, is listed separately), and marks the VBench columns as an
-external step (docs/tasks/video.md). ``results/table5.png`` sets the latency ratios side by side (``--plot-only`` redraws it).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
-
-from omegaconf import OmegaConf
-
-from tasks.common.plots import grouped_bars, pyplot, save_figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = ("wan_flash", "wan_linear", "wan_mhla", "wan_mhla_hybrid")
-BENCH_KEY = {"wan_flash": "softmax", "wan_linear": "linear", "wan_mhla": "mhla", "wan_mhla_hybrid": "mhla_hybrid"}
-
-
 CONFIGS = os.path.join(ROOT, "configs")
 SAMPLES = "results/video/samples"
 
@@ -133,21 +119,6 @@ def missing_row_inputs(wan: str | None, data: str | None) -> list[str]:
     return list(dict.fromkeys(m for row in ROWS for m in missing_inputs(row_config(row, given))))
 
 
-def load_bench(name: str):
-    path = os.path.join(ROOT, "results", "bench", name)
-    return json.load(open(path)) if os.path.isfile(path) else None
-
-
-def paper_rows() -> list[tuple[str, dict, int]]:
-    """``(row, paper numbers, fine-tuning steps or 0)`` per Table 5 row, from its experiment config."""
-    out = []
-    for row in ROWS:
-        cfg = row_config(row)
-        out.append((row, OmegaConf.to_container(cfg.paper, resolve=True),
-                    int(cfg.trainer.max_steps) if finetunes(cfg) else 0))
-    return out
-
-
 def row_settings(cfg) -> str:
     """What distinguishes a row's self-attention and training, in words (for the results file)."""
     from models.wan import attention_layers  # noqa: PLC0415  (diffusers)
@@ -171,136 +142,18 @@ def row_settings(cfg) -> str:
     return f"{attn}; {train}"
 
 
-def row_notes() -> list[str]:
-    """Per row: its settings and its assumptions (``assumptions:`` of its config), as markdown lines."""
-    from tasks.common.config import assumptions  # noqa: PLC0415
-
-    lines = []
-    for row in ROWS:
-        cfg = row_config(row)
-        lines.append(f"- {cfg.paper.row} (`experiment=table5/{row}`): {row_settings(cfg)}.")
-        lines += [f"  - ASSUMPTION {k}: {v}" for k, v in assumptions(cfg).items()]
-    return lines
-
-
-def write_table(out: str) -> str:
-    gpu, cpu = load_bench("video_wan1.3b_cuda.json"), load_bench("video_cpu.json")
-    rows = paper_rows()
-    lines = ["# Table 5: Wan2.1-T2V-1.3B video generation (81 frames, 480 x 800, 31,500 tokens)", "",
-             "Paper numbers beside ours. VBench (quality / semantic / total) is an EXTERNAL step: run VBench on the",
-             "sample folders written by `python -m tasks.video_gen.sample` (fine-tuned rows) and",
-             "`python -m tasks.video_gen.table5 --sample-pretrained wan_flash` (docs/tasks/video.md).",
-             "Fine-tuning needs the Wan2.1 weights and a video dataset on GPUs; neither was available here, so no",
-             "VBench score of ours is reported.", "",
-             "| attention | paper quality | paper semantic | paper total | paper latency (s) | ours VBench | "
-             "ours step latency (ms, 1.3B, 31,500 tok) | ours speed-up | ours CPU scaled-down (ms) | CPU speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for row, p, _ in rows:
-        key = BENCH_KEY[row]
-        cells = []
-        for b in (gpu, cpu):
-            r = b["results"].get(key) if b else None
-            base = b["results"].get("softmax") if b else None
-            cells += ([f"{r['median_s'] * 1e3:.1f}", f"{base['median_s'] / r['median_s']:.2f}x" if base else "-"]
-                      if r else ["not measured", "-"])
-        lines.append(f"| {p['row']} | {p['quality']} | {p['semantic']} | {p['total']} | {p['latency_s']} | external | "
-                     + " | ".join(cells) + " |")
-    lines += ["", "Rows: " + "; ".join(f"{p['row']}: fine-tuned {n} steps" if n else
-                                       f"{p['row']}: the pretrained Wan2.1-T2V-1.3B, not fine-tuned "
-                                       "(task.finetune=false)" for _, p, n in rows) + ".",
-              "", "Paper latency: end-to-end sampling (50 steps with CFG); ours: one transformer forward (batch 1,",
-              "no CFG), so compare ratios, not absolute values (paper: MHLA 166/81 = 2.05x, hybrid 1.61x)."]
-    if gpu:
-        lines.append(f"GPU benchmark: {gpu['device_name']}, {gpu['dtype']}, {gpu['tokens']} tokens.")
-    if cpu:
-        lines.append(f"CPU benchmark (scaled down, `--preset cpu`): {cpu['tokens']} tokens, {cpu['layers']} layers, "
-                     f"{cpu['threads']} threads, measured on a shared, loaded 2-core machine.")
-    lines += ["", "Row settings and assumptions (where the paper is silent: the authors' release; each row's config "
-              "lists them under `assumptions:`):", "", *row_notes(), "",
-              "The CPU proxy (`make reproduce-table5 SCALE=mini`, results/table5_mini.md) keeps task=video_mini's own "
-              "settings: its linear row has no normalizer and an output RMSNorm like its MHLA rows, and its hybrid "
-              "keeps softmax at layer 2 of 4."]
-    png = os.path.splitext(out)[0] + ".png"
-    if gpu or cpu:
-        lines += ["", f"Plot: `{os.path.basename(png)}` (speed-up over FlashAttention / softmax per attention: the "
-                      "paper's sampling latency beside our per-step latency; redraw with `python -m "
-                      "tasks.video_gen.table5 --plot-only`)."]
-    text = "\n".join(lines) + "\n"
-    with open(out, "w") as f:
-        f.write(text)
-    plot_table5(rows, gpu, cpu, png)
-    return text
-
-
-def plot_table5(rows: list[tuple[str, dict, int]], gpu: dict | None, cpu: dict | None, path: str) -> str | None:
-    """Speed-up over the first row (FlashAttention / softmax) per attention, as grouped bars: the paper's
-    end-to-end sampling latency, then ours per step (GPU at the paper's size, the scaled-down CPU model) where
-    measured. Nothing is drawn (None) when no benchmark of ours exists: the paper's ratios alone need no plot."""
-    if not (gpu or cpu):
-        return None
-    groups, series = ["paper: sampling\n(50 steps, CFG)"], {}
-    for _, p, _ in rows:
-        series.setdefault(p["row"], {})[groups[0]] = rows[0][1]["latency_s"] / p["latency_s"]
-    for name, b in (("ours: one step, 1.3B\n31,500 tokens (GPU)", gpu),
-                    (f"ours: one step, scaled down\n{(cpu or {}).get('tokens')} tokens (CPU)", cpu)):
-        base = (b or {}).get("results", {}).get("softmax")
-        if not base:
-            continue
-        groups.append(name)
-        for row, p, _ in rows:
-            r = b["results"].get(BENCH_KEY[row])
-            if r:
-                series[p["row"]][name] = base["median_s"] / r["median_s"]
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(3 + 2.6 * len(groups), 4.2))
-    grouped_bars(ax, groups, series, "speed-up over FlashAttention / softmax", "Table 5: latency ratios (higher "
-                 "is faster)", annotate="{:.2f}x", legend="outside")
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.margins(y=0.12)
-    return save_figure(fig, path)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sample-pretrained", metavar="ROW", required=True,
+                    help="sample an evaluation-only row (task.finetune=false) from --wan")
     ap.add_argument("--wan", default=os.environ.get("WAN_PATH", ""), help="local Wan2.1-T2V-1.3B-Diffusers folder")
-    ap.add_argument("--data", default=os.environ.get("VIDEO_DATA", ""), help="video folder (metadata.jsonl)")
     ap.add_argument("--prompts", default="prompts/vbench.txt", help="one prompt per line (VBench's prompt list)")
-    ap.add_argument("--gpus", type=int, default=8)
-    ap.add_argument("--run", action="store_true", help="run the commands (else print them)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "results", "table5.md"))
-    ap.add_argument("--sample-pretrained", metavar="ROW", default=None,
-                    help="sample an evaluation-only row (task.finetune=false) from --wan, then stop")
-    ap.add_argument("--samples-out", default=SAMPLES, help="--sample-pretrained: folder of the sample folders")
+    ap.add_argument("--samples-out", default=SAMPLES, help="folder of the sample folders")
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--plot-only", action="store_true",
-                    help="redraw the plot beside --out (.png) from the paper's numbers and results/bench/video_*.json")
     args = ap.parse_args(argv)
-    if args.plot_only:
-        png = plot_table5(paper_rows(), load_bench("video_wan1.3b_cuda.json"), load_bench("video_cpu.json"),
-                          os.path.splitext(args.out)[0] + ".png")
-        print(f"wrote {png}" if png else "no benchmark of ours in results/bench: no plot")
-        return
-    if args.sample_pretrained:
-        if not (args.wan and os.path.isdir(args.wan)):
-            raise SystemExit("--sample-pretrained needs the Wan2.1 weights: --wan /path/to/Wan2.1-T2V-1.3B-Diffusers")
-        sample_pretrained(args.sample_pretrained, args.wan, args.prompts, args.samples_out,
-                          batch_size=args.batch_size)
-        return
-    missing = missing_row_inputs(args.wan, args.data)
-    ready = not missing
-    if missing:
-        print("The rows' declared inputs (`inputs:` of configs/task/wan_finetune.yaml) are not all here: "
-              + ("nothing runs" if args.run else "printing the commands") + ".\n- " + "\n- ".join(missing))
-        if args.run:
-            raise SystemExit(2)
-    for row in ROWS:
-        for cmd in commands(row, args.wan or "/path/to/Wan2.1-T2V-1.3B-Diffusers", args.data or "/path/to/videos",
-                            args.gpus, args.prompts):
-            print(("RUN  " if ready and args.run else "TODO ") + cmd)
-            if ready and args.run:
-                subprocess.run(cmd, shell=True, check=True, cwd=ROOT)
-    print(write_table(args.out))
-    print(f"wrote {args.out}; latency: python scripts/bench_video.py --preset wan1.3b --device cuda")
+    if not (args.wan and os.path.isdir(args.wan)):
+        raise SystemExit("--sample-pretrained needs the Wan2.1 weights: --wan /path/to/Wan2.1-T2V-1.3B-Diffusers")
+    sample_pretrained(args.sample_pretrained, args.wan, args.prompts, args.samples_out, batch_size=args.batch_size)
 
 
 if __name__ == "__main__":

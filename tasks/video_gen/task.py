@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from models.wan import build_wan, load_vae, token_grid
 from tasks.common import flow_matching as fm
-from tasks.common.config import ConfigError, model_attention
+from tasks.common.config import ConfigError, model_attention, model_cross_attention
 from tasks.common.logger import Media
 from tasks.common.trainer import Task
 
@@ -63,7 +63,8 @@ class VideoGenTask(Task):
                 raise ConfigError("model.coord_channels adds input channels: only for a random-init model "
                                   "(model.pretrained=null)")
             m = OmegaConf.merge(m, {"in_channels": int(m.in_channels) + 3})  # x_t + (frame, row, column)
-        transformer = build_wan(m, model_attention(self.cfg), grid=self.grid)
+        transformer = build_wan(m, model_attention(self.cfg), grid=self.grid,
+                                cross_cfg=model_cross_attention(self.cfg))
         kw = dict(text_pool=bool(m.get("text_pool", False)), coord_channels=coords)
         if self.word_text:
             return VideoDenoiser(transformer, len(VOCAB), int(m.text_dim), **kw)
@@ -73,7 +74,9 @@ class VideoGenTask(Task):
         a = model_attention(self.cfg)
         layers = a.get("layers", "all") if a["name"] != "softmax" else "-"
         blocks = f", blocks {list(a['blocks'])}" if a["name"] == "mhla" and a.get("blocks") else ""
+        cross = model_cross_attention(self.cfg)["name"]
         return (f"{self.cfg.model.name} (Wan-shaped) with {a['name']} self-attention (layers: {layers}{blocks}), "
+                f"{'softmax (native)' if cross == 'native' else cross} cross-attention, "
                 f"token grid {self.grid} = {math.prod(self.grid)} tokens")
 
     # -------------------------------------------------------------------------------------- data

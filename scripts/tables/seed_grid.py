@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""One cell over seeds: finished ``train.py`` runs named ``<variant>_s<seed>`` under one folder -> a table of
+each variant's final metric (mean ± std, every seed), the paired per-seed differences with their 95% interval,
+the "holds" / "level" verdict, the learning curves, and every run's record (its resolved config, command,
+commit, machine and load: the ``run.json`` the trainer writes).
+
+    python -m scripts.tables.seed_grid RUNS/mqar256 --metric acc --baseline linear \\
+        --pairs mhla_lm:frozen_unif mhla_lm:frozen_loc --title "MQAR N = 256, K = 8" --out results/mqar/seeds_n256
+
+A run counts when its ``run.json`` exists (the trainer writes it at the end); unfinished runs are listed as such.
+Differences are paired by seed (the same data order and init seed on both sides) and the interval is the t
+interval of the per-seed differences (:func:`tasks.common.stats.paired_difference`); an ordering "holds" only
+when the gap of the means exceeds two pooled standard deviations (:func:`tasks.common.stats.ordering_verdict`),
+otherwise it is "level". Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g.
+MQAR's ``mix1_first``: the share of the first block in layer 1's causal rows) get their own table, at the start
+(the first evaluation) and at the end.
+
+``--runs-meta`` reads the queue's ``run_info.json`` beside ``run.json`` when present (niceness, load while it ran).
+Writes ``<out>.md``, ``.json`` and ``.png`` through :func:`tasks.common.results.write_result`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+if __package__ in (None, ""):  # run as a file: the checkout's root on the path, then import as the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tasks.common.results import write_result  # noqa: E402
+from tasks.common.launch import metric_curve  # noqa: E402
+from tasks.common.records import read_run_record  # noqa: E402
+from tasks.common.stats import mean_std, ordering_verdict, paired_difference  # noqa: E402
+
+RUN_NAME = re.compile(r"^(?P<variant>.+)_s(?P<seed>\d+)$")
+
+
+def collect(root: str, metric: str) -> dict:
+    """``{variant: {"runs": {seed: run}, "unfinished": [seed, ...]}}`` for the ``<variant>_s<seed>`` folders of
+    ``root``. A run: ``{"dir", "value" (final ``metric``), "metrics" (all final ones), "curve" ([(step, eval
+    value)]), "record" (run.json), "queue" (run_info.json or None)}``."""
+    out: dict = {}
+    for name in sorted(os.listdir(root)):
+        m = RUN_NAME.match(name)
+        path = os.path.join(root, name)
+        if not m or not os.path.isdir(path):
+            continue
+        variant, seed = m["variant"], int(m["seed"])
+        entry = out.setdefault(variant, {"runs": {}, "unfinished": []})
+        record = read_run_record(path)
+        if record is None or metric not in record.get("metrics", {}):
+            entry["unfinished"].append(seed)
+            continue
+        queue = os.path.join(path, "run_info.json")
+        entry["runs"][seed] = {
+            "dir": path, "value": float(record["metrics"][metric]), "metrics": record["metrics"],
+            "curve": metric_curve(path, f"eval/{metric}"), "record": record,
+            "queue": json.load(open(queue)) if os.path.exists(queue) else None,
+            "first_eval": first_eval(path)}
+    return out
+
+
+def first_eval(run_dir: str) -> dict:
+    """The metrics of a run's first evaluation (``eval/*`` keys of the first row that has any), without prefix."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                found = {k[5:]: v for k, v in row.items() if k.startswith("eval/")}
+                if found:
+                    return {"step": row["step"], **found}
+    return {}
+
+
+def steps_of(run: dict) -> int | None:
+    """The optimiser steps a run took (``steps`` in its final metrics, else its config's max_steps)."""
+    steps = run["metrics"].get("steps")
+    return int(steps) if steps is not None else None
+
+
+def best_step(run: dict) -> int | None:
+    """The step of the best evaluation (the highest value) of a run's curve."""
+    return max(run["curve"], key=lambda p: p[1])[0] if run["curve"] else None
+
+
+def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], scale: float) -> dict:
+    """Per variant: n, mean, std, per-seed values (x ``scale``), steps; per pair: the paired difference and the
+    verdict of ``a > b``."""
+    variants = {}
+    for name, entry in grid.items():
+        vals = {s: r["value"] * scale for s, r in sorted(entry["runs"].items())}
+        m, sd = mean_std(list(vals.values())) if vals else (None, None)
+        variants[name] = {"n": len(vals), "mean": m, "std": sd, "by_seed": vals,
+                          "unfinished": sorted(entry["unfinished"]),
+                          "steps": sorted({steps_of(r) for r in entry["runs"].values()} - {None}),
+                          "best_step": {s: best_step(r) for s, r in sorted(entry["runs"].items())}}
+    all_pairs = [(v, baseline) for v in grid if baseline and v != baseline and baseline in grid] + list(pairs)
+    compared = []
+    for a, b in dict.fromkeys(all_pairs):
+        if a not in variants or b not in variants:
+            continue
+        d = paired_difference(variants[a]["by_seed"], variants[b]["by_seed"])
+        verdict = ordering_verdict(list(variants[a]["by_seed"].values()), list(variants[b]["by_seed"].values()))
+        compared.append({"a": a, "b": b, **d, "verdict": verdict})
+    return {"variants": variants, "pairs": compared}
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(summary: dict, grid: dict, args, command: str) -> str:
+    """The cell's table, its paired differences and its mixing profile (numbers only; a reading goes beside)."""
+    v, lines = summary["variants"], []
+    lines += [f"# {args.title}", "", f"Made by `{command}`.", "",
+              f"Final `{args.metric}`{' (%)' if args.scale == 100 else ''} per variant over seeds "
+              "(mean ± sample std); every run's resolved config, command, commit, machine and load are in the "
+              ".json.", "",
+              "| variant | attention | n | steps | mean ± std | per seed | best eval at step |",
+              "|---|---|---|---|---|---|---|"]
+    for name, s in v.items():
+        desc = describe(next(iter(grid[name]["runs"].values()))["record"]["config"]) if s["n"] else "-"
+        per = ", ".join(f"s{k}: {fmt(x, args.digits)}" for k, x in s["by_seed"].items())
+        steps = "/".join(str(x) for x in s["steps"]) or "-"
+        best = ", ".join(f"s{k}: {x}" for k, x in s["best_step"].items())
+        unf = f" (unfinished: {', '.join(f's{u}' for u in s['unfinished'])})" if s["unfinished"] else ""
+        lines.append(f"| {name}{unf} | {desc} | {s['n']} | {steps} | {fmt(s['mean'], args.digits)} ± "
+                     f"{fmt(s['std'], args.digits)} | {per} | {best} |")
+    if summary["pairs"]:
+        lines += ["", "Paired per-seed differences a - b (95% t interval over the seeds both have; the ordering "
+                  "a > b *holds* only when the gap of the means exceeds two pooled standard deviations, else "
+                  "*level*):", "",
+                  "| a - b | seeds | mean diff | 95% interval | per seed | verdict |", "|---|---|---|---|---|---|"]
+        for p in summary["pairs"]:
+            ci = "-" if p["ci95"] is None else f"[{fmt(p['ci95'][0], args.digits)}, {fmt(p['ci95'][1], args.digits)}]"
+            per = ", ".join(fmt(x, args.digits) for x in p["diffs"])
+            lines.append(f"| {p['a']} - {p['b']} | {p['n']} | {fmt(p['mean'], args.digits)} | {ci} | {per} | "
+                         f"{p['verdict']} |")
+    mix = mixing_rows(grid)
+    if mix:
+        keys = sorted({k for row in mix for k in row["end"]})
+        lines += ["", "Mixing profile (MHLA's causal rows, mean over seeds): `mix<l>_first` is the share of the "
+                  "first block (where the key-value pairs are) in layer l's rows, `mix<l>_diag` the share of the "
+                  "query's own block; uniform rows give 0.159 for both at 16 blocks.", "",
+                  "| variant | " + " | ".join(f"{k} start -> end" for k in keys) + " |",
+                  "|---|" + "---|" * len(keys)]
+        for row in mix:
+            cells = [f"{row['start'].get(k, float('nan')):.3f} -> {row['end'].get(k, float('nan')):.3f}"
+                     for k in keys]
+            lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def describe(config: dict) -> str:
+    """The attention settings that tell the variants apart, from a run's resolved config."""
+    attn, bits = config.get("attn", {}), [str(config.get("attn", {}).get("name"))]
+    if attn.get("name") == "mhla":
+        bits += [f"init={attn.get('mixing_init')}", "learnable" if attn.get("mixing_learnable") else "frozen"]
+        if attn.get("mixing_learnable"):
+            bits.append(f"mixing lr x {config.get('optim', {}).get('mixing_lr_scale')}")
+    if attn.get("short_conv") is not None:
+        bits.append(f"short_conv={attn.get('short_conv')}")
+    return ", ".join(bits)
+
+
+def mixing_rows(grid: dict) -> list[dict]:
+    """Per variant with mixing metrics: ``{"variant", "start": {key: mean}, "end": {key: mean}}``."""
+    rows = []
+    for name, entry in grid.items():
+        runs = list(entry["runs"].values())
+        keys = sorted({k for r in runs for k in r["metrics"] if k.startswith("mix")})
+        if not keys:
+            continue
+
+        def mean(key, where):
+            xs = [r[where][key] for r in runs if key in r[where]]
+            return sum(xs) / len(xs) if xs else float("nan")
+
+        rows.append({"variant": name, "start": {k: mean(k, "first_eval") for k in keys},
+                     "end": {k: mean(k, "metrics") for k in keys}})
+    return rows
+
+
+def plot(grid: dict, summary: dict, args, path: str) -> None:
+    """Left: every seed's final value per variant (dots) and the mean (bar); right: the eval curves."""
+    from tasks.common.plots import colors_for, pyplot, save_figure
+
+    plt = pyplot()
+    names = list(summary["variants"])
+    colors = colors_for(names)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, name in enumerate(names):
+        s = summary["variants"][name]
+        if s["n"]:
+            ax1.bar(i, s["mean"], color=colors[name], alpha=0.35)
+            ax1.scatter([i] * s["n"], list(s["by_seed"].values()), color=colors[name], zorder=3, s=14)
+        for run in grid[name]["runs"].values():
+            if run["curve"]:
+                xs, ys = zip(*run["curve"])
+                ax2.plot(xs, [y * args.scale for y in ys], color=colors[name], alpha=0.7, lw=1)
+        ax2.plot([], [], color=colors[name], label=name)
+    ax1.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax1.set_ylabel(args.metric)
+    ax1.set_title("final value per seed")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel(f"eval {args.metric}")
+    ax2.set_title("evaluation curves (one line per seed)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(args.title)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("root", help="folder holding <variant>_s<seed> run folders")
+    ap.add_argument("--metric", default="acc", help="final metric (run.json metrics key)")
+    ap.add_argument("--scale", type=float, default=100.0, help="multiply the metric (100: fractions -> %%)")
+    ap.add_argument("--digits", type=int, default=1)
+    ap.add_argument("--baseline", default=None, help="every variant is compared with it")
+    ap.add_argument("--pairs", nargs="*", default=[], help="more comparisons a:b (a - b)")
+    ap.add_argument("--title", default="Seeds")
+    ap.add_argument("--out", required=True, help="stem of the .md / .json / .png")
+    args = ap.parse_args(argv)
+    pairs = [tuple(p.split(":", 1)) for p in args.pairs]
+    grid = collect(args.root, args.metric)
+    if not any(e["runs"] for e in grid.values()):
+        raise SystemExit(f"{args.root}: no finished <variant>_s<seed> run (run.json with '{args.metric}')")
+    summary = summarize(grid, args.baseline, pairs, args.scale)
+    command = "python -m scripts.tables.seed_grid " + " ".join(argv if argv is not None else sys.argv[1:])
+    runs = {f"{v}_s{s}": {k: r[k] for k in ("dir", "value", "metrics", "record", "queue", "first_eval")}
+            for v, e in grid.items() for s, r in e["runs"].items()}
+    record = {"command": command, "title": args.title, "metric": args.metric, "scale": args.scale, **summary,
+              "runs": runs}
+    write_result(args.out, markdown(summary, grid, args, command), record,
+                 lambda png: plot(grid, summary, args, png))
+    print(f"wrote {args.out}.md / .json / .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

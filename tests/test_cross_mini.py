@@ -1,0 +1,43 @@
+"""The cross-attention experiment driver (tasks/video_gen/cross_mini.py): its results files from records, and the
+load guard of its latency (a busy measurement is refused unless --allow-busy, then marked BUSY)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tasks.common.results import BusyMachine
+from tasks.video_gen import cross_mini
+
+
+def _data(stem):
+    rec = lambda row, seed, loss, fol: {"row": row, "seed": seed, "metrics": {"loss": loss},  # noqa: E731
+                                        "all_follow": {"followed": fol, "shape_ok": 0.5}, "seconds": 1.0}
+    return {"stem": stem, "notes": "", "machine": {"command": "python -m tasks.video_gen.cross_mini", "warmup": 1,
+                                                   "repeats": 3, "latency_threads": 2},
+            "records": [rec("softmax", 0, 0.20, 1.0), rec("softmax", 1, 0.22, 0.9), rec("mhla_cross", 0, 0.21, 1.0),
+                        {"row": "linear_cross", "seed": 0, "error": "boom", "error_tail": "boom"}],
+            "latency": [{"row": r, "length": n, "median_s": s, "min_s": s, "times_s": [s]}
+                        for r, s in (("softmax", 0.4), ("mhla_cross", 0.2), ("linear_cross", 0.2)) for n in (512,)]}
+
+
+def test_results_files(tmp_path):
+    stem = str(tmp_path / "cross_mini")
+    cross_mini.write(_data(stem), SimpleNamespace(allow_busy=False))
+    md = open(stem + ".md").read()
+    assert "| softmax (Wan's own) | 0.2100 ± 0.0141 (n=2) | 95 ± 7% (n=2) |" in md
+    assert "| 200.0 (2.00x) |" in md and "failed (1)" in md
+    assert json.load(open(stem + ".json"))["records"][0]["row"] == "softmax"
+
+
+def test_busy_latency_refused_unless_allowed(tmp_path):
+    stem = str(tmp_path / "cross_mini")
+    busy = {"busy": True, "load_before": [3.0], "load_after": [3.0], "cpu_count": 2, "threads": 2}
+    with pytest.raises(BusyMachine):
+        cross_mini.write(_data(stem), SimpleNamespace(allow_busy=False), busy)
+    data = _data(stem)
+    cross_mini.write(data, SimpleNamespace(allow_busy=True), busy)
+    cross_mini.write(data, SimpleNamespace(allow_busy=False))  # a later rewrite keeps the mark
+    assert "- BUSY" in open(stem + ".md").read().splitlines()[0]

@@ -1,0 +1,25 @@
+"""scripts/mqar_extrapolation.py: distance buckets, seed groups and the table's numbers."""
+
+from scripts import mqar_extrapolation as mx
+
+
+def test_edges_and_groups():
+    assert mx.edges_for(256, 2048) == (0, 64, 128, 192, 256, 512, 1024, 2048)
+    assert mx.group({"mhla_s0": "a", "mhla_s1": "b", "linear": "c"}) == {"mhla": {0: "a", 1: "b"},
+                                                                          "linear": {"linear": "c"}}
+
+
+def test_table_means_over_seeds_and_buckets():
+    def rec(acc, near, far):
+        return {"acc": acc, "n": 8, "buckets": [{"lo": 0, "hi": 64, "acc": near, "n": 4},
+                                                 {"lo": 256, "hi": 512, "acc": far, "n": 4}]}
+
+    record = {"train_len": 256, "num_kv_pairs": 8, "lengths": ["512"], "edges": [0, 64, 128, 192, 256, 512],
+              "num_examples": 8, "seed": 1, "rules_of": {"mhla": ["uniform_far", "window"]},
+              "groups": {"mhla": {"0": {"window": {"512": rec(0.5, 1.0, 0.0)},
+                                        "uniform_far": {"512": rec(0.75, 1.0, 0.5)}},
+                                  "1": {"window": {"512": rec(0.5, 1.0, 0.0)},
+                                        "uniform_far": {"512": rec(0.85, 1.0, 0.7)}}}}}
+    md = mx.markdown(record, "cmd")
+    assert "| mhla | uniform_far | 2 | 80.0 ± 7.1 | 100.0 | - | - | - | 60.0 |" in md
+    assert "| mhla | window | 2 | 50.0 ± 0.0 | 100.0 | - | - | - | 0.0 |" in md

@@ -1,0 +1,56 @@
+"""scripts.tables.seed_grid: finished runs over seeds -> means, paired differences with a t interval, verdicts."""
+
+import json
+import os
+
+import pytest
+
+from scripts.tables import seed_grid
+
+
+def fake_run(root, name, acc, steps=100, mix=None, record=True):
+    d = os.path.join(root, name)
+    os.makedirs(d)
+    metrics = {"acc": acc, "steps": steps, **(mix or {})}
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 50, "eval/acc": acc / 2, **{f"eval/{k}": 0.159 for k in (mix or {})}}) + "\n")
+        f.write(json.dumps({"step": steps, "eval/acc": acc}) + "\n")
+    if record:
+        with open(os.path.join(d, "run.json"), "w") as f:
+            json.dump({"command": "python train.py x", "commit": "abc", "metrics": metrics,
+                       "config": {"attn": {"name": "mhla" if "mhla" in name else "linear", "mixing_init": "uniform",
+                                           "mixing_learnable": True, "short_conv": 4},
+                                  "optim": {"mixing_lr_scale": 1.0}}}, f)
+
+
+def test_paired_differences_verdicts_and_records(tmp_path):
+    root = str(tmp_path / "runs")
+    for s, (a, b) in enumerate([(0.90, 0.50), (0.92, 0.55), (0.88, 0.52)]):
+        fake_run(root, f"mhla_s{s}", a, mix={"mix1_first": 0.3 + s / 100})
+        fake_run(root, f"linear_s{s}", b)
+    fake_run(root, "linear_s3", 0.6, record=False)  # unfinished: no run.json
+    out = str(tmp_path / "res" / "cell")
+    assert seed_grid.main([root, "--baseline", "linear", "--out", out, "--title", "T"]) == 0
+    rec = json.load(open(out + ".json"))
+    mh = rec["variants"]["mhla"]
+    assert mh["n"] == 3 and mh["mean"] == pytest.approx(90.0)
+    assert rec["variants"]["linear"]["unfinished"] == [3]
+    (pair,) = rec["pairs"]
+    assert (pair["a"], pair["b"]) == ("mhla", "linear")
+    assert pair["mean"] == pytest.approx(((0.40 + 0.37 + 0.36) / 3) * 100)
+    assert pair["excludes_zero"] and pair["verdict"] == "holds"
+    md = open(out + ".md").read()
+    assert "| mhla - linear | 3 | 37.7 |" in md and "holds" in md
+    assert "0.159 -> 0.310" in md  # mixing profile: first eval -> end, mean over seeds
+    assert rec["runs"]["mhla_s0"]["record"]["commit"] == "abc" and os.path.exists(out + ".png")
+
+
+def test_overlapping_seeds_are_level(tmp_path):
+    root = str(tmp_path / "runs")
+    for s, (a, b) in enumerate([(0.90, 0.50), (0.40, 0.85), (0.70, 0.60)]):
+        fake_run(root, f"mhla_s{s}", a)
+        fake_run(root, f"linear_s{s}", b)
+    out = str(tmp_path / "cell")
+    seed_grid.main([root, "--baseline", "linear", "--out", out])
+    (pair,) = json.load(open(out + ".json"))["pairs"]
+    assert pair["verdict"] == "level" and not pair["excludes_zero"]
