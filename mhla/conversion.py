@@ -39,9 +39,9 @@ One call for every family; what each maps (docs/conversion.md):
 Options. ``attn`` is a registered attention's name or a mapping with ``name`` and options (an OmegaConf config
 works). Unset options take the family's defaults above, then the class's. Options that carry weights of the
 old layer (``gate``, ``qk_norm``, ``cpe`` / ``cpe_kernel``, ``short_conv``) follow the old layer unless given,
-so every old weight has a place. MHLA without a layout on a non-causal grid gets ``blocks`` per axis = the
-largest divisor of the axis not above its square root (8 x 8 tokens: 2 x 2 blocks, M = 4; 16 x 16: 4 x 4, M =
-16; the paper's ``M^2 <= N``).
+so every old weight has a place. MHLA without a layout on a non-causal grid gets the blocks per axis that
+``num_blocks=auto`` picks (:func:`mhla.layouts.auto_blocks`, the paper's ``M^2 <= N`` with square blocks; 8 x 8
+tokens: 2 x 2 blocks, M = 4; 16 x 16: 4 x 4, M = 16; docs/choosing_m.md).
 
 ``strict`` (default True): an old weight that the new layer has no place for raises. New parameters (MHLA's
 mixing matrix, a gate that was not there) keep their initialisation and are listed in
@@ -57,7 +57,6 @@ In place or a copy: by default the model is changed in place and returned; ``cop
 from __future__ import annotations
 
 import copy as copy_module
-import math
 import sys
 from collections.abc import Callable, Iterable
 
@@ -66,6 +65,7 @@ import torch.nn as nn
 
 from .adapters import select_layers
 from .layers import AttentionBase
+from .layouts import auto_blocks
 from .registry import _plain, accepted_options, build_attention, get_attention_class, with_defaults
 
 #: options whose modules hold weights computed from the layer input: they follow the old layer unless given
@@ -81,11 +81,6 @@ def attention_options(attn) -> tuple[str, dict]:
     default")."""
     name, options = _plain(attn)
     return name, {k: v for k, v in options.items() if v is not None}
-
-
-def default_blocks(grid) -> tuple[int, ...]:
-    """Blocks per axis for a token grid: the largest divisor of each axis that is at most its square root."""
-    return tuple(max(d for d in range(1, int(math.isqrt(int(g))) + 1) if int(g) % d == 0) for g in grid)
 
 
 def _class_name_in(obj, names: tuple[str, ...]) -> bool:
@@ -165,9 +160,9 @@ def _inherited(old: AttentionBase, given: dict, cls) -> dict:
 
 
 def _with_layout(name: str, options: dict, grid, causal: bool) -> dict:
-    """MHLA on a non-causal grid without a layout: :func:`default_blocks` of the grid."""
+    """MHLA on a non-causal grid without a layout: the ``num_blocks=auto`` blocks of the grid."""
     if name == "mhla" and not causal and grid is not None and not set(LAYOUT_OPTIONS) & set(options):
-        return {**options, "blocks": list(default_blocks(grid))}
+        return {**options, "blocks": list(auto_blocks(grid))}
     return options
 
 
@@ -346,7 +341,7 @@ def _convert_diffusers(model, name, given, layers, strict) -> tuple[list[str], l
             raise ValueError(f"mhla.convert: {type(model).__name__}'s token grid is not in its config; give "
                              "MHLA's layout: attn={'name': 'mhla', 'blocks': [...]} (blocks per grid axis) "
                              "or num_blocks")
-        options["blocks"] = list(default_blocks(grid))
+        options["blocks"] = list(auto_blocks(grid))
     modules = self_attention_modules(model)
     names = _chosen([n for n, _ in modules], layers)
     index = {n: i for i, (n, _) in enumerate(modules)}
@@ -426,4 +421,4 @@ def new_parameter_names(teacher_module: nn.Module, student_module: nn.Module) ->
 
 
 __all__ = ["FAMILIES", "attention_modules", "attention_options", "convert", "converted_pairs",
-           "default_blocks", "llama_attention", "model_family", "new_parameter_names"]
+           "llama_attention", "model_family", "new_parameter_names"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mhla
-from mhla.conversion import attention_modules, default_blocks, model_family
+from mhla.conversion import attention_modules, model_family
 from mhla.distill import attention_gap, distill_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,10 +69,13 @@ def test_timm_vit_mhla_layout_and_gradients():
     assert conv.mhla_conversion["new_parameters"] == ["blocks.0.attn.mixing.raw", "blocks.1.attn.mixing.raw"]
 
 
-def test_default_blocks():
-    assert default_blocks((8, 8)) == (2, 2) and default_blocks((16, 16)) == (4, 4)
-    assert default_blocks((14, 14)) == (2, 2)
-    assert default_blocks((4, 6, 10)) == (2, 2, 2)
+def test_default_layout_is_num_blocks_auto():
+    """Without a layout, a converted ViT's MHLA takes the blocks num_blocks=auto picks on its patch grid."""
+    from mhla.layouts import auto_blocks  # noqa: PLC0415
+
+    vit = timm_vit()  # 8 x 8 patches
+    conv = mhla.convert(vit, "mhla", copy=True)
+    assert conv.mhla_conversion["attn"]["blocks"] == list(auto_blocks((8, 8))) == [2, 2]
 
 
 def test_our_vit_converts_to_the_model_train_py_builds():
