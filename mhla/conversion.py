@@ -40,8 +40,8 @@ Options. ``attn`` is a registered attention's name or a mapping with ``name`` an
 works). Unset options take the family's defaults above, then the class's. Options that carry weights of the
 old layer (``gate``, ``qk_norm``, ``cpe`` / ``cpe_kernel``, ``short_conv``) follow the old layer unless given,
 so every old weight has a place. MHLA without a layout on a non-causal grid gets the blocks per axis that
-``num_blocks=auto`` picks (:func:`mhla.layouts.auto_blocks`, the paper's ``M^2 <= N`` with square blocks; 8 x 8
-tokens: 2 x 2 blocks, M = 4; 16 x 16: 4 x 4, M = 16; docs/choosing_m.md).
+``num_blocks=auto`` picks (:func:`mhla.layouts.auto_blocks`, the paper's ``M^2 <= N`` with square blocks;
+8 x 8 tokens: 2 x 2 blocks, M = 4; 16 x 16: 4 x 4, M = 16; docs/choosing_m.md).
 
 ``strict`` (default True): an old weight that the new layer has no place for raises. New parameters (MHLA's
 mixing matrix, a gate that was not there) keep their initialisation and are listed in

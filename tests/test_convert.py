@@ -348,7 +348,7 @@ def test_experiment_summary_pairs_seeds_and_writes_the_report(tmp_path):
     from argparse import Namespace  # noqa: PLC0415
 
     from tasks.conversion.experiment import summarize  # noqa: PLC0415
-    from tasks.conversion.report import write_markdown  # noqa: PLC0415
+    from tasks.conversion.report import markdown  # noqa: PLC0415
 
     def rec(**metrics):
         return {"command": "python train.py ...", "run_dir": "nowhere", "seconds": 1.0, "metrics": metrics,
@@ -369,7 +369,7 @@ def test_experiment_summary_pairs_seeds_and_writes_the_report(tmp_path):
     assert summary["teacher"]["value"] == pytest.approx(98.0)
     summary.update(command="python -m tasks.conversion.experiment ...", machine={"cpu": "x", "cpu_count": 2},
                    code={"commit": "abc"}, seconds=60.0)
-    text = open(write_markdown(summary, str(tmp_path / "mnist.md"))).read()
+    text = markdown(summary, str(tmp_path / "mnist"))
     assert "(a) is better than (b)" in text and "(a) vs (c): level" in text
     # the 2-pooled-std rule: a-b's gap of 1 point is under 2 x its pooled std of 1 (level, though the paired
     # interval excludes 0); the teacher is one run (no spread)

@@ -34,10 +34,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tasks.common.fileio import atomic_write  # noqa: E402
+from tasks.common.results import write_result  # noqa: E402
 from tasks.common.launch import parse_final, run_parallel  # noqa: E402
 from tasks.common.records import code_version, read_run_record  # noqa: E402
 from tasks.common.stats import mean_std, paired_difference  # noqa: E402
+from tasks.conversion.report import markdown  # noqa: E402
 from tasks.common.utils import load_average, system_info  # noqa: E402
 
 #: per task: train.py overrides that select it, the metric compared, whether higher is better, its label
@@ -245,13 +246,10 @@ def main(argv=None) -> None:
     NICE[0] = args.nice
     args.runs = args.runs or os.path.join(ROOT, "outputs", "conversion", args.task)
     args.out = args.out or os.path.join(ROOT, "results", "conversion", args.task)
-    if args.report_only:
-        from tasks.conversion.report import write_markdown  # noqa: PLC0415
-
+    if args.report_only:  # the .md and .png again from the .json (which is not rewritten)
         with open(args.out + ".json") as f:
             summary = json.load(f)
-        plot(summary, args.out + ".png")
-        write_markdown(summary, args.out + ".md")
+        write_result(args.out, markdown(summary, args.out), None, lambda png: plot(summary, png))
         return
     started, load_before, code = time.time(), load_average(), code_version()  # the code the runs start from
     teacher, jobs = plan(args)
@@ -261,13 +259,7 @@ def main(argv=None) -> None:
     summary.update(command="python -m tasks.conversion.experiment " + shown, nice=args.nice, jobs=args.jobs,
                    machine=system_info(), code=code, load_before=load_before, load_after=load_average(),
                    seconds=round(time.time() - started, 1))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    text = json.dumps(summary, indent=1, default=str)
-    atomic_write(args.out + ".json", lambda tmp: open(tmp, "w").write(text))
-    plot(summary, args.out + ".png")
-    from tasks.conversion.report import write_markdown  # noqa: PLC0415
-
-    write_markdown(summary, args.out + ".md")
+    write_result(args.out, markdown(summary, args.out), summary, lambda png: plot(summary, png), default=str)
     print(f"wrote {args.out}.json / .png / .md", flush=True)
 
 

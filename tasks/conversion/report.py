@@ -4,6 +4,8 @@ and the hand-written notes ``<stem>_reading.md`` when there are some (no numbers
 from the JSON).
 
     python -m tasks.conversion.report results/conversion/mnist       # rewrite mnist.md from mnist.json
+    (``python -m tasks.conversion.experiment ... --report-only`` rewrites the .png too; every file goes
+    through the one results writer, :func:`tasks.common.results.write_result`)
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import os
 import sys
 
-from tasks.common.fileio import atomic_write
+from tasks.common.results import write_result
 from tasks.common.stats import ordering_verdict
 
 ARM_KEYS = ("a", "b", "c")
@@ -122,7 +124,9 @@ def reading(s: dict) -> list[str]:
     ]
 
 
-def write_markdown(summary: dict, path: str) -> str:
+def markdown(summary: dict, stem: str) -> str:
+    """The .md of the results file ``<stem>``: tables, verdicts and reading from ``summary`` (its JSON), then
+    the hand-written notes ``<stem>_reading.md`` when there are some."""
     s = summary
     d = 3 if s["metric"] == "val_ppl" else 2
     seeds = s["seeds"]
@@ -186,16 +190,14 @@ def write_markdown(summary: dict, path: str) -> str:
             took = f" ({secs:.0f} s)" if isinstance(secs, (int, float)) else ""
             lines.append(f"- {name}: `{r['command']}`{took}")
     lines[lines.index("## Runs") - 1:lines.index("## Runs") - 1] = ["", *reading(s)]
-    notes = os.path.splitext(path)[0] + "_reading.md"
+    notes = stem + "_reading.md"
     if os.path.exists(notes):
         with open(notes) as f:
             lines += ["", f.read().rstrip()]
-    text = "\n".join(lines) + "\n"
-    atomic_write(path, lambda tmp: open(tmp, "w").write(text))
-    return path
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
     stem = sys.argv[1]
     with open(stem + ".json") as f:
-        write_markdown(json.load(f), stem + ".md")
+        write_result(stem, markdown(json.load(f), stem), None)
