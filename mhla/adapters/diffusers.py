@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from . import select_layers
 from ..cross import CrossAttentionBase
 from ..layers import AttentionBase
 from ..registry import build_attention, get_attention_class
@@ -220,18 +221,6 @@ def _install_grid_hook(model: nn.Module) -> GridContext:
     return ctx
 
 
-def _chosen(modules: list, layers) -> list[int]:
-    if layers is None:
-        return list(range(len(modules)))
-    if callable(layers):
-        return [i for i, (n, _) in enumerate(modules) if layers(i, n)]
-    chosen = sorted({int(i) for i in layers})
-    bad = [i for i in chosen if not 0 <= i < len(modules)]
-    if bad:
-        raise ValueError(f"layers {bad} out of range: the model has {len(modules)} self-attention layers")
-    return chosen
-
-
 def swap_self_attention(
     model: nn.Module,
     attn_cfg,
@@ -267,7 +256,7 @@ def swap_self_attention(
         raise ValueError(f"{type(model).__name__} has no diffusers self-attention modules (set_processor + to_q)")
     context = _install_grid_hook(model) if track_grid else None
     names = []
-    for i in _chosen(modules, layers):
+    for i in select_layers([n for n, _ in modules], layers, "self-attention layers"):
         module_name, attn = modules[i]
         weight = attn.to_q.weight
         pdtype = weight.dtype if weight.dtype.is_floating_point else torch.float32

@@ -525,6 +525,11 @@ class Trainer:
         seed = int(cfg.get("seed", 0))
         seed_everything(seed)
         model = self.task.build_model().to(self.device)
+        if tcfg.get("init_from"):  # another run's weights (docs/conversion.md); trainer.resume still wins
+            from .init_from import init_model_from  # noqa: PLC0415
+
+            for line in init_model_from(model, tcfg.init_from, cfg, map_location=self.device):
+                self._print(line)
         n_params = self._describe_model(model)
 
         train_ds, eval_ds = self.task.build_datasets()
