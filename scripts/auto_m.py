@@ -261,6 +261,17 @@ def load_text(m: dict) -> str:
             f"{m.get('cpu_count')} CPUs ({busy} by `tasks.common.records`)")
 
 
+def latency_ratios(bench: dict, rule_m: int) -> dict:
+    """The ratios the reading quotes, kept in the record: each M's time over the rule's M's
+    (``ratio_to_rule``, by M) and the rule's M's over the fastest M's (``rule_over_fastest``)."""
+    rows = {r["M"]: r["ms"] for r in bench["rows"]}
+    if rule_m not in rows:
+        return {}
+    fastest = min(rows.values())
+    return {"ratio_to_rule": {str(m): round(ms / rows[rule_m], 2) for m, ms in rows.items()},
+            "rule_over_fastest": round(rows[rule_m] / fastest, 2)}
+
+
 def reading(data: dict) -> list[str]:
     """The reading, made from the numbers (none is written by hand)."""
     sw, rule_m, out = data["sweep"], data["rule_m_sweep"], []
@@ -426,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     if bench:
         data["bench"] = bench
         data["rule_m_bench"] = math.prod(auto_blocks(tuple(bench["grid"])))
+        bench.update(latency_ratios(bench, data["rule_m_bench"]))
     measurement = bench.pop("measurement") if bench else None
     if bench:
         bench["measurement"] = measurement  # (the table reads it; write_result stores it at the top too)

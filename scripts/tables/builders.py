@@ -8,7 +8,9 @@ import sys
 
 from tasks.common.launch import mean_std, run_parallel
 
-from . import benchmark, config, registry, results, runner, writers
+from tasks.common import results
+
+from . import benchmark, config, registry, runner, writers
 from .registry import Cell, NoCells, Table
 
 

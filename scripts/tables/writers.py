@@ -10,9 +10,10 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tasks.common import results
 from tasks.common.utils import system_info
 
-from . import config, figures, registry, results
+from . import config, figures, registry
 from .registry import BENCH, LABELS, PERCENT, Cell, Table
 
 
