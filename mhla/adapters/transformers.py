@@ -43,25 +43,27 @@ from ..layers import AttentionBase, AttentionCache
 from ..rope import RotaryTables
 
 
-def _map_tensors(obj, fn):
-    """``fn`` on every tensor of an attention state (tensors, tuples / lists, dataclasses such as
-    MHLAState)."""
+def map_tensors(obj, fn):
+    """``fn`` on every tensor of an attention state (tensors, tuples / lists, dataclasses such as MHLAState;
+    batch dim 0)."""
     if obj is None:
         return None
     if torch.is_tensor(obj):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
+        return type(obj)(map_tensors(o, fn) for o in obj)
     if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
+        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn)
                                            for f in dataclasses.fields(obj)
                                            if torch.is_tensor(getattr(obj, f.name))})
     return obj
 
 
-class AdapterCacheLayer(CacheLayerMixin):
-    """One converted layer's slot in a transformers ``Cache``: ``state`` (:class:`mhla.layers.AttentionCache`)
-    and ``seen``, the tokens consumed (what the model reads as the past length)."""
+class StateCacheLayer(CacheLayerMixin):
+    """A transformers cache layer that holds an attention layer's own decode state: ``state``
+    (:class:`mhla.layers.AttentionCache`, written by the attention layer itself) and ``seen``, the tokens
+    consumed (what the model reads as the past length). The shared base of the LM's cache layer
+    (``models.lm.modeling_mhla_lm.MHLALMCacheLayer``) and of a converted Llama's (:class:`AdapterCacheLayer`)."""
 
     is_compileable = False
     is_croppable = False
@@ -71,13 +73,12 @@ class AdapterCacheLayer(CacheLayerMixin):
         super().__init__()
         self.state = AttentionCache()
         self.seen = 0
-        self.is_initialized = True
 
-    def lazy_initialization(self, key_states, value_states) -> None:
+    def lazy_initialization(self, key_states, value_states) -> None:  # the attention layer creates the state
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("AdapterCacheLayer is updated by LlamaAttentionAdapter through .state")
+        raise NotImplementedError(f"{type(self).__name__} is updated by its attention layer through .state")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -97,9 +98,17 @@ class AdapterCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state, self.seen = AttentionCache(), 0
 
+
+class AdapterCacheLayer(StateCacheLayer):
+    """One converted layer's slot in a transformers ``Cache`` (:class:`StateCacheLayer`), initialised at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.is_initialized = True
+
     def _map(self, fn) -> None:
-        self.state = AttentionCache(attn=_map_tensors(self.state.attn, fn),
-                                    conv=_map_tensors(self.state.conv, fn))
+        self.state = AttentionCache(attn=map_tensors(self.state.attn, fn),
+                                    conv=map_tensors(self.state.conv, fn))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -34,9 +34,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as hf_init
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from mhla.adapters.transformers import StateCacheLayer, map_tensors
 from mhla.layers import AttentionCache
 from mhla.mixing import MixingMatrix
 from mhla.ops.utils import token_index
@@ -66,22 +67,7 @@ def build_lm_attention(config: MHLALMConfig) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------ cache
-def _map_tensors(obj, fn):
-    """Apply ``fn`` to every tensor in an attention state (MHLAState, tuples, tensors; batch dim 0)."""
-    if obj is None:
-        return None
-    if torch.is_tensor(obj):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
-                                           for f in dataclasses.fields(obj)
-                                           if torch.is_tensor(getattr(obj, f.name))})
-    return obj
-
-
-class MHLALMCacheLayer(CacheLayerMixin):
+class MHLALMCacheLayer(StateCacheLayer):
     """One layer's decode state: ``state`` (:class:`mhla.layers.AttentionCache`) and the tokens seen.
 
     ``seen``: the columns consumed (padding included; what transformers counts). ``seq_seen``: after a padded or
@@ -89,42 +75,15 @@ class MHLALMCacheLayer(CacheLayerMixin):
     per-sequence lists; None before (every row has consumed ``seen`` tokens).
     """
 
-    is_compileable = False
-    is_croppable = False
-    supports_early_init = False
-
     def __init__(self):
         super().__init__()
-        self.state = AttentionCache()
-        self.seen = 0
         self.seq_seen: torch.Tensor | None = None
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # state is created by the layer itself
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("MHLALMCacheLayer is updated by the attention layer through .state")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def offload(self):
-        pass
-
-    def prefetch(self):
-        pass
 
     def reset(self) -> None:
         self.state, self.seen, self.seq_seen = AttentionCache(), 0, None
 
     def _map(self, fn) -> None:
-        self.state = AttentionCache(**{f.name: _map_tensors(getattr(self.state, f.name), fn)
+        self.state = AttentionCache(**{f.name: map_tensors(getattr(self.state, f.name), fn)
                                        for f in dataclasses.fields(self.state)})
 
     def _reindex(self, rows: torch.Tensor) -> None:
