@@ -17,7 +17,7 @@ One call for every family; what each maps (docs/conversion.md):
   registered layer (softmax, ...): its state dict. The layer is built for the model's patch grid
   ``patch_embed.grid_size`` with the class / register tokens as prefix tokens (``num_prefix_tokens``).
 * **Our LM** (``models.lm.MHLALMForCausalLM`` / ``MHLALMModel``): ``config.attn`` becomes the new attention,
-  completed with the paper's LM defaults (:func:`models.lm.configuration_mhla_lm.complete_lm_attention`), and
+  completed with the paper's LM defaults (:func:`mhla.lm_attention.complete_lm_attention`), and
   every block's ``attn`` is rebuilt exactly as a model built from that config builds it, then given the old
   layer's weights (``qkv``, ``proj``, the output gate and its RMSNorm, q / k norms). The converted model is
   the model that ``MHLALMForCausalLM(config)`` builds: ``save_pretrained`` / ``from_pretrained`` /
@@ -258,8 +258,7 @@ def _convert_vit(model, name, given, layers, strict) -> tuple[list[str], list[st
 
 # ------------------------------------------------------------------------------------- our LM
 def _convert_mhla_lm(model, name, given, layers, strict) -> tuple[list[str], list[str], dict]:
-    from models.lm.configuration_mhla_lm import complete_lm_attention  # noqa: PLC0415
-    from models.lm.modeling_mhla_lm import build_lm_attention  # noqa: PLC0415
+    from .lm_attention import build_lm_attention, complete_lm_attention  # noqa: PLC0415
 
     if layers is not None:
         raise ValueError("mhla.convert: our LM has one attention for every block (config.attn); layers= is "
@@ -287,7 +286,7 @@ LLAMA_REFUSED = {"gate": False, "qk_norm": False, "cpe": False, "short_conv": 0}
 def llama_attention(config, attn) -> dict:
     """The options a converted Llama's layers are built with: ``attn`` over the paper's LM defaults, without
     the projection options (:data:`LLAMA_REFUSED`: Llama has no weights for them)."""
-    from models.lm.configuration_mhla_lm import complete_lm_attention  # noqa: PLC0415
+    from .lm_attention import complete_lm_attention  # noqa: PLC0415
 
     name, given = attention_options(attn)
     bad = sorted(k for k, off in LLAMA_REFUSED.items() if given.get(k, off) != off)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.lm.configuration_mhla_lm import auto_block_size
+from mhla.layouts import auto_block_size
 from tasks.language.mqar import mqar_loss_and_correct, multiquery_ar, power_law_probs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

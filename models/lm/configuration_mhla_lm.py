@@ -38,18 +38,11 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from mhla.layouts import auto_block_size, ceil_div
+from mhla.layouts import ceil_div
+from mhla.lm_attention import LM_ATTENTION_DEFAULTS, complete_lm_attention  # noqa: F401 (models.lm exports them)
 from mhla.registry import AttentionContract, Needs, accepted_options, get_attention_class
-from mhla.rope import ROPE_PLACEMENTS, rope_placement  # noqa: F401 (ROPE_PLACEMENTS: models.lm exports it)
+from mhla.rope import ROPE_PLACEMENTS  # noqa: F401 (models.lm exports it)
 
-# The paper's language-model setting: "*" for every causal attention that takes the option, then each name's own.
-# ``out_norm`` is left out: it follows ``normalize`` (see the module docstring).
-LM_ATTENTION_DEFAULTS: dict[str, dict] = {
-    "*": {"gate": True, "rope": "after_feature_map", "qk_norm": False, "cpe": False, "short_conv": 0,
-          "feature_map": "relu", "normalize": False},
-    "mhla": {"block_size": 64, "mixing_init": "uniform", "mixing_param": "clamp", "mixing_learnable": True,
-             "mixing_per_head": False, "mixing_extension": "uniform_far", "backend": "auto"},
-}
 # Options the model sets itself when it builds each block's attention.
 LM_FIXED_OPTIONS = ("causal", "head_dim", "value_dim", "qkv_bias", "proj_bias", "grid", "num_prefix_tokens",
                     "projections", "device", "dtype")
@@ -87,33 +80,6 @@ def attention_contract(model_cfg) -> AttentionContract:
     return AttentionContract(model=name, needs=needs, defaults={k: dict(v) for k, v in LM_ATTENTION_DEFAULTS.items()},
                              fixed=LM_FIXED_OPTIONS, probes=(({"causal": True}, {}),),
                              prepare=lambda options: complete_lm_attention(options, context))
-
-
-def complete_lm_attention(attn: dict, max_position_embeddings: int) -> dict:
-    """``attn`` with every option of the paper's LM setting filled in: the defaults of its name, ``out_norm =
-    not normalize`` unless given, ``block_size="auto"`` resolved, and MHLA's ``max_learned_blocks`` (context /
-    block size). Raises ValueError for an attention without a causal form or an option it does not take."""
-    attn = {k: v for k, v in dict(attn).items() if v is not None}
-    name = attn.get("name", "mhla")
-    cls = get_attention_class(name)
-    if not cls.supports.causal:
-        raise ValueError(f"attn={name} has no causal form; the language model takes a causal attention")
-    accepted = accepted_options(cls)
-    out = {"name": name}
-    out.update({k: v for k, v in LM_ATTENTION_DEFAULTS["*"].items() if accepted is None or k in accepted})
-    out.update(LM_ATTENTION_DEFAULTS.get(name, {}))
-    out.update(attn)
-    if "normalize" in out and "out_norm" not in attn and out.get("gate") in (False, None, "none", "linear"):
-        out["out_norm"] = not out["normalize"]  # (the swish gate has its own RMSNorm)
-    out["rope"] = rope_placement(out.get("rope", "none"))
-    if out.get("block_size") == "auto":
-        out["block_size"] = auto_block_size(max_position_embeddings)
-    if name == "mhla" and out.get("max_learned_blocks") is None:
-        out["max_learned_blocks"] = max(1, max_position_embeddings // int(out["block_size"]))
-    unknown = sorted(k for k in out if k != "name" and accepted is not None and k not in accepted)
-    if unknown:
-        raise ValueError(f"attn={name} does not take {unknown}; its options: {', '.join(sorted(accepted))}")
-    return out
 
 
 def attention_from_legacy_fields(kwargs: dict) -> dict:

@@ -38,10 +38,10 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from mhla.adapters.transformers import StateCacheLayer, map_tensors
+from mhla.lm_attention import build_lm_attention  # noqa: F401 (models.lm's blocks build through it)
 from mhla.layers import AttentionCache
 from mhla.mixing import MixingMatrix
 from mhla.ops.utils import token_index
-from mhla.registry import build_attention
 from mhla.rope import RotaryTables
 
 from .configuration_mhla_lm import MHLALMConfig
@@ -57,13 +57,6 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.fl
     ang = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
     ang = torch.cat([ang, ang], dim=-1).unsqueeze(-2)  # [..., T, 1, dim]
     return RotaryTables(ang.cos().to(dtype), ang.sin().to(dtype))
-
-
-def build_lm_attention(config: MHLALMConfig) -> nn.Module:
-    """The attention layer of one block: the registered attention ``config.attn`` (name + options), causal, with
-    the model's head dims and no projection biases."""
-    return build_attention(config.attn, config.hidden_size, config.num_heads, causal=True, head_dim=config.head_dim,
-                           value_dim=config.head_value_dim, qkv_bias=False, proj_bias=False)
 
 
 # ------------------------------------------------------------------------------------------ cache
