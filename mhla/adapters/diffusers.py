@@ -143,6 +143,28 @@ class AttentionProcessor:
         k = _apply_qk_norm(getattr(attn, "norm_k", None), k, heads)
         return q, k, v.unflatten(-1, (heads, -1))
 
+    @staticmethod
+    def tokens(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Size | None]:
+        """``[B, N, C]`` tokens and the ``[B, C, H, W]`` shape they came in (generic Attention accepts it), or
+        None."""
+        if hidden_states.dim() == 4:
+            return hidden_states.flatten(2).transpose(1, 2), hidden_states.shape
+        return hidden_states, None
+
+    @staticmethod
+    def output(attn, o: torch.Tensor, residual: torch.Tensor, shape_4d: torch.Size | None) -> torch.Tensor:
+        """The host module's tail on the heads ``o`` (``[B, N, H, dv]``): ``to_out``, its residual connection
+        and output rescale, and the ``[B, C, H, W]`` shape back where the input had it."""
+        y = attn.to_out[0](o.flatten(2).to(residual.dtype))
+        if len(attn.to_out) > 1:
+            y = attn.to_out[1](y)
+        if getattr(attn, "residual_connection", False):
+            y = y + residual
+        y = y / getattr(attn, "rescale_output_factor", 1.0)
+        if shape_4d is not None:
+            y = y.transpose(1, 2).reshape(shape_4d)
+        return y
+
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb=None, image_rotary_emb=None,
                  **kwargs) -> torch.Tensor:
@@ -153,25 +175,14 @@ class AttentionProcessor:
             raise ValueError("AttentionProcessor does not take an attention_mask")
         layer: AttentionBase = attn.attention
         rotary_emb = rotary_emb if rotary_emb is not None else image_rotary_emb
-        x, shape_4d = hidden_states, None
-        if x.dim() == 4:  # generic Attention accepts [B, C, H, W]
-            shape_4d = x.shape
-            x = x.flatten(2).transpose(1, 2)
+        x, shape_4d = self.tokens(hidden_states)
         residual = x
         grid = self.token_grid(x.shape[1], tuple(shape_4d[2:]) if shape_4d is not None else None,
                                needs_grid=getattr(layer, "blocks", None) is not None)
         q, k, v = self.project(attn, x)
         tables = RotaryTables(*rotary_emb, interleaved=True, upcast=True) if rotary_emb is not None else None
         o = layer.finish_heads(layer.attend(q, k, v, grid=grid, rope_tables=tables, x=x))
-        y = attn.to_out[0](o.flatten(2).to(x.dtype))
-        if len(attn.to_out) > 1:
-            y = attn.to_out[1](y)
-        if getattr(attn, "residual_connection", False):
-            y = y + residual
-        y = y / getattr(attn, "rescale_output_factor", 1.0)
-        if shape_4d is not None:
-            y = y.transpose(1, 2).reshape(shape_4d)
-        return y
+        return self.output(attn, o, residual, shape_4d)
 
 
 # -------------------------------------------------------------------------------------- swapping
@@ -318,10 +329,7 @@ class CrossAttentionProcessor(AttentionProcessor):
         if getattr(attn, "add_k_proj", None) is not None:
             raise ValueError("CrossAttentionProcessor does not handle added image keys / values (Wan I2V)")
         layer: CrossAttentionBase = attn.attention
-        x, shape_4d = hidden_states, None
-        if x.dim() == 4:
-            shape_4d = x.shape
-            x = x.flatten(2).transpose(1, 2)
+        x, shape_4d = self.tokens(hidden_states)
         residual = x
         grid = self.token_grid(x.shape[1], tuple(shape_4d[2:]) if shape_4d is not None else None,
                                needs_grid=getattr(layer, "blocks", None) is not None)
@@ -332,15 +340,7 @@ class CrossAttentionProcessor(AttentionProcessor):
         v = attn.to_v(enc).unflatten(-1, (heads, -1))
         mask = key_padding_mask_from(attention_mask, x.shape[0], enc.shape[1])
         o = layer.finish_heads(layer.attend(q, k, v, grid=grid, key_padding_mask=mask))
-        y = attn.to_out[0](o.flatten(2).to(x.dtype))
-        if len(attn.to_out) > 1:
-            y = attn.to_out[1](y)
-        if getattr(attn, "residual_connection", False):
-            y = y + residual
-        y = y / getattr(attn, "rescale_output_factor", 1.0)
-        if shape_4d is not None:
-            y = y.transpose(1, 2).reshape(shape_4d)
-        return y
+        return self.output(attn, o, residual, shape_4d)
 
 
 def cross_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
