@@ -47,6 +47,7 @@ load average before and after.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import itertools
 import json
@@ -95,6 +96,23 @@ MEMORY_METHOD = ("CPU: growth of the subprocess's peak RSS (getrusage ru_maxrss)
 
 BUSY_WARN = 0.10  # flag a case when other processes used more than this fraction of the CPUs meanwhile
 
+
+
+def forward_call(fn):
+    """A timed call of ``fn`` (no arguments) without autograd."""
+    def run():
+        with torch.no_grad():
+            fn()
+    return run
+
+
+def forward_backward_call(fn, params, grad):
+    """A timed forward + backward of ``fn``: the gradients of ``params`` cleared, then ``fn().backward(grad)``."""
+    def run():
+        for p in params:
+            p.grad = None
+        fn().backward(grad)
+    return run
 
 def measurement(args) -> Measurement:
     """The load guard of a run (:class:`tasks.common.records.Measurement`; other processes' CPU share counts
@@ -478,18 +496,8 @@ def varlen_case(args, total_T: int, backend: str) -> dict:
     if rec["max_abs_diff_a_c"] > VARLEN_TOL[args.dtype]:
         return rec  # not timed: run_varlen reports the mismatch
 
-    def fwd(fn):
-        def run():
-            with torch.no_grad():
-                fn()
-        return run
-
-    def fwdbwd(fn):
-        def run():
-            for p in params:
-                p.grad = None
-            fn().backward(grad)
-        return run
+    fwd = forward_call
+    fwdbwd = functools.partial(forward_backward_call, params=params, grad=grad)
 
     busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
     first = time_round_robin({w: fwdbwd(fn) for w, fn in fns.items()}, device, 1)  # warm-up, sizes repeats
@@ -717,18 +725,8 @@ def run_causal_overhead(args, command: str) -> int:
         for T in sorted(args.seq_lens):
             fns, ps, grad = overhead_fns(args, T)
 
-            def fwd(fn):
-                def run():
-                    with torch.no_grad():
-                        fn()
-                return run
-
-            def fwdbwd(fn, params):
-                def run():
-                    for p in params:
-                        p.grad = None
-                    fn().backward(grad)
-                return run
+            fwd = forward_call
+            fwdbwd = functools.partial(forward_backward_call, grad=grad)
 
             busy0, own0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
             # warm-up
