@@ -246,7 +246,11 @@ class MixingMatrix(nn.Module):
         self._distances = distances.detach().to("cpu", torch.float64)
         # The init is computed on the CPU, then moved to the default device: under a `torch.device("meta")`
         # context (transformers' from_pretrained) or a CUDA one, mixing_init's tensors would land there.
-        raw = self.initial_raw().to(torch.get_default_device())
+        self._store_raw(self.initial_raw(), learnable)
+
+    def _store_raw(self, raw: torch.Tensor, learnable: bool) -> None:
+        """``raw`` (the init's stored values) on the default device, as a parameter or, frozen, a buffer."""
+        raw = raw.to(torch.get_default_device())
         if learnable:
             self.raw = nn.Parameter(raw)
         else:
@@ -575,11 +579,7 @@ class CrossMixingMatrix(MixingMatrix):
         self.init, self.causal, self.learnable = init, False, learnable
         self.num_heads = None if num_heads is None else operator.index(num_heads)
         self.parameterization, self.max_value, self.extension = parameterization, max_value, None
-        raw = self.initial_raw().to(torch.get_default_device())
-        if learnable:
-            self.raw = nn.Parameter(raw)
-        else:
-            self.register_buffer("raw", raw)
+        self._store_raw(self.initial_raw(), learnable)
 
     def initial_raw(self) -> torch.Tensor:
         with torch.device("cpu"):
