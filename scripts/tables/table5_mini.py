@@ -68,9 +68,10 @@ def run_row(row: str, seed: int, args) -> dict:
     return rec
 
 
-def bench(preset: str, threads: int, allow_busy: bool = False) -> None:
+def bench(preset: str, threads: int, allow_busy: bool = False, warmup: int = 1, iters: int = 3) -> None:
+    """One denoiser step at 31.5k tokens (``scripts/bench_video.py``): ``warmup`` untimed steps, then ``iters``."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_video.py"), "--preset", preset, "--device", "cpu",
-           "--warmup", "0", "--iters", "1", *(["--allow-busy"] if allow_busy else [])]
+           "--warmup", str(warmup), "--iters", str(iters), *(["--allow-busy"] if allow_busy else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
@@ -116,7 +117,8 @@ def write_outputs(records: list[dict], args) -> None:
         "(`tasks/video_gen/follow.py`): colour in every frame, centroid moves the asked way by >= 8% of the frame, "
         "more along than across; on the run's 4 sample prompts and on all 32 captions (4 colours x 2 shapes x 4 "
         "directions, noise seed 0). Sampling latency: the 4 sample prompts in one batch, 50 Euler steps with CFG "
-        "(100 forwards), timed in this process for every row, one after the other, with the same threads. "
+        "(100 forwards), timed in this process for every row, one after the other, with the same threads, after a "
+        "2-step warm-up: the median of the repeats (`latency_times_s` in the .json; 1 in runs before repeats). "
         "Mean ± std over seeds.", "",
         (f"Command: `{args.machine['command']}` (this file rewritten by `{command(args.argv)}`)"
          if args.plot_only and args.machine.get("command") else f"Command: `{command(args.argv)}`"), "",
@@ -203,6 +205,10 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="keep the rows and seeds already in <out>.json")
     ap.add_argument("--bench", action="store_true", help="first measure the 31.5k-token steps (~20 min on 2 cores)")
     ap.add_argument("--allow-busy", action="store_true", help="--bench: keep a benchmark made on a busy machine")
+    ap.add_argument("--bench-warmup", type=int, default=1, help="--bench: untimed steps first")
+    ap.add_argument("--bench-iters", type=int, default=3, help="--bench: timed steps (median)")
+    ap.add_argument("--latency-repeats", type=int, default=3,
+                    help="timed samplings per row after a warm-up (the median is the latency)")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the md from <out>.json (no picture)")
     ap.add_argument("--notes", default="", help="reading paragraph, or @file")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
@@ -225,7 +231,8 @@ def main(argv=None) -> int:
         return 0
     if args.bench:
         for preset in BENCH_PRESETS:
-            bench(preset, os.cpu_count() or 1, args.allow_busy)  # alone on the machine: every core
+            # alone on the machine: every core
+            bench(preset, os.cpu_count() or 1, args.allow_busy, args.bench_warmup, args.bench_iters)
     torch.set_num_threads(args.threads)
     done = {(rec["row"], rec["seed"]) for rec in records if "error" not in rec}
     records = [rec for rec in records if (rec["row"], rec["seed"]) in done]
@@ -243,7 +250,7 @@ def main(argv=None) -> int:
     with Measurement(threads=args.threads) as load:
         for rec in sorted((r for r in records if "error" not in r),
                           key=lambda r: (r["seed"], list(ROWS).index(r["row"]))):
-            measured = measure_row(rec)
+            measured = measure_row(rec, args.latency_repeats)
             videos = measured.pop("frames")
             rec.update(measured)
             n = rec["num_sample_prompts"]
