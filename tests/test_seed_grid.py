@@ -54,3 +54,10 @@ def test_overlapping_seeds_are_level(tmp_path):
     seed_grid.main([root, "--baseline", "linear", "--out", out])
     (pair,) = json.load(open(out + ".json"))["pairs"]
     assert pair["verdict"] == "level" and not pair["excludes_zero"]
+
+
+def test_steps_fall_back_to_the_last_evaluation():
+    run = {"metrics": {"acc": 0.9}, "curve": [(312, 0.2), (3120, 0.9)]}
+    assert seed_grid.steps_of(run) == 3120
+    assert seed_grid.steps_of({"metrics": {"steps": 7}, "curve": []}) == 7
+    assert seed_grid.steps_of({"metrics": {}, "curve": []}) is None

@@ -77,9 +77,11 @@ def first_eval(run_dir: str) -> dict:
 
 
 def steps_of(run: dict) -> int | None:
-    """The optimiser steps a run took (``steps`` in its final metrics, else its config's max_steps)."""
+    """The optimiser steps a run took (``steps`` in its final metrics, else the step of its last evaluation)."""
     steps = run["metrics"].get("steps")
-    return int(steps) if steps is not None else None
+    if steps is not None:
+        return int(steps)
+    return int(run["curve"][-1][0]) if run["curve"] else None
 
 
 def best_step(run: dict) -> int | None:
