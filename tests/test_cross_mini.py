@@ -41,3 +41,16 @@ def test_busy_latency_refused_unless_allowed(tmp_path):
     cross_mini.write(data, SimpleNamespace(allow_busy=True), busy)
     cross_mini.write(data, SimpleNamespace(allow_busy=False))  # a later rewrite keeps the mark
     assert "- BUSY" in open(stem + ".md").read().splitlines()[0]
+
+
+def test_paired_differences_and_verdicts():
+    rec = lambda row, seed, loss, fol: {"row": row, "seed": seed, "metrics": {"loss": loss},  # noqa: E731
+                                        "all_follow": {"followed": fol}}
+    records = [rec("softmax", s, 0.30 + 0.01 * s, 0.5) for s in range(3)]
+    records += [rec("mhla_cross", s, 0.20 + 0.01 * s + 0.001 * (s == 1), 0.5 + 0.25 * (s == 0)) for s in range(3)]
+    lines = "\n".join(cross_mini.paired_lines(records))
+    # loss: lower by 0.1 on every seed (tiny spread) -> mhla_cross better; following: one seed differs -> level
+    assert "| mhla_cross - softmax | eval loss | 3 | -0.0997 |" in lines and "mhla_cross better" in lines
+    assert "| mhla_cross - softmax | captions followed (%) | 3 | +8.3 |" in lines
+    assert lines.count("| level |") == 1
+    assert cross_mini.paired_lines(records[:3]) == []  # one row: nothing to pair

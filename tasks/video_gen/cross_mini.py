@@ -37,7 +37,7 @@ from tasks.common.evaluation import load_run
 from tasks.common.launch import read_notes, run_parallel, run_training
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import Measurement
-from tasks.common.stats import mean_std
+from tasks.common.stats import mean_std, ordering_verdict, paired_difference
 from tasks.common.utils import load_average, system_info
 
 from .follow import all_prompts, sample_and_check
@@ -168,11 +168,50 @@ def to_markdown(data: dict) -> str:
             cells.append("-" if m is None else f"{1e3 * m['median_s']:.1f}"
                          + (f" ({soft['median_s'] / m['median_s']:.2f}x)" if soft else ""))
         lines.append(f"| {LABELS[r]} | " + " | ".join(cells) + " |")
+    lines += paired_lines(records)
     lines += ["", "Raw records (per seed: metrics, per-caption checks, commands; latency: every timed "
               f"forward): `{os.path.basename(data['stem'])}.json`."]
     if data.get("notes"):
         lines += ["", "## Reading", "", data["notes"].strip()]
     return "\n".join(lines) + "\n"
+
+
+PAIRS = (("mhla_cross", "softmax"), ("mhla_cross", "linear_cross"), ("linear_cross", "softmax"))
+METRICS = (("eval loss", lambda rec: rec["metrics"]["loss"], -1.0, 4),  # lower is better: the verdict negates
+           ("captions followed (%)", lambda rec: 100 * rec["all_follow"]["followed"], 1.0, 1))
+
+
+def paired_lines(records: list[dict]) -> list[str]:
+    """The paired per-seed differences ``a - b`` of every metric (95% t interval over the shared seeds) and the
+    verdict "a better" only when the gap exceeds two pooled standard deviations, else "level"."""
+    per = {}
+    for rec in records:
+        if "error" not in rec and "all_follow" in rec:
+            per.setdefault(rec["row"], {})[rec["seed"]] = rec
+    out = []
+    for a, b in PAIRS:
+        if a not in per or b not in per:
+            continue
+        for name, get, sign, digits in METRICS:
+            va = {s: get(r) for s, r in per[a].items()}
+            vb = {s: get(r) for s, r in per[b].items()}
+            d = paired_difference(va, vb)
+            if not d["n"]:
+                continue
+            ci = "-" if d["ci95"] is None else f"[{d['ci95'][0]:.{digits}f}, {d['ci95'][1]:.{digits}f}]"
+            better = ordering_verdict([sign * v for v in va.values()], [sign * v for v in vb.values()])
+            worse = ordering_verdict([sign * v for v in vb.values()], [sign * v for v in va.values()])
+            verdict = f"{a} better" if better == "holds" else (f"{b} better" if worse == "holds" else "level")
+            per_seed = ", ".join(f"s{s}: {x:+.{digits}f}" for s, x in zip(d["seeds"], d["diffs"]))
+            out.append(f"| {a} - {b} | {name} | {d['n']} | {d['mean']:+.{digits}f} | {ci} | {per_seed} | "
+                       f"{verdict} |")
+    if not out:
+        return []
+    return ["", "Paired per-seed differences (same seed: same data order, init and sampling noise; 95% t interval "
+            "over the seeds; a row is better only when the gap of the means exceeds two pooled standard "
+            "deviations, else level):", "",
+            "| a - b | metric | seeds | mean diff | 95% interval | per seed | verdict |", "|---|---|---|---|---|---|---|",
+            *out]
 
 
 def plot(data: dict, path: str) -> None:
