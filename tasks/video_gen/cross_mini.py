@@ -182,8 +182,8 @@ METRICS = (("eval loss", lambda rec: rec["metrics"]["loss"], -1.0, 4),  # lower 
 
 
 def paired_lines(records: list[dict]) -> list[str]:
-    """The paired per-seed differences ``a - b`` of every metric (95% t interval over the shared seeds) and the
-    verdict "a better" only when the gap exceeds two pooled standard deviations, else "level"."""
+    """The paired per-seed differences ``a - b`` of every metric (95% t interval over the shared seeds) and
+    the verdict "a better" only when the gap exceeds two pooled standard deviations, else "level"."""
     per = {}
     for rec in records:
         if "error" not in rec and "all_follow" in rec:
@@ -207,10 +207,11 @@ def paired_lines(records: list[dict]) -> list[str]:
                        f"{verdict} |")
     if not out:
         return []
-    return ["", "Paired per-seed differences (same seed: same data order, init and sampling noise; 95% t interval "
-            "over the seeds; a row is better only when the gap of the means exceeds two pooled standard "
+    return ["", "Paired per-seed differences (same seed: same data order, init and sampling noise; 95% t "
+            "interval over the seeds; a row is better only when the gap of the means exceeds two pooled standard "
             "deviations, else level):", "",
-            "| a - b | metric | seeds | mean diff | 95% interval | per seed | verdict |", "|---|---|---|---|---|---|---|",
+            "| a - b | metric | seeds | mean diff | 95% interval | per seed | verdict |",
+            "|---|---|---|---|---|---|---|",
             *out]
 
 
