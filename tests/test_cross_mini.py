@@ -54,3 +54,14 @@ def test_paired_differences_and_verdicts():
     assert "| mhla_cross - softmax | captions followed (%) | 3 | +8.3 |" in lines
     assert lines.count("| level |") == 1
     assert cross_mini.paired_lines(records[:3]) == []  # one row: nothing to pair
+
+
+def test_paired_differences_are_in_the_json(tmp_path):
+    stem = str(tmp_path / "cross_mini")
+    cross_mini.write(_data(stem), SimpleNamespace(allow_busy=False))
+    (loss, follow) = json.load(open(stem + ".json"))["paired"]
+    assert (loss["a"], loss["b"], loss["metric"], loss["seeds"]) == ("mhla_cross", "softmax", "eval loss", [0])
+    assert loss["mean"] == pytest.approx(0.01) and follow["mean"] == pytest.approx(0.0)
+    ratios = json.load(open(stem + ".json"))["latency_ratios"]
+    assert ratios["softmax/mhla_cross"]["512"] == pytest.approx(2.0)
+    assert ratios["mhla_cross/linear_cross"]["512"] == pytest.approx(1.0)

@@ -151,7 +151,8 @@ def to_markdown(data: dict) -> str:
         "turn "
         f"({machine.get('warmup', '?')} warm-up rounds, {machine.get('repeats', '?')} timed rounds, median), "
         f"{machine.get('latency_threads', '?')} thread(s).", "",
-        f"Command: `{machine.get('command', '?')}`", "",
+        f"Command: `{machine.get('command', '?')}`"
+        + (f"; the training runs: `{machine['training_command']}`" if machine.get("training_command") else ""), "",
         f"Machine: {json.dumps({k: v for k, v in machine.items() if k != 'command'})}", "",
         head, "|" + "---|" * (head.count("|") - 1),
     ]
@@ -181,9 +182,10 @@ METRICS = (("eval loss", lambda rec: rec["metrics"]["loss"], -1.0, 4),  # lower 
            ("captions followed (%)", lambda rec: 100 * rec["all_follow"]["followed"], 1.0, 1))
 
 
-def paired_lines(records: list[dict]) -> list[str]:
-    """The paired per-seed differences ``a - b`` of every metric (95% t interval over the shared seeds) and
-    the verdict "a better" only when the gap exceeds two pooled standard deviations, else "level"."""
+def paired_summary(records: list[dict]) -> list[dict]:
+    """The paired per-seed differences ``a - b`` of every metric of :data:`METRICS` for the row pairs of
+    :data:`PAIRS` (:func:`tasks.common.stats.paired_difference`: 95% t interval over the shared seeds) and the
+    verdict: "<row> better" only when the gap of the means exceeds two pooled standard deviations, else "level"."""
     per = {}
     for rec in records:
         if "error" not in rec and "all_follow" in rec:
@@ -198,13 +200,34 @@ def paired_lines(records: list[dict]) -> list[str]:
             d = paired_difference(va, vb)
             if not d["n"]:
                 continue
-            ci = "-" if d["ci95"] is None else f"[{d['ci95'][0]:.{digits}f}, {d['ci95'][1]:.{digits}f}]"
             better = ordering_verdict([sign * v for v in va.values()], [sign * v for v in vb.values()])
             worse = ordering_verdict([sign * v for v in vb.values()], [sign * v for v in va.values()])
             verdict = f"{a} better" if better == "holds" else (f"{b} better" if worse == "holds" else "level")
-            per_seed = ", ".join(f"s{s}: {x:+.{digits}f}" for s, x in zip(d["seeds"], d["diffs"]))
-            out.append(f"| {a} - {b} | {name} | {d['n']} | {d['mean']:+.{digits}f} | {ci} | {per_seed} | "
-                       f"{verdict} |")
+            out.append({"a": a, "b": b, "metric": name, "digits": digits, **d, "verdict": verdict})
+    return out
+
+
+def latency_ratios(latency: list[dict]) -> dict:
+    """``{"a/b": {length: median a / median b}}`` for softmax over each linear-cost row and MHLA cross over
+    linear cross (how much faster the second is; the md's "vs softmax" column is the first kind)."""
+    med = {(r["row"], r["length"]): r["median_s"] for r in latency}
+    out = {}
+    for a, b in (("softmax", "mhla_cross"), ("softmax", "linear_cross"), ("mhla_cross", "linear_cross")):
+        ratios = {str(n): med[(a, n)] / med[(b, n)] for (row, n) in med if row == a and (b, n) in med}
+        if ratios:
+            out[f"{a}/{b}"] = ratios
+    return out
+
+
+def paired_lines(records: list[dict]) -> list[str]:
+    """The markdown table of :func:`paired_summary` (empty when no two rows share a seed)."""
+    out = []
+    for p in paired_summary(records):
+        k = p["digits"]
+        ci = "-" if p["ci95"] is None else f"[{p['ci95'][0]:.{k}f}, {p['ci95'][1]:.{k}f}]"
+        per_seed = ", ".join(f"s{s}: {x:+.{k}f}" for s, x in zip(p["seeds"], p["diffs"]))
+        out.append(f"| {p['a']} - {p['b']} | {p['metric']} | {p['n']} | {p['mean']:+.{k}f} | {ci} | {per_seed} | "
+                   f"{p['verdict']} |")
     if not out:
         return []
     return ["", "Paired per-seed differences (same seed: same data order, init and sampling noise; 95% t "
@@ -241,6 +264,8 @@ def write(data: dict, args, measurement: dict | None = None) -> None:
     from tasks.common.results import write_result  # noqa: PLC0415
 
     record = {k: v for k, v in data.items() if not (k == "measurement" and measurement is not None)}
+    record["paired"] = paired_summary(data.get("records", []))
+    record["latency_ratios"] = latency_ratios(data.get("latency") or [])
     write_result(data["stem"], to_markdown(data), record, lambda p: plot(data, p),
                  measurement=measurement, allow_busy=args.allow_busy)
     if measurement is not None:
@@ -297,6 +322,7 @@ def main(argv=None) -> int:
             data["latency"] = measure_latency(args.rows, args.lengths, args)
         write(data, args, m.record)  # the latency is on disk before the long training part
     if not args.latency_only:
+        data["machine"]["training_command"] = f"python -m tasks.video_gen.cross_mini {' '.join(argv_list)}".rstrip()
         torch.set_num_threads(args.threads)
         done = {(r["row"], r["seed"]) for r in data["records"] if "error" not in r and "all_follow" in r}
         data["records"] = [r for r in data["records"] if (r["row"], r["seed"]) in done]
