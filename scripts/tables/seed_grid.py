@@ -15,7 +15,7 @@ otherwise it is "level". Final metrics whose names start with ``mix`` (MHLA's mi
 MQAR's ``mix1_first``: the share of the first block in layer 1's causal rows) get their own table, at the start
 (the first evaluation) and at the end.
 
-``--runs-meta`` reads the queue's ``run_info.json`` beside ``run.json`` when present (niceness, load while it ran).
+A ``run_info.json`` beside ``run.json`` (a job queue's record: niceness, load while it ran) is kept when present.
 Writes ``<out>.md``, ``.json`` and ``.png`` through :func:`tasks.common.results.write_result`.
 """
 
