@@ -407,7 +407,9 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
     lr x 0.01, two at lr x 1; ``results/language/length_extrapolation*.md``): with ``relative`` the far past's
     share grows with position and perplexity rises past the training length on all five (+5% to +57% at 4k tokens, 1.9x by 8k);
     ``window`` and ``uniform_far`` stay flat (within 0.1% of each other). ``uniform_far`` is the default
-    because it bounds the row mass like ``window`` without dropping the far past.
+    because it bounds the row mass like ``window`` without dropping the far past, though it reads the far past
+    only faintly: recalling the start of a long single document (MQAR past its training length,
+    ``results/mqar/extrapolation_n256.md``) works best with ``last_row``, the rule that drifts up on joined text.
     """
     if rule not in EXTENSION_RULES:
         raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")

@@ -26,6 +26,7 @@ Runs are ``name=run_dir`` (or ``name=.../checkpoints/last.pt``); several runs ma
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -41,6 +42,7 @@ from scripts.length_extrapolation import extension_rule  # noqa: E402
 from tasks.common.results import write_result  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
+from tasks.common.launch import read_notes  # noqa: E402
 from tasks.common.records import Measurement  # noqa: E402
 from tasks.language.mqar import recall_by_distance  # noqa: E402
 
@@ -123,6 +125,8 @@ def markdown(record: dict, command: str) -> str:
                     cells.append("-" if bm is None else f"{bm:.1f}")
                 lines.append(f"| {g} | {rule} | {n} | {m:.1f} ± {s:.1f} | " + " | ".join(cells) + " |")
         lines.append("")
+    if record.get("notes"):
+        lines += ["## Reading", "", record["notes"].strip(), ""]
     return "\n".join(lines)
 
 
@@ -161,7 +165,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=12345, help="seed of the evaluation examples")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True, help="stem of the .md / .json / .png")
+    ap.add_argument("--notes", default="", help="reading paragraph (or @file) under the tables")
+    ap.add_argument("--rewrite", action="store_true",
+                    help="no evaluation: rewrite <out>.md / .png from <out>.json (with --notes)")
     args = ap.parse_args(argv)
+    if args.rewrite:
+        with open(args.out + ".json") as f:
+            record = json.load(f)
+        if args.notes:
+            record["notes"] = read_notes(args.notes)
+        write_result(args.out, markdown(record, record["command"]), record, lambda png: plot(record, png))
+        print(f"rewrote {args.out}.md / .json / .png")
+        return 0
     torch.set_num_threads(args.threads)
     runs = dict(r.split("=", 1) for r in args.runs)
     groups, rules_of, meta = {}, {}, {}
@@ -179,7 +194,8 @@ def main(argv=None) -> int:
     command = "python scripts/mqar_extrapolation.py " + " ".join(argv if argv is not None else sys.argv[1:])
     record = {"command": command, "train_len": train_len, "num_kv_pairs": kv, "lengths": [str(x) for x in args.lengths],
               "edges": list(edges_for(train_len, max(args.lengths))), "num_examples": args.num_examples,
-              "seed": args.seed, "groups": groups, "rules_of": rules_of, "runs": meta, "machine_load": m.record}
+              "seed": args.seed, "groups": groups, "rules_of": rules_of, "runs": meta, "machine_load": m.record,
+              "notes": read_notes(args.notes) if args.notes else ""}
     write_result(args.out, markdown(record, command), record, lambda png: plot(record, png))
     print(f"wrote {args.out}.md / .json / .png")
     return 0

@@ -23,3 +23,17 @@ def test_table_means_over_seeds_and_buckets():
     md = mx.markdown(record, "cmd")
     assert "| mhla | uniform_far | 2 | 80.0 ± 7.1 | 100.0 | - | - | - | 60.0 |" in md
     assert "| mhla | window | 2 | 50.0 ± 0.0 | 100.0 | - | - | - | 0.0 |" in md
+
+
+def test_rewrite_from_json_adds_the_reading(tmp_path):
+    import json
+
+    record = {"command": "cmd", "train_len": 256, "num_kv_pairs": 8, "lengths": ["256"],
+              "edges": [0, 64, 128, 192, 256], "num_examples": 8, "seed": 1, "rules_of": {"linear": ["-"]},
+              "groups": {"linear": {"0": {"-": {"256": {"acc": 0.5, "n": 8, "buckets": []}}}}}}
+    out = tmp_path / "x"
+    (tmp_path / "x.json").write_text(json.dumps(record))
+    assert mx.main(["unused=dir", "--out", str(out), "--rewrite", "--notes", "Linear reads 50.0."]) == 0
+    md = (tmp_path / "x.md").read_text()
+    assert "| linear | - | 1 | 50.0 ± 0.0 |" in md and md.split("## Reading")[1].strip() == "Linear reads 50.0."
+    assert json.loads((tmp_path / "x.json").read_text())["notes"] == "Linear reads 50.0."

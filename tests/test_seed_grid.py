@@ -30,7 +30,7 @@ def test_paired_differences_verdicts_and_records(tmp_path):
         fake_run(root, f"linear_s{s}", b)
     fake_run(root, "linear_s3", 0.6, record=False)  # unfinished: no run.json
     out = str(tmp_path / "res" / "cell")
-    assert seed_grid.main([root, "--baseline", "linear", "--out", out, "--title", "T"]) == 0
+    assert seed_grid.main([root, "--baseline", "linear", "--out", out, "--title", "T", "--notes", "Reads 90.0."]) == 0
     rec = json.load(open(out + ".json"))
     mh = rec["variants"]["mhla"]
     assert mh["n"] == 3 and mh["mean"] == pytest.approx(90.0)
@@ -42,6 +42,7 @@ def test_paired_differences_verdicts_and_records(tmp_path):
     md = open(out + ".md").read()
     assert "| mhla - linear | 3 | 37.7 |" in md and "holds" in md
     assert "0.159 -> 0.310" in md  # mixing profile: first eval -> end, mean over seeds
+    assert md.split("## Reading")[1].strip() == "Reads 90.0." and rec["notes"] == "Reads 90.0."
     assert rec["runs"]["mhla_s0"]["record"]["commit"] == "abc" and os.path.exists(out + ".png")
 
 

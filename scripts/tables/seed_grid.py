@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: the checkout's root on the path,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tasks.common.results import write_result  # noqa: E402
-from tasks.common.launch import metric_curve  # noqa: E402
+from tasks.common.launch import metric_curve, read_notes  # noqa: E402
 from tasks.common.records import read_run_record  # noqa: E402
 from tasks.common.stats import mean_std, ordering_verdict, paired_difference  # noqa: E402
 
@@ -227,7 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", nargs="*", default=[], help="more comparisons a:b (a - b)")
     ap.add_argument("--title", default="Seeds")
     ap.add_argument("--out", required=True, help="stem of the .md / .json / .png")
+    ap.add_argument("--notes", default="", help="reading paragraph (or @file) under the tables")
     args = ap.parse_args(argv)
+    notes = read_notes(args.notes) if args.notes else ""
     pairs = [tuple(p.split(":", 1)) for p in args.pairs]
     grid = collect(args.root, args.metric)
     if not any(e["runs"] for e in grid.values()):
@@ -237,8 +239,9 @@ def main(argv=None) -> int:
     runs = {f"{v}_s{s}": {k: r[k] for k in ("dir", "value", "metrics", "record", "queue", "first_eval")}
             for v, e in grid.items() for s, r in e["runs"].items()}
     record = {"command": command, "title": args.title, "metric": args.metric, "scale": args.scale, **summary,
-              "runs": runs}
-    write_result(args.out, markdown(summary, grid, args, command), record,
+              "runs": runs, "notes": notes}
+    md = markdown(summary, grid, args, command) + (f"\n## Reading\n\n{notes.strip()}\n" if notes else "")
+    write_result(args.out, md, record,
                  lambda png: plot(grid, summary, args, png))
     print(f"wrote {args.out}.md / .json / .png")
     return 0
