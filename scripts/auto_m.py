@@ -34,7 +34,7 @@ from scripts.tables.registry import BENCH, ROOT
 from tasks.common.results import write_json, write_result
 from tasks.common.launch import read_notes, run_parallel, run_training, train_loss_curve
 from tasks.common.records import read_run_record
-from tasks.common.stats import mean_std, ordering_verdict, paired_difference
+from tasks.common.stats import mean_std, ordering_winner, paired_difference
 from tasks.common.utils import system_info
 
 SWEEP_GRID = (8, 8)  # vit_mini: 32 px inputs, 4 px patches
@@ -179,14 +179,8 @@ def sweep_stats(records: list[dict], rule_m: int) -> list[dict]:
         }
         if m != rule_m and ref:
             d = paired_difference(accs, ref)
-            a, r_ = list(accs.values()), list(ref.values())
-            verdict = (
-                "higher"
-                if ordering_verdict(a, r_) == "holds"
-                else "lower"
-                if ordering_verdict(r_, a) == "holds"
-                else "level"
-            )
+            winner = ordering_winner(list(accs.values()), list(ref.values()))
+            verdict = {"a": "higher", "b": "lower", None: "level"}[winner]
             row.update(diff=d, verdict=verdict)
         rows.append(row)
     return rows

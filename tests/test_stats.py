@@ -26,3 +26,12 @@ def test_ordering_verdict_needs_two_pooled_std():
     assert ordering_verdict([10.0, 11.0, 9.0], [9.0, 10.0, 8.0]) == "level"  # gap 1, pooled std 1
     assert ordering_verdict([9.0, 9.2, 8.8], [10.0, 10.2, 9.8]) == "level"   # wrong direction
     assert ordering_verdict([10.0], [1.0]) == "level"                        # no spread: no verdict
+
+
+def test_ordering_winner_is_two_sided():
+    from tasks.common.stats import ordering_winner
+
+    assert ordering_winner([10.0, 10.2, 9.8], [9.0, 9.2, 8.8]) == "a"
+    assert ordering_winner([9.0, 9.2, 8.8], [10.0, 10.2, 9.8]) == "b"
+    assert ordering_winner([0.20, 0.21, 0.19], [0.30, 0.31, 0.29], higher_is_better=False) == "a"  # a loss
+    assert ordering_winner([10.0, 11.0, 9.0], [9.0, 10.0, 8.0]) is None

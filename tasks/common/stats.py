@@ -4,6 +4,7 @@ and the "holds" / "level" verdict of an ordering.
     diff = paired_difference({0: 93.1, 1: 94.0, 2: 92.5}, {0: 91.0, 1: 92.2, 2: 92.9})
     diff["mean"], diff["ci95"]      # the mean of a - b over the seeds both have, and its t interval
     ordering_verdict(a_values, b_values)   # "holds" when mean(a) - mean(b) > 2 pooled std, else "level"
+    ordering_winner(a_values, b_values)    # "a" or "b" when that side is ahead by the same rule, else None
 """
 
 from __future__ import annotations
@@ -57,3 +58,16 @@ def ordering_verdict(a: list[float], b: list[float], k: float = 2.0) -> str:
     gap = statistics.fmean(a) - statistics.fmean(b)
     sd = pooled_std(a, b)
     return "holds" if gap > 0 and gap > k * sd else "level"
+
+
+def ordering_winner(a: list[float], b: list[float], higher_is_better: bool = True, k: float = 2.0) -> str | None:
+    """The two-sided :func:`ordering_verdict`: ``"a"`` when ``a`` is better than ``b`` by more than ``k`` pooled
+    standard deviations (higher values better, or lower with ``higher_is_better=False``), ``"b"`` the other way,
+    ``None`` when level."""
+    sign = 1.0 if higher_is_better else -1.0
+    xs, ys = [sign * v for v in a], [sign * v for v in b]
+    if ordering_verdict(xs, ys, k) == "holds":
+        return "a"
+    if ordering_verdict(ys, xs, k) == "holds":
+        return "b"
+    return None

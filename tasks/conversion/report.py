@@ -15,7 +15,7 @@ import os
 import sys
 
 from tasks.common.results import write_result
-from tasks.common.stats import ordering_verdict
+from tasks.common.stats import ordering_winner
 
 ARM_KEYS = ("a", "b", "c")
 
@@ -54,13 +54,8 @@ def ordering(summary: dict, key: str) -> str:
     values = {k: list(summary["arms"][k]["values"]) for k in (x, y) if k != "teacher"}
     if len(values) < 2:
         return "level (one teacher run: no spread)"
-    sign = 1 if summary["higher_is_better"] else -1
-    xs, ys = ([sign * v for v in values[k]] for k in (x, y))
-    if ordering_verdict(xs, ys) == "holds":
-        return f"holds: ({x}) ahead"
-    if ordering_verdict(ys, xs) == "holds":
-        return f"holds: ({y}) ahead"
-    return "level"
+    winner = ordering_winner(values[x], values[y], higher_is_better=summary["higher_is_better"])
+    return "level" if winner is None else f"holds: ({x if winner == 'a' else y}) ahead"
 
 
 def _compare(s: dict, key: str, what: str, d: int) -> str:
