@@ -166,10 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True, help="stem of the .md / .json / .png")
     ap.add_argument("--notes", default="", help="reading paragraph (or @file) under the tables")
-    ap.add_argument("--rewrite", action="store_true",
+    ap.add_argument("--plot-only", action="store_true",
                     help="no evaluation: rewrite <out>.md / .png from <out>.json (with --notes)")
     args = ap.parse_args(argv)
-    if args.rewrite:
+    if args.plot_only:
         with open(args.out + ".json") as f:
             record = json.load(f)
         if args.notes:
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     record = {"command": command, "train_len": train_len, "num_kv_pairs": kv, "lengths": [str(x) for x in args.lengths],
               "edges": list(edges_for(train_len, max(args.lengths))), "num_examples": args.num_examples,
               "seed": args.seed, "groups": groups, "rules_of": rules_of, "runs": meta, "machine_load": m.record,
-              "notes": read_notes(args.notes) if args.notes else ""}
+              "notes": read_notes(args.notes)}
     write_result(args.out, markdown(record, command), record, lambda png: plot(record, png))
     print(f"wrote {args.out}.md / .json / .png")
     return 0

@@ -48,12 +48,12 @@ def test_paired_differences_and_verdicts():
                                         "all_follow": {"followed": fol}}
     records = [rec("softmax", s, 0.30 + 0.01 * s, 0.5) for s in range(3)]
     records += [rec("mhla_cross", s, 0.20 + 0.01 * s + 0.001 * (s == 1), 0.5 + 0.25 * (s == 0)) for s in range(3)]
-    lines = "\n".join(cross_mini.paired_lines(records))
+    lines = "\n".join(cross_mini.paired_lines(cross_mini.paired_summary(records)))
     # loss: lower by 0.1 on every seed (tiny spread) -> mhla_cross better; following: one seed differs -> level
     assert "| mhla_cross - softmax | eval loss | 3 | -0.0997 |" in lines and "mhla_cross better" in lines
     assert "| mhla_cross - softmax | captions followed (%) | 3 | +8.3 |" in lines
     assert lines.count("| level |") == 1
-    assert cross_mini.paired_lines(records[:3]) == []  # one row: nothing to pair
+    assert cross_mini.paired_lines(cross_mini.paired_summary(records[:3])) == []  # one row: nothing to pair
 
 
 def test_paired_differences_are_in_the_json(tmp_path):

@@ -33,7 +33,7 @@ def test_rewrite_from_json_adds_the_reading(tmp_path):
               "groups": {"linear": {"0": {"-": {"256": {"acc": 0.5, "n": 8, "buckets": []}}}}}}
     out = tmp_path / "x"
     (tmp_path / "x.json").write_text(json.dumps(record))
-    assert mx.main(["unused=dir", "--out", str(out), "--rewrite", "--notes", "Linear reads 50.0."]) == 0
+    assert mx.main(["unused=dir", "--out", str(out), "--plot-only", "--notes", "Linear reads 50.0."]) == 0
     md = (tmp_path / "x.md").read_text()
     assert "| linear | - | 1 | 50.0 ± 0.0 |" in md and md.split("## Reading")[1].strip() == "Linear reads 50.0."
     assert json.loads((tmp_path / "x.json").read_text())["notes"] == "Linear reads 50.0."

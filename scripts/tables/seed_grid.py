@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="stem of the .md / .json / .png")
     ap.add_argument("--notes", default="", help="reading paragraph (or @file) under the tables")
     args = ap.parse_args(argv)
-    notes = read_notes(args.notes) if args.notes else ""
+    notes = read_notes(args.notes)
     pairs = [tuple(p.split(":", 1)) for p in args.pairs]
     grid = collect(args.root, args.metric)
     if not any(e["runs"] for e in grid.values()):

@@ -37,7 +37,7 @@ from tasks.common.evaluation import load_run
 from tasks.common.launch import read_notes, run_parallel, run_training
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import Measurement
-from tasks.common.stats import mean_std, ordering_verdict, paired_difference
+from tasks.common.stats import mean_std, ordering_winner, paired_difference
 from tasks.common.utils import load_average, system_info
 
 from .follow import all_prompts, sample_and_check
@@ -169,7 +169,7 @@ def to_markdown(data: dict) -> str:
             cells.append("-" if m is None else f"{1e3 * m['median_s']:.1f}"
                          + (f" ({soft['median_s'] / m['median_s']:.2f}x)" if soft else ""))
         lines.append(f"| {LABELS[r]} | " + " | ".join(cells) + " |")
-    lines += paired_lines(records)
+    lines += paired_lines(data["paired"] if "paired" in data else paired_summary(records))
     lines += ["", "Raw records (per seed: metrics, per-caption checks, commands; latency: every timed "
               f"forward): `{os.path.basename(data['stem'])}.json`."]
     if data.get("notes"):
@@ -178,8 +178,8 @@ def to_markdown(data: dict) -> str:
 
 
 PAIRS = (("mhla_cross", "softmax"), ("mhla_cross", "linear_cross"), ("linear_cross", "softmax"))
-METRICS = (("eval loss", lambda rec: rec["metrics"]["loss"], -1.0, 4),  # lower is better: the verdict negates
-           ("captions followed (%)", lambda rec: 100 * rec["all_follow"]["followed"], 1.0, 1))
+METRICS = (("eval loss", lambda rec: rec["metrics"]["loss"], False, 4),  # (name, value, higher is better, digits)
+           ("captions followed (%)", lambda rec: 100 * rec["all_follow"]["followed"], True, 1))
 
 
 def paired_summary(records: list[dict]) -> list[dict]:
@@ -194,15 +194,14 @@ def paired_summary(records: list[dict]) -> list[dict]:
     for a, b in PAIRS:
         if a not in per or b not in per:
             continue
-        for name, get, sign, digits in METRICS:
+        for name, get, higher_is_better, digits in METRICS:
             va = {s: get(r) for s, r in per[a].items()}
             vb = {s: get(r) for s, r in per[b].items()}
             d = paired_difference(va, vb)
             if not d["n"]:
                 continue
-            better = ordering_verdict([sign * v for v in va.values()], [sign * v for v in vb.values()])
-            worse = ordering_verdict([sign * v for v in vb.values()], [sign * v for v in va.values()])
-            verdict = f"{a} better" if better == "holds" else (f"{b} better" if worse == "holds" else "level")
+            winner = ordering_winner(list(va.values()), list(vb.values()), higher_is_better)
+            verdict = "level" if winner is None else f"{a if winner == 'a' else b} better"
             out.append({"a": a, "b": b, "metric": name, "digits": digits, **d, "verdict": verdict})
     return out
 
@@ -219,10 +218,10 @@ def latency_ratios(latency: list[dict]) -> dict:
     return out
 
 
-def paired_lines(records: list[dict]) -> list[str]:
-    """The markdown table of :func:`paired_summary` (empty when no two rows share a seed)."""
+def paired_lines(paired: list[dict]) -> list[str]:
+    """The markdown table of :func:`paired_summary`'s list (empty when no two rows share a seed)."""
     out = []
-    for p in paired_summary(records):
+    for p in paired:
         k = p["digits"]
         ci = "-" if p["ci95"] is None else f"[{p['ci95'][0]:.{k}f}, {p['ci95'][1]:.{k}f}]"
         per_seed = ", ".join(f"s{s}: {x:+.{k}f}" for s, x in zip(p["seeds"], p["diffs"]))
@@ -266,7 +265,7 @@ def write(data: dict, args, measurement: dict | None = None) -> None:
     record = {k: v for k, v in data.items() if not (k == "measurement" and measurement is not None)}
     record["paired"] = paired_summary(data.get("records", []))
     record["latency_ratios"] = latency_ratios(data.get("latency") or [])
-    write_result(data["stem"], to_markdown(data), record, lambda p: plot(data, p),
+    write_result(data["stem"], to_markdown(record), record, lambda p: plot(data, p),
                  measurement=measurement, allow_busy=args.allow_busy)
     if measurement is not None:
         data["measurement"] = measurement
@@ -298,11 +297,12 @@ def main(argv=None) -> int:
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides for every training run")
     args = ap.parse_args(argv)
     argv_list = list(argv if argv is not None else sys.argv[1:])
+    command = f"python -m tasks.video_gen.cross_mini {' '.join(argv_list)}".rstrip()
     data = {"stem": args.out, "records": [], "latency": [],
             "notes": read_notes(args.notes) if args.notes else "",
             "machine": {**system_info(), "load_avg": load_average(), "jobs": args.jobs,
                         "threads": args.threads,
-                        "command": f"python -m tasks.video_gen.cross_mini {' '.join(argv_list)}".rstrip()}}
+                        "command": command}}
     if (args.resume or args.plot_only) and os.path.isfile(args.out + ".json"):
         saved = json.load(open(args.out + ".json"))
         saved["stem"] = args.out
@@ -317,12 +317,12 @@ def main(argv=None) -> int:
         threads = args.latency_threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
         data["machine"].update(latency_threads=threads, warmup=args.warmup, repeats=args.repeats,
-                               latency_command=f"python -m tasks.video_gen.cross_mini {' '.join(argv_list)}")
+                               latency_command=command)
         with Measurement(threads=threads) as m:
             data["latency"] = measure_latency(args.rows, args.lengths, args)
         write(data, args, m.record)  # the latency is on disk before the long training part
     if not args.latency_only:
-        data["machine"]["training_command"] = f"python -m tasks.video_gen.cross_mini {' '.join(argv_list)}".rstrip()
+        data["machine"]["training_command"] = command
         torch.set_num_threads(args.threads)
         done = {(r["row"], r["seed"]) for r in data["records"] if "error" not in r and "all_follow" in r}
         data["records"] = [r for r in data["records"] if (r["row"], r["seed"]) in done]
