@@ -367,9 +367,7 @@ def main(argv=None) -> int:
     settings["dtype"] = dtype_name
     with Measurement(threads=1 if args.device == "cuda" else torch.get_num_threads(),
                      watch_other_cpu=args.device == "cpu") as load:
-        if args.device == "cpu" and load.busy_at_start() and not args.allow_busy:
-            print(f"refusing to measure: the machine is busy ({load_summary(load.record)}); wait for an idle "
-                  "machine or pass --allow-busy", file=sys.stderr)
+        if load.refuses_to_start(args.allow_busy):
             return 2
         rows = [row for preset in args.presets for attn in args.attns
                 for row in measure_preset(preset, attn, args, dtype)]

@@ -123,7 +123,8 @@ def estimate(prev: dict | None, n_tokens: int, attn: str, model_name: str) -> fl
     return prev["sec"] * (ratio ** 2 if attn == "softmax" else ratio) * model_weight(model_name) / prev["weight"]
 
 
-def run(args) -> dict:
+def run(args) -> dict | None:
+    """Every case of the grid, timed inside one :class:`Measurement` (None: refused, the machine was busy at start)."""
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
@@ -134,6 +135,8 @@ def run(args) -> dict:
     header = system_info(device)
     with Measurement(threads=1 if device == "cuda" else torch.get_num_threads(),
                      watch_other_cpu=device != "cuda") as load:
+        if load.refuses_to_start(args.allow_busy):
+            return None
         header.update(batch=batch, precision="bf16 autocast" if amp else "fp32", repeats=args.repeats,
                       loadavg_start=load.record["load_before"])  # (the .md's line; the whole record: measurement)
         busy0, wall0 = busy_cpu_s(), time.time()
@@ -266,8 +269,11 @@ def main(argv=None) -> int:
         with open(stem + ".json") as f:
             print(f"wrote {plot_models(json.load(f), stem + '.png')}")
         return 0
+    data = run(args)
+    if data is None:  # refused before measuring: the machine was busy
+        return 2
     try:
-        write_results(run(args), stem, allow_busy=args.allow_busy)
+        write_results(data, stem, allow_busy=args.allow_busy)
     except BusyMachine as e:
         print(e, file=sys.stderr)
         return 2

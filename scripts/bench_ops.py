@@ -68,7 +68,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 import mhla
 from mhla.mixing import distances_1d, mixing_init
 from mhla.ops.utils import bucket_sequences, default_call_cost_tokens
-from tasks.common.results import BusyMachine, load_summary, write_result
+from tasks.common.results import BusyMachine, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.records import Measurement, busy_cpu_s, own_cpu_s
 from tasks.common.utils import system_info
@@ -119,15 +119,6 @@ def measurement(args) -> Measurement:
     on a CPU)."""
     return Measurement(threads=1 if args.device == "cuda" else (args.threads or torch.get_num_threads()),
                        watch_other_cpu=args.device == "cpu")
-
-
-def refuses_to_start(load: Measurement, args) -> bool:
-    """A CPU run on a machine already busy before it starts is refused (unless ``--allow-busy``)."""
-    if args.device == "cpu" and load.busy_at_start() and not args.allow_busy:
-        print(f"refusing to measure: the machine is busy ({load_summary(load.record)}); wait for an idle "
-              "machine or pass --allow-busy", file=sys.stderr)
-        return True
-    return False
 
 
 def write_measured(stem: str, out: dict, markdown, plot, load: Measurement, args) -> bool:
@@ -533,7 +524,7 @@ def run_varlen(args, command: str) -> int:
     print("machine:", json.dumps(header))
     records, failed = [], []
     with measurement(args) as load:
-        if refuses_to_start(load, args):
+        if load.refuses_to_start(args.allow_busy):
             return 2
         for backend in varlen_backends(args):
             for total_T in sorted(args.seq_lens):
@@ -720,7 +711,7 @@ def run_causal_overhead(args, command: str) -> int:
         return 1
     records = []
     with measurement(args) as load:
-        if refuses_to_start(load, args):
+        if load.refuses_to_start(args.allow_busy):
             return 2
         for T in sorted(args.seq_lens):
             fns, ps, grad = overhead_fns(args, T)
@@ -893,7 +884,7 @@ def main(argv=None) -> int:
                         "--budget-s", str(args.budget_s)]
     records = []
     with measurement(args) as load:
-        if refuses_to_start(load, args):
+        if load.refuses_to_start(args.allow_busy):
             return 2
         for causal in (False, True):
             for op in OPS[causal]:

@@ -78,8 +78,9 @@ def bench_variant(preset: dict, variant: str, device: torch.device, dtype, warmu
     torch.manual_seed(0)
     with torch.device(device):
         model = WanTransformer3DModel(**preset["arch"])
-    attn = {**VARIANTS[variant], "blocks": list(preset["blocks"]), "normalize": False, "out_norm": True,
-            "rope": "after"}
+    attn = {**VARIANTS[variant], "normalize": False, "out_norm": True, "rope": "after"}
+    if attn["name"] == "mhla":  # the block grid is MHLA's own option (linear attention refuses it)
+        attn["blocks"] = list(preset["blocks"])
     apply_attention(model, attn)
     model = model.to(device, dtype).eval()
     x = torch.randn(1, preset["arch"]["in_channels"], *preset["latent"], device=device, dtype=dtype)
@@ -139,6 +140,8 @@ def main(argv=None) -> None:
     results = {}
     with Measurement(threads=1 if device.type == "cuda" else torch.get_num_threads(),
                      watch_other_cpu=device.type != "cuda") as load:
+        if load.refuses_to_start(args.allow_busy):
+            raise SystemExit(2)
         for v in args.variants:
             r = bench_variant(preset, v, device, dtype, warmup, iters)
             results[v] = r

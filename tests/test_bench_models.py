@@ -51,3 +51,22 @@ def test_video_mode_forwards_to_bench_video(monkeypatch):
     monkeypatch.setattr(bench_video, "main", lambda argv=None: seen.setdefault("argv", argv))
     assert bench_models.main(["--mode", "video", "--preset", "cpu", "--device", "cpu"]) == 0
     assert seen["argv"] == ["--preset", "cpu", "--device", "cpu"]
+
+
+def test_cpu_benchmarks_refuse_to_start_on_a_busy_machine(tmp_path, monkeypatch, capsys):
+    """A load average that already says busy stops the benchmark before any timing (exit 2, nothing written),
+    not after a whole run; --allow-busy measures anyway (the result is then written marked BUSY)."""
+    from scripts import bench_ops
+    from tasks.common import records
+
+    monkeypatch.setattr(records, "load_average", lambda: [100.0, 100.0, 100.0])
+    timed = []
+    monkeypatch.setattr(bench_models, "measure_grid", lambda *a: timed.append(a) or [])
+    argv = ["--models", "DiT-S/2", "--resolutions", "64", "--attns", "mhla", "--modes", "fwd", "--repeats", "1",
+            "--out-dir", str(tmp_path)]
+    assert bench_models.main(argv) == 2 and not timed
+    assert "refusing to measure" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    assert bench_models.main([*argv, "--allow-busy"]) == 0 and len(timed) == 1
+    assert " - BUSY" in (tmp_path / "models_cpu.md").read_text().splitlines()[0]
+    monkeypatch.setattr(bench_ops, "run_case", lambda *a: timed.append(a))
+    assert bench_ops.main(["--quick", "--out-dir", str(tmp_path / "ops")]) == 2 and len(timed) == 1

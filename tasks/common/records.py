@@ -145,6 +145,18 @@ class Measurement:
         return bool(r["load_before"] and r["cpu_count"]
                     and float(r["load_before"][0]) > BUSY_FRACTION * r["cpu_count"])
 
+    def refuses_to_start(self, allow_busy: bool = False) -> bool:
+        """Whether a CPU benchmark (``watch_other_cpu``) should stop before timing anything, because the load
+        before it already says busy (:meth:`busy_at_start`): prints why and returns True unless ``allow_busy``.
+        A benchmark that only learned this at its end would spend its whole run to write nothing."""
+        if not self.watch_other_cpu or allow_busy or not self.busy_at_start():
+            return False
+        from .results import load_summary  # noqa: PLC0415  (results imports nothing of ours but fileio)
+
+        print(f"refusing to measure: the machine is busy ({load_summary(self.record)}); the load average lags by "
+              "about a minute, so start a minute after the last job, or pass --allow-busy", file=sys.stderr)
+        return True
+
     def __exit__(self, *exc) -> bool:
         r = self.record
         r["load_after"] = load_average()
