@@ -6,8 +6,8 @@ random weights (latency does not depend on them), text context 512 tokens.
 
     python scripts/bench_video.py --preset wan1.3b --device cuda     # 21 x 30 x 50 = 31,500 tokens, bf16
     python scripts/bench_video.py --preset cpu                       # scaled down, fp32, a few minutes
-    python scripts/bench_video.py --preset wan1.3b_3layers --device cpu --warmup 0 --iters 1
-                                     # 31,500 tokens, 3 of the 30 layers (one hybrid period), fp32: ~15 min
+    python scripts/bench_video.py --preset wan1.3b_3layers --device cpu --warmup 1 --iters 3
+                                     # 31,500 tokens, 3 of the 30 layers (one hybrid period), fp32: ~30 min
     python scripts/bench_video.py --preset mini_31k --device cpu     # the video_mini model at 31,500 tokens
 
 Writes ``results/bench/video_<preset>_<device>.json``, ``.md`` and ``.png`` (``video_cpu.*`` for the ``cpu``
