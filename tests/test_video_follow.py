@@ -77,3 +77,14 @@ def test_table5_mini_trains_rows_and_writes_table(tmp_path):
     assert "| MHLA hybrid (layer 2 of 4 softmax) |" in md and "paper latency" in md and "(1.61x)" in md
     assert (tmp_path / "t5_frames.png").stat().st_size > 1000
     assert table5_mini.main(["--plot-only", "--out", str(out)]) == 0
+    # a row whose run folder is gone keeps its metrics, but its old latency leaves the (re-timed) latency column
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs" / "softmax_s0")
+    assert table5_mini.main(["--resume", *argv]) == 0
+    data = {r["row"]: r for r in json.loads((tmp_path / "t5.json").read_text())["results"]}
+    assert data["softmax"]["latency_stale"] and "latency_stale" not in data["mhla_hybrid"]
+    line = next(x for x in (tmp_path / "t5.md").read_text().splitlines() if x.startswith("| softmax"))
+    assert line.split(" | ")[5:7] == ["-", "-"]  # its latency and ratio are not shown
+    summary = json.loads((tmp_path / "t5.json").read_text())["summary"]
+    assert "latency_s" not in summary["softmax"] and summary["mhla_hybrid"]["latency_s"]["n"] == 1

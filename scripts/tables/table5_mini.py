@@ -34,7 +34,7 @@ from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import Measurement
 from tasks.common.utils import load_average, system_info
 from tasks.video_gen.media import to_uint8_frames
-from tasks.video_gen.table5_mini import measure_row
+from tasks.video_gen.table5_mini import checkpoint_of, measure_row
 
 from .registry import ROOT
 from tasks.common.results import write_result
@@ -98,12 +98,17 @@ def ratio_cell(bench: dict | None, row: str) -> str:
     return f"{r[row]['median_s']:.1f} s ({r['softmax']['median_s'] / r[row]['median_s']:.2f}x)"
 
 
+def timed_latencies(recs: list[dict]) -> list[float]:
+    """The sampling latencies of the records timed in the table's last measuring process (not ``latency_stale``)."""
+    return [rec["latency_s"] for rec in recs if not rec.get("latency_stale")]
+
+
 def write_outputs(records: list[dict], args) -> None:
     stem = args.out
     rows = [r for r in ROWS if any(rec["row"] == r for rec in records)]
     benches = {p: load_bench(f"video_{p}_cpu.json") for p in BENCH_PRESETS}
     by_row = {r: [rec for rec in records if rec["row"] == r and "error" not in rec] for r in rows}
-    soft_lat = [rec["latency_s"] for rec in by_row.get("softmax", [])]
+    soft_lat = timed_latencies(by_row.get("softmax", []))
     head = ("| attention | eval loss | sample prompts followed | all 32 captions followed | shape told apart (32) | "
             "sampling latency, 4 prompts (s) | vs softmax | 31.5k tokens, mini model: one step (vs softmax) | "
             "31.5k tokens, 3 Wan2.1-1.3B layers: one step (vs softmax) | paper latency, s (vs FlashAttention) |")
@@ -119,6 +124,8 @@ def write_outputs(records: list[dict], args) -> None:
         "directions, noise seed 0). Sampling latency: the 4 sample prompts in one batch, 50 Euler steps with CFG "
         "(100 forwards), timed in this process for every row, one after the other, with the same threads, after a "
         "2-step warm-up: the median of the repeats (`latency_times_s` in the .json; 1 in runs before repeats). "
+        "A seed whose run folder was gone when the table was last timed keeps its earlier latency in the .json "
+        "(`latency_stale`) and is left out of the latency columns (their n says how many seeds were timed). "
         "Mean ± std over seeds.", "",
         (f"Command: `{args.machine['command']}` (this file rewritten by `{command(args.argv)}`)"
          if args.plot_only and args.machine.get("command") else f"Command: `{command(args.argv)}`"), "",
@@ -131,12 +138,12 @@ def write_outputs(records: list[dict], args) -> None:
         if not recs:
             lines.append(f"| {LABELS[r]} | failed | | | | | | | | |")
             continue
-        lat = [rec["latency_s"] for rec in recs]
+        lat = timed_latencies(recs)
         stat = {name: dict(zip(("mean", "std"), mean_std(xs)), n=len(xs)) for name, xs in (
             ("eval_loss", [rec["metrics"]["loss"] for rec in recs]), ("latency_s", lat),
             ("all_followed", [rec["all_follow"]["followed"] for rec in recs]),
-            ("shape_ok", [rec["all_follow"]["shape_ok"] for rec in recs]))}
-        if soft_lat:
+            ("shape_ok", [rec["all_follow"]["shape_ok"] for rec in recs])) if xs}
+        if soft_lat and lat:
             stat["latency_speedup_vs_softmax"] = mean_std(soft_lat)[0] / mean_std(lat)[0]
         for p, b in benches.items():
             if b and r in b["results"] and "softmax" in b["results"]:
@@ -144,7 +151,7 @@ def write_outputs(records: list[dict], args) -> None:
                 stat[f"bench_{p}"] = {"median_s": med, "speedup_vs_softmax": soft / med}
         stat["paper_latency_s"] = PAPER_LATENCY_S[r]
         summary[r] = stat
-        speed = f"{mean_std(soft_lat)[0] / mean_std(lat)[0]:.2f}x" if soft_lat else "-"
+        speed = f"{mean_std(soft_lat)[0] / mean_std(lat)[0]:.2f}x" if soft_lat and lat else "-"
         n_sample = recs[0]["num_sample_prompts"]
         sample = " / ".join(f"{round(rec['sample_follow']['followed'] * n_sample)}/{n_sample}" for rec in recs)
         paper = f"{PAPER_LATENCY_S[r]} ({PAPER_LATENCY_S['softmax'] / PAPER_LATENCY_S[r]:.2f}x)"
@@ -247,9 +254,14 @@ def main(argv=None) -> int:
     run_parallel(lambda item: run_row(*item, args), todo, args.jobs, "Table 5 mini runs", on_done)
     # every row is sampled and timed here, one after the other, so the latencies share one machine state
     frames, scores = {}, {}
+    trained = sorted((r for r in records if "error" not in r), key=lambda r: (r["seed"], list(ROWS).index(r["row"])))
+    for rec in trained:  # a run folder that is gone cannot be timed again under this process's load
+        if not os.path.isfile(checkpoint_of(rec)):
+            rec["latency_stale"] = True
+            print(f"{rec['row']} seed {rec['seed']}: no checkpoint in {rec['run_dir']}; its eval loss and following "
+                  "are kept, its earlier latency is left out of the latency column", flush=True)
     with Measurement(threads=args.threads) as load:
-        for rec in sorted((r for r in records if "error" not in r),
-                          key=lambda r: (r["seed"], list(ROWS).index(r["row"]))):
+        for rec in (r for r in trained if not r.get("latency_stale")):
             measured = measure_row(rec, args.latency_repeats)
             videos = measured.pop("frames")
             rec.update(measured)

@@ -24,12 +24,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @torch.no_grad()
+def checkpoint_of(rec: dict) -> str:
+    """The trained row's last checkpoint (``rec["run_dir"]`` is relative to the repository root)."""
+    return os.path.join(ROOT, rec["run_dir"], "checkpoints", "last.pt")
+
+
 def measure_row(rec: dict, repeats: int = 3) -> dict:
     """Sample a trained row (``rec["run_dir"]``, relative to the repository root): prompt following on its sample
     prompts and on all 32 captions, sampling latency of its sample prompts (one 2-step warm-up, then the median of
     ``repeats`` timed samplings, every time kept), and the frames of its sample prompts (for the picture)."""
-    ckpt = os.path.join(ROOT, rec["run_dir"], "checkpoints", "last.pt")
-    cfg, task, model, info = load_run(ckpt)
+    cfg, task, model, info = load_run(checkpoint_of(rec))
     s = cfg.sample
     kw = dict(num_steps=int(s.num_steps), guidance_scale=float(s.guidance_scale), shift=float(s.shift))
     prompts = list(s.prompts)
