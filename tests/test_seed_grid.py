@@ -41,6 +41,8 @@ def test_paired_differences_verdicts_and_records(tmp_path):
     assert pair["excludes_zero"] and pair["verdict"] == "holds"
     md = open(out + ".md").read()
     assert "| mhla - linear | 3 | 37.7 |" in md and "holds" in md
+    assert mh["last_gain"]["mean"] == pytest.approx(45.0) and mh["last_gain"]["over_steps"] == [50]
+    assert "45.00 over 50 steps (s0: 45.00, s1: 46.00, s2: 44.00)" in md  # still learning at the end
     assert "0.159 -> 0.310" in md  # mixing profile: first eval -> end, mean over seeds
     assert md.split("## Reading")[1].strip() == "Reads 90.0." and rec["notes"] == "Reads 90.0."
     assert rec["runs"]["mhla_s0"]["record"]["commit"] == "abc" and os.path.exists(out + ".png")
@@ -55,6 +57,11 @@ def test_overlapping_seeds_are_level(tmp_path):
     seed_grid.main([root, "--baseline", "linear", "--out", out])
     (pair,) = json.load(open(out + ".json"))["pairs"]
     assert pair["verdict"] == "level" and not pair["excludes_zero"]
+
+
+def test_last_gain_needs_two_evaluations():
+    assert seed_grid.last_gain({"curve": [(312, 0.2), (624, 0.5), (936, 0.55)]}) == pytest.approx((0.05, 312))
+    assert seed_grid.last_gain({"curve": [(312, 0.2)]}) is None
 
 
 def test_steps_fall_back_to_the_last_evaluation():

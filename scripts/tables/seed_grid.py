@@ -11,7 +11,8 @@ A run counts when its ``run.json`` exists (the trainer writes it at the end); un
 Differences are paired by seed (the same data order and init seed on both sides) and the interval is the t
 interval of the per-seed differences (:func:`tasks.common.stats.paired_difference`); an ordering "holds" only
 when the gap of the means exceeds two pooled standard deviations (:func:`tasks.common.stats.ordering_verdict`),
-otherwise it is "level". Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g.
+otherwise it is "level". The last column, the change between a run's last two evaluations, is the evidence of convergence: a variant
+still gaining at the end was stopped while learning. Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g.
 MQAR's ``mix1_first``: the share of the first block in layer 1's causal rows) get their own table, at the start
 (the first evaluation) and at the end.
 
@@ -84,6 +85,15 @@ def steps_of(run: dict) -> int | None:
     return int(run["curve"][-1][0]) if run["curve"] else None
 
 
+def last_gain(run: dict) -> tuple[float, int] | None:
+    """How much the last evaluation improved on the one before: ``(value change, steps between them)``, the
+    evidence of whether a run was still learning when it stopped (None with fewer than two evaluations)."""
+    if len(run["curve"]) < 2:
+        return None
+    (s0, v0), (s1, v1) = run["curve"][-2:]
+    return v1 - v0, s1 - s0
+
+
 def best_step(run: dict) -> int | None:
     """The step of the best evaluation (the highest value) of a run's curve."""
     return max(run["curve"], key=lambda p: p[1])[0] if run["curve"] else None
@@ -100,6 +110,11 @@ def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], sc
                           "unfinished": sorted(entry["unfinished"]),
                           "steps": sorted({steps_of(r) for r in entry["runs"].values()} - {None}),
                           "best_step": {s: best_step(r) for s, r in sorted(entry["runs"].items())}}
+        gains = {s: g for s, g in ((s, last_gain(r)) for s, r in sorted(entry["runs"].items())) if g}
+        variants[name]["last_gain"] = {
+            "by_seed": {s: g[0] * scale for s, g in gains.items()},
+            "mean": mean_std([g[0] * scale for g in gains.values()])[0] if gains else None,
+            "over_steps": sorted({g[1] for g in gains.values()})}
     all_pairs = [(v, baseline) for v in grid if baseline and v != baseline and baseline in grid] + list(pairs)
     compared = []
     for a, b in dict.fromkeys(all_pairs):
@@ -122,16 +137,20 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
               f"Final `{args.metric}`{' (%)' if args.scale == 100 else ''} per variant over seeds "
               "(mean ± sample std); every run's resolved config, command, commit, machine and load are in the "
               ".json.", "",
-              "| variant | attention | n | steps | mean ± std | per seed | best eval at step |",
-              "|---|---|---|---|---|---|---|"]
+              "| variant | attention | n | steps | mean ± std | per seed | best eval at step | last eval's gain |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, s in v.items():
         desc = describe(next(iter(grid[name]["runs"].values()))["record"]["config"]) if s["n"] else "-"
         per = ", ".join(f"s{k}: {fmt(x, args.digits)}" for k, x in s["by_seed"].items())
         steps = "/".join(str(x) for x in s["steps"]) or "-"
         best = ", ".join(f"s{k}: {x}" for k, x in s["best_step"].items())
         unf = f" (unfinished: {', '.join(f's{u}' for u in s['unfinished'])})" if s["unfinished"] else ""
+        g = s["last_gain"]
+        gain = (f"{fmt(g['mean'], args.digits + 1)} over {'/'.join(map(str, g['over_steps']))} steps ("
+                + ", ".join(f"s{k}: {fmt(x, args.digits + 1)}" for k, x in g["by_seed"].items()) + ")"
+                if g["mean"] is not None else "-")
         lines.append(f"| {name}{unf} | {desc} | {s['n']} | {steps} | {fmt(s['mean'], args.digits)} ± "
-                     f"{fmt(s['std'], args.digits)} | {per} | {best} |")
+                     f"{fmt(s['std'], args.digits)} | {per} | {best} | {gain} |")
     if summary["pairs"]:
         lines += ["", "Paired per-seed differences a - b (95% t interval over the seeds both have; the ordering "
                   "a > b *holds* only when the gap of the means exceeds two pooled standard deviations, else "
