@@ -158,7 +158,7 @@ def plot(record: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="name=run_dir (name_s<seed> groups seeds)")
+    ap.add_argument("runs", nargs="*", help="name=run_dir (name_s<seed> groups seeds); none with --plot-only")
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), choices=EXTENSION_RULES)
     ap.add_argument("--num-examples", type=int, default=256)
@@ -177,6 +177,8 @@ def main(argv=None) -> int:
         write_result(args.out, markdown(record, record["command"]), record, lambda png: plot(record, png))
         print(f"rewrote {args.out}.md / .json / .png")
         return 0
+    if not args.runs:
+        ap.error("name=run_dir runs are required (except with --plot-only)")
     torch.set_num_threads(args.threads)
     runs = dict(r.split("=", 1) for r in args.runs)
     groups, rules_of, meta = {}, {}, {}
