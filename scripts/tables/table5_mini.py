@@ -151,7 +151,7 @@ def write_outputs(records: list[dict], args) -> None:
                 stat[f"bench_{p}"] = {"median_s": med, "speedup_vs_softmax": soft / med}
         stat["paper_latency_s"] = PAPER_LATENCY_S[r]
         summary[r] = stat
-        speed = f"{mean_std(soft_lat)[0] / mean_std(lat)[0]:.2f}x" if soft_lat and lat else "-"
+        speed = f"{stat['latency_speedup_vs_softmax']:.2f}x" if "latency_speedup_vs_softmax" in stat else "-"
         n_sample = recs[0]["num_sample_prompts"]
         sample = " / ".join(f"{round(rec['sample_follow']['followed'] * n_sample)}/{n_sample}" for rec in recs)
         paper = f"{PAPER_LATENCY_S[r]} ({PAPER_LATENCY_S['softmax'] / PAPER_LATENCY_S[r]:.2f}x)"
@@ -256,6 +256,7 @@ def main(argv=None) -> int:
     frames, scores = {}, {}
     trained = sorted((r for r in records if "error" not in r), key=lambda r: (r["seed"], list(ROWS).index(r["row"])))
     for rec in trained:  # a run folder that is gone cannot be timed again under this process's load
+        rec.pop("latency_stale", None)
         if not os.path.isfile(checkpoint_of(rec)):
             rec["latency_stale"] = True
             print(f"{rec['row']} seed {rec['seed']}: no checkpoint in {rec['run_dir']}; its eval loss and following "

@@ -23,12 +23,12 @@ from .follow import all_prompts, follow_report, sample_and_check
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@torch.no_grad()
 def checkpoint_of(rec: dict) -> str:
     """The trained row's last checkpoint (``rec["run_dir"]`` is relative to the repository root)."""
     return os.path.join(ROOT, rec["run_dir"], "checkpoints", "last.pt")
 
 
+@torch.no_grad()
 def measure_row(rec: dict, repeats: int = 3) -> dict:
     """Sample a trained row (``rec["run_dir"]``, relative to the repository root): prompt following on its sample
     prompts and on all 32 captions, sampling latency of its sample prompts (one 2-step warm-up, then the median of
