@@ -25,10 +25,14 @@ def test_stats_and_ordering_on_hand_records():
     assert (round(mean, 6), n, accs) == (96.0, 2, pytest.approx([97.0, 95.0]))
     assert std == pytest.approx(2 ** 0.5)
     lines = proxy2.proxy2_ordering(stats)
-    assert "**holds**" in lines[0]
-    assert "MHLA - softmax: +2.00 pp (+2.0 pooled std)" in lines[1]  # pooled std sqrt((2 + 0) / 2) = 1
-    stats["linear"] = (95.0, 0.0, 2, [95.0, 95.0])
-    assert "**does not hold**" in proxy2.proxy2_ordering(stats)[0]
+    # MHLA leads softmax by exactly 2 pooled std (sqrt((2 + 0) / 2) = 1): not more than two, so that step is level
+    assert "MHLA - softmax: +2.00 pp (+2.0 pooled std)" in lines[1]
+    assert "**level**" in lines[0] and "MHLA > softmax: level" in lines[0] and "softmax > linear: holds" in lines[0]
+    stats["mhla"] = (96.5, 0.5 ** 0.5, 2, [97.0, 96.0])  # gap 2.5 over pooled std 0.5: holds
+    assert "**holds**" in proxy2.proxy2_ordering(stats)[0]
+    stats["linear"] = (95.0, 0.0, 2, [95.0, 95.0])  # linear 1 point above softmax, no spread: reversed
+    lines = proxy2.proxy2_ordering(stats)
+    assert "**does not hold**" in lines[0] and "softmax > linear: reversed" in lines[0]
     assert "needs" in proxy2.proxy2_ordering({"mhla": stats["mhla"]})[0]
 
 

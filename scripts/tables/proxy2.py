@@ -18,6 +18,7 @@ from tasks.common.utils import system_info
 from . import registry
 from .registry import ROOT
 from tasks.common.results import saved_machine, write_result
+from tasks.common.stats import ordering_winner, pooled_std
 
 # MNIST digits padded to 32 px with 2x2 patches give a 16x16 grid of 256 tokens and MHLA M = 16 blocks of 4x4
 # tokens, as DeiT at 256 px (16x16 patches of 16 px). The model is the DeiT-T-size proxy `vit_mini` (width 64,
@@ -66,19 +67,27 @@ def proxy2_stats(records: list[dict]) -> dict:
 def separation(a: tuple, b: tuple) -> str:
     """``a - b`` in points and in pooled standard deviations, e.g. ``+0.84 pp (2.1 std)``."""
     diff = a[0] - b[0]
-    pooled = ((a[1] ** 2 + b[1] ** 2) / 2) ** 0.5
+    pooled = pooled_std(a[3], b[3])
     return f"{diff:+.2f} pp" + (f" ({diff / pooled:+.1f} pooled std)" if pooled > 0 else "")
 
 
 def proxy2_ordering(stats: dict) -> list[str]:
-    """Does the paper's T-size ordering MHLA > softmax > linear hold here, and by how much?"""
+    """Does the paper's T-size ordering MHLA > softmax > linear hold here? Each step of it *holds* only when its gap
+    exceeds two pooled standard deviations (:func:`tasks.common.stats.ordering_winner`), is *reversed* when the
+    other side wins by that much, and is *level* otherwise; the whole ordering holds when both steps hold and does
+    not hold when either is reversed."""
     need = ("mhla", "softmax", "linear")
     if not all(k in stats for k in need):
         return ["The ordering check needs softmax, linear and MHLA results."]
     m, s, lin = (stats[k] for k in need)
-    holds = m[0] > s[0] > lin[0]
+    steps = {"MHLA > softmax": (m, s), "softmax > linear": (s, lin)}
+    verdicts = {name: {"a": "holds", "b": "reversed", None: "level"}[ordering_winner(a[3], b[3])]
+                for name, (a, b) in steps.items()}
+    overall = ("holds" if all(v == "holds" for v in verdicts.values()) else
+               "does not hold" if "reversed" in verdicts.values() else "level")
     lines = [f"Paper (DeiT-T, ImageNet): MHLA 75.8 > softmax 72.2 > linear 69.8. Here: MHLA {m[0]:.2f}, softmax "
-             f"{s[0]:.2f}, linear {lin[0]:.2f} -> the ordering **{'holds' if holds else 'does not hold'}**.",
+             f"{s[0]:.2f}, linear {lin[0]:.2f} -> the ordering **{overall}** (a step holds only when its gap exceeds "
+             f"two pooled standard deviations; " + ", ".join(f"{k}: {v}" for k, v in verdicts.items()) + ").",
              f"- MHLA - softmax: {separation(m, s)}",
              f"- softmax - linear: {separation(s, lin)}",
              f"- MHLA - linear: {separation(m, lin)}"]
