@@ -22,6 +22,7 @@ help:
 	@echo "make length-extrapolation [SEED=0] - lm_mini MHLA / linear / softmax at 256 tokens, evaluated to 4k (~15 min)"
 	@echo "make plots     - redraw the committed benchmark and table plots (<stem>.png) from their .json; runs nothing"
 	@echo "make auto-m    - the num_blocks=auto rule vs an M sweep and Table 14's CPU latency -> results/auto_m.md (~1 h)"
+	@echo "make seed-grid GRID=mqar_n256 [JOBS=2] - a seed grid of configs/grid/<GRID>.yaml: trains what is missing, writes its table"
 	@echo "make params    - parameters and GMACs of every table cell beside the paper's -> results/params.md (~10 min, CPU)"
 	@echo "make clean     - remove .venv and build files"
 	@echo "make help      - this list"
@@ -158,6 +159,12 @@ bench-video: $(VENV)/.installed
 .PHONY: auto-m
 auto-m: $(VENV)/.installed
 	$(PY) scripts/auto_m.py $(EXTRA)
+
+# A seed grid (variants x seeds of train.py, configs/grid/<GRID>.yaml) -> its <out>.md with paired differences;
+# resumable: run it again and it continues every unfinished run from its last checkpoint.
+.PHONY: seed-grid
+seed-grid: $(VENV)/.installed
+	$(PY) scripts/run_seed_grid.py configs/grid/$(GRID).yaml --jobs $(or $(JOBS),2) $(EXTRA)
 
 # Parameters and GMACs of every table cell (full-scale configs, random weights, the paper's resolution), beside
 # the paper's numbers; the counting convention is in the file. tests/test_params_table.py checks it.

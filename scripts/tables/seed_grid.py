@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 
 if __package__ in (None, ""):  # run as a file: the checkout's root on the path, then import as the package
@@ -133,7 +134,8 @@ def fmt(x: float | None, digits: int = 1) -> str:
 def markdown(summary: dict, grid: dict, args, command: str) -> str:
     """The cell's table, its paired differences and its mixing profile (numbers only; a reading goes beside)."""
     v, lines = summary["variants"], []
-    lines += [f"# {args.title}", "", f"Made by `{command}`.", "",
+    lines += [f"# {args.title}", "", f"Made by `{command}`" + (f", on the runs of `{args.runs_command}`" if
+                                                               args.runs_command else "") + ".", "",
               f"Final `{args.metric}`{' (%)' if args.scale == 100 else ''} per variant over seeds "
               "(mean ± sample std); every run's resolved config, command, commit, machine and load are in the "
               ".json.", "",
@@ -247,6 +249,7 @@ def main(argv=None) -> int:
     ap.add_argument("--title", default="Seeds")
     ap.add_argument("--out", required=True, help="stem of the .md / .json / .png")
     ap.add_argument("--notes", default="", help="reading paragraph (or @file) under the tables")
+    ap.add_argument("--runs-command", default="", help="the command that trains the runs (named in the table)")
     args = ap.parse_args(argv)
     notes = read_notes(args.notes)
     pairs = [tuple(p.split(":", 1)) for p in args.pairs]
@@ -254,7 +257,7 @@ def main(argv=None) -> int:
     if not any(e["runs"] for e in grid.values()):
         raise SystemExit(f"{args.root}: no finished <variant>_s<seed> run (run.json with '{args.metric}')")
     summary = summarize(grid, args.baseline, pairs, args.scale)
-    command = "python -m scripts.tables.seed_grid " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m scripts.tables.seed_grid " + shlex.join(argv if argv is not None else sys.argv[1:])
     runs = {f"{v}_s{s}": {k: r[k] for k in ("dir", "value", "metrics", "record", "queue", "first_eval")}
             for v, e in grid.items() for s, r in e["runs"].items()}
     record = {"command": command, "title": args.title, "metric": args.metric, "scale": args.scale, **summary,

@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Run a seed grid (variants x seeds of ``train.py`` on one shared set of overrides) and write its table.
+
+    python scripts/run_seed_grid.py configs/grid/mqar_n256.yaml --jobs 2          # train what is missing, tabulate
+    python scripts/run_seed_grid.py configs/grid/mqar_n256.yaml --dry-run         # print the commands
+    python scripts/run_seed_grid.py configs/grid/table2_converged.yaml --table-only --notes @reading.md
+
+A grid file (``configs/grid/*.yaml``) names the table (``title``, ``out``), where the runs train (``runs_dir``),
+the overrides every run shares (``common``), each variant's own (``variants``), the seeds (``seeds``; per variant
+``seeds_of``) and the comparisons (``table``: ``metric``, ``baseline``, ``pairs``, optional ``digits``). Run
+``<variant>_s<seed>`` is
+
+    python train.py <common> <variant's overrides> seed=<seed> trainer.resume=auto \\
+        trainer.checkpoint_every_steps=500 hydra.run.dir=<runs_dir>/<variant>_s<seed>
+
+so an interrupted grid continues from the last checkpoint of every unfinished run when started again. A finished
+run's record (``metrics.jsonl``, ``run.json``: resolved config, commit, machine, load) is copied to
+``<out>_runs/<variant>_s<seed>/``, and the table is :mod:`scripts.tables.seed_grid` over that folder: mean ± std,
+the paired per-seed differences with their 95% interval, the two-pooled-std verdict, the curves and the
+convergence column. Its reading, when given, lives beside it as ``<out>_reading.md``.
+
+Unlike ``scripts/run_mqar.py`` (the MQAR table's own (N, K) cells and variants, defined in code), a grid here is
+any set of ``train.py`` overrides, written in a file, and its table is about seeds: paired differences and
+verdicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+if __package__ in (None, ""):  # run as a file: the checkout's root on the path, then import as the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from scripts.tables import seed_grid  # noqa: E402
+from tasks.common.launch import run_parallel, run_training  # noqa: E402
+from tasks.common.records import RECORD, read_run_record  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_TAIL = ("trainer.resume=auto", "trainer.checkpoint_every_steps=500")  # every run resumes; the queue's cadence
+COPIED = ("metrics.jsonl", RECORD, "run_info.json")  # what a run leaves for the table (run_info.json: a job queue's)
+
+
+def load_grid(path: str) -> dict:
+    """The grid file as a dict, checked: every variant has overrides and ``seeds_of`` names only variants."""
+    grid = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    missing = [k for k in ("title", "out", "runs_dir", "common", "variants", "seeds", "table") if k not in grid]
+    if missing:
+        raise SystemExit(f"{path}: the grid file lacks {missing}")
+    unknown = set(grid.get("seeds_of", {})) - set(grid["variants"])
+    if unknown:
+        raise SystemExit(f"{path}: seeds_of names {sorted(unknown)}, which are not variants")
+    return grid
+
+
+def runs_of(grid: dict, variants: list[str] | None = None, seeds: list[int] | None = None) -> list[tuple[str, int]]:
+    """``[(variant, seed)]`` in the grid's order: seed-major, so that the first seed of every variant comes first."""
+    chosen = variants or list(grid["variants"])
+    unknown = [v for v in chosen if v not in grid["variants"]]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; the grid has {list(grid['variants'])}")
+    all_seeds = sorted({s for v in chosen for s in grid.get("seeds_of", {}).get(v, grid["seeds"])})
+    return [(v, s) for s in all_seeds for v in chosen
+            if s in grid.get("seeds_of", {}).get(v, grid["seeds"]) and (seeds is None or s in seeds)]
+
+
+def run_overrides(grid: dict, variant: str, seed: int, runs_dir: str, extra: list[str] = ()) -> list[str]:
+    """The ``train.py`` overrides of run ``<variant>_s<seed>`` (``extra`` last: e.g. ``trainer.device=cuda``)."""
+    return [*grid["common"], *grid["variants"][variant], f"seed={seed}", *RUN_TAIL, *extra,
+            f"hydra.run.dir={os.path.join(runs_dir, f'{variant}_s{seed}')}"]
+
+
+def copy_record(run_dir: str, dest: str) -> None:
+    """Copy a finished run's record files into ``dest`` (the table's ``<out>_runs/<name>/``)."""
+    os.makedirs(dest, exist_ok=True)
+    for name in COPIED:
+        if os.path.exists(os.path.join(run_dir, name)):
+            shutil.copy2(os.path.join(run_dir, name), os.path.join(dest, name))
+
+
+def table_argv(grid: dict, path: str, notes: str) -> list[str]:
+    """:mod:`scripts.tables.seed_grid`'s command line for the grid's ``<out>_runs`` folder."""
+    t, out = grid["table"], grid["out"]
+    argv = [f"{out}_runs", "--metric", t["metric"], "--title", grid["title"], "--out", out,
+            "--runs-command", f"python scripts/run_seed_grid.py {os.path.relpath(path, ROOT)}"]
+    if t.get("baseline"):
+        argv += ["--baseline", t["baseline"]]
+    if t.get("pairs"):
+        argv += ["--pairs", *t["pairs"]]
+    if "digits" in t:
+        argv += ["--digits", str(t["digits"])]
+    return argv + (["--notes", notes] if notes else [])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("grid", help="a grid file, e.g. configs/grid/mqar_n256.yaml")
+    ap.add_argument("--variants", nargs="*", default=None, help="only these variants (default: all)")
+    ap.add_argument("--seeds", nargs="*", type=int, default=None, help="only these seeds (default: the grid's)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--runs-dir", default=None, help="where the runs train (default: the grid's runs_dir)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands of the missing runs and stop")
+    ap.add_argument("--table-only", action="store_true", help="write the table from <out>_runs; train nothing")
+    ap.add_argument("--notes", default="", help="the table's reading (text or @file; default @<out>_reading.md)")
+    ap.add_argument("extra", nargs="*", help="Hydra overrides added to every run (they change its command)")
+    args = ap.parse_args(argv)
+    os.chdir(ROOT)
+    grid = load_grid(args.grid)
+    runs_dir = os.path.abspath(args.runs_dir or grid["runs_dir"])
+    todo = [(v, s) for v, s in runs_of(grid, args.variants, args.seeds)
+            if read_run_record(os.path.join(runs_dir, f"{v}_s{s}")) is None
+            and not os.path.exists(os.path.join(f"{grid['out']}_runs", f"{v}_s{s}", RECORD))]
+    if args.dry_run:
+        for v, s in todo:
+            print("python train.py " + " ".join(run_overrides(grid, v, s, runs_dir, args.extra)))
+        return 0
+    if not args.table_only and todo:
+        def on_done(item, rec):
+            name = f"{item[0]}_s{item[1]}"
+            if "error" in rec:
+                return f"{name}: FAILED {rec['error']}"
+            copy_record(os.path.join(runs_dir, name), os.path.join(f"{grid['out']}_runs", name))
+            return f"{name}: {grid['table']['metric']} {rec['metrics'].get(grid['table']['metric'])} ({rec['seconds']:.0f}s)"
+
+        run_parallel(lambda item: run_training(run_overrides(grid, *item, runs_dir, args.extra), args.threads),
+                     todo, args.jobs, os.path.basename(args.grid), on_done)
+    reading = f"{grid['out']}_reading.md"  # the table's committed reading, when it has one
+    return seed_grid.main(table_argv(grid, args.grid, args.notes or (f"@{reading}" if os.path.exists(reading) else "")))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
