@@ -13,7 +13,9 @@ the overrides every run shares (``common``), each variant's own (``variants``), 
     python train.py <common> <variant's overrides> seed=<seed> trainer.resume=auto \\
         trainer.checkpoint_every_steps=500 hydra.run.dir=<runs_dir>/<variant>_s<seed>
 
-so an interrupted grid continues from the last checkpoint of every unfinished run when started again. A finished
+so an interrupted grid continues from the last checkpoint of every unfinished run when started again. A run whose
+record is already in ``<out>_runs`` counts as done: to reproduce a committed grid from scratch, give another
+``--out`` (and ``--runs-dir``). A finished
 run's record (``metrics.jsonl``, ``run.json``: resolved config, commit, machine, load) is copied to
 ``<out>_runs/<variant>_s<seed>/``, and the table is :mod:`scripts.tables.seed_grid` over that folder: mean ± std,
 the paired per-seed differences with their 95% interval, the two-pooled-std verdict, the curves and the
@@ -104,33 +106,50 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--runs-dir", default=None, help="where the runs train (default: the grid's runs_dir)")
+    ap.add_argument("--out", default=None, help="the table's stem (default: the grid's out, whose committed "
+                    "<out>_runs count as done; give another to reproduce the grid from scratch)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands of the missing runs and stop")
     ap.add_argument("--table-only", action="store_true", help="write the table from <out>_runs; train nothing")
     ap.add_argument("--notes", default="", help="the table's reading (text or @file; default @<out>_reading.md)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides added to every run (they change its command)")
     args = ap.parse_args(argv)
-    os.chdir(ROOT)
+    args.grid = os.path.abspath(args.grid)
+    os.chdir(ROOT)  # the grid's paths (out, runs_dir) are relative to the checkout
     grid = load_grid(args.grid)
+    grid["out"] = args.out or grid["out"]
     runs_dir = os.path.abspath(args.runs_dir or grid["runs_dir"])
-    todo = [(v, s) for v, s in runs_of(grid, args.variants, args.seeds)
-            if read_run_record(os.path.join(runs_dir, f"{v}_s{s}")) is None
-            and not os.path.exists(os.path.join(f"{grid['out']}_runs", f"{v}_s{s}", RECORD))]
+    table_runs = f"{grid['out']}_runs"
+    todo = []
+    for v, s in runs_of(grid, args.variants, args.seeds):
+        name = f"{v}_s{s}"
+        if os.path.exists(os.path.join(table_runs, name, RECORD)):
+            continue
+        if read_run_record(os.path.join(runs_dir, name)) is not None:  # finished but not yet beside the table
+            copy_record(os.path.join(runs_dir, name), os.path.join(table_runs, name))
+            continue
+        todo.append((v, s))
     if args.dry_run:
         for v, s in todo:
             print("python train.py " + " ".join(run_overrides(grid, v, s, runs_dir, args.extra)))
         return 0
+    failed = []
     if not args.table_only and todo:
         def on_done(item, rec):
             name = f"{item[0]}_s{item[1]}"
             if "error" in rec:
+                failed.append(name)
                 return f"{name}: FAILED {rec['error']}"
-            copy_record(os.path.join(runs_dir, name), os.path.join(f"{grid['out']}_runs", name))
-            return f"{name}: {grid['table']['metric']} {rec['metrics'].get(grid['table']['metric'])} ({rec['seconds']:.0f}s)"
+            copy_record(os.path.join(runs_dir, name), os.path.join(table_runs, name))
+            metric = grid["table"]["metric"]
+            return f"{name}: {metric} {rec['metrics'].get(metric)} ({rec['seconds']:.0f}s)"
 
         run_parallel(lambda item: run_training(run_overrides(grid, *item, runs_dir, args.extra), args.threads),
                      todo, args.jobs, os.path.basename(args.grid), on_done)
     reading = f"{grid['out']}_reading.md"  # the table's committed reading, when it has one
-    return seed_grid.main(table_argv(grid, args.grid, args.notes or (f"@{reading}" if os.path.exists(reading) else "")))
+    rc = seed_grid.main(table_argv(grid, args.grid, args.notes or (f"@{reading}" if os.path.exists(reading) else "")))
+    if failed:
+        print(f"failed runs (see their folders under {runs_dir}): {', '.join(failed)}", file=sys.stderr)
+    return rc or int(bool(failed))
 
 
 if __name__ == "__main__":

@@ -73,8 +73,11 @@ table: {{metric: acc, baseline: linear}}
     capsys.readouterr()
     assert rsg.main([str(grid), "--dry-run"]) == 0  # every run is finished: nothing left to print
     assert capsys.readouterr().out == ""
+    os.remove(os.path.join(f"{out}_runs", "mhla_s1", "run.json"))  # finished, not beside the table: copied back
+    assert rsg.main([str(grid), "--dry-run"]) == 0
+    assert capsys.readouterr().out == "" and os.path.exists(os.path.join(f"{out}_runs", "mhla_s1", "run.json"))
     os.remove(os.path.join(f"{out}_runs", "mhla_s1", "run.json"))
-    os.remove(os.path.join(tmp_path, "runs", "mhla_s1", "run.json"))
+    os.remove(os.path.join(tmp_path, "runs", "mhla_s1", "run.json"))  # unfinished: the only run left to do
     assert rsg.main([str(grid), "--dry-run"]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and "attn=mhla" in printed[0] and "seed=1" in printed[0]
