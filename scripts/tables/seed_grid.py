@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.root}: no finished <variant>_s<seed> run (run.json with '{args.metric}')")
     summary = summarize(grid, args.baseline, pairs, args.scale)
     command = "python -m scripts.tables.seed_grid " + shlex.join(argv if argv is not None else sys.argv[1:])
-    runs = {f"{v}_s{s}": {k: r[k] for k in ("dir", "value", "metrics", "record", "queue", "first_eval")}
+    runs = {f"{v}_s{s}": {k: r[k] for k in ("dir", "value", "metrics", "curve", "record", "queue", "first_eval")}
             for v, e in grid.items() for s, r in e["runs"].items()}
     record = {"command": command, "title": args.title, "metric": args.metric, "scale": args.scale, **summary,
               "runs": runs, "notes": notes}
