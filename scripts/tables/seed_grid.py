@@ -209,7 +209,8 @@ def mixing_rows(grid: dict) -> list[dict]:
 
 
 def plot(grid: dict, summary: dict, args, path: str) -> None:
-    """Left: every seed's final value per variant (dots) and the mean (bar); right: the eval curves."""
+    """Left: every seed's final value per variant (dots) and the mean ± std (bar), on an axis fitted to the values
+    (not from zero: converged rows can differ by tenths); right: the eval curves."""
     from tasks.common.plots import colors_for, pyplot, save_figure
 
     plt = pyplot()
@@ -219,8 +220,9 @@ def plot(grid: dict, summary: dict, args, path: str) -> None:
     for i, name in enumerate(names):
         s = summary["variants"][name]
         if s["n"]:
-            ax1.bar(i, s["mean"], color=colors[name], alpha=0.35)
-            ax1.scatter([i] * s["n"], list(s["by_seed"].values()), color=colors[name], zorder=3, s=14)
+            ax1.errorbar([i], [s["mean"]], yerr=[s["std"]], fmt="_", markersize=18, capsize=6,
+                         color=colors[name], zorder=2)
+            ax1.scatter([i] * s["n"], list(s["by_seed"].values()), color=colors[name], zorder=3, s=14, alpha=0.7)
         for run in grid[name]["runs"].values():
             if run["curve"]:
                 xs, ys = zip(*run["curve"])
@@ -228,7 +230,7 @@ def plot(grid: dict, summary: dict, args, path: str) -> None:
         ax2.plot([], [], color=colors[name], label=name)
     ax1.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax1.set_ylabel(args.metric)
-    ax1.set_title("final value per seed")
+    ax1.set_title("final value per seed (mean ± std)")
     ax2.set_xlabel("step")
     ax2.set_ylabel(f"eval {args.metric}")
     ax2.set_title("evaluation curves (one line per seed)")
