@@ -15,11 +15,10 @@ the overrides every run shares (``common``), each variant's own (``variants``), 
 
 so an interrupted grid continues from the last checkpoint of every unfinished run when started again. A run whose
 record is already in ``<out>_runs`` counts as done: to reproduce a committed grid from scratch, give another
-``--out`` (and ``--runs-dir``). A finished
-run's record (``metrics.jsonl``, ``run.json``: resolved config, commit, machine, load) is copied to
-``<out>_runs/<variant>_s<seed>/``, and the table is :mod:`scripts.tables.seed_grid` over that folder: mean ± std,
-the paired per-seed differences with their 95% interval, the two-pooled-std verdict, the curves and the
-convergence column. Its reading, when given, lives beside it as ``<out>_reading.md``.
+``--out`` (and ``--runs-dir``). A finished run's record (``metrics.jsonl``, ``run.json``: resolved config, commit,
+machine, load) is copied to ``<out>_runs/<variant>_s<seed>/``, and the table is :mod:`scripts.tables.seed_grid`
+over that folder: mean ± std, the paired per-seed differences with their 95% interval, the two-pooled-std verdict,
+the curves and the convergence column. Its reading, when given, lives beside it as ``<out>_reading.md``.
 
 Unlike ``scripts/run_mqar.py`` (the MQAR table's own (N, K) cells and variants, defined in code), a grid here is
 any set of ``train.py`` overrides, written in a file, and its table is about seeds: paired differences and
@@ -53,6 +52,9 @@ def load_grid(path: str) -> dict:
     missing = [k for k in ("title", "out", "runs_dir", "common", "variants", "seeds", "table") if k not in grid]
     if missing:
         raise SystemExit(f"{path}: the grid file lacks {missing}")
+    empty = [v for v, overrides in grid["variants"].items() if not isinstance(overrides, list) or not overrides]
+    if empty:
+        raise SystemExit(f"{path}: variants {empty} need a list of overrides")
     unknown = set(grid.get("seeds_of", {})) - set(grid["variants"])
     if unknown:
         raise SystemExit(f"{path}: seeds_of names {sorted(unknown)}, which are not variants")
