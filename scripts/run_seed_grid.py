@@ -67,9 +67,9 @@ def runs_of(grid: dict, variants: list[str] | None = None, seeds: list[int] | No
     unknown = [v for v in chosen if v not in grid["variants"]]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; the grid has {list(grid['variants'])}")
-    all_seeds = sorted({s for v in chosen for s in grid.get("seeds_of", {}).get(v, grid["seeds"])})
-    return [(v, s) for s in all_seeds for v in chosen
-            if s in grid.get("seeds_of", {}).get(v, grid["seeds"]) and (seeds is None or s in seeds)]
+    seeds_of = {v: grid.get("seeds_of", {}).get(v, grid["seeds"]) for v in chosen}
+    return [(v, s) for s in sorted({s for v in chosen for s in seeds_of[v]}) for v in chosen
+            if s in seeds_of[v] and (seeds is None or s in seeds)]
 
 
 def run_overrides(grid: dict, variant: str, seed: int, runs_dir: str, extra: list[str] = ()) -> list[str]:
