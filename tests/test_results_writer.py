@@ -57,3 +57,14 @@ def test_busy_measurement_refused_unless_allowed(tmp_path):
     idle = {**busy, "busy": False}
     results.write_result(str(tmp_path / "i"), "# Bench\n", {"rows": []}, measurement=idle)
     assert "BUSY" not in (tmp_path / "i.md").read_text()
+
+
+def test_code_version_outside_git_reads_mhla_commit(tmp_path, monkeypatch):
+    """A copy of the tree without .git (a rented GPU machine) records the commit it was told, dirty unknown."""
+    from tasks.common.records import code_version
+
+    monkeypatch.delenv("MHLA_COMMIT", raising=False)
+    assert code_version(tmp_path) == {"commit": None, "dirty": None}
+    monkeypatch.setenv("MHLA_COMMIT", "abc123")
+    assert code_version(tmp_path) == {"commit": "abc123", "dirty": None}
+    assert code_version()["commit"] != "abc123"  # inside git, git wins

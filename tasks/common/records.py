@@ -32,7 +32,11 @@ RECORD = "run.json"
 
 
 def code_version(root: str | os.PathLike = ROOT) -> dict:
-    """``{"commit": sha or None, "dirty": bool or None}`` of the checkout at ``root`` (None outside git)."""
+    """``{"commit": sha or None, "dirty": bool or None}`` of the checkout at ``root``.
+
+    Outside git (a copy of the tree without ``.git``, e.g. on a rented GPU machine) the commit is read from the
+    environment variable ``MHLA_COMMIT`` when set (``dirty`` is then None: unknown), else None.
+    """
     def git(*args):
         out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 else None
@@ -42,6 +46,8 @@ def code_version(root: str | os.PathLike = ROOT) -> dict:
         status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     except (OSError, subprocess.SubprocessError):
         commit, status = None, None
+    if commit is None and os.environ.get("MHLA_COMMIT"):
+        return {"commit": os.environ["MHLA_COMMIT"], "dirty": None}
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
