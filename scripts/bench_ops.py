@@ -13,7 +13,10 @@ Causal: MHLA chunkwise (block 64), our chunkwise linear attention, the plain chu
 SDPA causal, and a reimplementation of the authors' release's form (python loops over 64-token chunks; checked
 equal to ours before timing).
 
-Each case runs in a fresh subprocess. Time: median (and p25-p75) over repeated runs after warm-up (wall
+On CPU each case runs in a fresh subprocess; on CUDA all cases run in one process (``--in-process``: a
+subprocess per case costs ~15 s of start-up and Triton autotuning, which would spend a rented GPU's time) and
+``<stem>.partial.json`` keeps the records measured so far, so a run cut short by a time limit loses nothing.
+Time: median (and p25-p75) over repeated runs after warm-up (wall
 clock with ``time.perf_counter`` on CPU; CUDA events on GPU). Memory: on CPU the growth of the process's peak
 RSS (``ru_maxrss``) over the fwd+bwd runs, relative to the RSS after the inputs were made; on GPU
 ``torch.cuda.max_memory_allocated`` minus the inputs. Cases whose estimated time exceeds ``--max-case-s``
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import inspect
 import itertools
 import json
@@ -58,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -68,6 +73,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 import mhla
 from mhla.mixing import distances_1d, mixing_init
 from mhla.ops.utils import bucket_sequences, default_call_cost_tokens
+from tasks.common.fileio import atomic_write
 from tasks.common.results import BusyMachine, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.records import Measurement, busy_cpu_s, own_cpu_s
@@ -88,6 +94,8 @@ TIME_METHOD = ("each case in a fresh subprocess; one fwd+bwd at full size as war
                "p25-p75) over N runs, N = min(--repeats, --budget-s / first run), at least 3; CPU wall clock "
                "(time.perf_counter), GPU CUDA events. fwd runs under torch.no_grad(); fwd+bwd backpropagates "
                "a fixed random output gradient to q, k, v (and the mixing matrix for MHLA / release loop).")
+TIME_METHOD_IN_PROCESS = TIME_METHOD.replace("each case in a fresh subprocess", "all cases in one process "
+                                              "(--in-process), the allocator's peak reset per case")
 MEMORY_METHOD = ("CPU: growth of the subprocess's peak RSS (getrusage ru_maxrss) over the fwd and fwd+bwd "
                  "runs, relative to the peak after a small warm-up run and the inputs were made (coarse: "
                  "includes allocator caching, not the inputs); GPU: torch.cuda.max_memory_allocated minus "
@@ -798,6 +806,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default fp32 (CPU), bf16 (CUDA)")
     p.add_argument("--backend", default=None, help="MHLA backend for op 'mhla': torch | triton | auto "
                    "(default torch on CPU, triton on CUDA; op 'mhla_torch' is always the torch path)")
+    p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="time every case in this process (default on CUDA; on CPU each case needs a fresh "
+                        "process for its peak RSS)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=4.0, help="time budget per measurement loop")
     p.add_argument("--max-case-s", type=float, default=120.0, help="skip cases estimated to take longer")
@@ -835,7 +846,7 @@ def parse_args(argv=None):
     if args.quick:
         args.heads, args.dim, args.repeats, args.budget_s = 2, 16, 3, 0.5
     gpu = args.device == "cuda"
-    # GPU mode (the issue's setting): bf16, B = 8, H = 16, T from 1k to 64k, fused kernels for MHLA
+    # GPU mode (the issue's setting): bf16, B = 8, H = 16, T in {1k, 4k, 16k, 64k}, fused kernels for MHLA
     for name, cpu_value, gpu_value in (("batch", 1, 8), ("heads", 8, 16), ("dtype", "fp32", "bf16"),
                                        ("backend", "torch", "triton")):
         if getattr(args, name) is None:
@@ -845,10 +856,12 @@ def parse_args(argv=None):
     if args.seq_lens is None:
         if args.quick:
             args.seq_lens = [256, 512]
-        elif gpu:
-            args.seq_lens = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
         else:
             args.seq_lens = [1024, 4096, 16384, 65536]
+    if args.in_process is None:
+        args.in_process = gpu
+    if args.in_process and not gpu:
+        p.error("--in-process needs --device cuda: on a CPU each case's peak RSS needs a fresh process")
     return args
 
 
@@ -883,6 +896,12 @@ def main(argv=None) -> int:
         passthrough += ["--heads", str(args.heads), "--dim", str(args.dim), "--repeats", str(args.repeats),
                         "--budget-s", str(args.budget_s)]
     records = []
+    command = "python scripts/bench_ops.py " + " ".join(passthrough)
+    settings = {k: v for k, v in vars(args).items() if k not in ("case", "out_dir", "plot_only")}
+    out = {"header": header, "command": command, "settings": settings, "release_loop_max_abs_diff": equiv,
+           "time_method": TIME_METHOD_IN_PROCESS if args.in_process else TIME_METHOD,
+           "memory_method": MEMORY_METHOD, "records": records}
+    stem = os.path.join(args.out_dir, out_stem(args))
     with measurement(args) as load:
         if load.refuses_to_start(args.allow_busy):
             return 2
@@ -901,17 +920,14 @@ def main(argv=None) -> int:
                             records.append({"op": op, "causal": causal, "T": T, "skipped": reason})
                             print(f"{op:12s} causal={causal!s:5s} T={T:6d}: skipped (est. {est_s:.0f}s)")
                             continue
-                    case = f"{op},{int(causal)},{T}"
-                    cmd = [sys.executable, os.path.abspath(__file__), "--case", case, *passthrough]
                     busy0, kids0, t0 = busy_cpu_s(), own_cpu_s(), time.monotonic()
-                    proc = subprocess.run(cmd, capture_output=True, text=True)
+                    rec, failure = measure_case(op, causal, T, args, passthrough)
                     busy1, kids1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - t0
-                    if proc.returncode != 0:
-                        reason = (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
-                        records.append({"op": op, "causal": causal, "T": T, "skipped": f"failed: {reason}"})
-                        print(f"{op:12s} causal={causal!s:5s} T={T:6d}: FAILED {reason}")
+                    if failure is not None:
+                        records.append({"op": op, "causal": causal, "T": T, "skipped": f"failed: {failure}"})
+                        print(f"{op:12s} causal={causal!s:5s} T={T:6d}: FAILED {failure}")
+                        write_partial(stem, out)
                         continue
-                    rec = json.loads(proc.stdout.strip().splitlines()[-1])
                     if busy0 is not None and busy1 is not None:
                         # CPU time other processes used while the case ran, as a fraction of all cores
                         other = max(0.0, (busy1 - busy0) - (kids1 - kids0))
@@ -920,6 +936,7 @@ def main(argv=None) -> int:
                         gbps = min_bytes_moved(rec, args) / (rec["fwd_ms"] / 1e3) / 1e9
                         rec["fwd_frac_of_copy_bw"] = round(gbps / header["copy_bandwidth_GBps"], 3)
                     records.append(rec)
+                    write_partial(stem, out)
                     prev = rec
                     busy = rec.get("other_cpu_frac", 0.0)
                     print(f"{op:12s} causal={causal!s:5s} T={T:6d} M={rec['M']:5d}: "
@@ -927,17 +944,46 @@ def main(argv=None) -> int:
                           f"fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  peak {rec['peak_mem_mb']:8.1f} MB"
                           + (f"  WARNING: other processes used {busy:.0%} of the CPUs" if busy > BUSY_WARN
                              else ""), flush=True)
-    command = "python scripts/bench_ops.py " + " ".join(passthrough)
-    settings = {k: v for k, v in vars(args).items() if k not in ("case", "out_dir", "plot_only")}
-    out = {"header": header, "command": command, "settings": settings, "release_loop_max_abs_diff": equiv,
-           "time_method": TIME_METHOD, "memory_method": MEMORY_METHOD,
-           "records": records}
-    stem = os.path.join(args.out_dir, out_stem(args))
     if not write_measured(stem, out, lambda o: ops_markdown(o, os.path.basename(stem)),
                           lambda png: plot_ops(out, png), load, args):
         return 2
+    if os.path.exists(stem + PARTIAL):
+        os.remove(stem + PARTIAL)
     print(f"wrote {stem}.json, .md and .png")
     return 0
+
+
+PARTIAL = ".partial.json"
+
+
+def write_partial(stem: str, out: dict) -> None:
+    """``<stem>.partial.json``: the records measured so far, rewritten after every case, so that a run cut
+    short (a time limit on a rented GPU) keeps what it measured; removed when the full result is written. It
+    has no load measurement yet (``"complete": false``): a record to read, not a result to cite as finished."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    text = json.dumps({**out, "complete": False}, indent=2, default=str)
+    atomic_write(stem + PARTIAL, lambda tmp: Path(tmp).write_text(text))
+
+
+def measure_case(op: str, causal: bool, T: int, args, passthrough: list[str]) -> tuple[dict | None, str | None]:
+    """``(record, None)`` or ``(None, why it failed)`` for one case: in a fresh subprocess (the CPU default:
+    peak RSS only grows, so each case needs its own process), or in this process with ``--in-process`` (the
+    CUDA default: the allocator's peak is reset per case, and a subprocess per case costs ~15 s of start-up,
+    CUDA context and Triton autotuning, which alone would spend a GPU lease)."""
+    if args.in_process:
+        try:
+            return run_case(op, causal, T, args), None
+        except (RuntimeError, ValueError, NotImplementedError, ImportError) as e:  # incl. torch.OutOfMemoryError
+            return None, (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        finally:
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", f"{op},{int(causal)},{T}", *passthrough]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), None
 
 
 def out_stem(args) -> str:

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from scripts import bench_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,3 +68,55 @@ def test_fastest_linear_and_roofline_rendering():
 def test_min_bytes_moved():
     args = bench_ops.parse_args(["--batch", "2", "--heads", "3", "--dim", "4", "--dtype", "bf16"])
     assert bench_ops.min_bytes_moved({"T": 5}, args) == 4 * 2 * 5 * 3 * 4 * 2
+
+
+def test_cuda_runs_in_one_process_cpu_refuses_it():
+    """On CUDA every case runs in the parent (a subprocess per case costs ~15 s: it spent a whole GPU lease);
+    on a CPU the peak-RSS reading needs a fresh process per case, so --in-process is refused there."""
+    assert bench_ops.parse_args(["--device", "cuda"]).in_process is True
+    assert bench_ops.parse_args(["--device", "cuda", "--no-in-process"]).in_process is False
+    assert bench_ops.parse_args([]).in_process is False
+    with pytest.raises(SystemExit):
+        bench_ops.parse_args(["--in-process"])
+
+
+def test_in_process_case_measures_and_reports_failures(monkeypatch):
+    args = bench_ops.parse_args(["--device", "cuda", "--quick"])
+    args.device, args.dtype, args.backend = "cpu", "fp32", "torch"  # the in-process path, timed on this CPU
+    rec, failure = bench_ops.measure_case("linear", False, 128, args, [])
+    assert failure is None and rec["T"] == 128 and rec["fwd_ms"] > 0 and rec["repeats"] >= 3
+
+    def oom(*a, **k):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 40.00 GiB\nmore detail")
+
+    monkeypatch.setattr(bench_ops, "run_case", oom)
+    assert bench_ops.measure_case("linear", False, 128, args, []) == (
+        None, "CUDA out of memory. Tried to allocate 40.00 GiB")
+
+
+def test_a_run_cut_short_keeps_its_records(tmp_path, monkeypatch):
+    """<stem>.partial.json holds every case measured before the run stopped; the full write removes it."""
+    import json
+
+    calls = []
+
+    def fake(op, causal, T, args, passthrough):
+        calls.append((op, causal, T))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the run stops mid-way (Ctrl-C; a time limit kills it the same way)
+        return {"op": op, "causal": causal, "T": T, "M": 4, "fwd_ms": 1.0, "fwdbwd_ms": 2.0,
+                "peak_mem_mb": 1.0, "repeats": 3}, None
+
+    monkeypatch.setattr(bench_ops, "measure_case", fake)
+    argv = ["--quick", "--seq-lens", "128", "--ops", "linear", "sdpa", "mhla", "--out-dir", str(tmp_path),
+            "--allow-busy"]
+    with pytest.raises(KeyboardInterrupt):
+        bench_ops.main(argv)
+    stem = tmp_path / "ops_cpu_quick_linear-sdpa-mhla"
+    part = json.loads((tmp_path / (stem.name + ".partial.json")).read_text())
+    assert part["complete"] is False and [r["op"] for r in part["records"]] == [c[0] for c in calls[:2]]
+    monkeypatch.setattr(bench_ops, "measure_case", lambda op, causal, T, args, passthrough: (
+        {"op": op, "causal": causal, "T": T, "M": 4, "fwd_ms": 1.0, "fwdbwd_ms": 2.0, "peak_mem_mb": 1.0,
+         "repeats": 3}, None))
+    assert bench_ops.main(argv) == 0
+    assert (tmp_path / (stem.name + ".json")).exists() and not (tmp_path / (stem.name + ".partial.json")).exists()
