@@ -193,19 +193,52 @@ def attentions_for(needs: Needs) -> list[str]:
     return [n for n in list_attentions() if not unmet_needs(_REGISTRY[n].supports, needs)]
 
 
-def accepted_options(cls) -> set[str] | None:
-    """Keyword names the class accepts along its ``__init__`` chain, less its ``excluded_options`` (options of a
-    base class it sets itself); None when it takes ``**kwargs`` freely."""
-    names: set[str] = set()
+def _init_chain(cls):
+    """The ``__init__`` parameters along the class's MRO, up to the first ``__init__`` without ``**kwargs``:
+    ``(parameters of each, whether the chain ends there)``."""
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
         params = inspect.signature(init).parameters
+        closed = not any(p.kind == p.VAR_KEYWORD for p in params.values())
+        yield params, closed
+        if closed:
+            return
+
+
+def accepted_options(cls) -> set[str] | None:
+    """Keyword names the class accepts along its ``__init__`` chain, less its ``excluded_options`` (options of a
+    base class it sets itself); None when it takes ``**kwargs`` freely."""
+    names: set[str] = set()
+    for params, closed in _init_chain(cls):
         names |= {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        if closed:
             return names - {"self", "dim", "num_heads"} - set(getattr(cls, "excluded_options", ()))
     return None
+
+
+def class_defaults(cls) -> dict:
+    """The defaults of the keyword options along the class's ``__init__`` chain (the nearest class's wins), less
+    ``excluded_options``: what a layer uses for an option that :func:`resolve_attention` leaves out."""
+    out: dict = {}
+    for params, _ in _init_chain(cls):
+        for n, p in params.items():
+            if p.default is not p.empty and n not in out:
+                out[n] = p.default
+    excluded = set(getattr(cls, "excluded_options", ())) | {"dim", "num_heads"}
+    return {k: v for k, v in out.items() if k not in excluded}
+
+
+def effective_options(options: dict, contract: AttentionContract) -> dict:
+    """``options`` (from :func:`resolve_attention`) with the class's own defaults filled in under them, less the
+    options the model sets itself (``contract.fixed``): every option the layer runs with, for a run's record."""
+    cls = _REGISTRY.get(options["name"])
+    if cls is None:  # the model's native attention
+        return dict(options)
+    defaults = {k: v for k, v in class_defaults(cls).items() if k not in contract.fixed}
+    return {"name": options["name"], **with_defaults({k: v for k, v in options.items() if k != "name"}, defaults,
+                                                     cls)}
 
 
 def _plain(cfg) -> tuple[str, dict]:
@@ -235,10 +268,11 @@ def _plain_value(v):
 
 
 def resolve_attention(cfg, contract: AttentionContract, key: str = "attn") -> dict:
-    """The attention a model builds for config ``cfg``: ``{"name": ..., **options}`` with every option set.
+    """The attention a model builds for config ``cfg``: ``{"name": ..., **options}``, the options to pass.
 
-    Options: the class's own defaults, then ``contract.defaults["*"]`` (where the class takes the option), then
-    ``contract.defaults[name]``, then the options of ``cfg`` that are not None (None: "the model's default").
+    Options: ``contract.defaults["*"]`` (where the class takes the option), then ``contract.defaults[name]``, then
+    the options of ``cfg`` that are not None (None: "the model's default"). An option none of these sets is left
+    out, so the class's own default applies (:func:`effective_options` fills those in, for records).
 
     ``key``: the config key the messages name (``attn``; ``attn_cross`` for a model's cross-attention).
 

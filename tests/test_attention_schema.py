@@ -158,3 +158,25 @@ def test_an_attention_that_does_not_fit_is_refused_with_those_that_do():
         model_attention(_compose([*TASKS["mnist_cls_token"], "attn=rala"]))
     with pytest.raises(ConfigError, match="do not tile|cannot tile"):
         model_attention(_compose([*TASKS["mnist"], "attn.num_blocks=3"]))
+
+
+@pytest.mark.parametrize("task", ["mnist", "mqar", "lm_mini"])
+@pytest.mark.parametrize("name", ["mhla", "linear"])
+def test_the_record_names_every_option_the_layer_runs_with(task, name):
+    """A run's record (``run.json["attention"]``): the resolved options (the model's defaults for the config's
+    None fields), plus the class's own defaults for the options nobody set; the model's fixed options stay out."""
+    from mhla.registry import class_defaults, get_attention_class
+    from tasks.common.records import effective_attention
+
+    cfg = _compose([*TASKS[task], f"attn={name}"])
+    resolved, record = model_attention(cfg), effective_attention(cfg)
+    assert {k: record[k] for k in resolved} == resolved  # everything the model passes, unchanged
+    defaults = class_defaults(get_attention_class(name))
+    for k in set(record) - set(resolved) - {"name"}:
+        assert record[k] == defaults[k], k
+    assert not set(record) & set(attention_contract(cfg.model).fixed)
+    assert {"feature_map", "normalize"} <= set(record)
+    if name == "mhla":
+        assert {"mixing_init", "mixing_learnable", "mixing_param"} <= set(record)
+        assert cfg.attn.mixing_init is None  # the config leaves it to the model ...
+        assert record["mixing_init"] == ("uniform" if task in ("mqar", "lm_mini") else "locality")  # ... the record says

@@ -78,6 +78,9 @@ table: {{metric: acc, baseline: linear}}
     for name in data["runs"]:  # each run's record is copied beside the table
         assert os.path.exists(os.path.join(f"{out}_runs", name, "run.json"))
     assert "mhla - linear" in open(f"{out}.md").read()
+    record = json.load(open(os.path.join(f"{out}_runs", "mhla_s0", "run.json")))
+    assert record["config"]["attn"]["mixing_init"] is None and record["attention"]["mixing_init"] == "uniform"
+    assert "| mhla | mhla, init=uniform, learnable" in open(f"{out}.md").read()  # the model's default, named
     capsys.readouterr()
     assert rsg.main([str(grid), "--dry-run"]) == 0  # every run is finished: nothing left to print
     assert capsys.readouterr().out == ""

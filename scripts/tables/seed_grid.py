@@ -29,12 +29,14 @@ import re
 import shlex
 import sys
 
+from omegaconf import OmegaConf
+
 if __package__ in (None, ""):  # run as a file: the checkout's root on the path, then import as the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tasks.common.results import write_result  # noqa: E402
 from tasks.common.launch import metric_curve, read_notes  # noqa: E402
-from tasks.common.records import read_run_record  # noqa: E402
+from tasks.common.records import effective_attention, read_run_record  # noqa: E402
 from tasks.common.stats import mean_std, ordering_verdict, paired_difference  # noqa: E402
 
 RUN_NAME = re.compile(r"^(?P<variant>.+)_s(?P<seed>\d+)$")
@@ -142,7 +144,7 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
               "| variant | attention | n | steps | mean ± std | per seed | best eval at step | last eval's gain |",
               "|---|---|---|---|---|---|---|---|"]
     for name, s in v.items():
-        desc = describe(next(iter(grid[name]["runs"].values()))["record"]["config"]) if s["n"] else "-"
+        desc = describe(next(iter(grid[name]["runs"].values()))["record"]) if s["n"] else "-"
         per = ", ".join(f"s{k}: {fmt(x, args.digits)}" for k, x in s["by_seed"].items())
         steps = "/".join(str(x) for x in s["steps"]) or "-"
         best = ", ".join(f"s{k}: {x}" for k, x in s["best_step"].items())
@@ -178,9 +180,13 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def describe(config: dict) -> str:
-    """The attention settings that tell the variants apart, from a run's resolved config."""
-    attn, bits = config.get("attn", {}), [str(config.get("attn", {}).get("name"))]
+def describe(record: dict) -> str:
+    """The attention settings that tell the variants apart, from a run's record: the attention it built with every
+    option set (``record["attention"]``, or for an older record its config resolved now,
+    :func:`tasks.common.records.effective_attention`; the config's own None fields mean "the model's default")."""
+    config = record["config"]
+    attn = record.get("attention") or effective_attention(OmegaConf.create(config)) or config.get("attn", {})
+    bits = [str(attn.get("name"))]
     if attn.get("name") == "mhla":
         bits += [f"init={attn.get('mixing_init')}", "learnable" if attn.get("mixing_learnable") else "frozen"]
         if attn.get("mixing_learnable"):

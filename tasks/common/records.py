@@ -2,10 +2,11 @@
 
 Written by the trainer at the end of every run (main process): the command line, the code version (commit and
 whether the tree had uncommitted changes), the machine (:func:`tasks.common.utils.system_info`), the load average
-before and after, the wall time, the final metrics, and the *resolved* config (every field, not the overrides), so
-that a recorded condition can be rerun exactly under later defaults (``python train.py --config-dir
-<folder holding config.yaml> --config-name config``, or by comparing the fields). :func:`read_run_record` is how the
-table drivers (:mod:`tasks.common.launch`) pick it up.
+before and after, the wall time, the final metrics, the *resolved* config (every field, not the overrides) and
+the attention the run built with every option set (``attention``; the config's None options mean "the model's
+default"), so that a recorded condition can be rerun exactly under later defaults (``python train.py
+--config-dir <folder holding config.yaml> --config-name config``, or by comparing the fields).
+:func:`read_run_record` is how the table drivers (:mod:`tasks.common.launch`) pick it up.
 
 A benchmark (a measurement of time, not a training run) records the same things around its timing with
 :class:`Measurement`: the commit, the 1-minute load average before and after, and whether the machine was busy
@@ -51,6 +52,24 @@ def code_version(root: str | os.PathLike = ROOT) -> dict:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
+def effective_attention(cfg) -> dict | None:
+    """The attention the run built with every option it runs with: ``cfg.attn`` (whose None fields mean "the
+    model's default") resolved against the model's contract (:func:`tasks.common.config.model_attention`), the
+    class's own defaults filled in (:func:`mhla.registry.effective_options`); None for a config without a model
+    attention (e.g. a distillation record)."""
+    from mhla.registry import effective_options  # noqa: PLC0415  (records stays light to import)
+    from models.attention import attention_contract  # noqa: PLC0415
+
+    from .config import model_attention  # noqa: PLC0415
+
+    try:
+        if cfg.get("attn") is None or cfg.get("model") is None:
+            return None
+        return effective_options(model_attention(cfg), attention_contract(cfg.model))
+    except (ValueError, KeyError, AttributeError, ImportError):
+        return None
+
+
 def write_run_record(run_dir: str | os.PathLike, cfg, metrics: dict, *, seconds: float, load_before) -> Path:
     """Write ``<run_dir>/run.json`` (module docstring) and return its path."""
     record = {
@@ -62,6 +81,7 @@ def write_run_record(run_dir: str | os.PathLike, cfg, metrics: dict, *, seconds:
         "seconds": round(seconds, 1),
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
         "config": OmegaConf.to_container(cfg, resolve=True),
+        "attention": effective_attention(cfg),
     }
     text = json.dumps(record, indent=1, default=str)
     return atomic_write(Path(run_dir) / RECORD, lambda tmp: Path(tmp).write_text(text))
