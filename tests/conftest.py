@@ -1,4 +1,6 @@
+import multiprocessing
 import os
+import signal
 import sys
 
 import pytest
@@ -29,6 +31,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Child processes still alive when the tests end fail the run, and are killed. ``multiprocessing``'s exit
+    hook waits for its children, so a worker that ignores SIGTERM (the trainer's loader workers do) would
+    otherwise hang the interpreter after the last test, until CI's time limit."""
+    left = [p for p in multiprocessing.active_children() if p.is_alive()]
+    if not left:
+        return
+    names = ", ".join(f"{p.name} (pid {p.pid})" for p in left)
+    session.config.get_terminal_writer().line(f"ERROR: child processes outlived the tests: {names}; killed")
+    for p in left:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ run folders, resuming from another folder, settings that are silently wrong, eva
 workers and train.log. Tiny MNIST runs (a 2-block ViT of width 16), a few seconds each."""
 
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -13,6 +14,8 @@ import time
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+
+from tasks.common.trainer import stop_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -297,6 +300,10 @@ def test_workers_persist_and_see_each_epoch(tmp_path, trainer_loaders):
     loaders = trainer_loaders
     run(TINY + ["trainer.max_steps=10", "trainer.num_workers=1"], tmp_path)  # 2 epochs, 2 evaluations
     assert len(loaders) == 2 and all(dl.persistent_workers for dl in loaders)
+    # ... and fit ends them: they ignore SIGTERM, so workers left alive while a loader is still referenced
+    # (here: the spy's list) would make the interpreter wait for them forever at exit
+    assert all(dl._iterator is None for dl in loaders)
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
 
     class EpochOf(torch.utils.data.Dataset):
         epoch = 0
@@ -316,6 +323,7 @@ def test_workers_persist_and_see_each_epoch(tmp_path, trainer_loaders):
     for epoch in range(3):
         data.set_epoch(epoch)
         seen += [int(x) for batch in loader for x in batch]
+    stop_workers(loader)
     assert seen == [0, 0, 1, 1, 2, 2]
 
 

@@ -240,6 +240,17 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def stop_workers(loader: DataLoader | None) -> None:
+    """End ``loader``'s persistent worker processes now. They ignore SIGTERM (:func:`_ignore_stop_signals`),
+    so left alive until interpreter exit, ``multiprocessing``'s exit hook would terminate them in vain and then
+    wait for them forever; a loader still referenced after :meth:`Trainer.fit` (a caller, a traceback) would
+    otherwise hang the process at exit. The loader stays usable: its next iteration starts new workers."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
 def plan_schedule(max_steps, max_epochs, steps_per_epoch: int) -> tuple[int, str | None]:
     """The run's total optimizer steps, the smaller of ``max_steps`` and ``ceil(max_epochs x steps_per_epoch)``
     (null: no limit), and a note when ``max_epochs`` cuts ``max_steps`` short (else None)."""
@@ -514,6 +525,8 @@ class Trainer:
                 raise
             finally:
                 run.logger.finish(exit_code=exit_code)
+                for loader in (run.train_loader, run.eval_loader):
+                    stop_workers(loader)
         if self.dist.is_main:  # the run's record: resolved config, code version, machine and its load
             write_run_record(self.run_dir, self.cfg, metrics, seconds=time.time() - started, load_before=load_before)
         barrier(self.dist)
