@@ -8,13 +8,14 @@ PIP := $(VENV)/bin/pip
 SCALE ?= full
 EXTRA ?=
 
-.PHONY: install test test-fast bench bench-gpu analyze clean help
+.PHONY: install test test-fast bench bench-gpu probe-gpu analyze clean help
 
 help:
 	@echo "make install   - create .venv with the pinned dependencies (requirements.lock) and mhla (editable)"
 	@echo "make test      - run the test suite in .venv"
 	@echo "make bench     - CPU op benchmarks -> results/bench/"
 	@echo "make bench-gpu - GPU tests + kernel benchmarks (bf16, B=8, H=16, D=64/128) -> results/bench/"
+	@echo "make probe-gpu - GPU: D 128 feature tiles and the per-call cost at T 1024 -> results/bench/probe_kernels_cuda.*"
 	@echo "make analyze   - attention rank/entropy analysis (Fig. 3 measure) -> results/analysis/"
 	@echo "make test-fast - the test suite without the slow tests"
 	@echo "make mnist-gen / lm-mini - CPU smoke runs: class-conditional MNIST DiT / the MHLA language model"
@@ -76,6 +77,10 @@ bench-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu tests/
 	$(PY) scripts/bench_ops.py --device cuda
 	$(PY) scripts/bench_ops.py --device cuda --dim 128 --out-dir results/bench/d128
+
+# On a CUDA machine: D 128's feature tiles and the per-call cost at T 1024 (docs/kernels.md)
+probe-gpu: $(VENV)/.installed
+	$(PY) scripts/probe_kernels.py --device cuda
 
 analyze: $(VENV)/.installed
 	$(PY) scripts/analyze_attention.py

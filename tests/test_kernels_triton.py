@@ -322,3 +322,18 @@ def test_interpreter_needs_triton_imported_after_the_variable():
     out = subprocess.run([sys.executable, "-c", code_ok], env=env, cwd=root, capture_output=True, text=True,
                          timeout=300, check=True).stdout.split()
     assert out == ["True", "True", "True"]
+
+
+# ------------------------------------------------------------------------------------------ feature tile cap
+@pytest.mark.parametrize("causal", [False, True])
+def test_feature_tiles_of_128_match_torch(causal):
+    """scripts/probe_kernels.py times D = 128 with one 128-wide feature tile instead of two of 64: the kernels
+    must still compute the same thing (forward and every gradient) when the cap is raised."""
+    from mhla.ops.mhla.triton.chunk import Geometry
+    from scripts.probe_kernels import feature_tile_cap
+
+    q = torch.zeros(1, 40, 1, 128)
+    with feature_tile_cap(128):
+        assert (Geometry.make(q, q, 20).BK, Geometry.make(q, q, 20).BV) == (128, 128)
+        compare(1, 40, 1, 128, 128, 20, causal=causal, normalize=True, per_head=False, dtype=torch.float32)
+    assert Geometry.make(q, q, 20).BK == 64  # restored
