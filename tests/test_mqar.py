@@ -71,10 +71,31 @@ def test_seeds_and_validation():
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
     with pytest.raises(ValueError, match="even"):
         multiquery_ar(1, 63, 512, 4)
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ValueError, match="vocab_size.*data.long_context=true"):
         multiquery_ar(1, 64, 64, 4)
+    # long_context lifts only that rule: keys, values and fillers keep the vocabulary's ranges
+    inputs, labels = multiquery_ar(8, 128, 64, 4, seed=0, long_context=True)
+    assert inputs.max() < 64 and inputs[:, 0:8:2].max() < 32 and labels[labels != -100].min() >= 32
     with pytest.raises(ValueError, match="4 \\* K"):
         multiquery_ar(1, 64, 512, 17)
+
+
+def test_task_config_long_context_lifts_the_vocabulary_rule():
+    """data.long_context=true lets N = 512 keep N = 256's vocabulary of 512 (configs/grid/mqar_n512.yaml)."""
+    from hydra import compose, initialize_config_dir
+
+    from tasks.language.mqar import MQARTask
+
+    def datasets(*extra):
+        with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+            cfg = compose("train", overrides=["task=mqar", "data.seq_len=512", "data.num_train=4", "data.num_test=4",
+                                              *extra])
+        return MQARTask(cfg).build_datasets()
+
+    with pytest.raises(ValueError, match="data.long_context=true"):
+        datasets()
+    train, test = datasets("data.long_context=true")
+    assert train.inputs.shape == (4, 512) and int(train.inputs.max()) < 512 and len(test) == 4
 
 
 def test_block_size_rule():

@@ -82,7 +82,7 @@ SCALES = {
              "seeds": [0, 1], "epochs": 20, "epochs_by_len": {256: 10}},
     "large": {"cells": ["64x4", "64x8", "128x8", "256x8", "256x16", "512x16", "512x32"],
               "variants": ["softmax", "linear", "mhla", "mhla_clamp"], "seeds": [0, 1, 2], "epochs": 40,
-              "extra": ["model.hidden_size=128"]},
+              "extra": ["model.hidden_size=128", "data.long_context=true"]},  # N = 512 with the vocabulary of 512
 }
 CONVERGED = 0.99  # softmax accuracy a cell needs before its comparison counts
 

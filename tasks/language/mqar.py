@@ -53,8 +53,9 @@ def multiquery_ar(num_examples: int, input_seq_len: int, vocab_size: int, num_kv
     if N % 2:
         raise ValueError(f"input_seq_len must be even, got {N}")
     if V <= N and not long_context:
-        raise ValueError(f"vocab_size ({V}) must exceed input_seq_len ({N}), as in Zoology (long_context=True lifts "
-                         "it for evaluation past the training length: keys, values and fillers keep their ranges)")
+        raise ValueError(f"vocab_size ({V}) must exceed input_seq_len ({N}), as in Zoology; long_context=True "
+                         "(the task's data.long_context=true) lifts the rule: keys, values and fillers keep their "
+                         "ranges, so a longer sequence is the same task with more filler")
     if 4 * K > N:
         raise ValueError(f"{K} key-value pairs need input_seq_len >= 4 * K = {4 * K} (pairs + queries), got {N}")
     half = V // 2
@@ -90,9 +91,9 @@ class MQARDataset(Dataset):
     """A fixed set of MQAR examples; items are ``(inputs [N], labels [N])``."""
 
     def __init__(self, num_examples: int, seq_len: int, vocab_size: int, num_kv_pairs: int, power_a: float = 0.01,
-                 random_non_queries: bool = True, seed: int = 0):
+                 random_non_queries: bool = True, seed: int = 0, long_context: bool = False):
         self.inputs, self.labels = multiquery_ar(num_examples, seq_len, vocab_size, num_kv_pairs, power_a,
-                                                 random_non_queries, seed)
+                                                 random_non_queries, seed, long_context=long_context)
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -205,7 +206,8 @@ class MQARTask(Task):
     def build_datasets(self):
         d = self.cfg.data
         common = dict(seq_len=int(d.seq_len), vocab_size=int(d.vocab_size), num_kv_pairs=int(d.num_kv_pairs),
-                      power_a=float(d.power_a), random_non_queries=bool(d.random_non_queries))
+                      power_a=float(d.power_a), random_non_queries=bool(d.random_non_queries),
+                      long_context=bool(d.get("long_context", False)))
         seed = int(self.cfg.get("seed", 0))
         # distinct generator seeds for train and test (Zoology builds its splits from different seeds)
         return (MQARDataset(int(d.num_train), seed=2 * seed + 1, **common),
