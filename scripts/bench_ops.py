@@ -124,8 +124,9 @@ def forward_backward_call(fn, params, grad):
 
 def measurement(args) -> Measurement:
     """The load guard of a run (:class:`tasks.common.records.Measurement`; other processes' CPU share counts
-    on a CPU)."""
-    return Measurement(threads=1 if args.device == "cuda" else (args.threads or torch.get_num_threads()),
+    on a CPU). ``args.threads`` (0 or absent: torch's own count) is the CPU run's thread count."""
+    threads = getattr(args, "threads", 0) or torch.get_num_threads()
+    return Measurement(threads=1 if args.device == "cuda" else threads,
                        watch_other_cpu=args.device == "cpu")
 
 

@@ -43,11 +43,11 @@ from scripts.bench_ops import (
     forward_backward_call,
     forward_call,
     make_case,
+    measurement,
     quartiles,
     timer,
     write_measured,
 )
-from tasks.common.records import Measurement
 from tasks.common.utils import system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,10 +74,10 @@ def case_args(args, dim: int) -> argparse.Namespace:
                               backend="triton")
 
 
-def max_diff_to_torch(fn, params, causal: bool, T: int, cargs) -> float:
-    """Largest |output - torch path's output| on the case's inputs (the tile changes the summation order)."""
+def max_diff_to_torch(fn, params, causal: bool, C: int) -> float:
+    """Largest |output - torch path's output| on the case's inputs (blocks of ``C`` tokens; the tile changes the
+    summation order)."""
     q, k, v, mix = params
-    C = cargs.block if causal else T // mix.shape[-1]
     with torch.no_grad():
         ref = mhla.mhla_attention(q, k, v, mix, C, causal=causal, backend="torch").float()
         return (fn().float() - ref).abs().max().item()
@@ -105,8 +105,8 @@ def probe_tiles(args) -> list[dict]:
                         fn, params, info = make_case("mhla", causal, args.tile_len, cargs, args.device)
                         grad = torch.randn_like(params[2])
                         row.update(M=info["M"], block_size=info["block_size"],
-                                   max_abs_diff_to_torch=max_diff_to_torch(fn, params, causal, args.tile_len,
-                                                                            cargs))
+                                   max_abs_diff_to_torch=max_diff_to_torch(fn, params, causal,
+                                                                            info["block_size"]))
                         fwd = timed(forward_call(fn), args.device, args.repeats)
                         both = timed(forward_backward_call(fn, params, grad), args.device, args.repeats)
                     row.update(fwd_ms=fwd["ms"], fwd_ms_iqr=fwd["ms_iqr"], fwdbwd_ms=both["ms"],
@@ -248,8 +248,7 @@ def main(argv=None) -> int:
     settings = {k: v for k, v in vars(args).items() if k != "out_dir"}
     out = {"header": header, "command": "python scripts/probe_kernels.py " + " ".join(given),
            "settings": settings}
-    with Measurement(threads=1 if args.device == "cuda" else torch.get_num_threads(),
-                     watch_other_cpu=args.device == "cpu") as load:
+    with measurement(args) as load:
         if args.only in (None, "tiles"):
             out["tiles"] = probe_tiles(args)
         if args.only in (None, "per_call"):

@@ -334,6 +334,7 @@ def test_feature_tiles_of_128_match_torch(causal):
 
     q = torch.zeros(1, 40, 1, 128)
     with feature_tile_cap(128):
-        assert (Geometry.make(q, q, 20).BK, Geometry.make(q, q, 20).BV) == (128, 128)
+        g = Geometry.make(q, q, 20)
+        assert (g.BK, g.BV) == (128, 128)
         compare(1, 40, 1, 128, 128, 20, causal=causal, normalize=True, per_head=False, dtype=torch.float32)
     assert Geometry.make(q, q, 20).BK == 64  # restored
