@@ -69,3 +69,16 @@ def test_steps_fall_back_to_the_last_evaluation():
     assert seed_grid.steps_of(run) == 3120
     assert seed_grid.steps_of({"metrics": {"steps": 7}, "curve": []}) == 7
     assert seed_grid.steps_of({"metrics": {}, "curve": []}) is None
+
+
+def test_uniform_reference_and_block_size_follow_each_runs_m():
+    """The mixing note's uniform reference is computed per block count (the N = 256 table's 0.159 at M = 16), and
+    the attention column tells two block sizes apart."""
+    assert seed_grid.uniform_share(16) == pytest.approx(0.1587, abs=1e-4)
+    assert seed_grid.uniform_share(8) == pytest.approx(sum(1 / (i + 1) for i in range(1, 8)) / 7)
+    record = {"config": {"data": {"seq_len": 256}},
+              "attention": {"name": "mhla", "block_size": 32, "mixing_init": "uniform", "mixing_learnable": False}}
+    assert seed_grid.num_blocks_of(record) == 8
+    assert "block 32" in seed_grid.describe(record)
+    assert seed_grid.uniform_shares([{"num_blocks": 16}, {"num_blocks": 8}, {"num_blocks": None}]) == \
+        "0.245 at M = 8, 0.159 at M = 16"

@@ -170,7 +170,8 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
         keys = sorted({k for row in mix for k in row["end"]})
         lines += ["", "Mixing profile (MHLA's causal rows, mean over seeds): `mix<l>_first` is the share of the "
                   "first block (where the key-value pairs are) in layer l's rows, `mix<l>_diag` the share of the "
-                  "query's own block; uniform rows give 0.159 for both at 16 blocks.", "",
+                  "query's own block; uniform rows give the mean of 1/(i+1) over rows i = 1 .. M-1 for both ("
+                  + uniform_shares(mix) + ").", "",
                   "| variant | " + " | ".join(f"{k} start -> end" for k in keys) + " |",
                   "|---|" + "---|" * len(keys)]
         for row in mix:
@@ -180,14 +181,23 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def describe(record: dict) -> str:
-    """The attention settings that tell the variants apart, from a run's record: the attention it built with every
-    option set (``record["attention"]``, or for an older record its config resolved now,
-    :func:`tasks.common.records.effective_attention`; the config's own None fields mean "the model's default")."""
+def attention_of(record: dict) -> dict:
+    """A run's attention with every option set: ``record["attention"]``, or for an older record its config resolved
+    now (:func:`tasks.common.records.effective_attention`)."""
     config = record["config"]
-    attn = record.get("attention") or effective_attention(OmegaConf.create(config)) or config.get("attn", {})
+    return record.get("attention") or effective_attention(OmegaConf.create(config)) or config.get("attn", {})
+
+
+def describe(record: dict) -> str:
+    """The attention settings that tell the variants apart, from a run's record (:func:`attention_of`)."""
+    config = record["config"]
+    attn = attention_of(record)
     bits = [str(attn.get("name"))]
     if attn.get("name") == "mhla":
+        if attn.get("block_size") is not None:
+            bits.append(f"block {attn.get('block_size')}")
+        elif attn.get("num_blocks") is not None:
+            bits.append(f"M={attn.get('num_blocks')}")
         bits += [f"init={attn.get('mixing_init')}", "learnable" if attn.get("mixing_learnable") else "frozen"]
         if attn.get("mixing_learnable"):
             bits.append(f"mixing lr x {config.get('optim', {}).get('mixing_lr_scale')}")
@@ -196,8 +206,31 @@ def describe(record: dict) -> str:
     return ", ".join(bits)
 
 
+def uniform_share(num_blocks: int) -> float:
+    """What ``mix<l>_first`` and ``mix<l>_diag`` read for causal uniform rows ``1/(i+1)`` over ``M`` blocks."""
+    return sum(1 / (i + 1) for i in range(1, num_blocks)) / max(num_blocks - 1, 1)
+
+
+def uniform_shares(mix: list[dict]) -> str:
+    """``"0.159 at M = 16, 0.245 at M = 8"``: the uniform reference for each block count in the mixing table."""
+    ms = sorted({row["num_blocks"] for row in mix if row["num_blocks"]})
+    return ", ".join(f"{uniform_share(m):.3f} at M = {m}" for m in ms) or "M unknown"
+
+
+def num_blocks_of(record: dict) -> int | None:
+    """``M`` of an MHLA run from its record: ``num_blocks``, or the sequence length over ``block_size``."""
+    attn = attention_of(record)
+    num_blocks, block_size = attn.get("num_blocks"), attn.get("block_size")
+    seq_len = record.get("config", {}).get("data", {}).get("seq_len")
+    if isinstance(num_blocks, int):
+        return num_blocks
+    if isinstance(block_size, int) and isinstance(seq_len, int):
+        return seq_len // block_size
+    return None                                                    # "auto" or no sequence length: not known here
+
+
 def mixing_rows(grid: dict) -> list[dict]:
-    """Per variant with mixing metrics: ``{"variant", "start": {key: mean}, "end": {key: mean}}``."""
+    """Per variant with mixing metrics: ``{"variant", "num_blocks", "start": {key: mean}, "end": {key: mean}}``."""
     rows = []
     for name, entry in grid.items():
         runs = list(entry["runs"].values())
@@ -209,7 +242,9 @@ def mixing_rows(grid: dict) -> list[dict]:
             xs = [r[where][key] for r in runs if key in r[where]]
             return sum(xs) / len(xs) if xs else float("nan")
 
-        rows.append({"variant": name, "start": {k: mean(k, "first_eval") for k in keys},
+        blocks = {num_blocks_of(r["record"]) for r in runs}
+        rows.append({"variant": name, "num_blocks": blocks.pop() if len(blocks) == 1 else None,
+                     "start": {k: mean(k, "first_eval") for k in keys},
                      "end": {k: mean(k, "metrics") for k in keys}})
     return rows
 
