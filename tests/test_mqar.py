@@ -292,3 +292,22 @@ def test_recorded_mqar_commands_train_the_recorded_model_today(path):
             if attn["name"] == "mhla" and not {"attn.mixing_param", "optim.mixing_lr_scale"} & set(want):
                 # the task's rule
                 assert attn["mixing_param"] == "clamp" and float(cfg.optim.mixing_lr_scale) == 0.01
+
+
+def test_pairs_offset_moves_the_pairs_and_keeps_the_default():
+    """``pairs_offset`` puts filler tokens before the pairs (the block-alignment control); 0 is Zoology's layout,
+    the same examples as without the option."""
+    N, K, off = 128, 4, 8
+    assert all(torch.equal(a, b) for a, b in zip(multiquery_ar(16, N, 512, K, seed=5),
+                                                    multiquery_ar(16, N, 512, K, seed=5, pairs_offset=0)))
+    x, y = multiquery_ar(64, N, 512, K, seed=5, pairs_offset=off)
+    keys, values = x[:, off:off + 2 * K:2], x[:, off + 1:off + 2 * K:2]
+    assert (keys >= 1).all() and (keys < 256).all() and (values >= 256).all()
+    qrow, qpos = (y != -100).nonzero(as_tuple=True)
+    assert (qpos >= off + 2 * K).all() and ((qpos - off) % 2 == 0).all()
+    for r, p in zip(qrow.tolist(), qpos.tolist()):     # every query asks a key of its example for that key's value
+        j = (keys[r] == x[r, p]).nonzero().item()
+        assert y[r, p] == values[r, j]
+    assert (y[:, :off + 2 * K] == -100).all()
+    with pytest.raises(ValueError, match="4 \\* K \\+ offset"):
+        multiquery_ar(1, 64, 512, 8, pairs_offset=34)

@@ -4,7 +4,8 @@ Definition (the one of ``multiquery_ar`` in HazyResearch/zoology, re-implemented
 are drawn from ``[1, V/2)``, values from ``[V/2, V)``; each example has ``K`` distinct keys and ``K`` distinct
 values. A sequence of length ``N``:
 
-* positions ``0 .. 2K-1``: the key-value pairs ``k_1 v_1 k_2 v_2 ... k_K v_K``;
+* positions ``0 .. 2K-1``: the key-value pairs ``k_1 v_1 k_2 v_2 ... k_K v_K`` (after ``pairs_offset`` filler
+  tokens when that option is set; everything below then moves right by the offset);
 * the query region, positions ``2K .. N-1``: query ``j`` (the key ``k_j`` again) is placed at
   ``2K + 2 * g_j``, with distinct gaps ``g_j`` drawn without replacement from ``{0, .., (N - 2K)/2 - 1}`` with
   probability ``p(g) ∝ a (g + 1)^(a - 1)`` (power law, ``a = power_a``; small gaps are likely, ``a = 1`` is
@@ -47,17 +48,24 @@ def power_law_probs(space: int, power_a: float) -> np.ndarray:
 
 def multiquery_ar(num_examples: int, input_seq_len: int, vocab_size: int, num_kv_pairs: int,
                   power_a: float = 0.01, random_non_queries: bool = True,
-                  seed: int = 0, long_context: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generate MQAR sequences. Returns ``inputs [n, N]`` (int64) and ``labels [n, N]`` (``-100`` or a value)."""
-    n, N, V, K = num_examples, input_seq_len, vocab_size, num_kv_pairs
+                  seed: int = 0, long_context: bool = False,
+                  pairs_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generate MQAR sequences. Returns ``inputs [n, N]`` (int64) and ``labels [n, N]`` (``-100`` or a value).
+
+    ``pairs_offset``: filler tokens before the key-value pairs (0, Zoology's layout: the pairs open the sequence).
+    The pairs then sit at ``offset .. offset + 2K - 1`` and the queries after them; with ``offset = 0`` the
+    examples are the same as without the option (the same random draws).
+    """
+    n, N, V, K, offset = num_examples, input_seq_len, vocab_size, num_kv_pairs, pairs_offset
     if N % 2:
         raise ValueError(f"input_seq_len must be even, got {N}")
     if V <= N and not long_context:
         raise ValueError(f"vocab_size ({V}) must exceed input_seq_len ({N}), as in Zoology; long_context=True "
                          "(the task's data.long_context=true) lifts the rule: keys, values and fillers keep their "
                          "ranges, so a longer sequence is the same task with more filler")
-    if 4 * K > N:
-        raise ValueError(f"{K} key-value pairs need input_seq_len >= 4 * K = {4 * K} (pairs + queries), got {N}")
+    if offset < 0 or 4 * K + offset > N:
+        raise ValueError(f"{K} key-value pairs after {offset} filler tokens need input_seq_len >= 4 * K + offset = "
+                         f"{4 * K + offset} (pairs + queries), got {N}")
     half = V // 2
     if K > half - 1:
         raise ValueError(f"{K} distinct keys do not fit in the key vocabulary [1, {half})")
@@ -66,22 +74,23 @@ def multiquery_ar(num_examples: int, input_seq_len: int, vocab_size: int, num_kv
     keys = rng.random((n, half - 1)).argsort(axis=1)[:, :K] + 1
     values = rng.random((n, V - half)).argsort(axis=1)[:, :K] + half
     context = 2 * K
-    space = (N - context) // 2
+    space = (N - offset - context) // 2
     # K distinct gaps per example, weighted by the power law, without replacement (Gumbel-top-k)
     scores = np.log(power_law_probs(space, power_a))[None, :] + rng.gumbel(size=(n, space))
     gaps = np.argsort(-scores, axis=1)[:, :K]
 
     inputs = np.zeros((n, N), dtype=np.int64)
-    inputs[:, 0:context:2] = keys
-    inputs[:, 1:context:2] = values
-    qpos = context + 2 * gaps                                       # [n, K] query positions
+    inputs[:, offset:offset + context:2] = keys
+    inputs[:, offset + 1:offset + context:2] = values
+    qpos = offset + context + 2 * gaps                                       # [n, K] query positions
     np.put_along_axis(inputs, qpos, keys, axis=1)
     labels = np.full((n, N), -100, dtype=np.int64)
     np.put_along_axis(labels, qpos, values, axis=1)
     if random_non_queries:
         filler = rng.integers(0, V, size=(n, N))
         empty = np.zeros((n, N), dtype=bool)
-        empty[:, context:] = True
+        empty[:, :offset] = True
+        empty[:, offset + context:] = True
         np.put_along_axis(empty, qpos, False, axis=1)
         inputs = np.where(empty, filler, inputs)
     return torch.from_numpy(inputs), torch.from_numpy(labels)
@@ -91,9 +100,10 @@ class MQARDataset(Dataset):
     """A fixed set of MQAR examples; items are ``(inputs [N], labels [N])``."""
 
     def __init__(self, num_examples: int, seq_len: int, vocab_size: int, num_kv_pairs: int, power_a: float = 0.01,
-                 random_non_queries: bool = True, seed: int = 0, long_context: bool = False):
+                 random_non_queries: bool = True, seed: int = 0, long_context: bool = False, pairs_offset: int = 0):
         self.inputs, self.labels = multiquery_ar(num_examples, seq_len, vocab_size, num_kv_pairs, power_a,
-                                                 random_non_queries, seed, long_context=long_context)
+                                                 random_non_queries, seed, long_context=long_context,
+                                                 pairs_offset=pairs_offset)
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -207,7 +217,8 @@ class MQARTask(Task):
         d = self.cfg.data
         common = dict(seq_len=int(d.seq_len), vocab_size=int(d.vocab_size), num_kv_pairs=int(d.num_kv_pairs),
                       power_a=float(d.power_a), random_non_queries=bool(d.random_non_queries),
-                      long_context=bool(d.get("long_context", False)))
+                      long_context=bool(d.get("long_context", False)),
+                      pairs_offset=int(d.get("pairs_offset", 0)))
         seed = int(self.cfg.get("seed", 0))
         # distinct generator seeds for train and test (Zoology builds its splits from different seeds)
         return (MQARDataset(int(d.num_train), seed=2 * seed + 1, **common),
