@@ -80,7 +80,8 @@ table: {{metric: acc, baseline: linear}}
     assert "mhla - linear" in open(f"{out}.md").read()
     record = json.load(open(os.path.join(f"{out}_runs", "mhla_s0", "run.json")))
     assert record["config"]["attn"]["mixing_init"] is None and record["attention"]["mixing_init"] == "uniform"
-    assert "| mhla | mhla, block auto, init=uniform, learnable" in open(f"{out}.md").read()  # the model's default, named
+    # the model's defaults, named: the block size and the mixing init
+    assert "| mhla | mhla, block auto, init=uniform, learnable" in open(f"{out}.md").read()
     capsys.readouterr()
     assert rsg.main([str(grid), "--dry-run"]) == 0  # every run is finished: nothing left to print
     assert capsys.readouterr().out == ""

@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 if __package__ in (None, ""):  # run as a file: the checkout's root on the path, then import as the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from mhla.layouts import num_blocks_for  # noqa: E402
 from tasks.common.results import write_result  # noqa: E402
 from tasks.common.launch import metric_curve, read_notes  # noqa: E402
 from tasks.common.records import effective_attention, read_run_record  # noqa: E402
@@ -218,14 +219,15 @@ def uniform_shares(mix: list[dict]) -> str:
 
 
 def num_blocks_of(record: dict) -> int | None:
-    """``M`` of an MHLA run from its record: ``num_blocks``, or the sequence length over ``block_size``."""
+    """``M`` of an MHLA run from its record: ``num_blocks``, or the blocks of ``block_size`` covering the sequence
+    (:func:`mhla.layouts.num_blocks_for`)."""
     attn = attention_of(record)
     num_blocks, block_size = attn.get("num_blocks"), attn.get("block_size")
     seq_len = record.get("config", {}).get("data", {}).get("seq_len")
     if isinstance(num_blocks, int):
         return num_blocks
     if isinstance(block_size, int) and isinstance(seq_len, int):
-        return seq_len // block_size
+        return num_blocks_for(seq_len, block_size)
     return None                                                    # "auto" or no sequence length: not known here
 
 

@@ -82,7 +82,7 @@ def multiquery_ar(num_examples: int, input_seq_len: int, vocab_size: int, num_kv
     inputs = np.zeros((n, N), dtype=np.int64)
     inputs[:, offset:offset + context:2] = keys
     inputs[:, offset + 1:offset + context:2] = values
-    qpos = offset + context + 2 * gaps                                       # [n, K] query positions
+    qpos = offset + context + 2 * gaps                              # [n, K] query positions
     np.put_along_axis(inputs, qpos, keys, axis=1)
     labels = np.full((n, N), -100, dtype=np.int64)
     np.put_along_axis(labels, qpos, values, axis=1)
@@ -151,7 +151,8 @@ def mixing_shares(model: nn.Module) -> dict:
     """Where the learned causal mixing rows put their weight, per MHLA layer (for the logs; empty without MHLA).
 
     ``mix<l>_first``: mean over rows ``i >= 1`` of ``M[i, 0] / sum_b M[i, b]``, the share of the first chunk
-    (where MQAR's key-value pairs are); ``mix<l>_diag``: the same for the diagonal (the query's own chunk).
+    (where MQAR's key-value pairs are, with ``pairs_offset = 0``; a shifted layout puts only part of them
+    there); ``mix<l>_diag``: the same for the diagonal (the query's own chunk).
     Uniform rows give ``mean 1/(i+1)`` for both.
     """
     out = {}
