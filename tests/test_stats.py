@@ -28,6 +28,12 @@ def test_ordering_verdict_needs_two_pooled_std():
     assert ordering_verdict([10.0], [1.0]) == "level"                        # no spread: no verdict
 
 
+def test_ordering_verdict_needs_three_seeds_a_side():
+    assert ordering_verdict([10.0, 10.2], [9.0, 9.2]) == "level"             # gap 1, pooled std 0.14, 2 seeds
+    assert ordering_verdict([10.0, 10.2, 10.1], [9.0, 9.2]) == "level"
+    assert ordering_verdict([10.0, 10.2], [9.0, 9.2], min_seeds=2) == "holds"
+
+
 def test_ordering_winner_is_two_sided():
     from tasks.common.stats import ordering_winner
 

@@ -10,7 +10,7 @@ commit, machine and load: the ``run.json`` the trainer writes).
 A run counts when its ``run.json`` exists (the trainer writes it at the end); unfinished runs are listed as such.
 Differences are paired by seed (the same data order and init seed on both sides) and the interval is the t
 interval of the per-seed differences (:func:`tasks.common.stats.paired_difference`); an ordering "holds" only
-when the gap of the means exceeds two pooled standard deviations (:func:`tasks.common.stats.ordering_verdict`),
+when both sides have 3 seeds or more and the gap of the means exceeds two pooled standard deviations (:func:`tasks.common.stats.ordering_verdict`),
 otherwise it is "level". The last column, the change between a run's last two evaluations, is the evidence of convergence: a variant
 still gaining at the end was stopped while learning. Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g.
 MQAR's ``mix1_first``: the share of the first block in layer 1's causal rows) get their own table, at the start
@@ -158,8 +158,8 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
                      f"{fmt(s['std'], args.digits)} | {per} | {best} | {gain} |")
     if summary["pairs"]:
         lines += ["", "Paired per-seed differences a - b (95% t interval over the seeds both have; the ordering "
-                  "a > b *holds* only when the gap of the means exceeds two pooled standard deviations, else "
-                  "*level*):", "",
+                  "a > b *holds* only when both have 3 seeds or more and the gap of the means exceeds two pooled "
+                  "standard deviations, else *level*):", "",
                   "| a - b | seeds | mean diff | 95% interval | per seed | verdict |", "|---|---|---|---|---|---|"]
         for p in summary["pairs"]:
             ci = "-" if p["ci95"] is None else f"[{fmt(p['ci95'][0], args.digits)}, {fmt(p['ci95'][1], args.digits)}]"

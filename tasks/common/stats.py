@@ -3,7 +3,7 @@ and the "holds" / "level" verdict of an ordering.
 
     diff = paired_difference({0: 93.1, 1: 94.0, 2: 92.5}, {0: 91.0, 1: 92.2, 2: 92.9})
     diff["mean"], diff["ci95"]      # the mean of a - b over the seeds both have, and its t interval
-    ordering_verdict(a_values, b_values)   # "holds" when mean(a) - mean(b) > 2 pooled std, else "level"
+    ordering_verdict(a_values, b_values)   # "holds" when mean(a) - mean(b) > 2 pooled std (3+ seeds a side)
     ordering_winner(a_values, b_values)    # "a" or "b" when that side is ahead by the same rule, else None
 """
 
@@ -50,24 +50,29 @@ def pooled_std(a: list[float], b: list[float]) -> float:
     return math.sqrt((va + vb) / 2)
 
 
-def ordering_verdict(a: list[float], b: list[float], k: float = 2.0) -> str:
+MIN_SEEDS = 3  # the fewest values a side needs before an ordering can hold: two seeds give a spread of one gap
+
+
+def ordering_verdict(a: list[float], b: list[float], k: float = 2.0, min_seeds: int = MIN_SEEDS) -> str:
     """``"holds"`` when ``mean(a) - mean(b)`` exceeds ``k`` pooled standard deviations (and is positive), else
-    ``"level"`` (also with fewer than two values on a side: no spread, no verdict)."""
-    if len(a) < 2 or len(b) < 2:
+    ``"level"``. With fewer than ``min_seeds`` values on a side the verdict is ``"level"`` whatever the gap: one
+    value has no spread, and the spread of two is too unsteady to set the bar (the project asks 3 seeds at least)."""
+    if len(a) < max(min_seeds, 2) or len(b) < max(min_seeds, 2):
         return "level"
     gap = statistics.fmean(a) - statistics.fmean(b)
     sd = pooled_std(a, b)
     return "holds" if gap > 0 and gap > k * sd else "level"
 
 
-def ordering_winner(a: list[float], b: list[float], higher_is_better: bool = True, k: float = 2.0) -> str | None:
+def ordering_winner(a: list[float], b: list[float], higher_is_better: bool = True, k: float = 2.0,
+                    min_seeds: int = MIN_SEEDS) -> str | None:
     """The two-sided :func:`ordering_verdict`: ``"a"`` when ``a`` is better than ``b`` by more than ``k`` pooled
     standard deviations (higher values better, or lower with ``higher_is_better=False``), ``"b"`` the other way,
     ``None`` when level."""
     sign = 1.0 if higher_is_better else -1.0
     xs, ys = [sign * v for v in a], [sign * v for v in b]
-    if ordering_verdict(xs, ys, k) == "holds":
+    if ordering_verdict(xs, ys, k, min_seeds) == "holds":
         return "a"
-    if ordering_verdict(ys, xs, k) == "holds":
+    if ordering_verdict(ys, xs, k, min_seeds) == "holds":
         return "b"
     return None
