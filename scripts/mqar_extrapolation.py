@@ -20,7 +20,9 @@ coefficient, ``last_row`` and ``mass_matched`` as documented there. Linear and s
 
 Runs are ``name=run_dir`` (or ``name=.../checkpoints/last.pt``); several runs may share a name's prefix
 ``<name>_s<seed>`` and are then averaged per seed. Writes ``<out>.md``, ``.json``, ``.png`` through
-:func:`tasks.common.results.write_result`.
+:func:`tasks.common.results.write_result`. ``--add`` evaluates more runs (new seeds, new rows) into an existing
+``<out>.json`` under its own lengths, rules, examples and evaluation seed, so seeds trained at different times
+share one table; the record lists every command that contributed, with its machine and load.
 """
 
 from __future__ import annotations
@@ -104,8 +106,9 @@ def bucket(rec: dict, lo: int):
 
 
 def markdown(record: dict, command: str) -> str:
+    added = "".join(f"; runs {', '.join(a['runs'])} added by `{a['command']}`" for a in record.get("added", []))
     lines = [f"# MQAR recall past the training length ({record['train_len']} tokens, K = {record['num_kv_pairs']})",
-             "", f"Made by `{command}` ({record['num_examples']} examples per length, evaluation seed "
+             "", f"Made by `{command}`{added} ({record['num_examples']} examples per length, evaluation seed "
              f"{record['seed']}). Accuracy (%) over the {record['num_kv_pairs']} queries of every example, mean "
              "± std over the runs of a row (n); the right-hand columns split it by the query's distance in tokens "
              "from the pair it recalls. Machine and load: the .json.", ""]
@@ -156,6 +159,27 @@ def plot(record: dict, path: str) -> None:
     save_figure(fig, path)
 
 
+def merge_into(previous: dict, groups: dict, rules_of: dict, meta: dict, train_len: int, kv: int, command: str,
+               machine_load: dict) -> dict:
+    """``previous`` (a record of this script) with the new runs' evaluations added; a run already there, or runs
+    trained at another length or K, are refused."""
+    if (train_len, kv) != (previous["train_len"], previous["num_kv_pairs"]):
+        raise SystemExit(f"the new runs trained at N = {train_len}, K = {kv}; the record is N = "
+                         f"{previous['train_len']}, K = {previous['num_kv_pairs']}")
+    record = json.loads(json.dumps(previous))
+    for g, members in groups.items():
+        have = record["groups"].setdefault(g, {})
+        clash = sorted(set(have) & set(members))
+        if clash:
+            raise SystemExit(f"{g}: runs {clash} are already in the record; give --out a new stem to redo them")
+        have.update(members)
+        record["rules_of"][g] = sorted(set(record["rules_of"].get(g, [])) | set(rules_of[g]),
+                                       key=lambda r: (r != "-", r))
+    record["runs"].update(meta)
+    record.setdefault("added", []).append({"command": command, "runs": sorted(meta), "machine_load": machine_load})
+    return record
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="*", help="name=run_dir (name_s<seed> groups seeds); none with --plot-only")
@@ -168,7 +192,16 @@ def main(argv=None) -> int:
     ap.add_argument("--notes", default="", help="reading paragraph (or @file) under the tables")
     ap.add_argument("--plot-only", action="store_true",
                     help="no evaluation: rewrite <out>.md / .png from <out>.json (with --notes)")
+    ap.add_argument("--add", action="store_true",
+                    help="evaluate the runs into the existing <out>.json (its lengths, rules, examples and seed)")
     args = ap.parse_args(argv)
+    previous = None
+    if args.add:
+        with open(args.out + ".json") as f:
+            previous = json.load(f)
+        args.lengths = [int(x) for x in previous["lengths"]]
+        args.num_examples, args.seed = previous["num_examples"], previous["seed"]
+        args.rules = sorted({r for rules in previous["rules_of"].values() for r in rules if r != "-"}) or args.rules
     if args.plot_only:
         with open(args.out + ".json") as f:
             record = json.load(f)
@@ -194,6 +227,13 @@ def main(argv=None) -> int:
                 meta[f"{g}/{key}"] = {"path": path, "checkpoint": str(find_checkpoint(path))}
             rules_of[g] = sorted({rule for r in groups[g].values() for rule in r}, key=lambda r: (r != "-", r))
     command = "python scripts/mqar_extrapolation.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if previous is not None:
+        record = merge_into(previous, groups, rules_of, meta, train_len, kv, command, m.record)
+        if args.notes:
+            record["notes"] = read_notes(args.notes)
+        write_result(args.out, markdown(record, record["command"]), record, lambda png: plot(record, png))
+        print(f"added {sorted(meta)} to {args.out}.md / .json / .png")
+        return 0
     record = {"command": command, "train_len": train_len, "num_kv_pairs": kv, "lengths": [str(x) for x in args.lengths],
               "edges": list(edges_for(train_len, max(args.lengths))), "num_examples": args.num_examples,
               "seed": args.seed, "groups": groups, "rules_of": rules_of, "runs": meta, "machine_load": m.record,

@@ -37,3 +37,23 @@ def test_rewrite_from_json_adds_the_reading(tmp_path):
     md = (tmp_path / "x.md").read_text()
     assert "| linear | - | 1 | 50.0 ± 0.0 |" in md and md.split("## Reading")[1].strip() == "Linear reads 50.0."
     assert json.loads((tmp_path / "x.json").read_text())["notes"] == "Linear reads 50.0."
+
+
+def test_add_merges_new_seeds_and_refuses_repeats():
+    import pytest
+
+    def res(acc):
+        return {"-": {"256": {"acc": acc, "n": 8, "buckets": []}}}
+
+    previous = {"command": "cmd0", "train_len": 256, "num_kv_pairs": 8, "lengths": ["256"], "edges": [0, 64],
+                "num_examples": 8, "seed": 1, "rules_of": {"linear": ["-"]}, "runs": {"linear/0": {}},
+                "groups": {"linear": {"0": res(0.5)}}}
+    record = mx.merge_into(previous, {"linear": {"1": res(0.7)}}, {"linear": ["-"]}, {"linear/1": {}}, 256, 8,
+                           "cmd1", {"load": 0.1})
+    assert sorted(record["groups"]["linear"]) == ["0", "1"] and previous["groups"]["linear"].keys() == {"0"}
+    md = mx.markdown(record, record["command"])
+    assert "Made by `cmd0`; runs linear/1 added by `cmd1`" in md and "| linear | - | 2 | 60.0 ± 14.1 |" in md
+    with pytest.raises(SystemExit, match="already in the record"):
+        mx.merge_into(record, {"linear": {"1": res(0.7)}}, {"linear": ["-"]}, {"linear/1": {}}, 256, 8, "c", {})
+    with pytest.raises(SystemExit, match="N = 512"):
+        mx.merge_into(record, {"linear": {"2": res(0.7)}}, {"linear": ["-"]}, {"linear/2": {}}, 512, 8, "c", {})
