@@ -227,18 +227,15 @@ def main(argv=None) -> int:
                 meta[f"{g}/{key}"] = {"path": path, "checkpoint": str(find_checkpoint(path))}
             rules_of[g] = sorted({rule for r in groups[g].values() for rule in r}, key=lambda r: (r != "-", r))
     command = "python scripts/mqar_extrapolation.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if previous is not None:
+    if previous is not None:  # keeps the record's reading unless --notes gives a new one
         record = merge_into(previous, groups, rules_of, meta, train_len, kv, command, m.record)
-        if args.notes:
-            record["notes"] = read_notes(args.notes)
-        write_result(args.out, markdown(record, record["command"]), record, lambda png: plot(record, png))
-        print(f"added {sorted(meta)} to {args.out}.md / .json / .png")
-        return 0
-    record = {"command": command, "train_len": train_len, "num_kv_pairs": kv, "lengths": [str(x) for x in args.lengths],
-              "edges": list(edges_for(train_len, max(args.lengths))), "num_examples": args.num_examples,
-              "seed": args.seed, "groups": groups, "rules_of": rules_of, "runs": meta, "machine_load": m.record,
-              "notes": read_notes(args.notes)}
-    write_result(args.out, markdown(record, command), record, lambda png: plot(record, png))
+        record["notes"] = read_notes(args.notes) if args.notes else record.get("notes", "")
+    else:
+        record = {"command": command, "train_len": train_len, "num_kv_pairs": kv,
+                  "lengths": [str(x) for x in args.lengths], "edges": list(edges_for(train_len, max(args.lengths))), "num_examples": args.num_examples,
+                  "seed": args.seed, "groups": groups, "rules_of": rules_of, "runs": meta, "machine_load": m.record,
+                  "notes": read_notes(args.notes)}
+    write_result(args.out, markdown(record, record["command"]), record, lambda png: plot(record, png))
     print(f"wrote {args.out}.md / .json / .png")
     return 0
 
