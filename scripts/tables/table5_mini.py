@@ -241,12 +241,19 @@ def main(argv=None) -> int:
             # alone on the machine: every core
             bench(preset, os.cpu_count() or 1, args.allow_busy, args.bench_warmup, args.bench_iters)
     torch.set_num_threads(args.threads)
+    partial = args.out + ".partial.json"  # runs trained since the last full write, so an interrupted table resumes
+    if args.resume and os.path.isfile(partial):
+        with open(partial) as f:
+            keys = {(rec["row"], rec["seed"]) for rec in records}
+            records += [rec for rec in json.load(f) if (rec["row"], rec["seed"]) not in keys]
     done = {(rec["row"], rec["seed"]) for rec in records if "error" not in rec}
     records = [rec for rec in records if (rec["row"], rec["seed"]) in done]
     todo = [(row, seed) for seed in args.seeds for row in args.rows if (row, seed) not in done]
 
     def on_done(item, rec):
         records.append(rec)
+        with open(partial, "w") as f:
+            json.dump([r for r in records if "error" not in r], f, indent=1)
         if "error" in rec:
             return f"{item[0]} seed {item[1]}: FAILED {rec['error_tail']}"
         return f"{item[0]} seed {item[1]}: eval loss {rec['metrics']['loss']:.4f} ({rec['seconds']:.0f} s)"
@@ -279,6 +286,8 @@ def main(argv=None) -> int:
         print(f"wrote {plot_frames(frames, scores, prompts, args.out + '_frames.png')}")
     args.machine["load_avg_end"] = load_average()
     write_outputs(records, args)
+    if os.path.isfile(partial):
+        os.remove(partial)
     print(f"wrote {args.out}.md, .json")
     return 0 if all("error" not in rec for rec in records) else 1
 
