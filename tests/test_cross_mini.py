@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from tasks.common.results import BusyMachine
+from tasks.common.stats import paired_lines, paired_summary
 from tasks.video_gen import cross_mini
+from tasks.video_gen.follow import SEED_METRICS
 
 
 def _data(stem):
@@ -48,12 +50,13 @@ def test_paired_differences_and_verdicts():
                                         "all_follow": {"followed": fol}}
     records = [rec("softmax", s, 0.30 + 0.01 * s, 0.5) for s in range(3)]
     records += [rec("mhla_cross", s, 0.20 + 0.01 * s + 0.001 * (s == 1), 0.5 + 0.25 * (s == 0)) for s in range(3)]
-    lines = "\n".join(cross_mini.paired_lines(cross_mini.paired_summary(records)))
+    lines = "\n".join(paired_lines(paired_summary(records, cross_mini.PAIRS, SEED_METRICS)))
     # loss: lower by 0.1 on every seed (tiny spread) -> mhla_cross better; following: one seed differs -> level
     assert "| mhla_cross - softmax | eval loss | 3 | -0.0997 |" in lines and "mhla_cross better" in lines
     assert "| mhla_cross - softmax | captions followed (%) | 3 | +8.3 |" in lines
     assert lines.count("| level |") == 1
-    assert cross_mini.paired_lines(cross_mini.paired_summary(records[:3])) == []  # one row: nothing to pair
+    # one row: nothing to pair
+    assert paired_lines(paired_summary(records[:3], cross_mini.PAIRS, SEED_METRICS)) == []
 
 
 def test_paired_differences_are_in_the_json(tmp_path):

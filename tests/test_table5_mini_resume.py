@@ -39,3 +39,6 @@ def test_interrupted_table_resumes_from_partial(monkeypatch, tmp_path):
     with open(out + ".json") as f:
         assert sorted((r["row"], r["seed"]) for r in json.load(f)["results"]) == [("linear", 0), ("softmax", 0)]
     assert not os.path.exists(out + ".partial.json")
+    # the rows compared seed by seed (one seed here: a difference, no interval, level)
+    with open(out + ".md") as f:
+        assert "| linear - softmax | eval loss | 1 | +0.0000 | - | s0: +0.0000 | level |" in f.read()

@@ -32,7 +32,9 @@ import torch
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import Measurement
+from tasks.common.stats import paired_lines, paired_summary
 from tasks.common.utils import load_average, system_info
+from tasks.video_gen.follow import SEED_METRICS
 from tasks.video_gen.media import to_uint8_frames
 from tasks.video_gen.table5_mini import checkpoint_of, measure_row
 
@@ -49,6 +51,8 @@ ROWS = {  # row -> its overrides of task=video_mini (the paper's Table 5 rows, t
 }
 LABELS = {"softmax": "softmax (FlashAttention row)", "linear": "linear", "mhla": "MHLA (every layer)",
           "mhla_hybrid": "MHLA hybrid (layer 2 of 4 softmax)"}
+PAIRS = (("mhla", "linear"), ("mhla", "softmax"), ("linear", "softmax"), ("mhla_hybrid", "softmax"),
+         ("mhla_hybrid", "mhla"))  # the rows compared seed by seed
 PAPER_LATENCY_S = {"softmax": 166, "linear": 82, "mhla": 81, "mhla_hybrid": 103}  # Table 5, 50 steps + CFG, GPU
 BENCH_PRESETS = ("mini_31k", "wan1.3b_3layers")
 MINI_VS_FULL = (  # the mini rows keep task=video_mini's attention settings; the full Table 5 (wan_finetune) differs
@@ -160,6 +164,8 @@ def write_outputs(records: list[dict], args) -> None:
             f"{fmt([rec['all_follow']['followed'] for rec in recs], pct=True)} | "
             f"{fmt([rec['all_follow']['shape_ok'] for rec in recs], pct=True)} | {fmt(lat, digits=2)} | {speed} | "
             f"{ratio_cell(benches['mini_31k'], r)} | {ratio_cell(benches['wan1.3b_3layers'], r)} | {paper} |")
+    paired = paired_summary(records, PAIRS, SEED_METRICS)
+    lines += paired_lines(paired)
     lines += ["", "31.5k-token columns: one denoiser forward (batch 1, no CFG) on this CPU in fp32, from "
               "`scripts/bench_video.py --preset mini_31k` and `--preset wan1.3b_3layers` "
               "(`results/bench/video_<preset>_cpu.json`; "
@@ -179,7 +185,7 @@ def write_outputs(records: list[dict], args) -> None:
                        "threads": b.get("threads")} for p, b in benches.items() if b}
     record = {"machine": args.machine, **args.record_notes,
               **({"measurement": args.measurement} if args.measurement else {}),
-              "summary": summary, "benchmarks": bench_files, "results": keep}
+              "summary": summary, "paired": paired, "benchmarks": bench_files, "results": keep}
     write_result(stem, "\n".join(lines) + "\n", record, indent=1)
 
 

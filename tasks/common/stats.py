@@ -5,6 +5,7 @@ and the "holds" / "level" verdict of an ordering.
     diff["mean"], diff["ci95"]      # the mean of a - b over the seeds both have, and its t interval
     ordering_verdict(a_values, b_values)   # "holds" when mean(a) - mean(b) > 2 pooled std (3+ seeds a side)
     ordering_winner(a_values, b_values)    # "a" or "b" when that side is ahead by the same rule, else None
+    paired_lines(paired_summary(records, pairs, metrics))   # a markdown table of row pairs over the seeds
 """
 
 from __future__ import annotations
@@ -76,3 +77,53 @@ def ordering_winner(a: list[float], b: list[float], higher_is_better: bool = Tru
     if ordering_verdict(ys, xs, k, min_seeds) == "holds":
         return "b"
     return None
+
+
+def paired_summary(records: list[dict], pairs, metrics) -> list[dict]:
+    """Paired per-seed differences of a table's rows.
+
+    For each ``(a, b)`` of ``pairs`` and each ``(name, value_of_record, higher_is_better, digits)`` of
+    ``metrics``: :func:`paired_difference` of ``a - b`` over the seeds both rows have, and the verdict
+    "<row> better" when :func:`ordering_winner` names one, else "level". ``records`` are a driver's run
+    records (``{"row", "seed", ...}``); failed ones (``"error"``) and metrics a record lacks are skipped."""
+    per = {}
+    for rec in records:
+        if "error" not in rec:
+            per.setdefault(rec["row"], {})[rec["seed"]] = rec
+    out = []
+    for a, b in pairs:
+        if a not in per or b not in per:
+            continue
+        for name, get, higher_is_better, digits in metrics:
+            try:
+                va = {s: get(r) for s, r in per[a].items()}
+                vb = {s: get(r) for s, r in per[b].items()}
+            except KeyError:
+                continue
+            d = paired_difference(va, vb)
+            if not d["n"]:
+                continue
+            winner = ordering_winner(list(va.values()), list(vb.values()), higher_is_better)
+            verdict = "level" if winner is None else f"{a if winner == 'a' else b} better"
+            out.append({"a": a, "b": b, "metric": name, "digits": digits, **d, "verdict": verdict})
+    return out
+
+
+def paired_lines(paired: list[dict]) -> list[str]:
+    """The markdown table of :func:`paired_summary`'s list, with its explaining line (empty when no two rows
+    share a seed)."""
+    out = []
+    for p in paired:
+        k = p["digits"]
+        ci = "-" if p["ci95"] is None else f"[{p['ci95'][0]:.{k}f}, {p['ci95'][1]:.{k}f}]"
+        per_seed = ", ".join(f"s{s}: {x:+.{k}f}" for s, x in zip(p["seeds"], p["diffs"]))
+        out.append(f"| {p['a']} - {p['b']} | {p['metric']} | {p['n']} | {p['mean']:+.{k}f} | {ci} | "
+                   f"{per_seed} | {p['verdict']} |")
+    if not out:
+        return []
+    return ["", "Paired per-seed differences (same seed: same data order, init and sampling noise; 95% t "
+            f"interval over the seeds; a row is better only with {MIN_SEEDS} seeds or more a side and a gap "
+            "of the means over two pooled standard deviations, else level):", "",
+            "| a - b | metric | seeds | mean diff | 95% interval | per seed | verdict |",
+            "|---|---|---|---|---|---|---|",
+            *out]

@@ -37,10 +37,10 @@ from tasks.common.evaluation import load_run
 from tasks.common.launch import read_notes, run_parallel, run_training
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import Measurement
-from tasks.common.stats import mean_std, ordering_winner, paired_difference
+from tasks.common.stats import mean_std, paired_lines, paired_summary
 from tasks.common.utils import load_average, system_info
 
-from .follow import all_prompts, sample_and_check
+from .follow import SEED_METRICS, all_prompts, sample_and_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = {  # row -> its overrides of task=video_mini (attn_cross: configs/attn_cross/)
@@ -169,7 +169,8 @@ def to_markdown(data: dict) -> str:
             cells.append("-" if m is None else f"{1e3 * m['median_s']:.1f}"
                          + (f" ({soft['median_s'] / m['median_s']:.2f}x)" if soft else ""))
         lines.append(f"| {LABELS[r]} | " + " | ".join(cells) + " |")
-    lines += paired_lines(data["paired"] if "paired" in data else paired_summary(records))
+    paired = data["paired"] if "paired" in data else paired_summary(records, PAIRS, SEED_METRICS)
+    lines += paired_lines(paired)
     lines += ["", "Raw records (per seed: metrics, per-caption checks, commands; latency: every timed "
               f"forward): `{os.path.basename(data['stem'])}.json`."]
     if data.get("notes"):
@@ -178,32 +179,6 @@ def to_markdown(data: dict) -> str:
 
 
 PAIRS = (("mhla_cross", "softmax"), ("mhla_cross", "linear_cross"), ("linear_cross", "softmax"))
-METRICS = (("eval loss", lambda rec: rec["metrics"]["loss"], False, 4),  # (name, value, higher is better, digits)
-           ("captions followed (%)", lambda rec: 100 * rec["all_follow"]["followed"], True, 1))
-
-
-def paired_summary(records: list[dict]) -> list[dict]:
-    """The paired per-seed differences ``a - b`` of every metric of :data:`METRICS` for the row pairs of
-    :data:`PAIRS` (:func:`tasks.common.stats.paired_difference`: 95% t interval over the shared seeds) and the
-    verdict: "<row> better" only when the gap of the means exceeds two pooled standard deviations, else "level"."""
-    per = {}
-    for rec in records:
-        if "error" not in rec and "all_follow" in rec:
-            per.setdefault(rec["row"], {})[rec["seed"]] = rec
-    out = []
-    for a, b in PAIRS:
-        if a not in per or b not in per:
-            continue
-        for name, get, higher_is_better, digits in METRICS:
-            va = {s: get(r) for s, r in per[a].items()}
-            vb = {s: get(r) for s, r in per[b].items()}
-            d = paired_difference(va, vb)
-            if not d["n"]:
-                continue
-            winner = ordering_winner(list(va.values()), list(vb.values()), higher_is_better)
-            verdict = "level" if winner is None else f"{a if winner == 'a' else b} better"
-            out.append({"a": a, "b": b, "metric": name, "digits": digits, **d, "verdict": verdict})
-    return out
 
 
 def latency_ratios(latency: list[dict]) -> dict:
@@ -216,25 +191,6 @@ def latency_ratios(latency: list[dict]) -> dict:
         if ratios:
             out[f"{a}/{b}"] = ratios
     return out
-
-
-def paired_lines(paired: list[dict]) -> list[str]:
-    """The markdown table of :func:`paired_summary`'s list (empty when no two rows share a seed)."""
-    out = []
-    for p in paired:
-        k = p["digits"]
-        ci = "-" if p["ci95"] is None else f"[{p['ci95'][0]:.{k}f}, {p['ci95'][1]:.{k}f}]"
-        per_seed = ", ".join(f"s{s}: {x:+.{k}f}" for s, x in zip(p["seeds"], p["diffs"]))
-        out.append(f"| {p['a']} - {p['b']} | {p['metric']} | {p['n']} | {p['mean']:+.{k}f} | {ci} | {per_seed} | "
-                   f"{p['verdict']} |")
-    if not out:
-        return []
-    return ["", "Paired per-seed differences (same seed: same data order, init and sampling noise; 95% t "
-            "interval over the seeds; a row is better only when the gap of the means exceeds two pooled standard "
-            "deviations, else level):", "",
-            "| a - b | metric | seeds | mean diff | 95% interval | per seed | verdict |",
-            "|---|---|---|---|---|---|---|",
-            *out]
 
 
 def plot(data: dict, path: str) -> None:
@@ -263,7 +219,7 @@ def write(data: dict, args, measurement: dict | None = None) -> None:
     from tasks.common.results import write_result  # noqa: PLC0415
 
     record = {k: v for k, v in data.items() if not (k == "measurement" and measurement is not None)}
-    record["paired"] = paired_summary(data.get("records", []))
+    record["paired"] = paired_summary(data.get("records", []), PAIRS, SEED_METRICS)
     record["latency_ratios"] = latency_ratios(data.get("latency") or [])
     write_result(data["stem"], to_markdown(record), record, lambda p: plot(data, p),
                  measurement=measurement, allow_busy=args.allow_busy)

@@ -31,6 +31,10 @@ from tasks.common.evaluation import load_run
 from .data import COLORS, DIRECTIONS, SHAPES, MovingShapes
 
 BACKGROUND = (-0.8, -0.8, -0.8)
+# what a video table compares seed by seed (tasks.common.stats.paired_summary):
+# (name, value of a run record, higher is better, digits)
+SEED_METRICS = (("eval loss", lambda rec: rec["metrics"]["loss"], False, 4),
+                ("captions followed (%)", lambda rec: 100 * rec["all_follow"]["followed"], True, 1))
 
 
 def color_labels(video: torch.Tensor, color_tol: float = 0.9) -> torch.Tensor:
