@@ -175,8 +175,8 @@ def write_outputs(records: list[dict], args) -> None:
               "ratios are those of the full model's step; the paper's 2.05x (MHLA) and 1.61x (hybrid) are end-to-end "
               "sampling on a GPU, including the VAE and the text encoder, which no attention speeds up.", "",
               MINI_VS_FULL, "",
-              f"Frames: `{os.path.basename(stem)}_frames.png` (seed 0 of each row: one row per sample prompt, its 8 "
-              f"frames left to right). Raw records: `{os.path.basename(stem)}.json`."]
+              f"Frames: `{os.path.basename(stem)}_frames.png` (each row's lowest seed timed with the table: one row "
+              f"per sample prompt, its 8 frames left to right). Raw records: `{os.path.basename(stem)}.json`."]
     if args.notes:
         lines += ["", "## Reading", "", args.notes.strip()]
     keep = [{k: v for k, v in rec.items() if k != "frames"} for rec in records]
