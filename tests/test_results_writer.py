@@ -68,3 +68,18 @@ def test_code_version_outside_git_reads_mhla_commit(tmp_path, monkeypatch):
     monkeypatch.setenv("MHLA_COMMIT", "abc123")
     assert code_version(tmp_path) == {"commit": "abc123", "dirty": None}
     assert code_version()["commit"] != "abc123"  # inside git, git wins
+
+
+def test_wait_until_settled_waits_for_the_load_average(monkeypatch):
+    """A driver that times right after its own training waits for the lagging load average, within a limit."""
+    loads = iter([[1.4], [1.2], [0.9], [0.5]])
+    slept = []
+    monkeypatch.setattr(records, "load_average", lambda: next(loads))
+    monkeypatch.setattr(records.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(records.time, "sleep", slept.append)
+    # 0.9 is under half of 2 cores: two waits
+    assert records.wait_until_settled(max_wait_s=60, poll_s=5) == 10 and slept == [5, 5]
+    monkeypatch.setattr(records, "load_average", lambda: [3.0])  # never settles: gives up at the limit
+    assert records.wait_until_settled(max_wait_s=12, poll_s=5) == 15
+    monkeypatch.setattr(records, "load_average", lambda: None)  # no load average on this OS: no wait
+    assert records.wait_until_settled() == 0

@@ -31,7 +31,7 @@ import torch
 
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training
 from tasks.common.plots import pyplot, save_figure
-from tasks.common.records import Measurement
+from tasks.common.records import Measurement, wait_until_settled
 from tasks.common.stats import paired_lines, paired_summary
 from tasks.common.utils import load_average, system_info
 from tasks.video_gen.follow import SEED_METRICS
@@ -274,6 +274,8 @@ def main(argv=None) -> int:
             rec["latency_stale"] = True
             print(f"{rec['row']} seed {rec['seed']}: no checkpoint in {rec['run_dir']}; its eval loss and following "
                   "are kept, its earlier latency is left out of the latency column", flush=True)
+    if any(not r.get("latency_stale") for r in trained):
+        wait_until_settled()  # this table's own training runs just ended: their load lingers in the average
     with Measurement(threads=args.threads) as load:
         for rec in (r for r in trained if not r.get("latency_stale")):
             measured = measure_row(rec, args.latency_repeats)

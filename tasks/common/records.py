@@ -139,6 +139,24 @@ def is_busy(load_before, load_after, cpu_count: int | None, threads: int = 1,
             or (other_cpu_frac is not None and other_cpu_frac > BUSY_FRACTION))
 
 
+def wait_until_settled(max_wait_s: float = 180.0, poll_s: float = 5.0) -> float:
+    """Wait until the 1-minute load average is under the busy line (:data:`BUSY_FRACTION` of the cores), at
+    most ``max_wait_s``; returns the seconds waited. For a measurement that follows its own driver's jobs
+    (training runs, then their timing): the load average lags by about a minute, so without this the
+    measurement would start "busy" on the load of jobs that have already ended."""
+    cores, waited = os.cpu_count() or 1, 0.0
+    while waited < max_wait_s:
+        load = load_average()
+        if not load or float(load[0]) <= BUSY_FRACTION * cores:
+            break
+        if waited == 0.0:
+            print(f"waiting for the load average to settle ({float(load[0]):.2f} on {cores} cores)",
+                  flush=True)
+        time.sleep(poll_s)
+        waited += poll_s
+    return waited
+
+
 class Measurement:
     """The record of a benchmark's conditions, taken around the timing::
 
