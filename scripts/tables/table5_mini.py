@@ -29,6 +29,7 @@ import sys
 import numpy as np
 import torch
 
+from tasks.common.fileio import atomic_write
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import Measurement, wait_until_settled
@@ -258,8 +259,13 @@ def main(argv=None) -> int:
 
     def on_done(item, rec):
         records.append(rec)
-        with open(partial, "w") as f:
-            json.dump([r for r in records if "error" not in r], f, indent=1)
+        kept = [r for r in records if "error" not in r]
+
+        def dump(tmp):
+            with open(tmp, "w") as f:
+                json.dump(kept, f, indent=1)
+
+        atomic_write(partial, dump)  # a kill mid-write leaves the previous partial record whole
         if "error" in rec:
             return f"{item[0]} seed {item[1]}: FAILED {rec['error_tail']}"
         return f"{item[0]} seed {item[1]}: eval loss {rec['metrics']['loss']:.4f} ({rec['seconds']:.0f} s)"

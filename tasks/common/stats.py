@@ -85,7 +85,8 @@ def paired_summary(records: list[dict], pairs, metrics) -> list[dict]:
     For each ``(a, b)`` of ``pairs`` and each ``(name, value_of_record, higher_is_better, digits)`` of
     ``metrics``: :func:`paired_difference` of ``a - b`` over the seeds both rows have, and the verdict
     "<row> better" when :func:`ordering_winner` names one, else "level". ``records`` are a driver's run
-    records (``{"row", "seed", ...}``); failed ones (``"error"``) and metrics a record lacks are skipped."""
+    records (``{"row", "seed", ...}``); failed ones (``"error"``) are skipped, and a seed drops out of a
+    metric its record lacks (as the old per-driver copy dropped a seed without its following check)."""
     per = {}
     for rec in records:
         if "error" not in rec:
@@ -95,17 +96,24 @@ def paired_summary(records: list[dict], pairs, metrics) -> list[dict]:
         if a not in per or b not in per:
             continue
         for name, get, higher_is_better, digits in metrics:
-            try:
-                va = {s: get(r) for s, r in per[a].items()}
-                vb = {s: get(r) for s, r in per[b].items()}
-            except KeyError:
-                continue
+            va, vb = _values(per[a], get), _values(per[b], get)
             d = paired_difference(va, vb)
             if not d["n"]:
                 continue
             winner = ordering_winner(list(va.values()), list(vb.values()), higher_is_better)
             verdict = "level" if winner is None else f"{a if winner == 'a' else b} better"
             out.append({"a": a, "b": b, "metric": name, "digits": digits, **d, "verdict": verdict})
+    return out
+
+
+def _values(by_seed: dict, get) -> dict:
+    """``{seed: get(record)}`` over the seeds whose record has the metric (``get`` raises no KeyError)."""
+    out = {}
+    for seed, rec in by_seed.items():
+        try:
+            out[seed] = get(rec)
+        except KeyError:
+            continue
     return out
 
 
