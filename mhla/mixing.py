@@ -264,13 +264,18 @@ class MixingMatrix(nn.Module):
         """
         with torch.device("cpu"):
             w = mixing_init(self.init, self._distances, causal=self.causal, **self._init_kwargs)
-            if self.num_heads is not None:
-                w = w.unsqueeze(0).repeat(self.num_heads, 1, 1)
-            if self.parameterization == "softplus":
-                return _inverse_softplus(w.clamp_min(1e-4))
-            if self.parameterization == "log":
-                return w.clamp_min(1e-4).log()
-            return w
+            return self._raw_from_init(w)
+
+    def _raw_from_init(self, w: torch.Tensor) -> torch.Tensor:
+        """The stored values of an init matrix ``w`` (``[M, M]`` / ``[Mq, Mk]``): repeated per head when the
+        matrix is per-head, then mapped through the inverse of :attr:`parameterization`."""
+        if self.num_heads is not None:
+            w = w.unsqueeze(0).repeat(self.num_heads, 1, 1)
+        if self.parameterization == "softplus":
+            return _inverse_softplus(w.clamp_min(1e-4))
+        if self.parameterization == "log":
+            return w.clamp_min(1e-4).log()
+        return w
 
     @staticmethod
     def _check_args(num_blocks, num_heads, parameterization, max_value, init_kwargs) -> None:
@@ -585,14 +590,7 @@ class CrossMixingMatrix(MixingMatrix):
 
     def initial_raw(self) -> torch.Tensor:
         with torch.device("cpu"):
-            w = torch.full((self.query_blocks, self.key_blocks), 1.0 / self.key_blocks)
-            if self.num_heads is not None:
-                w = w.unsqueeze(0).repeat(self.num_heads, 1, 1)
-            if self.parameterization == "softplus":
-                return _inverse_softplus(w.clamp_min(1e-4))
-            if self.parameterization == "log":
-                return w.clamp_min(1e-4).log()
-            return w
+            return self._raw_from_init(torch.full((self.query_blocks, self.key_blocks), 1.0 / self.key_blocks))
 
     @torch.no_grad()
     def logged_matrices(self) -> dict[str, torch.Tensor]:
