@@ -41,10 +41,10 @@ from .state import (
     check_rows,
     check_state,
     check_window,
-    fold_blocks,
     init_state,
     rewindow,
     row_coefficients,
+    state_after_chunk,
 )
 
 
@@ -284,25 +284,6 @@ def mhla_causal_torch(
     if not output_final_state:
         return o
 
-    end = P + T
-    finished = end // C
-    new = finished - first_block  # blocks of the chunk that are finished: nb, or nb - 1
-    if new == nb:  # the chunk ended exactly on a block boundary
-        cur_s = torch.zeros_like(state.current_summary)
-        cur_z = torch.zeros_like(state.current_key_sum)
-    else:
-        cur_s, cur_z = chunk_summaries[:, -1], chunk_key_sums[:, -1]
-    kept_s, kept_z, far_s, far_z = fold_blocks(state, chunk_summaries[:, :new].transpose(1, 2),
-                                               chunk_key_sums[:, :new].transpose(1, 2), finished)
-    new_state = MHLAState(
-        block_summaries=kept_s,
-        block_key_sums=kept_z,
-        current_summary=cur_s,
-        current_key_sum=cur_z,
-        num_tokens=end,
-        block_size=C,
-        window=state.window,
-        far_summary=far_s,
-        far_key_sum=far_z,
-    )
+    summaries, key_sums = chunk_summaries.transpose(1, 2), chunk_key_sums.transpose(1, 2)  # [B, H, nb, ...]
+    new_state = state_after_chunk(state, summaries, key_sums, P + T)
     return o, new_state

@@ -184,6 +184,30 @@ def fold_blocks(state: MHLAState, new_s: torch.Tensor, new_z: torch.Tensor, fini
     return all_s, all_z, far_s, far_z
 
 
+def state_after_chunk(state: MHLAState, summaries: torch.Tensor, key_sums: torch.Tensor,
+                      end: int) -> MHLAState:
+    """The state after a chunk of tokens that ends at token ``end``, from the summaries of its blocks.
+
+    Args:
+        state: the state the chunk started from (its kept blocks, folded sum, window and block size).
+        summaries: ``[B, H, n, D, Dv]``, key_sums: ``[B, H, n, D]``: the chunk's blocks
+            ``state.num_finished_blocks ..`` (``n`` of them), the first including the running sums the chunk
+            started with. The last is the new running block, unless ``end`` is a block boundary
+            (then every one of them is finished and the running sums start at zero).
+        end: the number of tokens seen after the chunk.
+    """
+    finished = end // state.block_size
+    new = finished - state.num_finished_blocks  # the chunk's finished blocks: n, or n - 1
+    if new == summaries.shape[2]:
+        cur_s, cur_z = torch.zeros_like(summaries[:, :, 0]), torch.zeros_like(key_sums[:, :, 0])
+    else:
+        cur_s, cur_z = summaries[:, :, -1], key_sums[:, :, -1]
+    kept_s, kept_z, far_s, far_z = fold_blocks(state, summaries[:, :, :new], key_sums[:, :, :new], finished)
+    return MHLAState(block_summaries=kept_s, block_key_sums=kept_z, current_summary=cur_s,
+                     current_key_sum=cur_z, num_tokens=end, block_size=state.block_size, window=state.window,
+                     far_summary=far_s, far_key_sum=far_z)
+
+
 def rewindow(state: MHLAState, window: tuple[int, int]) -> MHLAState:
     """``state`` (after any number of tokens) for a call whose mixing rows have ``window``.
 

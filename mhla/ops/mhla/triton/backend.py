@@ -31,10 +31,10 @@ from ..state import (
     MixingRows,
     check_state,
     check_window,
-    fold_blocks,
     init_state,
     rewindow,
     row_coefficients,
+    state_after_chunk,
 )
 from .causal import mhla_causal_triton
 from .noncausal import mhla_noncausal_triton
@@ -134,25 +134,7 @@ def mhla_triton(
     if not output_final_state:
         return o
 
-    end = P + T
-    finished = end // C  # finished blocks after this call
-    new_done = finished - first  # this call's blocks that are finished: NB or NB - 1
-    if new_done == NB:
-        cur_s, cur_z = torch.zeros_like(S[:, :, 0]), torch.zeros_like(Z[:, :, 0])
-    else:
-        cur_s, cur_z = S[:, :, NB - 1], Z[:, :, NB - 1]
     if initial_state is None:  # the empty state of the right dtype (the kernels' summaries are fp32)
         st = init_state(B, H, D, Dv, C, device=q.device, dtype=S.dtype, window=st.window)
-    kept_s, kept_z, far_s, far_z = fold_blocks(st, S[:, :, :new_done], Z[:, :, :new_done], finished)
-    new_state = MHLAState(
-        block_summaries=kept_s,
-        block_key_sums=kept_z,
-        current_summary=cur_s,
-        current_key_sum=cur_z,
-        num_tokens=end,
-        block_size=C,
-        window=st.window,
-        far_summary=far_s,
-        far_key_sum=far_z,
-    )
+    new_state = state_after_chunk(st, S, Z, P + T)
     return o, new_state
