@@ -1,15 +1,12 @@
 #!/usr/bin/env python
 """MQAR grid: attention variants x sequence lengths x key-value counts x seeds -> table, plots and raw records.
 
-    python scripts/run_mqar.py --scale mini                      # CI-size check (N = 32, K = 2; about 10 min)
-    python scripts/run_mqar.py                                   # the committed grid -> results/mqar.md
-    python scripts/run_mqar.py --scale large --jobs 8            # more cells, widths and seeds (bigger machine)
-    python scripts/run_mqar.py --cells 64x8 --variants mhla mhla_log --epochs 20 --seeds 0 1 \\
-        --out results/mqar/lr_scale                              # one hypothesis -> results/mqar/lr_scale.md
-    python scripts/run_mqar.py --plot-only                       # redraw from <out>.json
+    python scripts/run_mqar.py --scale mini      # CI-size check (N = 32, K = 2; about 10 min)
+    python scripts/run_mqar.py                   # the committed grid -> results/mqar.md
+    python scripts/run_mqar.py --help            # every option, with more examples
 
-The driver is :mod:`scripts.tables.mqar` (its docstring says what each run is); ``make reproduce-mqar`` and
-``scripts/reproduce_table.py --table mqar`` run the same.
+The driver is :mod:`scripts.tables.mqar` (its docstring, which ``--help`` prints, says what each run is);
+``make reproduce-mqar`` and ``scripts/reproduce_table.py --table mqar`` run the same.
 """
 
 from __future__ import annotations
