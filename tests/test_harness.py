@@ -60,6 +60,33 @@ def test_resume_equals_uninterrupted_run(tmp_path):
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0, msg=k)
     # and the run really changed the weights
     assert any((a["model"][k] != interrupted["model"][k]).any() for k in a["model"])
+    # the record of the resumed run names both processes that trained it
+    from tasks.common.records import read_run_record  # noqa: PLC0415
+
+    straight, split = read_run_record(tmp_path / "straight"), read_run_record(tmp_path / "split")
+    assert [(g["from_step"], g["to_step"]) for g in straight["segments"]] == [(0, 6)]
+    assert straight["resumed_from_step"] == 0
+    assert straight["seconds_total"] == straight["segments"][0]["seconds"]
+    assert [(g["from_step"], g["to_step"]) for g in split["segments"]] == [(0, 3), (3, 6)]
+    assert split["resumed_from_step"] == 3
+    assert split["seconds"] == pytest.approx(split["segments"][1]["seconds"], abs=5)
+    assert split["seconds_total"] == pytest.approx(sum(g["seconds"] for g in split["segments"]), abs=0.11)
+    assert all(g["commit"] == split["commit"] and g["started"] for g in split["segments"])
+
+
+def test_resume_from_a_checkpoint_without_segments_says_the_history_is_unknown(tmp_path):
+    common = TINY + ["trainer.max_steps=2", "trainer.eval_every_steps=100"]
+    run(make_cfg(common + ["trainer.stop_after_steps=1"]), tmp_path)
+    path = tmp_path / "checkpoints" / "last.pt"
+    state = torch.load(path, weights_only=False)
+    del state["segments"]  # as a checkpoint written before the trainer kept them
+    torch.save(state, path)
+    run(make_cfg(common + ["trainer.resume=last"]), tmp_path)
+    from tasks.common.records import read_run_record  # noqa: PLC0415
+
+    record = read_run_record(tmp_path)
+    assert [(g["from_step"], g["to_step"]) for g in record["segments"]] == [(None, 1), (1, 2)]
+    assert record["resumed_from_step"] == 1 and record["seconds_total"] is None
 
 
 def test_bad_configs_fail_at_start_with_a_fix(tmp_path):

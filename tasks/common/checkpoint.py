@@ -14,7 +14,8 @@ reads a checkpoint of ``train.py`` and says "not a checkpoint of this project: P
 text, foreign files); :func:`find_checkpoint` turns a run folder into its ``last`` checkpoint.
 
 Besides :data:`RUN_CHECKPOINT_KEYS`, the trainer's checkpoints hold the optimizer, scheduler, EMA, RNG states,
-the run's facts (``run``) and ``wandb_run_id`` (the W&B run to continue on resume; None without W&B).
+the run's facts (``run``), ``wandb_run_id`` (the W&B run to continue on resume; None without W&B) and
+``segments`` (the processes that trained it so far, which the run record lists: ``tasks.common.records``).
 """
 
 from __future__ import annotations

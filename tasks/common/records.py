@@ -2,10 +2,12 @@
 
 Written by the trainer at the end of every run (main process): the command line, the code version (commit and
 whether the tree had uncommitted changes), the machine (:func:`tasks.common.utils.system_info`), the load average
-before and after, the wall time, the final metrics, the *resolved* config (every field, not the overrides) and
-the attention the run built with every option set (``attention``; the config's None options mean "the model's
-default"), so that a recorded condition can be rerun exactly under later defaults (``python train.py
---config-dir <folder holding config.yaml> --config-name config``, or by comparing the fields).
+before and after, the wall time, the segments of a run resumed from a checkpoint (each process that trained
+it: its steps, seconds, commit and load; ``resumed_from_step``), the final metrics, the *resolved* config
+(every field, not the overrides) and the attention the run built with every option set (``attention``; the
+config's None options mean "the model's default"), so that a recorded condition can be rerun exactly under
+later defaults (``python train.py --config-dir <folder holding config.yaml> --config-name config``, or by
+comparing the fields).
 :func:`read_run_record` is how the table drivers (:mod:`tasks.common.launch`) pick it up.
 
 A benchmark (a measurement of time, not a training run) records the same things around its timing with
@@ -70,8 +72,18 @@ def effective_attention(cfg) -> dict | None:
         return None
 
 
-def write_run_record(run_dir: str | os.PathLike, cfg, metrics: dict, *, seconds: float, load_before) -> Path:
-    """Write ``<run_dir>/run.json`` (module docstring) and return its path."""
+def write_run_record(run_dir: str | os.PathLike, cfg, metrics: dict, *, seconds: float, load_before,
+                     segments: list[dict] | None = None) -> Path:
+    """Write ``<run_dir>/run.json`` (module docstring) and return its path.
+
+    ``seconds`` and ``load_before`` are this process's. ``segments`` (the trainer's): one dict per process
+    that trained the run, in order, ``{"from_step", "to_step", "seconds", "started", "commit", "dirty",
+    "load_before"}``; more than one when the run was resumed from a checkpoint (``trainer.resume``). A segment
+    from a checkpoint that predates them is ``{"from_step": None, "to_step": step}``: what trained up to that
+    step is unknown. ``seconds_total`` is their sum (``seconds`` without segments), None when one is
+    unknown."""
+    known = [seg.get("seconds") for seg in segments] if segments is not None else [seconds]
+    segments = list(segments or [])
     record = {
         "command": "python " + " ".join(sys.argv),
         **code_version(),
@@ -79,6 +91,9 @@ def write_run_record(run_dir: str | os.PathLike, cfg, metrics: dict, *, seconds:
         "load_before": load_before,
         "load_after": load_average(),
         "seconds": round(seconds, 1),
+        "segments": segments,
+        "resumed_from_step": segments[-1]["from_step"] if segments else 0,
+        "seconds_total": round(sum(known), 1) if known and None not in known else None,
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
         "config": OmegaConf.to_container(cfg, resolve=True),
         "attention": effective_attention(cfg),

@@ -40,7 +40,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,7 +67,7 @@ from .hooks import after_optimizer_step, logged_matrices
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
 from .progress import ProgressLoader
-from .records import write_run_record
+from .records import code_version, write_run_record
 from .utils import (
     count_flops,
     count_parameters,
@@ -308,6 +308,14 @@ class _Run:
     step: int = 0
     saved_step: int = -1  # the step of the last checkpoint saved (or loaded)
     logger: RunLogger | None = None
+    segments: list = field(default_factory=list)  # the processes that trained it before this one (a resume)
+    segment: dict = field(default_factory=dict)  # this process: started, from_step, commit, load_before
+
+    def history(self) -> list[dict]:
+        """:attr:`segments` and this process's segment up to :attr:`step` (``tasks.common.records``)."""
+        now = {**self.segment, "to_step": self.step,
+               "seconds": round(time.time() - self.segment["t0"], 1)} if self.segment else None
+        return self.segments + ([{k: v for k, v in now.items() if k != "t0"}] if now else [])
 
 
 class Trainer:
@@ -501,6 +509,8 @@ class Trainer:
                       if isinstance(state["rng"], list) else state["rng"])
         run.ckpt.best = state.get("best_metric")
         run.step = run.saved_step = int(state["step"])
+        # a checkpoint from before the history was kept: what trained up to its step is unknown
+        run.segments = list(state.get("segments") or [{"from_step": None, "to_step": run.step}])
 
     # ------------------------------------------------------------------------------------- fit
     def fit(self) -> dict:
@@ -528,7 +538,8 @@ class Trainer:
                 for loader in (run.train_loader, run.eval_loader):
                     stop_workers(loader)
         if self.dist.is_main:  # the run's record: resolved config, code version, machine and its load
-            write_run_record(self.run_dir, self.cfg, metrics, seconds=time.time() - started, load_before=load_before)
+            write_run_record(self.run_dir, self.cfg, metrics, seconds=time.time() - started,
+                             load_before=load_before, segments=run.history())
         barrier(self.dist)
         return metrics
 
@@ -597,6 +608,8 @@ class Trainer:
             self._restore(state, run)
             wandb_id = state.get("wandb_run_id")
             del state
+        run.segment = {"t0": time.time(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "from_step": run.step, **code_version(), "load_before": load_average()}
         run.logger = self._start_logger(wandb_id)
         if self.dist.is_main and not resumed:  # a resumed run logged it when it started
             run.logger.log({"params": n_params}, run.step)
@@ -811,6 +824,7 @@ class Trainer:
             "config": self.cfg_container(),
             "run": {k: run.facts[k] for k in _RESUME_FACTS},
             "wandb_run_id": run.logger.run_id if run.logger is not None else None,
+            "segments": run.history(),
         }
 
     def cfg_container(self):
