@@ -310,12 +310,14 @@ class _Run:
     logger: RunLogger | None = None
     segments: list = field(default_factory=list)  # the processes that trained it before this one (a resume)
     segment: dict = field(default_factory=dict)  # this process: started, from_step, commit, load_before
+    t0: float = 0.0  # this process's start (time.time()), for its segment's seconds
 
     def history(self) -> list[dict]:
         """:attr:`segments` and this process's segment up to :attr:`step` (``tasks.common.records``)."""
-        now = {**self.segment, "to_step": self.step,
-               "seconds": round(time.time() - self.segment["t0"], 1)} if self.segment else None
-        return self.segments + ([{k: v for k, v in now.items() if k != "t0"}] if now else [])
+        if not self.segment:
+            return list(self.segments)
+        now = {**self.segment, "to_step": self.step, "seconds": round(time.time() - self.t0, 1)}
+        return self.segments + [now]
 
 
 class Trainer:
@@ -526,6 +528,10 @@ class Trainer:
             open_run_log(self.run_dir)
         with StopSignals() as stop:
             run = self._setup()
+            # this process's segment of the run (one per process that trained it; the record lists them)
+            run.t0 = started
+            run.segment = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+                           "from_step": run.step, **code_version(), "load_before": load_before}
             exit_code = 1
             try:
                 metrics = self._fit(run, stop)
@@ -608,8 +614,6 @@ class Trainer:
             self._restore(state, run)
             wandb_id = state.get("wandb_run_id")
             del state
-        run.segment = {"t0": time.time(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "from_step": run.step, **code_version(), "load_before": load_average()}
         run.logger = self._start_logger(wandb_id)
         if self.dist.is_main and not resumed:  # a resumed run logged it when it started
             run.logger.log({"params": n_params}, run.step)
