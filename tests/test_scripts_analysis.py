@@ -98,3 +98,39 @@ def test_ckpt_mode_on_trained_runs(tmp_path):
     assert (out / "t.png").stat().st_size > 1000
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         analyze_attention.analyze_checkpoint(str(tmp_path), batch=2, rtol=1e-3)
+
+
+# ------------------------------------------------------------------------- compare_predictions.py
+def test_compare_predictions_on_trained_runs(tmp_path):
+    """Two short train.py runs: the per-example errors reproduce each run's recorded top-1, and each pair's
+    counts partition the eval split."""
+    import subprocess
+
+    from scripts import compare_predictions
+
+    runs = {}
+    for attn in ("softmax", "mhla"):
+        run = tmp_path / attn
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "task=mnist", f"attn={attn}", "data.limit=64",
+               "data.batch_size=32", "data.eval_limit=40", "trainer.max_steps=2", "logger=none",
+               "trainer.progress_bar=false", "trainer.device=cpu", "trainer.count_flops=false",
+               f"hydra.run.dir={run}"]
+        subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+        runs[attn] = run
+    out = tmp_path / "cmp"
+    args = [f"{k}={v}" for k, v in runs.items()] + ["--out", str(out)]
+    assert compare_predictions.main(args) == 0
+    rec = json.loads((tmp_path / "cmp.json").read_text())
+    assert rec["n"] == 40 and list(rec["runs"]) == ["softmax", "mhla"]
+    for name, r in rec["runs"].items():
+        recorded = json.loads((runs[name] / "run.json").read_text())["metrics"]["top1"]
+        assert r["top1"] == pytest.approx(recorded, abs=1e-6)          # the same model, the same split
+        assert len(r["errors"]) == round((1 - r["top1"]) * 40) and r["config"]["attn"]["name"] == name
+    (p,) = rec["pairs"]
+    assert (p["a"], p["b"]) == ("softmax", "mhla")
+    assert p["only_a_right"] + p["only_b_right"] + p["both_right"] + p["both_wrong"] == 40
+    ea, eb = set(rec["runs"]["softmax"]["errors"]), set(rec["runs"]["mhla"]["errors"])
+    assert p["both_wrong"] == len(ea & eb) == rec["wrong_in_all"] and rec["wrong_in_any"] == len(ea | eb)
+    assert "McNemar p" in (tmp_path / "cmp.md").read_text()
+    with pytest.raises(SystemExit, match="names a run not given"):
+        compare_predictions.main(args + ["--pairs", "softmax:linear"])

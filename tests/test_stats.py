@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from tasks.common import stats
 from tasks.common.stats import mean_std, ordering_verdict, paired_difference, pooled_std, t_interval
 
 
@@ -41,3 +42,24 @@ def test_ordering_winner_is_two_sided():
     assert ordering_winner([9.0, 9.2, 8.8], [10.0, 10.2, 9.8]) == "b"
     assert ordering_winner([0.20, 0.21, 0.19], [0.30, 0.31, 0.29], higher_is_better=False) == "a"  # a loss
     assert ordering_winner([10.0, 11.0, 9.0], [9.0, 10.0, 8.0]) is None
+
+
+def test_mcnemar_counts_and_exact_p():
+    # 10 examples only a gets right, none only b: p = 2 * 0.5 ** 10 (two-sided exact binomial)
+    a = [True] * 10 + [True] * 80 + [False] * 10
+    b = [False] * 10 + [True] * 80 + [False] * 10
+    m = stats.mcnemar(a, b)
+    assert (m["n"], m["only_a_right"], m["only_b_right"], m["both_right"], m["both_wrong"]) == (100, 10, 0, 80, 10)
+    assert m["p"] == pytest.approx(2 * 0.5 ** 10)
+    # an even split of the disagreements is no evidence either way; no disagreement at all gives p = 1
+    assert stats.mcnemar([True, False] * 5, [False, True] * 5)["p"] == pytest.approx(1.0)
+    assert stats.mcnemar(a, a)["p"] == 1.0 and stats.mcnemar(a, a)["only_a_right"] == 0
+    # the examples both get right do not move p: only the disagreements count
+    assert stats.mcnemar(a + [True] * 500, b + [True] * 500)["p"] == pytest.approx(m["p"])
+    with pytest.raises(ValueError, match="same ones"):
+        stats.mcnemar(a, b[:-1])
+
+
+def test_accuracy_se_is_binomial():
+    assert stats.accuracy_se(0.99, 10_000) == pytest.approx(math.sqrt(0.99 * 0.01 / 10_000))
+    assert stats.accuracy_se(1.0, 50) == 0.0

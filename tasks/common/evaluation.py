@@ -38,17 +38,29 @@ def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool =
     return cfg, task, model, info
 
 
-def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True) -> dict:
-    """The task's evaluation of a ``train.py`` checkpoint (:func:`load_run`) on its eval split, with the run's
-    precision: the metrics ``eval.py`` prints."""
-    cfg, task, model, info = load_run(ckpt_path, overrides, use_ema)
+def eval_loader(cfg, task, info) -> DataLoader:
+    """The loader over ``task``'s eval split that :func:`evaluate_checkpoint` uses: in order (no shuffle, no
+    dropped tail), ``data.eval_batch_size`` (else ``data.batch_size``) per batch, this process's shard."""
     _, eval_ds = task.build_datasets()
     bs = int(cfg.data.get("eval_batch_size") or cfg.data.batch_size)
     sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
                                drop_last=False)
-    loader = DataLoader(eval_ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
-                        num_workers=cap_num_workers(int(cfg.trainer.get("num_workers", 0)))[0])
+    return DataLoader(eval_ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
+                      num_workers=cap_num_workers(int(cfg.trainer.get("num_workers", 0)))[0])
+
+
+def eval_precision(cfg, info):
+    """The autocast context of the run's ``trainer.precision`` on ``info.device`` ("auto": bf16 on a GPU, fp32
+    on a CPU)."""
     precision = cfg.trainer.get("precision", "auto")
     precision = ("bf16" if info.device.type == "cuda" else "fp32") if precision == "auto" else precision
-    with _precision_context(precision, info.device):
+    return _precision_context(precision, info.device)
+
+
+def evaluate_checkpoint(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True) -> dict:
+    """The task's evaluation of a ``train.py`` checkpoint (:func:`load_run`) on its eval split, with the run's
+    precision: the metrics ``eval.py`` prints."""
+    cfg, task, model, info = load_run(ckpt_path, overrides, use_ema)
+    loader = eval_loader(cfg, task, info)
+    with eval_precision(cfg, info):
         return task.evaluate(model, ProgressLoader(loader, "eval", enabled=info.is_main), info.device, info)

@@ -6,6 +6,7 @@ and the "holds" / "level" verdict of an ordering.
     ordering_verdict(a_values, b_values)   # "holds" when mean(a) - mean(b) > 2 pooled std (3+ seeds a side)
     ordering_winner(a_values, b_values)    # "a" or "b" when that side is ahead by the same rule, else None
     paired_lines(paired_summary(records, pairs, metrics))   # a markdown table of row pairs over the seeds
+    mcnemar(a_correct, b_correct)          # do two classifiers differ on the same test examples?
 """
 
 from __future__ import annotations
@@ -77,6 +78,35 @@ def ordering_winner(a: list[float], b: list[float], higher_is_better: bool = Tru
     if ordering_verdict(ys, xs, k, min_seeds) == "holds":
         return "b"
     return None
+
+
+def accuracy_se(accuracy: float, n: int) -> float:
+    """The binomial standard error ``sqrt(p (1 - p) / n)`` of an accuracy ``p`` measured on ``n`` examples: how
+    much the accuracy of ONE model moves from one test set of that size to another."""
+    return math.sqrt(accuracy * (1.0 - accuracy) / n) if n else float("nan")
+
+
+def mcnemar(a_correct, b_correct) -> dict:
+    """McNemar's exact test of two classifiers scored on the same examples.
+
+    Args:
+        a_correct, b_correct: ``[n]`` booleans (lists or arrays), whether each model got example ``i`` right.
+
+    Returns ``{"n", "both_right", "both_wrong", "only_a_right", "only_b_right", "p"}``: only the examples the two
+    disagree on count, and ``p`` is the two-sided exact binomial probability of a split at least as uneven as
+    ``only_a_right : only_b_right`` when either model is as likely to be the one that is right (1.0 when they
+    never disagree). It tests the two trained models on this test set, not the two recipes: seed-to-seed
+    variation is not in it."""
+    a, b = [bool(x) for x in a_correct], [bool(x) for x in b_correct]
+    if len(a) != len(b):
+        raise ValueError(f"mcnemar: {len(a)} and {len(b)} examples; both models must be scored on the same ones")
+    only_a = sum(x and not y for x, y in zip(a, b))
+    only_b = sum(y and not x for x, y in zip(a, b))
+    both = sum(x and y for x, y in zip(a, b))
+    n_dis = only_a + only_b
+    p = 1.0 if n_dis == 0 else float(_stats.binomtest(min(only_a, only_b), n_dis, 0.5).pvalue)
+    return {"n": len(a), "both_right": both, "both_wrong": len(a) - both - n_dis, "only_a_right": only_a,
+            "only_b_right": only_b, "p": p}
 
 
 def paired_summary(records: list[dict], pairs, metrics) -> list[dict]:
