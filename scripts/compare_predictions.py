@@ -4,18 +4,20 @@
     python scripts/compare_predictions.py softmax_s1=RUN_DIR linear_s1=RUN_DIR mhla_s1=RUN_DIR \\
         --out results/classification/table2_converged_predictions [--pairs mhla_s1:softmax_s1 ...]
 
-Each ``NAME=RUN`` (a ``train.py`` run folder or checkpoint; ``last.pt`` by default, ``--which best``) is loaded
-with its stored config (:func:`tasks.common.evaluation.load_run`) and run once over its eval split, in order.
-For each run the record keeps the test examples it gets wrong (their indices), its top-1 recomputed here next
-to the one its ``run.json`` holds, the binomial standard error of that top-1, and the run's resolved config and
-commit. For each pair (all pairs in the order given, or ``--pairs a:b``) it counts the examples both get
-wrong, and those only one gets right, and gives McNemar's exact test (:func:`tasks.common.stats.mcnemar`).
+Each ``NAME=RUN`` (a ``train.py`` run folder or checkpoint; ``last.pt`` by default, ``--which best``) is
+loaded with its stored config (:func:`tasks.common.evaluation.load_run`) and run once over its eval split, in
+order. For each run the record keeps the test examples it gets wrong (their indices), its top-1 recomputed
+here next to the one its ``run.json`` holds, the binomial standard error of that top-1, and the run's resolved
+config and commit. For each pair (all pairs in the order given, or ``--pairs a:b``) it counts the examples
+both get wrong, and those only one gets right, and gives McNemar's exact test
+(:func:`tasks.common.stats.mcnemar`).
 
 What it separates: when two models are 0.1 point apart at 99% on 10k test images, that gap is about one
-binomial standard error of either accuracy (0.09 points), and McNemar's test says whether the two trained models
-disagree more one way than chance would. It does NOT test the recipes: two seeds of ONE recipe also disagree on
-some examples, so put a same-recipe pair (``softmax_s1:softmax_s2``) beside the cross-recipe ones as the
-reference. The error overlap (both wrong / either wrong) says whether the models fail on the same images.
+binomial standard error of either accuracy (0.09 points), and McNemar's test says whether the two trained
+models disagree more one way than chance would. It does NOT test the recipes: two seeds of ONE recipe also
+disagree on some examples, so put a same-recipe pair (``softmax_s1:softmax_s2``) beside the cross-recipe ones
+as the reference. The error overlap (both wrong / either wrong) says whether the models fail on the same
+images.
 
 Writes ``<out>.json`` (the runs' error indices, the pairs, the command, machine and commit) and ``<out>.md``.
 Classification tasks only (batches of ``(x, y)`` with integer labels).
@@ -93,25 +95,27 @@ def compare(runs: dict, pairs: list[tuple[str, str]]) -> list[dict]:
 def markdown(record: dict) -> str:
     runs, pairs = record["runs"], record["pairs"]
     lines = [f"# {record['title']}", "", f"`{record['command']}`", "",
-             f"Commit {record['commit']}, {record['machine']['cpu']} ({record['machine']['date']}). Each run's "
-             "eval split, in order, with the weights of the checkpoint named in the JSON; the JSON keeps the "
-             "indices of the examples each run gets wrong.", "",
+             f"Commit {record['commit']}, {record['machine']['cpu']} ({record['machine']['date']}). Each "
+             "run's eval split, in order, with the weights of the checkpoint named in the JSON; the JSON "
+             "keeps the indices of the examples each run gets wrong.", "",
              "| run | top-1 (here) | top-1 (run.json) | errors | binomial s.e. |", "|---|---|---|---|---|"]
     for r in runs.values():
         rec = "-" if r["top1_recorded"] is None else f"{100 * r['top1_recorded']:.2f}%"
         lines.append(f"| {r['name']} | {100 * r['top1']:.2f}% | {rec} | {len(r['errors'])} | "
                      f"{100 * r['top1_se']:.3f} |")
-    lines += ["", f"Wrong in every run: {record['wrong_in_all']} of {record['n']} examples; wrong in at least one: "
-              f"{record['wrong_in_any']}.", "",
-              "| a - b | top-1 diff (points) | only a right | only b right | both wrong | overlap | McNemar p |",
+    lines += ["", f"Wrong in every run: {record['wrong_in_all']} of {record['n']} examples; wrong in at "
+              f"least one: {record['wrong_in_any']}.", "",
+              "| a - b | top-1 diff (points) | only a right | only b right | both wrong | overlap "
+              "| McNemar p |",
               "|---|---|---|---|---|---|---|"]
     for p in pairs:
         lines.append(f"| {p['a']} - {p['b']} | {100 * p['top1_diff']:+.2f} | {p['only_a_right']} | "
                      f"{p['only_b_right']} | {p['both_wrong']} | {p['overlap']:.2f} | {p['p']:.3f} |")
-    lines += ["", "only a right / only b right: the examples the two disagree on; overlap: both wrong / either "
-              "wrong; McNemar p: two-sided exact test that either model is as likely to be the right one on an "
-              "example they disagree on. It tests two trained models on this test set, not two recipes: a pair "
-              "of seeds of one recipe is the reference for how much models disagree by chance."]
+    lines += ["", "only a right / only b right: the examples the two disagree on; overlap: both wrong / "
+              "either wrong; McNemar p: two-sided exact test that either model is as likely to be the right "
+              "one on an example they disagree on. It tests two trained models on this test set, not two "
+              "recipes: a pair of seeds of one recipe is the reference for how much models disagree by "
+              "chance."]
     return "\n".join(lines) + "\n"
 
 
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
     paths = parse_runs(args.runs)
     names = list(paths)
-    pairs = [tuple(p.split(":", 1)) for p in args.pairs] if args.pairs else list(itertools.combinations(names, 2))
+    pairs = ([tuple(p.split(":", 1)) for p in args.pairs] if args.pairs
+             else list(itertools.combinations(names, 2)))
     for a, b in pairs:
         if a not in paths or b not in paths:
             raise SystemExit(f"error: pair {a}:{b} names a run not given (runs: {', '.join(names)})")
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  top1 {100 * runs[name]['top1']:.2f}% ({len(runs[name]['errors'])} errors)", flush=True)
     ns = {r["n"] for r in runs.values()}
     if len(ns) != 1:
-        raise SystemExit(f"error: the runs' eval splits differ in size ({sorted(ns)}); compare runs of one task")
+        raise SystemExit(f"error: the runs' eval splits differ in size ({sorted(ns)}); compare runs of one "
+                         "task")
     wrong = [set(r["errors"]) for r in runs.values()]
     record = {"title": args.title,
               "command": "python scripts/compare_predictions.py " + " ".join(argv if argv is not None

@@ -49,7 +49,8 @@ def test_mcnemar_counts_and_exact_p():
     a = [True] * 10 + [True] * 80 + [False] * 10
     b = [False] * 10 + [True] * 80 + [False] * 10
     m = stats.mcnemar(a, b)
-    assert (m["n"], m["only_a_right"], m["only_b_right"], m["both_right"], m["both_wrong"]) == (100, 10, 0, 80, 10)
+    counts = (m["n"], m["only_a_right"], m["only_b_right"], m["both_right"], m["both_wrong"])
+    assert counts == (100, 10, 0, 80, 10)
     assert m["p"] == pytest.approx(2 * 0.5 ** 10)
     # an even split of the disagreements is no evidence either way; no disagreement at all gives p = 1
     assert stats.mcnemar([True, False] * 5, [False, True] * 5)["p"] == pytest.approx(1.0)

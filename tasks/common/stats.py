@@ -81,8 +81,8 @@ def ordering_winner(a: list[float], b: list[float], higher_is_better: bool = Tru
 
 
 def accuracy_se(accuracy: float, n: int) -> float:
-    """The binomial standard error ``sqrt(p (1 - p) / n)`` of an accuracy ``p`` measured on ``n`` examples: how
-    much the accuracy of ONE model moves from one test set of that size to another."""
+    """The binomial standard error ``sqrt(p (1 - p) / n)`` of an accuracy ``p`` measured on ``n`` examples:
+    how much the accuracy of ONE model moves from one test set of that size to another."""
     return math.sqrt(accuracy * (1.0 - accuracy) / n) if n else float("nan")
 
 
@@ -92,14 +92,15 @@ def mcnemar(a_correct, b_correct) -> dict:
     Args:
         a_correct, b_correct: ``[n]`` booleans (lists or arrays), whether each model got example ``i`` right.
 
-    Returns ``{"n", "both_right", "both_wrong", "only_a_right", "only_b_right", "p"}``: only the examples the two
-    disagree on count, and ``p`` is the two-sided exact binomial probability of a split at least as uneven as
+    Returns ``{"n", "both_right", "both_wrong", "only_a_right", "only_b_right", "p"}``: only the examples the
+    two disagree on count, and ``p`` is the two-sided exact binomial probability of a split at least as uneven as
     ``only_a_right : only_b_right`` when either model is as likely to be the one that is right (1.0 when they
     never disagree). It tests the two trained models on this test set, not the two recipes: seed-to-seed
     variation is not in it."""
     a, b = [bool(x) for x in a_correct], [bool(x) for x in b_correct]
     if len(a) != len(b):
-        raise ValueError(f"mcnemar: {len(a)} and {len(b)} examples; both models must be scored on the same ones")
+        raise ValueError(f"mcnemar: {len(a)} and {len(b)} examples; both models must be scored on the same "
+                         "ones")
     only_a = sum(x and not y for x, y in zip(a, b))
     only_b = sum(y and not x for x, y in zip(a, b))
     both = sum(x and y for x, y in zip(a, b))
