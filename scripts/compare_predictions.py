@@ -19,7 +19,9 @@ disagree on some examples, so put a same-recipe pair (``softmax_s1:softmax_s2``)
 as the reference. The error overlap (both wrong / either wrong) says whether the models fail on the same
 images.
 
-Writes ``<out>.json`` (the runs' error indices, the pairs, the command, machine and commit) and ``<out>.md``.
+Writes ``<out>.json`` (the runs' error indices, the pairs, the command, machine and commit) and ``<out>.md``
+(with ``--notes``, the reading under ``## Reading``, whose numbers must be in the JSON:
+``tests/test_readings_numbers.py``).
 Classification tasks only (batches of ``(x, y)`` with integer labels).
 """
 
@@ -38,6 +40,7 @@ from omegaconf import OmegaConf
 
 from tasks.common.checkpoint import find_checkpoint
 from tasks.common.evaluation import eval_loader, eval_precision, load_run
+from tasks.common.launch import read_notes
 from tasks.common.records import code_version, read_run_record
 from tasks.common.results import write_result
 from tasks.common.stats import accuracy_se, mcnemar
@@ -116,6 +119,8 @@ def markdown(record: dict) -> str:
               "one on an example they disagree on. It tests two trained models on this test set, not two "
               "recipes: a pair of seeds of one recipe is the reference for how much models disagree by "
               "chance."]
+    if record.get("notes"):
+        lines += ["", "## Reading", "", record["notes"].strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "classification", "predictions"),
                     help="output stem (.json, .md)")
     ap.add_argument("--title", default="Per-example comparison of trained classifiers")
+    ap.add_argument("--notes", default="", help="the reading (text or @file), written under '## Reading'")
     args = ap.parse_args(argv)
 
     paths = parse_runs(args.runs)
@@ -166,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                              else sys.argv[1:]),
               **code_version(), "machine": system_info(), "load_before": load_before,
               "load_after": load_average(), "n": ns.pop(), "wrong_in_all": len(set.intersection(*wrong)),
-              "wrong_in_any": len(set.union(*wrong)), "runs": runs, "pairs": compare(runs, pairs)}
+              "wrong_in_any": len(set.union(*wrong)), "runs": runs, "pairs": compare(runs, pairs),
+              "notes": read_notes(args.notes)}
     md = markdown(record)
     write_result(args.out, md, record)
     print(md)

@@ -131,6 +131,10 @@ def test_compare_predictions_on_trained_runs(tmp_path):
     assert p["only_a_right"] + p["only_b_right"] + p["both_right"] + p["both_wrong"] == 40
     ea, eb = set(rec["runs"]["softmax"]["errors"]), set(rec["runs"]["mhla"]["errors"])
     assert p["both_wrong"] == len(ea & eb) == rec["wrong_in_all"] and rec["wrong_in_any"] == len(ea | eb)
-    assert "McNemar p" in (tmp_path / "cmp.md").read_text()
+    md = (tmp_path / "cmp.md").read_text()
+    assert "McNemar p" in md and "## Reading" not in md
+    (tmp_path / "reading.md").write_text("Both models are untrained.")
+    assert compare_predictions.main(args + ["--notes", f"@{tmp_path / 'reading.md'}"]) == 0
+    assert (tmp_path / "cmp.md").read_text().endswith("## Reading\n\nBoth models are untrained.\n")
     with pytest.raises(SystemExit, match="names a run not given"):
         compare_predictions.main(args + ["--pairs", "softmax:linear"])
