@@ -31,6 +31,7 @@ import argparse
 import itertools
 import os
 import sys
+from pathlib import Path
 
 if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @torch.no_grad()
 def predict(run: str, which: str = "last", use_ema: bool = True) -> dict:
     """One run's predictions on its eval split: ``{"checkpoint", "n", "correct": [n] bools, "pred": [n] ints,
-    "label": [n] ints, "config"}`` (the stored config, resolved)."""
+    "config"}`` (the stored config, resolved)."""
     ckpt = find_checkpoint(run, which)
     cfg, task, model, info = load_run(str(ckpt), use_ema=use_ema)
     preds, labels = [], []
@@ -65,13 +66,12 @@ def predict(run: str, which: str = "last", use_ema: bool = True) -> dict:
             labels.append(y)
     pred, label = torch.cat(preds), torch.cat(labels)
     return {"checkpoint": str(ckpt), "n": int(label.numel()), "correct": (pred == label).tolist(),
-            "pred": pred.tolist(), "label": label.tolist(),
-            "config": OmegaConf.to_container(cfg, resolve=True)}
+            "pred": pred.tolist(), "config": OmegaConf.to_container(cfg, resolve=True)}
 
 
 def run_entry(name: str, run: str, p: dict) -> dict:
     """A run's part of the record: what it got wrong and where it came from."""
-    rec = read_run_record(run if os.path.isdir(run) else os.path.dirname(os.path.dirname(run))) or {}
+    rec = read_run_record(Path(p["checkpoint"]).parent.parent) or {}  # <run>/checkpoints/<which>.pt
     top1 = sum(p["correct"]) / p["n"]
     wrong = [i for i, ok in enumerate(p["correct"]) if not ok]
     return {"name": name, "run": run, "checkpoint": p["checkpoint"], "n": p["n"], "top1": top1,
@@ -85,8 +85,6 @@ def compare(runs: dict, pairs: list[tuple[str, str]]) -> list[dict]:
     out = []
     for a, b in pairs:
         ra, rb = runs[a], runs[b]
-        if ra["n"] != rb["n"]:
-            raise ValueError(f"{a} and {b} were evaluated on {ra['n']} and {rb['n']} examples")
         ea, eb = set(ra["errors"]), set(rb["errors"])
         m = mcnemar([i not in ea for i in range(ra["n"])], [i not in eb for i in range(rb["n"])])
         union = len(ea | eb)
