@@ -34,11 +34,13 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
+from omegaconf import OmegaConf
 
 from mhla.layers import LinearAttention, MultiHeadLinearAttention, SoftmaxAttention
 from mhla.layouts import ceil_div, layout_from_num_blocks
@@ -49,7 +51,8 @@ from tasks.common.checkpoint import find_checkpoint
 from tasks.common.evaluation import load_run
 from tasks.common.launch import mean_std
 from tasks.common.plots import pyplot, save_figure
-from tasks.common.utils import system_info
+from tasks.common.records import code_version, read_run_record
+from tasks.common.utils import load_average, system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -189,7 +192,9 @@ def analyze_checkpoint(path: str, batch: int, rtol: float) -> dict:
                        "N": A.shape[-1], "heads": A.shape[1]})
     kinds = sorted({lay["kind"] for lay in layers})
     run = os.path.basename(os.path.dirname(os.path.dirname(ckpt))) if ckpt.endswith(".pt") else ckpt
-    return {"checkpoint": ckpt, "run": run, "seed": cfg.get("seed"),
+    record = read_run_record(Path(ckpt).parent.parent) or {}  # the run's run.json, beside checkpoints/
+    return {"checkpoint": ckpt, "run": run, "seed": cfg.get("seed"), "run_commit": record.get("commit"),
+            "config": OmegaConf.to_container(cfg, resolve=True),
             "attention": cfg.attn.name if "attn" in cfg else "/".join(kinds),
             "kinds": kinds, "images": x.shape[0], "layers": layers,
             "rank": sum(lay["rank"] for lay in layers) / len(layers),
@@ -220,7 +225,7 @@ def plot_trained(models: list[dict], path: str) -> None:
 
 
 def main_trained(args, argv) -> int:
-    models = []
+    load_before, models = load_average(), []
     for path in args.ckpt:
         m = analyze_checkpoint(path, args.batch, args.rtol)
         models.append(m)
@@ -228,7 +233,8 @@ def main_trained(args, argv) -> int:
               f"log N={m['max_entropy_logN']:.3f}; per layer rank "
               + ", ".join(f"{lay['rank']:.1f}" for lay in m["layers"]) + f"; {m['checkpoint']})", flush=True)
     out = {"command": "python scripts/analyze_attention.py " + " ".join(argv), "rank_rtol": args.rtol,
-           "images": args.batch, "models": models, "paper": PAPER, "machine": _system_info()}
+           "images": args.batch, "models": models, "paper": PAPER, **code_version(), "machine": _system_info(),
+           "load_before": load_before, "load_after": load_average()}
     stem = os.path.join(args.out_dir, args.name)
     write_result(stem, trained_md(out), out, lambda png: plot_trained(models, png), indent=2)
     print(f"wrote {stem}.json, .md, .png")
@@ -242,6 +248,8 @@ def trained_md(out: dict) -> str:
     lines = ["# Fig. 3 on trained models: rank and entropy of the effective attention matrix", "",
              f"Command: `{out['command']}`", "",
              f"Machine: {json.dumps(out['machine'])}", "",
+             *([f"Commit {out['commit']}; load average before / after: {out['load_before']} / "
+                f"{out['load_after']}. Each model's run config is in the JSON.", ""] if out.get("commit") else []),
              f"Each model runs on its first {out['images']} evaluation images; every layer's own matrix is built "
              f"from the captured q and k (N = {n} tokens, log N = {math.log(n):.3f}); rank counts singular values "
              f"above {out['rank_rtol']:g} x the largest. Means are over images, heads and layers. The paper's "

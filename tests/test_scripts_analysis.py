@@ -95,6 +95,9 @@ def test_ckpt_mode_on_trained_runs(tmp_path):
     assert all(lay["rank"] <= head_dim for lay in by["linear"]["layers"])  # linear attention: rank <= d
     assert by["mhla"]["rank"] > by["linear"]["rank"]
     assert len(by["mhla"]["layers"]) == 4 and by["mhla"]["N"] == 64
+    # the record names the code, the machine's load and each model's resolved config and run commit
+    assert data["commit"] and data["load_before"] is not None and data["load_after"] is not None
+    assert all(by[a]["config"]["attn"]["name"] == a and by[a]["run_commit"] for a in by)
     assert (out / "t.png").stat().st_size > 1000
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         analyze_attention.analyze_checkpoint(str(tmp_path), batch=2, rtol=1e-3)
