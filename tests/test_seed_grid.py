@@ -59,6 +59,20 @@ def test_overlapping_seeds_are_level(tmp_path):
     assert pair["verdict"] == "level" and not pair["excludes_zero"]
 
 
+def test_a_baseline_ahead_is_reversed_not_level(tmp_path):
+    """When b beats a by more than two pooled standard deviations the table says so ("reversed"); the one-sided
+    rule printed "level" there, which hid a baseline beating MHLA."""
+    root = str(tmp_path / "runs")
+    for s, (a, b) in enumerate([(0.9911, 0.9921), (0.9905, 0.9924), (0.9912, 0.9918)]):
+        fake_run(root, f"mhla_s{s}", a)
+        fake_run(root, f"softmax_s{s}", b)
+    out = str(tmp_path / "cell")
+    seed_grid.main([root, "--baseline", "softmax", "--out", out, "--digits", "2"])
+    (pair,) = json.load(open(out + ".json"))["pairs"]
+    assert pair["verdict"] == "reversed" and not pair["excludes_zero"]  # the rule, not the paired interval
+    assert "| mhla - softmax | 3 | -0.12 |" in open(out + ".md").read()
+
+
 def test_last_gain_needs_two_evaluations():
     assert seed_grid.last_gain({"curve": [(312, 0.2), (624, 0.5), (936, 0.55)]}) == pytest.approx((0.05, 312))
     assert seed_grid.last_gain({"curve": [(312, 0.2)]}) is None

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One cell over seeds: finished ``train.py`` runs named ``<variant>_s<seed>`` under one folder -> a table of
 each variant's final metric (mean ± std, every seed), the paired per-seed differences with their 95% interval,
-the "holds" / "level" verdict, the learning curves, and every run's record (its resolved config, command,
+the "holds" / "reversed" / "level" verdict, the learning curves, and every run's record (its resolved config, command,
 commit, machine and load: the ``run.json`` the trainer writes).
 
     python -m scripts.tables.seed_grid RUNS/mqar256 --metric acc --baseline linear \\
@@ -9,9 +9,10 @@ commit, machine and load: the ``run.json`` the trainer writes).
 
 A run counts when its ``run.json`` exists (the trainer writes it at the end); unfinished runs are listed as such.
 Differences are paired by seed (the same data order and init seed on both sides) and the interval is the t
-interval of the per-seed differences (:func:`tasks.common.stats.paired_difference`); an ordering "holds" only
-when both sides have 3 seeds or more and the gap of the means exceeds two pooled standard deviations (:func:`tasks.common.stats.ordering_verdict`),
-otherwise it is "level". The last column, the change between a run's last two evaluations, is the evidence of convergence: a variant
+interval of the per-seed differences (:func:`tasks.common.stats.paired_difference`); the ordering a > b "holds"
+only when both sides have 3 seeds or more and the gap of the means exceeds two pooled standard deviations, it is
+"reversed" when b is ahead of a by the same rule (:func:`tasks.common.stats.ordering_winner`: a baseline that
+beats MHLA is said so, not hidden as "level"), otherwise it is "level" (higher metrics are better). The last column, the change between a run's last two evaluations, is the evidence of convergence: a variant
 still gaining at the end was stopped while learning. Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g.
 MQAR's ``mix1_first``: the share of the first block in layer 1's causal rows) get their own table, at the start
 (the first evaluation) and at the end.
@@ -38,7 +39,7 @@ from mhla.layouts import num_blocks_for  # noqa: E402
 from tasks.common.results import write_result  # noqa: E402
 from tasks.common.launch import metric_curve, read_notes  # noqa: E402
 from tasks.common.records import effective_attention, read_run_record  # noqa: E402
-from tasks.common.stats import mean_std, ordering_verdict, paired_difference  # noqa: E402
+from tasks.common.stats import mean_std, ordering_winner, paired_difference  # noqa: E402
 
 RUN_NAME = re.compile(r"^(?P<variant>.+)_s(?P<seed>\d+)$")
 
@@ -125,7 +126,8 @@ def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], sc
         if a not in variants or b not in variants:
             continue
         d = paired_difference(variants[a]["by_seed"], variants[b]["by_seed"])
-        verdict = ordering_verdict(list(variants[a]["by_seed"].values()), list(variants[b]["by_seed"].values()))
+        winner = ordering_winner(list(variants[a]["by_seed"].values()), list(variants[b]["by_seed"].values()))
+        verdict = {"a": "holds", "b": "reversed", None: "level"}[winner]
         compared.append({"a": a, "b": b, **d, "verdict": verdict})
     return {"variants": variants, "pairs": compared}
 
@@ -159,7 +161,7 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
     if summary["pairs"]:
         lines += ["", "Paired per-seed differences a - b (95% t interval over the seeds both have; the ordering "
                   "a > b *holds* only when both have 3 seeds or more and the gap of the means exceeds two pooled "
-                  "standard deviations, else *level*):", "",
+                  "standard deviations, is *reversed* when b > a by the same rule, else *level*):", "",
                   "| a - b | seeds | mean diff | 95% interval | per seed | verdict |", "|---|---|---|---|---|---|"]
         for p in summary["pairs"]:
             ci = "-" if p["ci95"] is None else f"[{fmt(p['ci95'][0], args.digits)}, {fmt(p['ci95'][1], args.digits)}]"
