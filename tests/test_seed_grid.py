@@ -70,6 +70,7 @@ def test_a_baseline_ahead_is_reversed_not_level(tmp_path):
     seed_grid.main([root, "--baseline", "softmax", "--out", out, "--digits", "2"])
     (pair,) = json.load(open(out + ".json"))["pairs"]
     assert pair["verdict"] == "reversed" and not pair["excludes_zero"]  # the rule, not the paired interval
+    assert pair["gap_of_means"] == pytest.approx(-0.1167, abs=1e-3) and 2 * pair["pooled_std"] < 0.1167
     assert "| mhla - softmax | 3 | -0.12 |" in open(out + ".md").read()
 
 

@@ -39,7 +39,7 @@ from mhla.layouts import num_blocks_for  # noqa: E402
 from tasks.common.results import write_result  # noqa: E402
 from tasks.common.launch import metric_curve, read_notes  # noqa: E402
 from tasks.common.records import effective_attention, read_run_record  # noqa: E402
-from tasks.common.stats import mean_std, ordering_winner, paired_difference  # noqa: E402
+from tasks.common.stats import mean_std, ordering_winner, paired_difference, pooled_std  # noqa: E402
 
 RUN_NAME = re.compile(r"^(?P<variant>.+)_s(?P<seed>\d+)$")
 
@@ -126,9 +126,11 @@ def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], sc
         if a not in variants or b not in variants:
             continue
         d = paired_difference(variants[a]["by_seed"], variants[b]["by_seed"])
-        winner = ordering_winner(list(variants[a]["by_seed"].values()), list(variants[b]["by_seed"].values()))
-        verdict = {"a": "holds", "b": "reversed", None: "level"}[winner]
-        compared.append({"a": a, "b": b, **d, "verdict": verdict})
+        va, vb = list(variants[a]["by_seed"].values()), list(variants[b]["by_seed"].values())
+        verdict = {"a": "holds", "b": "reversed", None: "level"}[ordering_winner(va, vb)]
+        gap = variants[a]["mean"] - variants[b]["mean"] if va and vb else None
+        compared.append({"a": a, "b": b, **d, "gap_of_means": gap,
+                         "pooled_std": pooled_std(va, vb) if va and vb else None, "verdict": verdict})
     return {"variants": variants, "pairs": compared}
 
 
