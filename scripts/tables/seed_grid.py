@@ -1,21 +1,23 @@
 #!/usr/bin/env python
 """One cell over seeds: finished ``train.py`` runs named ``<variant>_s<seed>`` under one folder -> a table of
 each variant's final metric (mean ± std, every seed), the paired per-seed differences with their 95% interval,
-the "holds" / "reversed" / "level" verdict, the learning curves, and every run's record (its resolved config, command,
-commit, machine and load: the ``run.json`` the trainer writes).
+the "holds" / "reversed" / "level" verdict, the learning curves, and every run's record (its resolved config,
+command, commit, machine and load: the ``run.json`` the trainer writes).
 
     python -m scripts.tables.seed_grid RUNS/mqar256 --metric acc --baseline linear \\
         --pairs mhla_lm:frozen_unif mhla_lm:frozen_loc --title "MQAR N = 256, K = 8" --out results/mqar/seeds_n256
 
-A run counts when its ``run.json`` exists (the trainer writes it at the end); unfinished runs are listed as such.
-Differences are paired by seed (the same data order and init seed on both sides) and the interval is the t
-interval of the per-seed differences (:func:`tasks.common.stats.paired_difference`); the ordering a > b "holds"
-only when both sides have 3 seeds or more and the gap of the means exceeds two pooled standard deviations, it is
-"reversed" when b is ahead of a by the same rule (:func:`tasks.common.stats.ordering_winner`: a baseline that
-beats MHLA is said so, not hidden as "level"), otherwise it is "level" (higher metrics are better). The last column, the change between a run's last two evaluations, is the evidence of convergence: a variant
-still gaining at the end was stopped while learning. Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g.
-MQAR's ``mix1_first``: the share of the first block in layer 1's causal rows) get their own table, at the start
-(the first evaluation) and at the end.
+A run counts when its ``run.json`` exists (the trainer writes it at the end); unfinished runs are listed as
+such. Differences are paired by seed (the same data order and init seed on both sides) and the interval is the
+t interval of the per-seed differences (:func:`tasks.common.stats.paired_difference`); the ordering a > b
+"holds" only when both sides have 3 seeds or more and the gap of the means exceeds two pooled standard
+deviations, it is "reversed" when b is ahead of a by the same rule
+(:func:`tasks.common.stats.ordering_winner`: a baseline that beats MHLA is said so, not hidden as "level"),
+otherwise it is "level" (higher metrics are better). The last column, the change between a run's last two
+evaluations, is the evidence of convergence: a variant still gaining at the end was stopped while learning.
+Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g. MQAR's ``mix1_first``: the
+share of the first block in layer 1's causal rows) get their own table, at the start (the first evaluation)
+and at the end.
 
 A ``run_info.json`` beside ``run.json`` (a job queue's record: niceness, load while it ran) is kept when present.
 Writes ``<out>.md``, ``.json`` and ``.png`` through :func:`tasks.common.results.write_result`.
