@@ -7,7 +7,8 @@ import math
 import pytest
 
 from tasks.common import stats
-from tasks.common.stats import mean_std, ordering_verdict, paired_difference, pooled_std, t_interval
+from tasks.common.stats import (mean_std, ordering_verdict, ordering_word, paired_difference, pooled_std,
+                                t_interval)
 
 
 def test_paired_difference_and_interval():
@@ -27,6 +28,13 @@ def test_ordering_verdict_needs_two_pooled_std():
     assert ordering_verdict([10.0, 11.0, 9.0], [9.0, 10.0, 8.0]) == "level"  # gap 1, pooled std 1
     assert ordering_verdict([9.0, 9.2, 8.8], [10.0, 10.2, 9.8]) == "level"   # wrong direction
     assert ordering_verdict([10.0], [1.0]) == "level"                        # no spread: no verdict
+
+
+def test_ordering_word_says_which_side_is_ahead():
+    assert ordering_word([10.0, 10.2, 9.8], [9.0, 9.2, 8.8]) == "holds"
+    assert ordering_word([9.0, 9.2, 8.8], [10.0, 10.2, 9.8]) == "reversed"   # b ahead: said, not hidden
+    assert ordering_word([10.0, 11.0, 9.0], [9.0, 10.0, 8.0]) == "level"
+    assert ordering_word([9.0, 9.2, 8.8], [10.0, 10.2, 9.8], higher_is_better=False) == "holds"  # losses
 
 
 def test_ordering_verdict_needs_three_seeds_a_side():

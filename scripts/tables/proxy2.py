@@ -18,7 +18,7 @@ from tasks.common.utils import system_info
 from . import registry
 from .registry import ROOT
 from tasks.common.results import saved_machine, write_result
-from tasks.common.stats import ordering_winner, pooled_std
+from tasks.common.stats import ordering_word, pooled_std
 
 # MNIST digits padded to 32 px with 2x2 patches give a 16x16 grid of 256 tokens and MHLA M = 16 blocks of 4x4
 # tokens, as DeiT at 256 px (16x16 patches of 16 px). The model is the DeiT-T-size proxy `vit_mini` (width 64,
@@ -73,7 +73,7 @@ def separation(a: tuple, b: tuple) -> str:
 
 def proxy2_ordering(stats: dict) -> list[str]:
     """Does the paper's T-size ordering MHLA > softmax > linear hold here? Each step of it *holds* only when its gap
-    exceeds two pooled standard deviations (:func:`tasks.common.stats.ordering_winner`), is *reversed* when the
+    exceeds two pooled standard deviations (:func:`tasks.common.stats.ordering_word`), is *reversed* when the
     other side wins by that much, and is *level* otherwise; the whole ordering holds when both steps hold and does
     not hold when either is reversed."""
     need = ("mhla", "softmax", "linear")
@@ -81,8 +81,7 @@ def proxy2_ordering(stats: dict) -> list[str]:
         return ["The ordering check needs softmax, linear and MHLA results."]
     m, s, lin = (stats[k] for k in need)
     steps = {"MHLA > softmax": (m, s), "softmax > linear": (s, lin)}
-    verdicts = {name: {"a": "holds", "b": "reversed", None: "level"}[ordering_winner(a[3], b[3])]
-                for name, (a, b) in steps.items()}
+    verdicts = {name: ordering_word(a[3], b[3]) for name, (a, b) in steps.items()}
     overall = ("holds" if all(v == "holds" for v in verdicts.values()) else
                "does not hold" if "reversed" in verdicts.values() else "level")
     lines = [f"Paper (DeiT-T, ImageNet): MHLA 75.8 > softmax 72.2 > linear 69.8. Here: MHLA {m[0]:.2f}, softmax "

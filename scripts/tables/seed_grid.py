@@ -12,7 +12,7 @@ such. Differences are paired by seed (the same data order and init seed on both 
 t interval of the per-seed differences (:func:`tasks.common.stats.paired_difference`); the ordering a > b
 "holds" only when both sides have 3 seeds or more and the gap of the means exceeds two pooled standard
 deviations, it is "reversed" when b is ahead of a by the same rule
-(:func:`tasks.common.stats.ordering_winner`: a baseline that beats MHLA is said so, not hidden as "level"),
+(:func:`tasks.common.stats.ordering_word`: a baseline that beats MHLA is said so, not hidden as "level"),
 otherwise it is "level" (higher metrics are better). The last column, the change between a run's last two
 evaluations, is the evidence of convergence: a variant still gaining at the end was stopped while learning.
 Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g. MQAR's ``mix1_first``: the
@@ -41,7 +41,7 @@ from mhla.layouts import num_blocks_for  # noqa: E402
 from tasks.common.results import write_result  # noqa: E402
 from tasks.common.launch import metric_curve, read_notes  # noqa: E402
 from tasks.common.records import effective_attention, read_run_record  # noqa: E402
-from tasks.common.stats import mean_std, ordering_winner, paired_difference, pooled_std  # noqa: E402
+from tasks.common.stats import mean_std, ordering_word, paired_difference, pooled_std  # noqa: E402
 
 RUN_NAME = re.compile(r"^(?P<variant>.+)_s(?P<seed>\d+)$")
 
@@ -129,10 +129,9 @@ def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], sc
             continue
         d = paired_difference(variants[a]["by_seed"], variants[b]["by_seed"])
         va, vb = list(variants[a]["by_seed"].values()), list(variants[b]["by_seed"].values())
-        verdict = {"a": "holds", "b": "reversed", None: "level"}[ordering_winner(va, vb)]
         gap = variants[a]["mean"] - variants[b]["mean"] if va and vb else None
         compared.append({"a": a, "b": b, **d, "gap_of_means": gap,
-                         "pooled_std": pooled_std(va, vb) if va and vb else None, "verdict": verdict})
+                         "pooled_std": pooled_std(va, vb) if va and vb else None, "verdict": ordering_word(va, vb)})
     return {"variants": variants, "pairs": compared}
 
 

@@ -5,6 +5,7 @@ and the "holds" / "level" verdict of an ordering.
     diff["mean"], diff["ci95"]      # the mean of a - b over the seeds both have, and its t interval
     ordering_verdict(a_values, b_values)   # "holds" when mean(a) - mean(b) > 2 pooled std (3+ seeds a side)
     ordering_winner(a_values, b_values)    # "a" or "b" when that side is ahead by the same rule, else None
+    ordering_word(a_values, b_values)      # the same as a verdict: "holds", "reversed" or "level"
     paired_lines(paired_summary(records, pairs, metrics))   # a markdown table of row pairs over the seeds
     mcnemar(a_correct, b_correct)          # do two classifiers differ on the same test examples?
 """
@@ -78,6 +79,12 @@ def ordering_winner(a: list[float], b: list[float], higher_is_better: bool = Tru
     if ordering_verdict(ys, xs, k, min_seeds) == "holds":
         return "b"
     return None
+
+
+def ordering_word(a: list[float], b: list[float], higher_is_better: bool = True) -> str:
+    """:func:`ordering_winner` as a table's verdict on "a ahead of b": ``"holds"``, ``"reversed"`` (b ahead by
+    the same rule: a baseline beating MHLA is said so) or ``"level"``."""
+    return {"a": "holds", "b": "reversed", None: "level"}[ordering_winner(a, b, higher_is_better)]
 
 
 def accuracy_se(accuracy: float, n: int) -> float:
