@@ -34,7 +34,6 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 
 if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +46,7 @@ from mhla.layouts import ceil_div, layout_from_num_blocks
 from mhla.mixing import mixing_init
 from mhla.ops import mhla_attention_matrix
 from tasks.common.results import write_result
-from tasks.common.checkpoint import find_checkpoint
+from tasks.common.checkpoint import find_checkpoint, run_folder
 from tasks.common.evaluation import load_run
 from tasks.common.launch import mean_std
 from tasks.common.plots import pyplot, save_figure
@@ -191,8 +190,8 @@ def analyze_checkpoint(path: str, batch: int, rtol: float) -> dict:
                        "rank_per_head": r.mean(0).tolist(), "entropy_per_head": ent.mean(0).tolist(),
                        "N": A.shape[-1], "heads": A.shape[1]})
     kinds = sorted({lay["kind"] for lay in layers})
-    run = os.path.basename(os.path.dirname(os.path.dirname(ckpt))) if ckpt.endswith(".pt") else ckpt
-    record = read_run_record(Path(ckpt).parent.parent) or {}  # the run's run.json, beside checkpoints/
+    run = run_folder(ckpt).name if ckpt.endswith(".pt") else ckpt
+    record = read_run_record(run_folder(ckpt)) or {}
     return {"checkpoint": ckpt, "run": run, "seed": cfg.get("seed"), "run_commit": record.get("commit"),
             "config": OmegaConf.to_container(cfg, resolve=True),
             "attention": cfg.attn.name if "attn" in cfg else "/".join(kinds),

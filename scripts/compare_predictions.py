@@ -31,7 +31,6 @@ import argparse
 import itertools
 import os
 import sys
-from pathlib import Path
 
 if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +38,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 import torch
 from omegaconf import OmegaConf
 
-from tasks.common.checkpoint import find_checkpoint
+from tasks.common.checkpoint import find_checkpoint, run_folder
 from tasks.common.evaluation import eval_loader, eval_precision, load_run
 from tasks.common.launch import read_notes
 from tasks.common.records import code_version, read_run_record
@@ -71,7 +70,7 @@ def predict(run: str, which: str = "last", use_ema: bool = True) -> dict:
 
 def run_entry(name: str, run: str, p: dict) -> dict:
     """A run's part of the record: what it got wrong and where it came from."""
-    rec = read_run_record(Path(p["checkpoint"]).parent.parent) or {}  # <run>/checkpoints/<which>.pt
+    rec = read_run_record(run_folder(p["checkpoint"])) or {}
     top1 = sum(p["correct"]) / p["n"]
     wrong = [i for i, ok in enumerate(p["correct"]) if not ok]
     return {"name": name, "run": run, "checkpoint": p["checkpoint"], "n": p["n"], "top1": top1,

@@ -164,6 +164,12 @@ def find_checkpoint(path: str | os.PathLike, which: str = "last") -> Path:
                             f"checkpoints/{which}.pt, or {which}.dcp from an FSDP run) or a checkpoint")
 
 
+def run_folder(checkpoint: str | os.PathLike) -> Path:
+    """The run folder of a checkpoint that :func:`find_checkpoint` returned: ``<run>/checkpoints/<which>.pt``
+    (or ``.dcp``) -> ``<run>``, where ``train.py`` keeps the run's ``run.json``."""
+    return Path(checkpoint).parent.parent
+
+
 def model_weights(state: dict, prefer: str = "ema") -> dict:
     """The model state dict of a ``train.py`` checkpoint: the EMA weights when ``prefer="ema"`` and the
     checkpoint has them (:class:`tasks.common.ema.ModelEMA` keeps the averaged model under ``module.``),
