@@ -298,12 +298,22 @@ class MixingMatrix(nn.Module):
 
     def learned(self) -> torch.Tensor:
         """Effective learned block ``[M, M]`` / ``[H, M, M]`` (nonnegative; lower-triangular if causal)."""
+        return self._effective(self.raw)
+
+    @torch.no_grad()
+    def initial(self) -> torch.Tensor:
+        """What :meth:`learned` returned before training: the init through the parameterization (``[M, M]`` /
+        ``[H, M, M]``, float32 on the CPU)."""
+        return self._effective(self.initial_raw())
+
+    def _effective(self, raw: torch.Tensor) -> torch.Tensor:
+        """Stored values -> the effective matrix (the parameterization; lower triangle if causal)."""
         if self.parameterization == "clamp":
-            w = _straight_through_clamp(self.raw, 0.0, self.max_value)
+            w = _straight_through_clamp(raw, 0.0, self.max_value)
         elif self.parameterization == "softplus":
-            w = F.softplus(self.raw)
+            w = F.softplus(raw)
         else:
-            w = self.raw.exp()
+            w = raw.exp()
         return w.tril() if self.causal else w
 
     @torch.no_grad()
@@ -542,6 +552,55 @@ def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tens
     rows = torch.where(learned_row, i, M - 1).expand(n, n)
     cols = torch.where(learned_row, b.clamp(max=M - 1), (M - 1 - (i - b)).clamp(0, M - 1))
     return rows, cols, b <= i
+
+
+@torch.no_grad()
+def mixing_profile(m: MixingMatrix) -> dict:
+    """Where training took one mixing matrix: its learned rows against its init and against uniform mixing.
+
+    Rows are normalised to sum 1 first: with MHLA's normaliser (``normalize=True``) a row's scale cancels, so
+    the normalised row is what the layer computes with (without the normaliser the scale matters too:
+    ``row_sum``). Every number is a mean over rows (and heads, for a per-head matrix):
+
+        self_share      the weight a block puts on its own summary, ``W[i, i]``
+        mean_distance   the mass-weighted block distance ``sum_j W[i, j] d(i, j)``, in the layout's distance
+                        units (block centres; None without distances, e.g. cross-attention)
+        entropy         the row entropy in nats (``log M``: uniform; 0: one block)
+        tv_from_init    the total-variation distance ``0.5 sum_j |W[i, j] - W0[i, j]|`` to the init's row
+        tv_from_uniform the same to uniform mixing (plain linear attention over the visible blocks)
+        zero_fraction   the fraction of visible entries at exactly 0 (the clamp's lower bound)
+
+    each as learned, and as ``<name>_init`` / ``<name>_uniform`` for the init and for uniform mixing.
+    """
+    def rows(w: torch.Tensor) -> torch.Tensor:
+        w = w.detach().double().cpu()
+        return w / w.sum(-1, keepdim=True).clamp_min(1e-300)
+
+    def describe(p: torch.Tensor) -> dict:
+        out = {"self_share": p.diagonal(dim1=-2, dim2=-1).mean().item(),
+               "entropy": -(p * p.clamp_min(1e-300).log()).sum(-1).mean().item()}
+        out["mean_distance"] = None if dist is None else (p * dist).sum(-1).mean().item()
+        return out
+
+    learned, init = m.learned(), m.initial()
+    visible = torch.ones(learned.shape[-2:], dtype=torch.bool).tril() if m.causal else None
+    uniform = torch.ones(learned.shape[-2:], dtype=torch.float64)
+    if visible is not None:
+        uniform = uniform * visible
+    dist = getattr(m, "_distances", None)
+    dist = None if dist is None or tuple(dist.shape) != tuple(learned.shape[-2:]) else dist.double()
+    p, p0, pu = rows(learned), rows(init), rows(uniform)
+    entries = visible if visible is not None else torch.ones(learned.shape[-2:], dtype=torch.bool)
+    out = {"init": m.init, "learnable": bool(m.learnable), "num_blocks": int(learned.shape[-1]),
+           **describe(p),
+           "tv_from_init": 0.5 * (p - p0).abs().sum(-1).mean().item(),
+           "tv_from_uniform": 0.5 * (p - pu).abs().sum(-1).mean().item(),
+           "zero_fraction": (learned.detach().cpu()[..., entries] == 0).double().mean().item(),
+           "row_sum": learned.detach().double().cpu().sum(-1).mean().item()}
+    out.update({f"{k}_init": v for k, v in describe(p0).items()})
+    out["tv_from_uniform_init"] = 0.5 * (p0 - pu).abs().sum(-1).mean().item()
+    out.update({f"{k}_uniform": v for k, v in describe(pu).items()})
+    return out
 
 
 def mixing_matrices(model: nn.Module) -> dict[str, MixingMatrix]:

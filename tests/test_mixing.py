@@ -381,3 +381,38 @@ def test_extension_rule_is_an_option():
                        torch.zeros(6))
     with pytest.raises(ValueError, match="extension"):
         MixingMatrix(4, causal=True, extension="nope")
+
+
+# ------------------------------------------------------------------------------------ mixing_profile
+def test_mixing_profile_of_untrained_matrices():
+    """At its init a matrix is 0 from its init; uniform mixing is 0 from uniform with entropy log M; identity
+    keeps all its weight on its own block at distance 0."""
+    from mhla.mixing import mixing_profile
+
+    u = mixing_profile(MixingMatrix(16, distances=D16, init="uniform"))
+    assert u["tv_from_init"] == pytest.approx(0, abs=1e-12) and u["tv_from_uniform"] == pytest.approx(0, abs=1e-12)
+    assert u["entropy"] == pytest.approx(math.log(16)) and u["self_share"] == pytest.approx(1 / 16)
+    assert u["mean_distance"] == pytest.approx(D16.mean().item()) == u["mean_distance_uniform"]
+    eye = mixing_profile(MixingMatrix(16, distances=D16, init="identity", learnable=False))
+    assert eye["self_share"] == pytest.approx(1) and eye["entropy"] == pytest.approx(0, abs=1e-9)
+    assert eye["mean_distance"] == 0 and eye["zero_fraction"] == pytest.approx(15 / 16)
+    assert eye["tv_from_uniform"] == pytest.approx(15 / 16) and not eye["learnable"]
+    loc = mixing_profile(MixingMatrix(16, distances=D16, num_heads=2, parameterization="softplus"))
+    assert loc["tv_from_init"] == pytest.approx(0, abs=1e-12) and loc["init"] == "locality"
+    assert u["mean_distance"] > loc["mean_distance"] > 0 and loc["self_share"] > 1 / 16  # locality is local
+    causal = mixing_profile(MixingMatrix(6, init="uniform", causal=True))
+    assert causal["tv_from_uniform"] == pytest.approx(0, abs=1e-12) and causal["self_share"] == pytest.approx(
+        sum(1 / (i + 1) for i in range(6)) / 6)
+
+
+def test_mixing_profile_after_a_change_by_hand():
+    """Moving every row of a uniform 4 x 4 matrix onto its own block: TV = 3/4 from the init, row scale ignored."""
+    from mhla.mixing import mixing_profile
+
+    m = MixingMatrix(4, init="uniform")
+    with torch.no_grad():
+        m.raw.copy_(torch.eye(4) * 0.5)  # rows sum to 0.5: normalised first
+    p = mixing_profile(m)
+    assert p["tv_from_init"] == pytest.approx(0.75) and p["self_share"] == pytest.approx(1)
+    assert p["row_sum"] == pytest.approx(0.5) and p["self_share_init"] == pytest.approx(0.25)
+    torch.testing.assert_close(m.initial(), torch.full((4, 4), 0.25))

@@ -141,3 +141,36 @@ def test_compare_predictions_on_trained_runs(tmp_path):
     assert (tmp_path / "cmp.md").read_text().endswith("## Reading\n\nBoth models are untrained.\n")
     with pytest.raises(SystemExit, match="names a run not given"):
         compare_predictions.main(args + ["--pairs", "softmax:linear"])
+
+
+# ------------------------------------------------------------------------------------ mixing_profile.py
+def test_mixing_profile_on_trained_runs(tmp_path):
+    """A learnable and a frozen MHLA run: the frozen matrix reads back its init, the record keeps each run's
+    config; a model without MHLA is refused."""
+    import subprocess
+
+    from scripts import mixing_profile
+
+    runs = {}
+    for name, extra in (("mhla_s0", []), ("mhla_frozen_s0", ["attn.mixing_learnable=false"]),
+                        ("softmax_s0", ["attn=softmax"])):
+        run = tmp_path / name
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "task=mnist", "attn=mhla", *extra, "data.limit=64",
+               "data.batch_size=32", "data.eval_limit=16", "trainer.max_steps=2", "logger=none",
+               "trainer.progress_bar=false", "trainer.device=cpu", "trainer.count_flops=false",
+               "optim.lr=0.05", f"hydra.run.dir={run}"]
+        subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+        runs[name] = str(run)
+    out = tmp_path / "mix"
+    assert mixing_profile.main(["--ckpt", runs["mhla_s0"], runs["mhla_frozen_s0"], "--out", str(out)]) == 0
+    rec = json.loads((tmp_path / "mix.json").read_text())
+    learned, frozen = rec["runs"]
+    assert (learned["run"], frozen["run"]) == ("mhla_s0", "mhla_frozen_s0") and rec["commit"]
+    assert learned["learnable"] and not frozen["learnable"] and len(frozen["layers"]) == 4
+    assert frozen["mean"]["tv_from_init"] == 0 and learned["mean"]["tv_from_init"] > 0  # two steps moved it
+    assert frozen["config"]["attn"]["mixing_learnable"] is False and learned["run_commit"]
+    assert frozen["mean"]["self_share"] == pytest.approx(frozen["mean"]["self_share_init"])
+    md = (tmp_path / "mix.md").read_text()
+    assert "| mhla_frozen_s0 | locality | no |" in md and "TV from init" in md
+    with pytest.raises(SystemExit, match="no MHLA mixing matrix"):
+        mixing_profile.main(["--ckpt", runs["softmax_s0"], "--out", str(tmp_path / "none")])

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Where training took MHLA's mixing matrices: every layer's learned matrix against its init and uniform.
+
+    python scripts/mixing_profile.py --ckpt RUN [RUN ...] --out results/classification/table2_converged_mixing
+
+``--ckpt``: run folders (their ``checkpoints/last.pt``) or ``.pt`` files written by ``train.py``; models
+without an MHLA layer are refused. For each MHLA layer, :func:`mhla.mixing.mixing_profile` compares the
+row-normalised learned matrix with the one it started from (its init through the parameterization) and with
+uniform mixing (plain linear attention over the blocks): the weight a block keeps on itself, the mass-weighted
+block distance (how local the mixing is), the row entropy, the total-variation distance to the init and to
+uniform, and the fraction of entries clamped to 0. A frozen matrix reads back its init exactly.
+
+Writes ``<out>.json`` (each run's resolved config, its run commit, every layer's profile; this command's
+commit, machine and load) and ``<out>.md`` (per run, then over runs of the same variant: mean ± std).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from omegaconf import OmegaConf
+
+from mhla.mixing import mixing_matrices, mixing_profile
+from tasks.common.checkpoint import find_checkpoint, run_folder
+from tasks.common.evaluation import load_run
+from tasks.common.records import code_version, read_run_record
+from tasks.common.results import write_result
+from tasks.common.stats import mean_std
+from tasks.common.utils import load_average, system_info
+
+#: the columns of the table: (profile key, header, digits)
+COLUMNS = (("self_share", "self share", 3), ("mean_distance", "mean distance", 2), ("entropy", "entropy", 3),
+           ("tv_from_init", "TV from init", 3), ("tv_from_uniform", "TV from uniform", 3),
+           ("zero_fraction", "zeros", 3))
+
+
+def profile_run(path: str) -> dict:
+    """The run at ``path`` (a run folder or a checkpoint): its config, run commit and each MHLA layer's profile."""
+    ckpt = str(find_checkpoint(path))
+    cfg, _, model, _ = load_run(ckpt, ["trainer.device=cpu"])
+    layers = [{"layer": name, **mixing_profile(m)} for name, m in mixing_matrices(model).items()]
+    if not layers:
+        raise SystemExit(f"{ckpt}: the model has no MHLA mixing matrix (attn={cfg.attn.name})")
+    folder = run_folder(ckpt)
+    record = read_run_record(folder) or {}
+    mean = {key: _mean([lay[key] for lay in layers]) for key, _, _ in COLUMNS}
+    mean.update({f"{key}_init": _mean([lay[f"{key}_init"] for lay in layers])
+                 for key in ("self_share", "mean_distance", "entropy")})
+    mean.update({f"{key}_uniform": _mean([lay[f"{key}_uniform"] for lay in layers])
+                 for key in ("self_share", "mean_distance", "entropy")})
+    return {"run": folder.name, "checkpoint": ckpt, "seed": cfg.get("seed"), "run_commit": record.get("commit"),
+            "metrics": record.get("metrics"), "init": layers[0]["init"],
+            "learnable": layers[0]["learnable"], "config": OmegaConf.to_container(cfg, resolve=True),
+            "layers": layers, "mean": mean}
+
+
+def _mean(xs: list) -> float | None:
+    return None if any(x is None for x in xs) else sum(xs) / len(xs)
+
+
+def variant_of(run: dict) -> str:
+    """The run's name without its seed suffix (``mhla_unif_s0`` -> ``mhla_unif``)."""
+    name, _, seed = run["run"].rpartition("_s")
+    return name if name and seed.isdigit() else run["run"]
+
+
+def _fmt(x, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table_md(out: dict) -> str:
+    runs = out["runs"]
+    first = runs[0]["mean"]
+    lines = ["# MHLA's learned mixing matrices against their init", "",
+             f"Command: `{out['command']}`", "",
+             f"Commit {out['commit']}; machine {out['machine'].get('cpu', '')}; load average before / after: "
+             f"{out['load_before']} / {out['load_after']}. Each run's resolved config and run commit are in the JSON.",
+             "",
+             "Rows are normalised to sum 1 (with MHLA's normaliser a row's scale cancels). Means over layers and "
+             "rows: self share = the weight a block keeps on itself; mean distance = the mass-weighted distance "
+             "between block centres; entropy in nats; TV = total-variation distance of a row to its init's row and "
+             "to uniform mixing (plain linear attention); zeros = entries clamped to 0.", "",
+             f"For reference (the first run's layout): uniform mixing has self share "
+             f"{_fmt(first['self_share_uniform'], 3)}, mean distance {_fmt(first['mean_distance_uniform'], 2)}, "
+             f"entropy {_fmt(first['entropy_uniform'], 3)}.", "",
+             "| run | init | learnable | " + " | ".join(h for _, h, _ in COLUMNS)
+             + " | self share at init | mean distance at init | entropy at init |",
+             "|---|---|---|" + "---|" * (len(COLUMNS) + 3)]
+    for r in runs:
+        m = r["mean"]
+        lines.append(f"| {r['run']} | {r['init']} | {'yes' if r['learnable'] else 'no'} | "
+                     + " | ".join(_fmt(m[k], d) for k, _, d in COLUMNS)
+                     + f" | {_fmt(m['self_share_init'], 3)} | {_fmt(m['mean_distance_init'], 2)} | "
+                     f"{_fmt(m['entropy_init'], 3)} |")
+    by = {}
+    for r in runs:
+        by.setdefault(variant_of(r), []).append(r)
+    if any(len(v) > 1 for v in by.values()):
+        lines += ["", "Over runs (mean ± std):", "", "| variant | runs | " + " | ".join(h for _, h, _ in COLUMNS)
+                  + " |", "|---|---|" + "---|" * len(COLUMNS)]
+        for v, rs in by.items():
+            cells = []
+            for k, _, d in COLUMNS:
+                xs = [r["mean"][k] for r in rs]
+                if None in xs:
+                    cells.append("-")
+                else:
+                    mu, sd = mean_std(xs)
+                    cells.append(f"{mu:.{d}f}" + (f" ± {sd:.{d}f}" if len(xs) > 1 else ""))
+            lines.append(f"| {v} | {len(rs)} | " + " | ".join(cells) + " |")
+    lines += ["", "Per layer:", "", "| run | layer | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+              "|---|---|" + "---|" * len(COLUMNS)]
+    for r in runs:
+        for lay in r["layers"]:
+            lines.append(f"| {r['run']} | {lay['layer']} | " + " | ".join(_fmt(lay[k], d) for k, _, d in COLUMNS)
+                         + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", nargs="+", required=True, help="trained MHLA runs (run folders or .pt files)")
+    ap.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.md")
+    args = ap.parse_args(argv)
+    load_before = load_average()
+    runs = []
+    for path in args.ckpt:
+        r = profile_run(path)
+        runs.append(r)
+        m = r["mean"]
+        print(f"{r['run']:>16} ({r['init']}, {'learnable' if r['learnable'] else 'frozen'}): self share "
+              f"{_fmt(m['self_share'], 3)}, mean distance {_fmt(m['mean_distance'], 2)}, entropy "
+              f"{_fmt(m['entropy'], 3)}, TV from init {_fmt(m['tv_from_init'], 3)}", flush=True)
+    out = {"command": "python scripts/mixing_profile.py " + " ".join(argv), "runs": runs, **code_version(),
+           "machine": system_info(), "load_before": load_before, "load_after": load_average()}
+    write_result(args.out, table_md(out), out, indent=1)
+    print(f"wrote {args.out}.json, .md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
