@@ -10,8 +10,13 @@ uniform mixing (plain linear attention over the blocks): the weight a block keep
 block distance (how local the mixing is), the row entropy, the total-variation distance to the init and to
 uniform, and the fraction of entries clamped to 0. A frozen matrix reads back its init exactly.
 
-Writes ``<out>.json`` (each run's resolved config, its run commit, every layer's profile; this command's
-commit, machine and load) and ``<out>.md`` (per run, then over runs of the same variant: mean ± std).
+Between every two runs with the same layers, the total-variation distance between their learned rows: two seeds
+of one recipe give the scale of seed-to-seed differences, against which two inits can be compared.
+
+Writes ``<out>.json`` (each run's resolved config, its run commit, every layer's profile and row-normalised
+matrix; the pairwise distances; this command's commit, machine and load) and ``<out>.md`` (per run, over runs
+of the same variant as mean ± std, between runs, per layer; with ``--notes``, the reading under ``## Reading``,
+whose numbers must be in the JSON: ``tests/test_readings_numbers.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from omegaconf import OmegaConf
 from mhla.mixing import mixing_matrices, mixing_profile
 from tasks.common.checkpoint import find_checkpoint, run_folder
 from tasks.common.evaluation import load_run
+from tasks.common.launch import read_notes
 from tasks.common.records import code_version, read_run_record
 from tasks.common.results import write_result
 from tasks.common.stats import mean_std
@@ -43,7 +49,7 @@ def profile_run(path: str) -> dict:
     """The run at ``path`` (a run folder or a checkpoint): its config, run commit and each MHLA layer's profile."""
     ckpt = str(find_checkpoint(path))
     cfg, _, model, _ = load_run(ckpt, ["trainer.device=cpu"])
-    layers = [{"layer": name, **mixing_profile(m)} for name, m in mixing_matrices(model).items()]
+    layers = [{"layer": name, **mixing_profile(m), "rows": _rows(m)} for name, m in mixing_matrices(model).items()]
     if not layers:
         raise SystemExit(f"{ckpt}: the model has no MHLA mixing matrix (attn={cfg.attn.name})")
     folder = run_folder(ckpt)
@@ -57,6 +63,31 @@ def profile_run(path: str) -> dict:
             "metrics": record.get("metrics"), "init": layers[0]["init"],
             "learnable": layers[0]["learnable"], "config": OmegaConf.to_container(cfg, resolve=True),
             "layers": layers, "mean": mean}
+
+
+def _rows(m) -> list:
+    """The learned matrix with rows normalised to sum 1 (heads averaged), rounded to 5 decimals: [M][M]."""
+    w = m.learned().detach().double().cpu()
+    w = w / w.sum(-1, keepdim=True).clamp_min(1e-300)
+    w = w.mean(0) if w.dim() == 3 else w
+    return [[round(x, 5) for x in row] for row in w.tolist()]
+
+
+def pairwise_tv(runs: list[dict]) -> dict:
+    """``{"a|b": TV}`` for every two runs whose layers match: the total-variation distance between their learned
+    rows, averaged over rows and layers. Two seeds of one recipe give the scale of seed-to-seed differences; two
+    inits closer than that have forgotten where they started."""
+    out = {}
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            la, lb = a["layers"], b["layers"]
+            if [x["layer"] for x in la] != [x["layer"] for x in lb] or any(
+                    len(x["rows"]) != len(y["rows"]) for x, y in zip(la, lb)):
+                continue
+            tvs = [0.5 * sum(abs(p - q) for p, q in zip(ra, rb)) for x, y in zip(la, lb)
+                   for ra, rb in zip(x["rows"], y["rows"])]
+            out[f"{a['run']}|{b['run']}"] = sum(tvs) / len(tvs)
+    return out
 
 
 def _mean(xs: list) -> float | None:
@@ -113,12 +144,25 @@ def table_md(out: dict) -> str:
                     mu, sd = mean_std(xs)
                     cells.append(f"{mu:.{d}f}" + (f" ± {sd:.{d}f}" if len(xs) > 1 else ""))
             lines.append(f"| {v} | {len(rs)} | " + " | ".join(cells) + " |")
+    if out.get("pairwise_tv"):
+        names = [r["run"] for r in runs]
+        lines += ["", "Between runs: the total-variation distance between two runs' learned rows (mean over rows "
+                  "and layers; 0 = the same mixing, 1 = disjoint). Two seeds of one recipe set the scale of "
+                  "seed-to-seed differences.", "", "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for a in names:
+            cells = []
+            for b in names:
+                tv = out["pairwise_tv"].get(f"{a}|{b}", out["pairwise_tv"].get(f"{b}|{a}"))
+                cells.append("0" if a == b else _fmt(tv, 3))
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
     lines += ["", "Per layer:", "", "| run | layer | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
               "|---|---|" + "---|" * len(COLUMNS)]
     for r in runs:
         for lay in r["layers"]:
             lines.append(f"| {r['run']} | {lay['layer']} | " + " | ".join(_fmt(lay[k], d) for k, _, d in COLUMNS)
                          + " |")
+    if out.get("notes"):
+        lines += ["", "## Reading", "", out["notes"].strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -127,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", nargs="+", required=True, help="trained MHLA runs (run folders or .pt files)")
     ap.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.md")
+    ap.add_argument("--notes", default="", help="the reading (text or @file), written under '## Reading'")
     args = ap.parse_args(argv)
     load_before = load_average()
     runs = []
@@ -137,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['run']:>16} ({r['init']}, {'learnable' if r['learnable'] else 'frozen'}): self share "
               f"{_fmt(m['self_share'], 3)}, mean distance {_fmt(m['mean_distance'], 2)}, entropy "
               f"{_fmt(m['entropy'], 3)}, TV from init {_fmt(m['tv_from_init'], 3)}", flush=True)
-    out = {"command": "python scripts/mixing_profile.py " + " ".join(argv), "runs": runs, **code_version(),
+    out = {"command": "python scripts/mixing_profile.py " + " ".join(argv), "runs": runs,
+           "pairwise_tv": pairwise_tv(runs), "notes": read_notes(args.notes), **code_version(),
            "machine": system_info(), "load_before": load_before, "load_after": load_average()}
     write_result(args.out, table_md(out), out, indent=1)
     print(f"wrote {args.out}.json, .md")

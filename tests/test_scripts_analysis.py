@@ -170,7 +170,16 @@ def test_mixing_profile_on_trained_runs(tmp_path):
     assert frozen["mean"]["tv_from_init"] == 0 and learned["mean"]["tv_from_init"] > 0  # two steps moved it
     assert frozen["config"]["attn"]["mixing_learnable"] is False and learned["run_commit"]
     assert frozen["mean"]["self_share"] == pytest.approx(frozen["mean"]["self_share_init"])
+    # both started from the locality init and the frozen one stayed there: their distance is the learned one's
+    # distance from its init
+    tv = rec["pairwise_tv"]["mhla_s0|mhla_frozen_s0"]
+    assert tv == pytest.approx(learned["mean"]["tv_from_init"], abs=1e-4)
+    rows = learned["layers"][0]["rows"]  # the MNIST ViT's 8 x 8 grid in 2 x 2 blocks: M = 4
+    assert len(rows) == 4 and sum(rows[3]) == pytest.approx(1, abs=1e-4)
     md = (tmp_path / "mix.md").read_text()
-    assert "| mhla_frozen_s0 | locality | no |" in md and "TV from init" in md
+    assert "| mhla_frozen_s0 | locality | no |" in md and "TV from init" in md and "Between runs" in md
+    (tmp_path / "reading.md").write_text("Two steps.")
+    assert mixing_profile.main(["--ckpt", runs["mhla_s0"], "--out", str(out), "--notes", f"@{tmp_path / 'reading.md'}"]) == 0
+    assert (tmp_path / "mix.md").read_text().endswith("## Reading\n\nTwo steps.\n")
     with pytest.raises(SystemExit, match="no MHLA mixing matrix"):
         mixing_profile.main(["--ckpt", runs["softmax_s0"], "--out", str(tmp_path / "none")])

@@ -97,3 +97,15 @@ def test_uniform_reference_and_block_size_follow_each_runs_m():
     assert "block 32" in seed_grid.describe(record)
     assert seed_grid.uniform_shares([{"num_blocks": 16}, {"num_blocks": 8}, {"num_blocks": None}]) == \
         "0.245 at M = 8, 0.159 at M = 16"
+
+
+def test_one_seed_shows_no_spread(tmp_path):
+    """A variant with one finished seed has no standard deviation to show: "(one seed)", not "± 0.00"."""
+    root = str(tmp_path / "runs")
+    fake_run(root, "mhla_s0", 0.9899)
+    for s in range(2):
+        fake_run(root, f"linear_s{s}", 0.99 + s / 1000)
+    out = str(tmp_path / "cell")
+    seed_grid.main([root, "--baseline", "linear", "--out", out, "--digits", "2"])
+    md = open(out + ".md").read()
+    assert "| 98.99 (one seed) |" in md and "± 0.00 |" not in md and "99.05 ± 0.07" in md

@@ -159,8 +159,9 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
         gain = (f"{fmt(g['mean'], args.digits + 1)} over {'/'.join(map(str, g['over_steps']))} steps ("
                 + ", ".join(f"s{k}: {fmt(x, args.digits + 1)}" for k, x in g["by_seed"].items()) + ")"
                 if g["mean"] is not None else "-")
-        lines.append(f"| {name}{unf} | {desc} | {s['n']} | {steps} | {fmt(s['mean'], args.digits)} ± "
-                     f"{fmt(s['std'], args.digits)} | {per} | {best} | {gain} |")
+        spread = f" ± {fmt(s['std'], args.digits)}" if s["n"] > 1 else " (one seed)"  # no spread from one value
+        lines.append(f"| {name}{unf} | {desc} | {s['n']} | {steps} | {fmt(s['mean'], args.digits)}{spread} | {per} | "
+                     f"{best} | {gain} |")
     if summary["pairs"]:
         lines += ["", "Paired per-seed differences a - b (95% t interval over the seeds both have; the ordering "
                   "a > b *holds* only when both have 3 seeds or more and the gap of the means exceeds two pooled "
