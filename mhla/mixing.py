@@ -554,6 +554,13 @@ def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tens
     return rows, cols, b <= i
 
 
+def normalized_rows(w: torch.Tensor) -> torch.Tensor:
+    """``w [..., M, M]`` with every row scaled to sum 1, float64 on the CPU: the mixing MHLA's normaliser
+    computes with (a row's scale cancels there). An all-zero row stays zero."""
+    w = w.detach().double().cpu()
+    return w / w.sum(-1, keepdim=True).clamp_min(1e-300)
+
+
 @torch.no_grad()
 def mixing_profile(m: MixingMatrix) -> dict:
     """Where training took one mixing matrix: its learned rows against its init and against uniform mixing.
@@ -572,31 +579,25 @@ def mixing_profile(m: MixingMatrix) -> dict:
 
     each as learned, and as ``<name>_init`` / ``<name>_uniform`` for the init and for uniform mixing.
     """
-    def rows(w: torch.Tensor) -> torch.Tensor:
-        w = w.detach().double().cpu()
-        return w / w.sum(-1, keepdim=True).clamp_min(1e-300)
-
     def describe(p: torch.Tensor) -> dict:
         out = {"self_share": p.diagonal(dim1=-2, dim2=-1).mean().item(),
                "entropy": -(p * p.clamp_min(1e-300).log()).sum(-1).mean().item()}
         out["mean_distance"] = None if dist is None else (p * dist).sum(-1).mean().item()
         return out
 
-    learned, init = m.learned(), m.initial()
-    visible = torch.ones(learned.shape[-2:], dtype=torch.bool).tril() if m.causal else None
-    uniform = torch.ones(learned.shape[-2:], dtype=torch.float64)
-    if visible is not None:
-        uniform = uniform * visible
+    learned = m.learned().detach().double().cpu()
+    visible = torch.ones(learned.shape[-2:], dtype=torch.bool)
+    if m.causal:
+        visible = visible.tril()
     dist = getattr(m, "_distances", None)
     dist = None if dist is None or tuple(dist.shape) != tuple(learned.shape[-2:]) else dist.double()
-    p, p0, pu = rows(learned), rows(init), rows(uniform)
-    entries = visible if visible is not None else torch.ones(learned.shape[-2:], dtype=torch.bool)
+    p, p0, pu = normalized_rows(learned), normalized_rows(m.initial()), normalized_rows(visible)  # pu: uniform
     out = {"init": m.init, "learnable": bool(m.learnable), "num_blocks": int(learned.shape[-1]),
            **describe(p),
            "tv_from_init": 0.5 * (p - p0).abs().sum(-1).mean().item(),
            "tv_from_uniform": 0.5 * (p - pu).abs().sum(-1).mean().item(),
-           "zero_fraction": (learned.detach().cpu()[..., entries] == 0).double().mean().item(),
-           "row_sum": learned.detach().double().cpu().sum(-1).mean().item()}
+           "zero_fraction": (learned[..., visible] == 0).double().mean().item(),
+           "row_sum": learned.sum(-1).mean().item()}
     out.update({f"{k}_init": v for k, v in describe(p0).items()})
     out["tv_from_uniform_init"] = 0.5 * (p0 - pu).abs().sum(-1).mean().item()
     out.update({f"{k}_uniform": v for k, v in describe(pu).items()})

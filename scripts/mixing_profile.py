@@ -30,7 +30,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 from omegaconf import OmegaConf
 
-from mhla.mixing import mixing_matrices, mixing_profile
+from mhla.mixing import mixing_matrices, mixing_profile, normalized_rows
 from tasks.common.checkpoint import find_checkpoint, run_folder
 from tasks.common.evaluation import load_run
 from tasks.common.launch import read_notes
@@ -44,6 +44,10 @@ COLUMNS = (("self_share", "self share", 3), ("mean_distance", "mean distance", 2
            ("tv_from_init", "TV from init", 3), ("tv_from_uniform", "TV from uniform", 3),
            ("zero_fraction", "zeros", 3))
 
+#: the profile keys averaged over a run's layers: the table's, and the init's and uniform mixing's for reference
+MEAN_KEYS = tuple(key for key, _, _ in COLUMNS) + tuple(
+    f"{key}_{ref}" for ref in ("init", "uniform") for key in ("self_share", "mean_distance", "entropy"))
+
 
 def profile_run(path: str) -> dict:
     """The run at ``path`` (a run folder or a checkpoint): its config, run commit and each MHLA layer's profile."""
@@ -54,11 +58,7 @@ def profile_run(path: str) -> dict:
         raise SystemExit(f"{ckpt}: the model has no MHLA mixing matrix (attn={cfg.attn.name})")
     folder = run_folder(ckpt)
     record = read_run_record(folder) or {}
-    mean = {key: _mean([lay[key] for lay in layers]) for key, _, _ in COLUMNS}
-    mean.update({f"{key}_init": _mean([lay[f"{key}_init"] for lay in layers])
-                 for key in ("self_share", "mean_distance", "entropy")})
-    mean.update({f"{key}_uniform": _mean([lay[f"{key}_uniform"] for lay in layers])
-                 for key in ("self_share", "mean_distance", "entropy")})
+    mean = {key: _mean([lay[key] for lay in layers]) for key in MEAN_KEYS}
     return {"run": folder.name, "checkpoint": ckpt, "seed": cfg.get("seed"), "run_commit": record.get("commit"),
             "metrics": record.get("metrics"), "init": layers[0]["init"],
             "learnable": layers[0]["learnable"], "config": OmegaConf.to_container(cfg, resolve=True),
@@ -67,8 +67,7 @@ def profile_run(path: str) -> dict:
 
 def _rows(m) -> list:
     """The learned matrix with rows normalised to sum 1 (heads averaged), rounded to 5 decimals: [M][M]."""
-    w = m.learned().detach().double().cpu()
-    w = w / w.sum(-1, keepdim=True).clamp_min(1e-300)
+    w = normalized_rows(m.learned())
     w = w.mean(0) if w.dim() == 3 else w
     return [[round(x, 5) for x in row] for row in w.tolist()]
 
