@@ -105,6 +105,22 @@ def test_block_size_rule():
         assert n % c == 0 and m * m <= n and (c // 2) < n ** 0.5 <= c
 
 
+def test_mixing_shares_reads_normalised_causal_rows():
+    from mhla.mixing import MixingMatrix
+    from tasks.language.mqar import mixing_shares
+
+    model = torch.nn.ModuleDict({"a": MixingMatrix(4, init="uniform", causal=True),
+                                 "b": MixingMatrix(4, init="uniform", causal=True, num_heads=2)})
+    want = np.mean([1 / (i + 1) for i in range(1, 4)])  # uniform causal rows: 1/(i+1) on each visible block
+    shares = mixing_shares(model)
+    assert set(shares) == {"mix0_first", "mix0_diag", "mix1_first", "mix1_diag"}
+    assert all(v == pytest.approx(want) for v in shares.values())
+    with torch.no_grad():  # a row's scale cancels in MHLA's normaliser, so it does not change the shares
+        model["a"].raw[2] *= 0.5
+    assert mixing_shares(model)["mix0_first"] == pytest.approx(want)
+    assert mixing_shares(torch.nn.Linear(2, 2)) == {}
+
+
 def test_loss_and_accuracy_on_hand_logits():
     V = 6
     labels = torch.tensor([[-100, 4, -100, 5]])

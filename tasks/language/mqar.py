@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
-from mhla.mixing import mixing_matrices
+from mhla.mixing import mixing_matrices, normalized_rows
 from models.lm import MHLALMConfig, MHLALMForCausalLM
 from tasks.common.config import model_attention
 from tasks.common.trainer import Task
@@ -157,9 +157,9 @@ def mixing_shares(model: nn.Module) -> dict:
     """
     out = {}
     for layer, m in enumerate(mixing_matrices(model).values()):
-        w = m().detach().float()
+        w = m().detach().double()
         w = w.mean(0) if w.dim() == 3 else w                          # per-head matrices: their mean
-        rows = w[1:] / w[1:].sum(-1, keepdim=True).clamp_min(1e-12)   # [M-1, M]
+        rows = normalized_rows(w[1:])                                 # [M-1, M]
         if rows.numel():
             out[f"mix{layer}_first"] = rows[:, 0].mean().item()
             out[f"mix{layer}_diag"] = rows.diagonal(offset=1).mean().item()
