@@ -19,6 +19,10 @@ disagree on some examples, so put a same-recipe pair (``softmax_s1:softmax_s2``)
 as the reference. The error overlap (both wrong / either wrong) says whether the models fail on the same
 images.
 
+``--split train`` does the same on each run's training split, in order: with the eval split's record beside
+it, the cross-entropy and top-1 on the examples a model trained on against those on held-out ones (does a
+recipe that ends lower on the test set fit the training set worse, or as well and generalise worse?).
+
 Writes ``<out>.json`` (the runs' error indices, the pairs, the command, machine and commit) and ``<out>.md``
 (with ``--notes``, the reading under ``## Reading``, whose numbers must be in the JSON:
 ``tests/test_readings_numbers.py``).
@@ -36,11 +40,13 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from tasks.common.checkpoint import find_checkpoint, run_folder
 from tasks.common.evaluation import eval_loader, eval_precision, load_run
 from tasks.common.launch import read_notes
+from tasks.common.progress import ProgressLoader
 from tasks.common.records import code_version, read_run_record
 from tasks.common.results import write_result
 from tasks.common.stats import accuracy_se, mcnemar
@@ -50,31 +56,37 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @torch.no_grad()
-def predict(run: str, which: str = "last", use_ema: bool = True) -> dict:
-    """One run's predictions on its eval split: ``{"checkpoint", "n", "correct": [n] bools, "pred": [n] ints,
-    "config"}`` (the stored config, resolved)."""
+def predict(run: str, which: str = "last", use_ema: bool = True, split: str = "eval") -> dict:
+    """One run's predictions on its eval split (``split="train"``: its training split, in order):
+    ``{"checkpoint", "n", "correct": [n] bools, "pred": [n] ints, "loss": mean cross-entropy, "config"}``
+    (the stored config, resolved)."""
     ckpt = find_checkpoint(run, which)
     cfg, task, model, info = load_run(str(ckpt), use_ema=use_ema)
-    preds, labels = [], []
+    preds, labels, loss_sum = [], [], 0.0
     with eval_precision(cfg, info):
-        for batch in eval_loader(cfg, task, info):
+        for batch in ProgressLoader(eval_loader(cfg, task, info, split), f"{split} split"):
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1].dim() == 1):
                 raise ValueError(f"{run}: not a classification run (its eval batches are not (x, labels))")
             x, y = batch
-            preds.append(model(x.to(info.device)).float().argmax(-1).cpu())
+            logits = model(x.to(info.device)).float().cpu()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            preds.append(logits.argmax(-1))
             labels.append(y)
     pred, label = torch.cat(preds), torch.cat(labels)
     return {"checkpoint": str(ckpt), "n": int(label.numel()), "correct": (pred == label).tolist(),
-            "pred": pred.tolist(), "config": OmegaConf.to_container(cfg, resolve=True)}
+            "pred": pred.tolist(), "loss": loss_sum / label.numel(),
+            "config": OmegaConf.to_container(cfg, resolve=True)}
 
 
-def run_entry(name: str, run: str, p: dict) -> dict:
-    """A run's part of the record: what it got wrong and where it came from."""
+def run_entry(name: str, run: str, p: dict, split: str = "eval") -> dict:
+    """A run's part of the record: what it got wrong, its mean cross-entropy, and where it came from
+    (``top1_recorded``, the top-1 its ``run.json`` holds, is for the eval split only)."""
     rec = read_run_record(run_folder(p["checkpoint"])) or {}
     top1 = sum(p["correct"]) / p["n"]
     wrong = [i for i, ok in enumerate(p["correct"]) if not ok]
+    recorded = (rec.get("metrics") or {}).get("top1") if split == "eval" else None
     return {"name": name, "run": run, "checkpoint": p["checkpoint"], "n": p["n"], "top1": top1,
-            "top1_recorded": (rec.get("metrics") or {}).get("top1"), "top1_se": accuracy_se(top1, p["n"]),
+            "loss": p["loss"], "top1_recorded": recorded, "top1_se": accuracy_se(top1, p["n"]),
             "errors": wrong, "wrong_as": [p["pred"][i] for i in wrong],
             "run_commit": rec.get("commit"), "run_command": rec.get("command"), "config": p["config"]}
 
@@ -96,13 +108,14 @@ def markdown(record: dict) -> str:
     runs, pairs = record["runs"], record["pairs"]
     lines = [f"# {record['title']}", "", f"`{record['command']}`", "",
              f"Commit {record['commit']}, {record['machine']['cpu']} ({record['machine']['date']}). Each "
-             "run's eval split, in order, with the weights of the checkpoint named in the JSON; the JSON "
-             "keeps the indices of the examples each run gets wrong.", "",
-             "| run | top-1 (here) | top-1 (run.json) | errors | binomial s.e. |", "|---|---|---|---|---|"]
+             f"run's {record['split']} split, in order, with the weights of the checkpoint named in the JSON; "
+             "the JSON keeps the indices of the examples each run gets wrong.", "",
+             "| run | top-1 (here) | top-1 (run.json) | errors | binomial s.e. | cross-entropy |",
+             "|---|---|---|---|---|---|"]
     for r in runs.values():
         rec = "-" if r["top1_recorded"] is None else f"{100 * r['top1_recorded']:.2f}%"
         lines.append(f"| {r['name']} | {100 * r['top1']:.2f}% | {rec} | {len(r['errors'])} | "
-                     f"{100 * r['top1_se']:.3f} |")
+                     f"{100 * r['top1_se']:.3f} | {r['loss']:.4f} |")
     lines += ["", f"Wrong in every run: {record['wrong_in_all']} of {record['n']} examples; wrong in at "
               f"least one: {record['wrong_in_any']}.", "",
               "| a - b | top-1 diff (points) | only a right | only b right | both wrong | overlap "
@@ -113,7 +126,7 @@ def markdown(record: dict) -> str:
                      f"{p['only_b_right']} | {p['both_wrong']} | {p['overlap']:.2f} | {p['p']:.3f} |")
     lines += ["", "only a right / only b right: the examples the two disagree on; overlap: both wrong / "
               "either wrong; McNemar p: two-sided exact test that either model is as likely to be the right "
-              "one on an example they disagree on. It tests two trained models on this test set, not two "
+              "one on an example they disagree on. It tests two trained models on this split, not two "
               "recipes: a pair of seeds of one recipe is the reference for how much models disagree by "
               "chance."]
     if record.get("notes"):
@@ -139,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", help="NAME=RUN (a train.py run folder or checkpoint)")
     ap.add_argument("--pairs", nargs="*", default=None, help="a:b pairs of run names (default: all pairs)")
     ap.add_argument("--which", default="last", choices=["last", "best"], help="checkpoint of a run folder")
+    ap.add_argument("--split", default="eval", choices=["eval", "train"],
+                    help="the split to predict (train: how well each model fits the examples it trained on)")
     ap.add_argument("--raw", action="store_true", help="the raw weights, not the EMA ones")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "classification", "predictions"),
                     help="output stem (.json, .md)")
@@ -157,17 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name, path in paths.items():
         print(f"{name}: {path}", flush=True)
-        runs[name] = run_entry(name, path, predict(path, args.which, use_ema=not args.raw))
-        print(f"  top1 {100 * runs[name]['top1']:.2f}% ({len(runs[name]['errors'])} errors)", flush=True)
+        runs[name] = run_entry(name, path, predict(path, args.which, not args.raw, args.split), args.split)
+        print(f"  top1 {100 * runs[name]['top1']:.2f}% ({len(runs[name]['errors'])} errors), cross-entropy "
+              f"{runs[name]['loss']:.4f}", flush=True)
     ns = {r["n"] for r in runs.values()}
     if len(ns) != 1:
-        raise SystemExit(f"error: the runs' eval splits differ in size ({sorted(ns)}); compare runs of one "
+        raise SystemExit(f"error: the runs' {args.split} splits differ in size ({sorted(ns)}); compare runs of one "
                          "task")
     wrong = [set(r["errors"]) for r in runs.values()]
     record = {"title": args.title,
               "command": "python scripts/compare_predictions.py " + " ".join(argv if argv is not None
                                                                              else sys.argv[1:]),
-              **code_version(), "machine": system_info(), "load_before": load_before,
+              "split": args.split, **code_version(), "machine": system_info(), "load_before": load_before,
               "load_after": load_average(), "n": ns.pop(), "wrong_in_all": len(set.intersection(*wrong)),
               "wrong_in_any": len(set.union(*wrong)), "runs": runs, "pairs": compare(runs, pairs),
               "notes": read_notes(args.notes)}

@@ -141,6 +141,20 @@ def test_compare_predictions_on_trained_runs(tmp_path):
     assert (tmp_path / "cmp.md").read_text().endswith("## Reading\n\nBoth models are untrained.\n")
     with pytest.raises(SystemExit, match="names a run not given"):
         compare_predictions.main(args + ["--pairs", "softmax:linear"])
+    # --split train: the 64 training examples, with the mean cross-entropy a plain pass recomputes
+    assert compare_predictions.main(args + ["--split", "train"]) == 0
+    rec = json.loads((tmp_path / "cmp.json").read_text())
+    assert rec["split"] == "train" and rec["n"] == 64
+    from tasks.common.evaluation import eval_loader, load_run
+    cfg, task, model, info = load_run(str(runs["mhla"] / "checkpoints" / "last.pt"))
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(x), y, reduction="sum") for x, y in
+                  eval_loader(cfg, task, info, "train")]
+    assert rec["runs"]["mhla"]["loss"] == pytest.approx(float(sum(losses)) / 64, rel=1e-5)
+    assert all(r["top1_recorded"] is None for r in rec["runs"].values())  # run.json holds the eval top-1
+    assert "train split" in (tmp_path / "cmp.md").read_text()
+    with pytest.raises(ValueError, match="split must be"):
+        eval_loader(cfg, task, info, "val")
 
 
 # ------------------------------------------------------------------------------------ mixing_profile.py

@@ -38,10 +38,14 @@ def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool =
     return cfg, task, model, info
 
 
-def eval_loader(cfg, task, info) -> DataLoader:
+def eval_loader(cfg, task, info, split: str = "eval") -> DataLoader:
     """The loader over ``task``'s eval split that :func:`evaluate_checkpoint` uses: in order (no shuffle, no
-    dropped tail), ``data.eval_batch_size`` (else ``data.batch_size``) per batch, this process's shard."""
-    _, eval_ds = task.build_datasets()
+    dropped tail), ``data.eval_batch_size`` (else ``data.batch_size``) per batch, this process's shard.
+    ``split="train"``: the same over the training split (to measure how well a model fits what it saw)."""
+    if split not in ("eval", "train"):
+        raise ValueError(f"split must be 'eval' or 'train', got {split!r}")
+    train_ds, eval_ds = task.build_datasets()
+    eval_ds = train_ds if split == "train" else eval_ds
     bs = int(cfg.data.get("eval_batch_size") or cfg.data.batch_size)
     sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
                                drop_last=False)
