@@ -22,6 +22,7 @@ images.
 ``--split train`` does the same on each run's training split, in order: with the eval split's record beside
 it, the cross-entropy and top-1 on the examples a model trained on against those on held-out ones (does a
 recipe that ends lower on the test set fit the training set worse, or as well and generalise worse?).
+``--limit N`` reads only the split's first N examples (a 60k training split is six test sets' worth).
 
 Writes ``<out>.json`` (the runs' error indices, the pairs, the command, machine and commit) and ``<out>.md``
 (with ``--notes``, the reading under ``## Reading``, whose numbers must be in the JSON:
@@ -56,18 +57,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @torch.no_grad()
-def predict(run: str, which: str = "last", use_ema: bool = True, split: str = "eval") -> dict:
-    """One run's predictions on its eval split (``split="train"``: its training split, in order):
+def predict(run: str, which: str = "last", use_ema: bool = True, split: str = "eval",
+            limit: int | None = None) -> dict:
+    """One run's predictions on its eval split (``split="train"``: its training split, in order; ``limit``:
+    its first ``limit`` examples only):
     ``{"checkpoint", "n", "correct": [n] bools, "pred": [n] ints, "loss": mean cross-entropy, "config"}``
     (the stored config, resolved)."""
     ckpt = find_checkpoint(run, which)
     cfg, task, model, info = load_run(str(ckpt), use_ema=use_ema)
-    preds, labels, loss_sum = [], [], 0.0
+    preds, labels, loss_sum, seen = [], [], 0.0, 0
     with eval_precision(cfg, info):
         for batch in ProgressLoader(eval_loader(cfg, task, info, split), f"{split} split"):
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1].dim() == 1):
                 raise ValueError(f"{run}: not a classification run (its eval batches are not (x, labels))")
-            x, y = batch
+            if limit is not None and seen >= limit:
+                break
+            x, y = batch if limit is None else (batch[0][: limit - seen], batch[1][: limit - seen])
+            seen += len(y)
             logits = model(x.to(info.device)).float().cpu()
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
             preds.append(logits.argmax(-1))
@@ -106,9 +112,10 @@ def compare(runs: dict, pairs: list[tuple[str, str]]) -> list[dict]:
 
 def markdown(record: dict) -> str:
     runs, pairs = record["runs"], record["pairs"]
+    limit = f" (its first {record['limit']} examples)" if record.get("limit") else ""
     lines = [f"# {record['title']}", "", f"`{record['command']}`", "",
              f"Commit {record['commit']}, {record['machine']['cpu']} ({record['machine']['date']}). Each "
-             f"run's {record['split']} split, in order, with the weights of the checkpoint named in the JSON; "
+             f"run's {record['split']} split{limit}, in order, with the weights of the checkpoint named in the JSON; "
              "the JSON keeps the indices of the examples each run gets wrong.", "",
              "| run | top-1 (here) | top-1 (run.json) | errors | binomial s.e. | cross-entropy |",
              "|---|---|---|---|---|---|"]
@@ -154,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--which", default="last", choices=["last", "best"], help="checkpoint of a run folder")
     ap.add_argument("--split", default="eval", choices=["eval", "train"],
                     help="the split to predict (train: how well each model fits the examples it trained on)")
+    ap.add_argument("--limit", type=int, default=None, help="only the split's first LIMIT examples")
     ap.add_argument("--raw", action="store_true", help="the raw weights, not the EMA ones")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "classification", "predictions"),
                     help="output stem (.json, .md)")
     ap.add_argument("--title", default="Per-example comparison of trained classifiers")
     ap.add_argument("--notes", default="", help="the reading (text or @file), written under '## Reading'")
     args = ap.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"error: --limit must be >= 1, got {args.limit}")
 
     paths = parse_runs(args.runs)
     names = list(paths)
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name, path in paths.items():
         print(f"{name}: {path}", flush=True)
-        runs[name] = run_entry(name, path, predict(path, args.which, not args.raw, args.split), args.split)
+        runs[name] = run_entry(name, path, predict(path, args.which, not args.raw, args.split, args.limit), args.split)
         print(f"  top1 {100 * runs[name]['top1']:.2f}% ({len(runs[name]['errors'])} errors), cross-entropy "
               f"{runs[name]['loss']:.4f}", flush=True)
     ns = {r["n"] for r in runs.values()}
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"title": args.title,
               "command": "python scripts/compare_predictions.py " + " ".join(argv if argv is not None
                                                                              else sys.argv[1:]),
-              "split": args.split, **code_version(), "machine": system_info(), "load_before": load_before,
+              "split": args.split, "limit": args.limit, **code_version(), "machine": system_info(), "load_before": load_before,
               "load_after": load_average(), "n": ns.pop(), "wrong_in_all": len(set.intersection(*wrong)),
               "wrong_in_any": len(set.union(*wrong)), "runs": runs, "pairs": compare(runs, pairs),
               "notes": read_notes(args.notes)}

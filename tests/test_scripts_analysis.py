@@ -153,6 +153,10 @@ def test_compare_predictions_on_trained_runs(tmp_path):
     assert rec["runs"]["mhla"]["loss"] == pytest.approx(float(sum(losses)) / 64, rel=1e-5)
     assert all(r["top1_recorded"] is None for r in rec["runs"].values())  # run.json holds the eval top-1
     assert "train split" in (tmp_path / "cmp.md").read_text()
+    assert compare_predictions.main(args + ["--split", "train", "--limit", "50"]) == 0  # cuts inside batch 2
+    rec50 = json.loads((tmp_path / "cmp.json").read_text())
+    assert rec50["n"] == 50 and rec50["limit"] == 50 and "first 50 examples" in (tmp_path / "cmp.md").read_text()
+    assert set(rec50["runs"]["mhla"]["errors"]) == {i for i in rec["runs"]["mhla"]["errors"] if i < 50}
     with pytest.raises(ValueError, match="split must be"):
         eval_loader(cfg, task, info, "val")
 
