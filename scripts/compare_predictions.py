@@ -86,13 +86,19 @@ def predict(run: str, which: str = "last", use_ema: bool = True, split: str = "e
 
 def run_entry(name: str, run: str, p: dict, split: str = "eval") -> dict:
     """A run's part of the record: what it got wrong, its mean cross-entropy, and where it came from
-    (``top1_recorded``, the top-1 its ``run.json`` holds, is for the eval split only)."""
+    (``top1_recorded``, the top-1 its ``run.json`` holds, is for the eval split only; ``eval_loss_recorded``
+    is the eval cross-entropy its ``run.json`` holds, and with ``split="train"`` ``generalization_gap`` is
+    that minus the training split's cross-entropy measured here)."""
     rec = read_run_record(run_folder(p["checkpoint"])) or {}
     top1 = sum(p["correct"]) / p["n"]
     wrong = [i for i, ok in enumerate(p["correct"]) if not ok]
-    recorded = (rec.get("metrics") or {}).get("top1") if split == "eval" else None
+    metrics = rec.get("metrics") or {}
+    recorded = metrics.get("top1") if split == "eval" else None
+    eval_loss = metrics.get("loss")
+    gap = eval_loss - p["loss"] if split == "train" and eval_loss is not None else None
     return {"name": name, "run": run, "checkpoint": p["checkpoint"], "n": p["n"], "top1": top1,
-            "loss": p["loss"], "top1_recorded": recorded, "top1_se": accuracy_se(top1, p["n"]),
+            "loss": p["loss"], "top1_recorded": recorded, "eval_loss_recorded": eval_loss,
+            "generalization_gap": gap, "top1_se": accuracy_se(top1, p["n"]),
             "errors": wrong, "wrong_as": [p["pred"][i] for i in wrong],
             "run_commit": rec.get("commit"), "run_command": rec.get("command"), "config": p["config"]}
 
@@ -113,16 +119,22 @@ def compare(runs: dict, pairs: list[tuple[str, str]]) -> list[dict]:
 def markdown(record: dict) -> str:
     runs, pairs = record["runs"], record["pairs"]
     limit = f" (its first {record['limit']} examples)" if record.get("limit") else ""
+    train = record.get("split") == "train"
     lines = [f"# {record['title']}", "", f"`{record['command']}`", "",
              f"Commit {record['commit']}, {record['machine']['cpu']} ({record['machine']['date']}). Each "
              f"run's {record['split']} split{limit}, in order, with the weights of the checkpoint named in the JSON; "
              "the JSON keeps the indices of the examples each run gets wrong.", "",
-             "| run | top-1 (here) | top-1 (run.json) | errors | binomial s.e. | cross-entropy |",
-             "|---|---|---|---|---|---|"]
+             "| run | top-1 (here) | top-1 (run.json) | errors | binomial s.e. | cross-entropy |"
+             + (" eval cross-entropy (run.json) | eval - train |" if train else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if train else "")]
     for r in runs.values():
         rec = "-" if r["top1_recorded"] is None else f"{100 * r['top1_recorded']:.2f}%"
-        lines.append(f"| {r['name']} | {100 * r['top1']:.2f}% | {rec} | {len(r['errors'])} | "
-                     f"{100 * r['top1_se']:.3f} | {r['loss']:.4f} |")
+        row = (f"| {r['name']} | {100 * r['top1']:.2f}% | {rec} | {len(r['errors'])} | "
+               f"{100 * r['top1_se']:.3f} | {r['loss']:.4f} |")
+        if train:
+            ev, gap = r.get("eval_loss_recorded"), r.get("generalization_gap")
+            row += f" {'-' if ev is None else f'{ev:.4f}'} | {'-' if gap is None else f'{gap:.4f}'} |"
+        lines.append(row)
     lines += ["", f"Wrong in every run: {record['wrong_in_all']} of {record['n']} examples; wrong in at "
               f"least one: {record['wrong_in_any']}.", "",
               "| a - b | top-1 diff (points) | only a right | only b right | both wrong | overlap "
@@ -182,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name, path in paths.items():
         print(f"{name}: {path}", flush=True)
-        runs[name] = run_entry(name, path, predict(path, args.which, not args.raw, args.split, args.limit), args.split)
+        runs[name] = run_entry(name, path, predict(path, args.which, not args.raw, args.split, args.limit),
+                               args.split)
         print(f"  top1 {100 * runs[name]['top1']:.2f}% ({len(runs[name]['errors'])} errors), cross-entropy "
               f"{runs[name]['loss']:.4f}", flush=True)
     ns = {r["n"] for r in runs.values()}

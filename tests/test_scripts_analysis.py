@@ -152,6 +152,9 @@ def test_compare_predictions_on_trained_runs(tmp_path):
                   eval_loader(cfg, task, info, "train")]
     assert rec["runs"]["mhla"]["loss"] == pytest.approx(float(sum(losses)) / 64, rel=1e-5)
     assert all(r["top1_recorded"] is None for r in rec["runs"].values())  # run.json holds the eval top-1
+    recorded = json.loads((runs["mhla"] / "run.json").read_text())["metrics"]["loss"]
+    assert rec["runs"]["mhla"]["generalization_gap"] == pytest.approx(recorded - rec["runs"]["mhla"]["loss"])
+    assert "eval - train" in (tmp_path / "cmp.md").read_text()
     assert "train split" in (tmp_path / "cmp.md").read_text()
     assert compare_predictions.main(args + ["--split", "train", "--limit", "50"]) == 0  # cuts inside batch 2
     rec50 = json.loads((tmp_path / "cmp.json").read_text())
