@@ -70,14 +70,14 @@ def predict(run: str, which: str = "last", use_ema: bool = True, split: str = "e
         for batch in ProgressLoader(eval_loader(cfg, task, info, split), f"{split} split"):
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1].dim() == 1):
                 raise ValueError(f"{run}: not a classification run (its eval batches are not (x, labels))")
-            if limit is not None and seen >= limit:
-                break
             x, y = batch if limit is None else (batch[0][: limit - seen], batch[1][: limit - seen])
-            seen += len(y)
             logits = model(x.to(info.device)).float().cpu()
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
             preds.append(logits.argmax(-1))
             labels.append(y)
+            seen += len(y)
+            if limit is not None and seen >= limit:  # stop before the loader reads another batch
+                break
     pred, label = torch.cat(preds), torch.cat(labels)
     return {"checkpoint": str(ckpt), "n": int(label.numel()), "correct": (pred == label).tolist(),
             "pred": pred.tolist(), "loss": loss_sum / label.numel(),
@@ -122,8 +122,8 @@ def markdown(record: dict) -> str:
     train = record.get("split") == "train"
     lines = [f"# {record['title']}", "", f"`{record['command']}`", "",
              f"Commit {record['commit']}, {record['machine']['cpu']} ({record['machine']['date']}). Each "
-             f"run's {record['split']} split{limit}, in order, with the weights of the checkpoint named in the JSON; "
-             "the JSON keeps the indices of the examples each run gets wrong.", "",
+             f"run's {record['split']} split{limit}, in order, with the weights of the checkpoint named in the "
+             "JSON; the JSON keeps the indices of the examples each run gets wrong.", "",
              "| run | top-1 (here) | top-1 (run.json) | errors | binomial s.e. | cross-entropy |"
              + (" eval cross-entropy (run.json) | eval - train |" if train else ""),
              "|---|---|---|---|---|---|" + ("---|---|" if train else "")]
@@ -200,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{runs[name]['loss']:.4f}", flush=True)
     ns = {r["n"] for r in runs.values()}
     if len(ns) != 1:
-        raise SystemExit(f"error: the runs' {args.split} splits differ in size ({sorted(ns)}); compare runs of one "
-                         "task")
+        raise SystemExit(f"error: the runs' {args.split} splits differ in size ({sorted(ns)}); compare runs "
+                         "of one task")
     wrong = [set(r["errors"]) for r in runs.values()]
     record = {"title": args.title,
               "command": "python scripts/compare_predictions.py " + " ".join(argv if argv is not None
                                                                              else sys.argv[1:]),
-              "split": args.split, "limit": args.limit, **code_version(), "machine": system_info(), "load_before": load_before,
+              "split": args.split, "limit": args.limit, **code_version(), "machine": system_info(),
+              "load_before": load_before,
               "load_after": load_average(), "n": ns.pop(), "wrong_in_all": len(set.intersection(*wrong)),
               "wrong_in_any": len(set.union(*wrong)), "runs": runs, "pairs": compare(runs, pairs),
               "notes": read_notes(args.notes)}

@@ -45,11 +45,11 @@ def eval_loader(cfg, task, info, split: str = "eval") -> DataLoader:
     if split not in ("eval", "train"):
         raise ValueError(f"split must be 'eval' or 'train', got {split!r}")
     train_ds, eval_ds = task.build_datasets()
-    eval_ds = train_ds if split == "train" else eval_ds
+    ds = train_ds if split == "train" else eval_ds
     bs = int(cfg.data.get("eval_batch_size") or cfg.data.batch_size)
-    sampler = ResumableSampler(len(eval_ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
+    sampler = ResumableSampler(len(ds), bs, rank=info.rank, world_size=info.world_size, shuffle=False,
                                drop_last=False)
-    return DataLoader(eval_ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
+    return DataLoader(ds, batch_size=bs, sampler=sampler, collate_fn=task.collate,
                       num_workers=cap_num_workers(int(cfg.trainer.get("num_workers", 0)))[0])
 
 
