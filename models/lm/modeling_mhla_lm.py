@@ -51,12 +51,14 @@ from .configuration_mhla_lm import MHLALMConfig
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32) -> RotaryTables:
     """Rotary tables for ``positions [T]`` or ``[B, T]`` -> cos, sin ``[T or B x T, 1, dim]`` (fp32 math).
 
-    Half-split layout (``cat([a, a])``, :func:`mhla.rope.apply_rope` with ``interleaved=False``).
+    Half-split layout (``cat([a, a])``, :func:`mhla.rope.apply_rope` with ``interleaved=False``). The rotation
+    runs in fp32 (or wider) and returns q / k in their own dtype (``upcast``): under bf16 autocast q and k come
+    out of the projections in bf16 beside a bf16 v, and fp32 tables would otherwise promote them to fp32 alone.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
     ang = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
     ang = torch.cat([ang, ang], dim=-1).unsqueeze(-2)  # [..., T, 1, dim]
-    return RotaryTables(ang.cos().to(dtype), ang.sin().to(dtype))
+    return RotaryTables(ang.cos().to(dtype), ang.sin().to(dtype), upcast=True)
 
 
 # ------------------------------------------------------------------------------------------ cache

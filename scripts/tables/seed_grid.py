@@ -34,14 +34,19 @@ import sys
 
 from omegaconf import OmegaConf
 
-if __package__ in (None, ""):  # run as a file: the checkout's root on the path, then import as the package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from mhla.layouts import num_blocks_for  # noqa: E402
-from tasks.common.results import write_result  # noqa: E402
-from tasks.common.launch import metric_curve, read_notes  # noqa: E402
-from tasks.common.records import effective_attention, read_run_record  # noqa: E402
-from tasks.common.stats import mean_std, ordering_word, paired_difference, pooled_std  # noqa: E402
+from mhla.layouts import num_blocks_for
+from mhla.registry import takes_blocks
+from tasks.common.results import write_result
+from tasks.common.launch import metric_curve, read_notes
+from tasks.common.records import effective_attention, read_run_record
+from tasks.common.stats import (
+    CONVERGENCE_RULE,
+    convergence_word,
+    mean_std,
+    ordering_word,
+    paired_difference,
+    pooled_std,
+)
 
 RUN_NAME = re.compile(r"^(?P<variant>.+)_s(?P<seed>\d+)$")
 
@@ -122,6 +127,7 @@ def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], sc
             "by_seed": {s: g[0] * scale for s, g in gains.items()},
             "mean": mean_std([g[0] * scale for g in gains.values()])[0] if gains else None,
             "over_steps": sorted({g[1] for g in gains.values()})}
+        variants[name]["convergence"] = convergence_word([g[0] * scale for g in gains.values()], list(vals.values()))
     all_pairs = [(v, baseline) for v in grid if baseline and v != baseline and baseline in grid] + list(pairs)
     compared = []
     for a, b in dict.fromkeys(all_pairs):
@@ -146,9 +152,10 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
                                                                args.runs_command else "") + ".", "",
               f"Final `{args.metric}`{' (%)' if args.scale == 100 else ''} per variant over seeds "
               "(mean ± sample std); every run's resolved config, command, commit, machine and load are in the "
-              ".json.", "",
-              "| variant | attention | n | steps | mean ± std | per seed | best eval at step | last eval's gain |",
-              "|---|---|---|---|---|---|---|---|"]
+              f".json. Convergence (last column), the written rule: {CONVERGENCE_RULE}.", "",
+              "| variant | attention | n | steps | mean ± std | per seed | best eval at step | last eval's gain "
+              "| converged (rule) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, s in v.items():
         desc = describe(next(iter(grid[name]["runs"].values()))["record"]) if s["n"] else "-"
         per = ", ".join(f"s{k}: {fmt(x, args.digits)}" for k, x in s["by_seed"].items())
@@ -161,7 +168,7 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
                 if g["mean"] is not None else "-")
         spread = f" ± {fmt(s['std'], args.digits)}" if s["n"] > 1 else " (one seed)"  # no spread from one value
         lines.append(f"| {name}{unf} | {desc} | {s['n']} | {steps} | {fmt(s['mean'], args.digits)}{spread} | {per} | "
-                     f"{best} | {gain} |")
+                     f"{best} | {gain} | {s.get('convergence', '-')} |")
     if summary["pairs"]:
         lines += ["", "Paired per-seed differences a - b (95% t interval over the seeds both have; the ordering "
                   "a > b *holds* only when both have 3 seeds or more and the gap of the means exceeds two pooled "
@@ -200,7 +207,7 @@ def describe(record: dict) -> str:
     config = record["config"]
     attn = attention_of(record)
     bits = [str(attn.get("name"))]
-    if attn.get("name") == "mhla":
+    if takes_blocks(str(attn.get("name"))):  # MHLA's chunk or block count
         if attn.get("block_size") is not None:
             bits.append(f"block {attn.get('block_size')}")
         elif attn.get("num_blocks") is not None:

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from tqdm import tqdm
 
-from .records import read_run_record
+from .records import RUN_RECORD_KEYS, read_run_record
 from .stats import mean_std  # noqa: F401  (the drivers import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,7 +64,7 @@ def run_training(overrides: list[str], threads: int | None = None, launcher: lis
     run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
     record = read_run_record(run_dir) if run_dir else None
     if record is not None:  # the resolved config, code version, machine and load of the run (tasks.common.records)
-        rec["run"] = {k: record.get(k) for k in ("commit", "dirty", "machine", "load_before", "load_after", "config")}
+        rec["run"] = {k: record.get(k) for k in RUN_RECORD_KEYS}
     return rec
 
 

@@ -87,6 +87,30 @@ def ordering_word(a: list[float], b: list[float], higher_is_better: bool = True)
     return {"a": "holds", "b": "reversed", None: "level"}[ordering_winner(a, b, higher_is_better)]
 
 
+CONVERGENCE_RULE = ("a row has converged when no seed changed at its last evaluation, or when it has 3 seeds or "
+                    "more and the mean over its seeds of the last evaluation's gain (the change between a run's "
+                    "last two evaluations, in the metric's direction) is at most the row's seed standard deviation; "
+                    "with fewer seeds it is not decided (-)")
+
+
+def convergence_word(gains: list[float], values: list[float], higher_is_better: bool = True,
+                     min_seeds: int = MIN_SEEDS) -> str:
+    """The written convergence rule (:data:`CONVERGENCE_RULE`) on one row of a seed grid.
+
+    ``gains``: each seed's change between its last two evaluations; ``values``: each seed's final metric.
+    Returns ``"converged"`` when every gain is exactly 0 (a plateau), or, with ``min_seeds`` seeds or more, when
+    the mean gain (signed so that improving is positive) is at most the seed standard deviation of ``values``;
+    ``"still gaining"`` when it is above; ``"-"`` with fewer seeds (two values give a spread too noisy to
+    compare with: a 5-epoch row of two seeds passed the comparison and then gained more than it when trained
+    longer)."""
+    if gains and all(g == 0 for g in gains):
+        return "converged"
+    if len(gains) < min_seeds or len(values) < min_seeds:
+        return "-"
+    gain = mean_std(gains)[0] * (1.0 if higher_is_better else -1.0)
+    return "converged" if gain <= mean_std(values)[1] else "still gaining"
+
+
 def accuracy_se(accuracy: float, n: int) -> float:
     """The binomial standard error ``sqrt(p (1 - p) / n)`` of an accuracy ``p`` measured on ``n`` examples:
     how much the accuracy of ONE model moves from one test set of that size to another."""

@@ -41,6 +41,19 @@ def test_forward_loss_and_backward(attn_type):
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad), "unused parameters"
 
 
+@pytest.mark.parametrize("attn_type", ATTNS)
+def test_bf16_autocast_with_rope_trains(attn_type):
+    """Under bf16 autocast (a GPU run's precision=auto) q and k leave the projections in bf16 beside a bf16 v;
+    RoPE's fp32 tables must not promote them alone (the op needs one dtype). Close to the fp32 loss."""
+    model = tiny(attn_type).train()
+    x = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(0))
+    ref = model(x, labels=x).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, labels=x)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and abs(out.loss.item() - ref.item()) < 0.05 * ref.item()
+
+
 def test_paper_340m_size():
     cfg = MHLALMConfig()
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_heads, cfg.vocab_size) == (1024, 24, 4, 32000)
@@ -159,7 +172,7 @@ def test_config_saved_before_the_attention_dict_loads_bit_identically():
     and gives the logits it gave then."""
     import os  # noqa: PLC0415
 
-    path = os.path.join(os.path.dirname(__file__), "data", "lm_mhla_legacy_config")
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "lm_mhla_legacy_config")
     model = MHLALMForCausalLM.from_pretrained(path).eval()
     assert model.config.attn["mixing_init"] == "locality" and model.config.attn["cpe"] is True
     expected = torch.load(os.path.join(path, "expected_logits.pt"))
@@ -169,7 +182,8 @@ def test_config_saved_before_the_attention_dict_loads_bit_identically():
 
 
 def test_padding_mask_leaves_the_real_tokens_unchanged():
-    """A left-padded row gives the logits of its real tokens alone (tests/test_lm_padding.py covers the rest)."""
+    """A left-padded row gives the logits of its real tokens alone (tests/models/test_lm_padding.py covers the
+    rest)."""
     model = tiny("mhla").double()
     x = torch.randint(0, 61, (2, 5))
     mask = torch.ones(2, 5, dtype=torch.long)

@@ -72,3 +72,18 @@ def test_mcnemar_counts_and_exact_p():
 def test_accuracy_se_is_binomial():
     assert stats.accuracy_se(0.99, 10_000) == pytest.approx(math.sqrt(0.99 * 0.01 / 10_000))
     assert stats.accuracy_se(1.0, 50) == 0.0
+
+
+def test_convergence_word_is_the_written_rule():
+    # table2_converged's softmax: last-epoch gains 0.07 / 0.05 / 0.00 (mean 0.04) above its seed std 0.030
+    softmax = [99.21, 99.24, 99.18]
+    assert stats.convergence_word([0.07, 0.05, 0.00], softmax) == "still gaining"
+    assert stats.convergence_word([0.02, 0.01, 0.00], softmax) == "converged"
+    # a loss improves downwards: a negative change is a gain
+    assert stats.convergence_word([-0.5, -0.4, -0.6], [2.0, 2.1, 1.9], higher_is_better=False) == "still gaining"
+    assert stats.convergence_word([0.5, 0.4, 0.6], [2.0, 2.1, 1.9], higher_is_better=False) == "converged"
+    # two seeds decide nothing (the 5-epoch softmax: 0.21 / 0.17 against a std of 0.20 would have passed) ...
+    assert stats.convergence_word([0.21, 0.17], [98.84, 99.12]) == "-"
+    # ... unless no seed moved at all (a plateau, e.g. at 100%)
+    assert stats.convergence_word([0.0, 0.0], [100.0, 100.0]) == "converged"
+    assert "standard deviation" in stats.CONVERGENCE_RULE
