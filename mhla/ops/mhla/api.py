@@ -28,6 +28,7 @@ from ..utils import (
     run_varlen,
     unbind_state,
 )
+from ..utils.validation import checks_mixing_values
 from .chunk import mhla_causal_torch, mhla_noncausal_torch
 from .naive import mhla_reference
 from .state import MHLAState, MixingRows, check_causal, check_rows, check_state, check_window, init_state
@@ -82,6 +83,9 @@ def mhla_attention(
         q, k: ``[B, T, H, D]``, already passed through a nonnegative feature map.
         v: ``[B, T, H, Dv]``.
         mixing: ``[M, M]`` shared, or ``[H, M, M]`` per head; nonnegative. Row ``i`` is query block ``i``.
+            Its values (finite, nonnegative) are checked on the torch and reference backends, not on the
+            Triton one (a host-device sync per call; ``MHLA_CHECK_VALUES=1`` checks there too):
+            :func:`mhla.ops.utils.validation.checks_mixing_values`.
             Causal calls also take :class:`MixingRows`, the rows of the call's blocks in the compact form of
             a bounded state (from :meth:`mhla.mixing.MixingMatrix.causal_rows`; ``backend`` torch or triton):
             the state then keeps only the blocks of their window and one folded sum (:class:`MHLAState`).
@@ -112,9 +116,10 @@ def mhla_attention(
         (``[1, total_T, H, Dv]`` and a list of ``N`` states with ``cu_seqlens``).
     Raises:
         ValueError: on wrong ranks, shapes or dtypes, ``T`` not a multiple of ``block_size`` (non-causal),
-            negative, non-finite or too-small ``mixing``, mismatched heads, an ``eps`` that is not a
-            positive float, an ``initial_state`` that does not fit the call (type, dtype, shapes), or a bad
-            ``cu_seqlens`` (dtype, shape, offsets, batch other than 1, non-causal call).
+            negative or non-finite ``mixing`` (backends torch and reference), too-small ``mixing``, mismatched
+            heads, an ``eps`` that is not a positive float, an ``initial_state`` that does not fit the call
+            (type, dtype, shapes), or a bad ``cu_seqlens`` (dtype, shape, offsets, batch other than 1,
+            non-causal call).
     """
     if cu_seqlens is not None:
         if not causal:
@@ -122,10 +127,13 @@ def mhla_attention(
         return _mhla_varlen(q, k, v, mixing, block_size, cu_seqlens, normalize=normalize, eps=eps,
                             backend=backend, initial_state=initial_state, output_final_state=output_final_state)
     stateful = initial_state is not None or output_final_state
+    check_qkv(q, k, v)
+    which = resolve_backend(backend, q, causal=causal)
+    values = checks_mixing_values(which)  # not on the fused kernels' hot path: a host-device sync
     if causal:
-        mode = check_causal(q, k, v, mixing, block_size, normalize=normalize, eps=eps, state=initial_state)
+        mode = check_causal(q, k, v, mixing, block_size, normalize=normalize, eps=eps, state=initial_state,
+                            check_values=values)
     else:
-        check_qkv(q, k, v)
         check_block_size(block_size)
         check_eps(eps)
         mode = normalizer_mode(normalize)
@@ -137,9 +145,8 @@ def mhla_attention(
                 f"non-causal MHLA needs T ({T}) to be a multiple of block_size ({block_size}); "
                 f"{T} tokens form {T / block_size:.2f} blocks. Pad the grid or choose a block that tiles it"
             )
-        check_mixing(mixing, H, T // block_size, square_size=T // block_size)
+        check_mixing(mixing, H, T // block_size, square_size=T // block_size, check_values=values)
 
-    which = resolve_backend(backend, q, causal=causal)
     if which == "reference" and stateful:
         raise ValueError("the reference backend has no state; use backend='torch'")
     if which == "reference" and isinstance(mixing, MixingRows):
@@ -193,11 +200,12 @@ def _mhla_varlen(q, k, v, mixing, block_size, cu_seqlens, *, normalize, eps, bac
             seen[n] = state.num_tokens
     stop = max(ceil_div(p + n, block_size) for p, n in zip(seen, lengths))
     compact = isinstance(mixing, MixingRows)
-    if compact:
-        check_rows(mixing, q.shape[2], min(p // block_size for p in seen), stop)
-    else:
-        check_mixing(mixing, q.shape[2], stop)
     which = resolve_backend(backend, q, causal=True)
+    values = checks_mixing_values(which)
+    if compact:
+        check_rows(mixing, q.shape[2], min(p // block_size for p in seen), stop, check_values=values)
+    else:
+        check_mixing(mixing, q.shape[2], stop, check_values=values)
     if which == "reference" and (states is not None or output_final_state):
         raise ValueError("the reference backend has no state; use backend='torch'")
     if which == "reference" and compact:

@@ -278,8 +278,8 @@ class MixingRows:
         return MixingRows(self.first, *(t.to(dtype) for t in (self.diag, self.head, self.recent, self.far)))
 
     def rows(self, start: int, stop: int) -> tuple[torch.Tensor, ...]:
-        """``(diag [G, n], head [G, n, head], recent [G, n, recent], far [G, n])`` of the rows ``start ..
-        stop - 1`` (``G``: 1 shared, or ``H``)."""
+        """``(diag [G, n], head [G, n, head], recent [G, n, recent], far [G, n])`` of the rows
+        ``start .. stop - 1`` (``G``: 1 shared, or ``H``)."""
         a, b = start - self.first, stop - self.first
         out = (self.diag[..., a:b], self.head[..., a:b, :], self.recent[..., a:b, :], self.far[..., a:b])
         if self.diag.dim() == 1:

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
+
+#: Set to ``1`` to check the mixing's values on every backend, the fused kernels included (debugging; a
+#: host-device synchronisation per call on a GPU). Read at every call.
+CHECK_VALUES_ENV = "MHLA_CHECK_VALUES"
 
 _NORMALIZE_MODES = {True: "paper", False: "none", "paper": "paper", "none": "none", "official": "official"}
 
@@ -88,7 +93,8 @@ def check_mixing(
         rows_needed: the matrix must have at least this many rows (and columns).
         square_size: if given, ``M`` must equal it exactly (the non-causal case).
         check_values: reject NaN, infinite and negative entries (skipped while compiling, where the
-            data-dependent test would break the graph; otherwise always cheap for M x M).
+            data-dependent test would break the graph). Cheap for M x M, but a host-device sync on a GPU:
+            the entry points pass :func:`checks_mixing_values` of their backend.
     """
     if not isinstance(mixing, torch.Tensor):
         raise ValueError(f"mixing must be a torch.Tensor, got {type(mixing).__name__}")
@@ -125,6 +131,21 @@ def check_mixing(
                 f"mixing must be nonnegative (min entry {mixing.min().item():.3g}); "
                 "use MixingMatrix, whose parameterization keeps it nonnegative"
             )
+
+
+def checks_mixing_values(backend: str) -> bool:
+    """Whether a call on ``backend`` (a resolved one: ``"torch"``, ``"reference"`` or ``"triton"``) checks
+    the mixing's values (finite, nonnegative) on the host.
+
+    The check reads a reduction of the mixing on the host: on a GPU, a host-device synchronisation every call
+    (the CPU waits until the GPU has run everything queued before it, so the launches that follow stop
+    overlapping the GPU's work). The torch and reference backends check. The fused kernels (``"triton"``,
+    what ``backend="auto"`` picks for CUDA tensors) do not, unless ``MHLA_CHECK_VALUES=1`` is set: with a NaN
+    or inf in the mixing, the outputs of the rows that read it are NaN / inf; a negative entry is used as
+    given (the formula's value, meaningless as attention). :class:`mhla.mixing.MixingMatrix` keeps its output
+    nonnegative by construction (clamp, softplus or exp), so a layer's mixing is never negative.
+    """
+    return backend != "triton" or os.environ.get(CHECK_VALUES_ENV, "0") == "1"
 
 
 def check_cu_seqlens(cu_seqlens, q: torch.Tensor) -> list[int]:

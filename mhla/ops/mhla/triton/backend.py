@@ -9,7 +9,8 @@ calls it; ``cu_seqlens`` is handled there) and returns the same values as the to
   interpreter bf16 tensors are computed in fp32 (numpy has no bf16) and the output cast back;
 * causal calls may continue an :class:`~mhla.ops.MHLAState` and return the final one (fp32 summaries), with
   a dense mixing matrix or compact :class:`~mhla.ops.mhla.state.MixingRows` (the state then keeps the blocks
-  of their window and folds the others).
+  of their window and folds the others, and the blocks are mixed in time linear in ``T``:
+  :class:`~mhla.ops.mhla.triton.mix.BandedMix`).
 
 Routed to the torch path instead (same results, documented): ``normalize="official"`` (the release's
 vision normalizer) and float64 inputs.
@@ -32,11 +33,12 @@ from ..state import (
     check_state,
     check_window,
     init_state,
+    kept_blocks,
     rewindow,
-    row_coefficients,
     state_after_chunk,
 )
 from .causal import mhla_causal_triton
+from .mix import BandedMix
 from .noncausal import mhla_noncausal_triton
 from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES
 
@@ -103,38 +105,36 @@ def mhla_triton(
     compact = isinstance(mixing, MixingRows)
     B, T, H, D = q.shape
     Dv = v.shape[-1]
+    window = mixing.window if compact else None
+    st = None  # no state to continue: nothing allocated (an empty state is built below only if one is returned)
     if initial_state is not None:
         check_state(initial_state, q, v, C)
         check_window(initial_state, mixing)
         st = rewindow(initial_state, mixing.window) if compact else initial_state
-    else:
-        st = init_state(B, H, D, Dv, C, device=q.device, window=mixing.window if compact else None)
-    P = st.num_tokens
+        window = st.window
+    P = 0 if st is None else st.num_tokens
     first = P // C
     NB = ceil_div(P % C + T, C)
-    cols_s, cols_z = st.block_summaries, st.block_key_sums
-    coefficients = None
-    if compact:
-        rows = mixing.to(torch.float32)
-        ids = torch.tensor(st.kept_block_ids() + list(range(first, first + NB)), device=q.device)
-        coeff = row_coefficients(rows, first, NB, ids)
-        diag, _, _, far = rows.rows(first, first + NB)
-        if st.num_folded_blocks:  # the folded blocks: one more state column, read with the shared coefficient
-            n_kept = cols_s.shape[2]
-            coeff = torch.cat([coeff[..., :n_kept], far.unsqueeze(-1), coeff[..., n_kept:]], dim=-1)
-            cols_s = torch.cat([cols_s, st.far_summary.unsqueeze(2)], dim=2)
-            cols_z = torch.cat([cols_z, st.far_key_sum.unsqueeze(2)], dim=2)
-        coefficients = (coeff, diag)
+    mix = None
+    if compact:  # linear in T: the rows' head, recent and far coefficients, never a dense [NB, first + NB]
+        diag, head, recent, far = mixing.to(torch.float32).rows(first, first + NB)
+        kh, kr = kept_blocks(first, window)
+        folded = st is not None and st.num_folded_blocks > 0
+        mix = (BandedMix(window, first, kh, folded, kr, NB), diag, (head, recent, far))
     state = None
-    if initial_state is not None:
+    if st is not None:
+        cols_s, cols_z = st.block_summaries, st.block_key_sums
+        if compact and folded:  # the folded blocks: one state column between the kept head and recent blocks
+            cols_s = torch.cat([cols_s[:, :, :kh], st.far_summary.unsqueeze(2), cols_s[:, :, kh:]], dim=2)
+            cols_z = torch.cat([cols_z[:, :, :kh], st.far_key_sum.unsqueeze(2), cols_z[:, :, kh:]], dim=2)
         state = (cols_s, cols_z, st.current_summary, st.current_key_sum, P)
     o, S, Z = mhla_causal_triton(q, k, v, None if compact else mixing, C, normalize=normalize_b, eps=eps,
-                                 state=state, keep_z=output_final_state, coefficients=coefficients)
+                                 state=state, keep_z=output_final_state, mix=mix)
     o = o.to(out_dtype)
     if not output_final_state:
         return o
 
-    if initial_state is None:  # the empty state of the right dtype (the kernels' summaries are fp32)
-        st = init_state(B, H, D, Dv, C, device=q.device, dtype=S.dtype, window=st.window)
+    if st is None:  # the empty state of the right dtype (the kernels' summaries are fp32)
+        st = init_state(B, H, D, Dv, C, device=q.device, dtype=S.dtype, window=window)
     new_state = state_after_chunk(st, S, Z, P + T)
     return o, new_state

@@ -4,7 +4,7 @@ Blocks are contiguous runs of ``C`` tokens (the last may be partial); the kernel
 chunks of ``BT`` tokens (:func:`mhla.ops.mhla.triton.utils.chunk_tile`; any ``C`` works, a partial last chunk
 is masked). For token ``t`` in chunk ``j`` of block ``i``, with ``m = Mix[i, i]``:
 
-    P_i = sum_{b < i} Mix[i, b] S_b                         mixed prefix of the earlier blocks  (torch GEMM)
+    P_i = sum_{b < i} Mix[i, b] S_b                         mixed prefix of the earlier blocks  (:mod:`.mix`)
     R_j = sum_{s in block i, before chunk j} k_s v_s^T      running sum of the block            (kernel)
     o_t = [q_t^T (P_i + m R_j) + m sum_{s in chunk j, s <= t} (q_t . k_s) v_s] / d_t
     d_t =  q_t . (p_i + m r_j) + m sum_{s in chunk j, s <= t}  q_t . k_s  + eps   ("none": d_t = 1)
@@ -26,6 +26,10 @@ State (chunked prefill): a call may continue after ``P`` tokens summarised in an
 columns, and the running summary of the unfinished block seeds block 0's running sum ``R`` (and ``S``).
 The first ``P % C`` positions of block 0 are empty. The Function returns this call's block summaries so
 the backend can assemble the final state; gradients flow through the state in both directions.
+
+The mix (``P_i``, ``dS_b``, ``dMix[i, b]``) is a mixer of :mod:`.mix`: a dense matrix's strictly-lower rows as a
+GEMM kernel (:class:`~.mix.DenseMix`, quadratic in the blocks), or compact :class:`~mhla.ops.MixingRows`
+in linear time (:class:`~.mix.BandedMix`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from ...utils import causal_product
 from .chunk import (
     Geometry,
     bwd_block_grads,
@@ -41,57 +44,34 @@ from .chunk import (
     bwd_dv,
     fwd_block_summaries,
     fwd_output,
-    mix_summaries_backward,
     mixing_3d,
-    output_delta,
 )
+from .mix import DenseMix
+from .utils import dot_precision
 
 
 def _causal_coefficients(mix: torch.Tensor, first: int, NB: int):
-    """Strictly-lower mixing rows of this call's blocks and their diagonal, from a dense
-    ``mix [1 or H, M, M]``.
+    """The mixing rows of this call's blocks and their diagonal, as views of a dense ``mix [1 or H, M, M]``.
 
-    Returns ``coeff [1 or H, NB, first + NB]`` with ``coeff[:, i, b] = Mix[first + i, b]`` for
-    ``b < first + i`` (else 0), and ``mdiag [1 or H, NB]`` = ``Mix[first + i, first + i]`` (differentiable:
-    autograd carries their gradients back to ``mix``).
+    Returns ``coeff [1 or H, NB, first + NB]`` = ``Mix[first + i, b]`` (all columns: :class:`~.mix.DenseMix`
+    reads the strictly-lower ones only, ``b < first + i``, and its gradient is zero elsewhere) and
+    ``mdiag [1 or H, NB]`` = ``Mix[first + i, first + i]``. Views: no copy, no gather (without a state and
+    with ``M = NB`` the first is ``mix`` itself); autograd carries their gradients back to ``mix``.
     """
-    rows = torch.arange(first, first + NB, device=mix.device)
-    cols = torch.arange(first + NB, device=mix.device)
-    mask = cols[None, :] < rows[:, None]
-    coeff = torch.where(mask, mix[:, rows, : first + NB], 0.0)
-    mdiag = mix[:, rows, rows]
-    return coeff, mdiag
-
-
-def _mix_earlier(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None):
-    """``mix_summaries`` (:mod:`mhla.ops.mhla.triton.chunk`) for the causal coefficients: row ``i`` reads
-    only the blocks before it, even when a later summary is not finite (:func:`mhla.ops.utils.causal_product`,
-    without its host sync).
-
-    ``coeff [1 or H, NB, N]``, ``S_all [B, H, N, D, Dv]``, ``Z_all [B, H, N, D]`` or None ->
-    ``P [B*H, NB, D, Dv]``, ``Pz [B*H, NB, D]`` or None.
-    """
-    B, H, _, D, Dv = S_all.shape
-    NB = coeff.shape[1]
-
-    def mix(x):  # [B, H, N, ...] -> [B, H, NB, ...]
-        return torch.matmul(coeff, x.flatten(3)).view(B, H, NB, *x.shape[3:])
-
-    P = causal_product(mix, S_all, 2, strict=True, lazy=False).reshape(B * H, NB, D, Dv)
-    if Z_all is None:
-        return P, None
-    return P, causal_product(mix, Z_all, 2, strict=True, lazy=False).reshape(B * H, NB, D)
+    rows = mix[:, first:first + NB]
+    return rows[:, :, :first + NB], torch.diagonal(rows[:, :, first:first + NB], dim1=-2, dim2=-1)
 
 
 class MHLACausalFunction(torch.autograd.Function):
     """Causal chunkwise MHLA with fused Triton kernels (module docstring for the math).
 
     Inputs: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]``; the mixing of this call's ``NB`` blocks as
-    ``coeff [1 or H, NB, first + NB]`` (fp32; row ``i`` on the ``first`` state columns then the call's blocks,
-    zero on block ``i`` and after) and ``mdiag [1 or H, NB]`` (fp32, the diagonal); optional state tensors
-    (fp32): ``state_s [B, H, first, D, Dv]``, ``state_z [B, H, first, D]`` (the summaries the state's columns
-    hold: its kept blocks and folded sum), ``cur_s [B, H, D, Dv]``, ``cur_z [B, H, D]`` (running sums of the
-    unfinished block, ``offset`` tokens of it seen). ``keep_z``: compute the key sums even without the
+    ``mdiag [1 or H, NB]`` (fp32, the diagonal) and a ``mixer`` of :mod:`.mix` with its ``coefficients``
+    (the trailing tensors; e.g. :class:`~.mix.DenseMix`: ``coeff [1 or H, NB, first + NB]``, row ``i`` on the
+    ``first`` state columns then the call's blocks); optional state tensors (fp32): ``state_s [B, H, first,
+    D, Dv]``, ``state_z [B, H, first, D]`` (the summaries the state's columns hold: its kept blocks and
+    folded sum, in the mixer's column order), ``cur_s [B, H, D, Dv]``, ``cur_z [B, H, D]`` (running sums of
+    the unfinished block, ``offset`` tokens of it seen). ``keep_z``: compute the key sums even without the
     normalizer (a state needs them).
 
     Returns ``o [B, T, H, Dv]`` (dtype of v), and this call's block summaries ``S [B, H, NB, D, Dv]`` and
@@ -100,15 +80,16 @@ class MHLACausalFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, coeff, mdiag, state_s, state_z, cur_s, cur_z, block_size: int, first: int,
-                offset: int, normalize: bool, eps: float, keep_z: bool):
+    def forward(ctx, q, k, v, mdiag, state_s, state_z, cur_s, cur_z, mixer, block_size: int, first: int,
+                offset: int, normalize: bool, eps: float, keep_z: bool, *coefficients):
         ctx.set_materialize_grads(False)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g = Geometry.make(q, v, block_size, offset)
         B, H, NB, D, Dv = g.B, g.H, g.NB, g.D, g.Dv
         has_init = cur_s is not None
         store_z = normalize or keep_z
-        coeff, mdiag = coeff.float().contiguous(), mdiag.float().contiguous()
+        mdiag = mdiag.float().contiguous()
+        coefficients = tuple(c.float().contiguous() for c in coefficients)
         has_r = g.NC > 1 or has_init  # with one chunk per block and no state, R is zero
         if has_init:
             cur_s = cur_s.float().contiguous()
@@ -120,17 +101,19 @@ class MHLACausalFunction(torch.autograd.Function):
         if first > 0:
             S_all = torch.cat([state_s.float(), S], dim=2)
             Z_all = torch.cat([state_z.float(), Z], dim=2) if store_z else None
-        P, Pz = _mix_earlier(coeff, S_all, Z_all if normalize else None)
+        P, Pz = mixer.mix(coefficients, [S_all, Z_all if normalize else None])
+        P = P.reshape(g.BH, NB, D, Dv).contiguous()
+        Pz = Pz.reshape(g.BH, NB, D).contiguous() if normalize else None
         o, den = fwd_output(q, k, v, P, Pz, R, Rz if normalize else None, mdiag, g, causal=True,
                             normalize=normalize, eps=eps, out_dtype=v.dtype)
-        ctx.save_for_backward(q, k, v, o, coeff, mdiag, S_all, Z_all, P, Pz, R, Rz, den)
-        ctx.g, ctx.normalize, ctx.first, ctx.has_init = g, normalize, first, has_init
+        ctx.save_for_backward(q, k, v, o, mdiag, S_all, Z_all, P, Pz, R, Rz, den, *coefficients)
+        ctx.g, ctx.normalize, ctx.first, ctx.has_init, ctx.mixer = g, normalize, first, has_init, mixer
         Z_out = Z if store_z else S.new_zeros(0)
         return o, S, Z_out
 
     @staticmethod
     def backward(ctx, do, dS_out, dZ_out):
-        q, k, v, o, coeff, mdiag, S_all, Z_all, P, Pz, R, Rz, den = ctx.saved_tensors
+        q, k, v, o, mdiag, S_all, Z_all, P, Pz, R, Rz, den, *coefficients = ctx.saved_tensors
         g, normalize, first, has_init = ctx.g, ctx.normalize, ctx.first, ctx.has_init
         B, H, NB, D, Dv = g.B, g.H, g.NB, g.D, g.Dv
         if do is None:
@@ -138,12 +121,11 @@ class MHLACausalFunction(torch.autograd.Function):
         do = do.contiguous()
         if not normalize:
             Rz = None
-        delta = output_delta(do, o) if normalize else None
-
-        dP, dPz, dR, dRz, dm_r = bwd_block_grads(q, do, den, delta, R, Rz, g, normalize=normalize)
-        need_dmix = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        dS_all, dZ_all, dcoeff = mix_summaries_backward(
-            coeff, S_all, Z_all if normalize else None, dP, dPz, need_dcoeff=need_dmix
+        dP, dPz, dR, dRz, dm_r, delta = bwd_block_grads(q, do, o, den, R, Rz, g, normalize=normalize)
+        need_dcoeff = any(ctx.needs_input_grad[_N_ARGS:])
+        (dS_all, dZ_all), dcoeffs = ctx.mixer.backward(
+            coefficients, [S_all, Z_all if normalize else None],
+            [dP.view(B, H, NB, D, Dv), dPz.view(B, H, NB, D) if normalize else None], need_dcoeff,
         )
         dS = dS_all[:, :, first:]
         if dS_out is not None:
@@ -164,9 +146,9 @@ class MHLACausalFunction(torch.autograd.Function):
             blk = (torch.arange(g.T, device=q.device) + g.OFFSET) // g.C  # block of each token
             dk = (dk.float() + dZ.permute(0, 2, 1, 3)[:, blk]).to(q.dtype)
 
-        # Mixing: the coefficients from the mix GEMM, the diagonal from the kernels.
+        # Mixing: the coefficients from the mixer, the diagonal from the kernels.
         dmdiag = None
-        if need_dmix:
+        if ctx.needs_input_grad[3]:
             dm = dm_i if dm_r is None else dm_i + dm_r  # [B*H, NB]
             dmdiag = dm.view(B, H, NB).sum(0)
             if mdiag.shape[0] == 1:
@@ -185,19 +167,25 @@ class MHLACausalFunction(torch.autograd.Function):
                 d_cur_z = dZ[:, :, 0]
                 if normalize:
                     d_cur_z = d_cur_z + m0[..., 0] * dPz.view(B, H, NB, D)[:, :, 0]
-        return (dq, dk, dv, dcoeff, dmdiag, d_state_s, d_state_z, d_cur_s, d_cur_z,
-                None, None, None, None, None, None)
+        if dcoeffs is None:
+            dcoeffs = (None,) * len(coefficients)
+        return (dq, dk, dv, dmdiag, d_state_s, d_state_z, d_cur_s, d_cur_z,
+                None, None, None, None, None, None, None, *dcoeffs)
+
+
+_N_ARGS = 15  # inputs of MHLACausalFunction.forward before the mixer's coefficients
 
 
 def mhla_causal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = True, eps: float = 1e-6,
-                       state=None, keep_z: bool = False, coefficients=None):
+                       state=None, keep_z: bool = False, mix=None):
     """Causal MHLA on the Triton kernels (no input checks; see :func:`mhla.ops.mhla_attention`).
 
     ``q, k: [B, T, H, D]``, ``v: [B, T, H, Dv]``; ``mixing``: dense ``[M, M]`` / ``[H, M, M]``, or None with
-    ``coefficients``; ``state``: None or ``(state_s, state_z, cur_s, cur_z, num_tokens)``, ``state_s`` holding
-    every finished block (dense mixing) or the state's columns (with ``coefficients``).
-    ``coefficients``: ``(coeff, mdiag)`` of :class:`MHLACausalFunction` built by the caller (compact mixing
-    rows; ``state_s`` then holds the columns ``coeff`` reads first). Returns ``(o, S, Z)`` as
+    ``mix``; ``state``: None or ``(state_s, state_z, cur_s, cur_z, num_tokens)``, ``state_s`` holding
+    every finished block (dense mixing) or the state's columns (with ``mix``).
+    ``mix``: ``(mixer, mdiag, coefficients)`` of :class:`MHLACausalFunction` built by the caller (compact
+    mixing rows: :class:`~.mix.BandedMix`; ``state_s`` then holds the columns it reads first). Returns
+    ``(o, S, Z)`` as
     :class:`MHLACausalFunction`. When the call lies inside one block the kernels tile only its ``T`` tokens,
     not the whole block (a block far longer than the call is cheap).
     """
@@ -207,15 +195,16 @@ def mhla_causal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = Tr
         state_s, state_z, cur_s, cur_z, num_tokens = state
         first, offset = divmod(num_tokens, block_size)
     NB = triton.cdiv(offset + q.shape[1], block_size)
-    if coefficients is None:
-        coeff, mdiag = _causal_coefficients(mixing_3d(mixing), first, NB)
-    else:
-        coeff, mdiag = coefficients
     columns = 0 if state_s is None else state_s.shape[2]
+    if mix is None:
+        coeff, mdiag = _causal_coefficients(mixing_3d(mixing), first, NB)
+        mixer, coefficients = DenseMix(causal=True, first=columns, precision=dot_precision(q.dtype)), (coeff,)
+    else:
+        mixer, mdiag, coefficients = mix
     if offset + q.shape[1] <= block_size:  # one block: its earlier tokens are in cur_s, its later ones absent
         block_size, offset = q.shape[1], 0
-    return MHLACausalFunction.apply(q, k, v, coeff, mdiag, state_s, state_z, cur_s, cur_z, block_size,
-                                    columns, offset, bool(normalize), float(eps), bool(keep_z))
+    return MHLACausalFunction.apply(q, k, v, mdiag, state_s, state_z, cur_s, cur_z, mixer, block_size,
+                                    columns, offset, bool(normalize), float(eps), bool(keep_z), *coefficients)
 
 
 __all__ = ["MHLACausalFunction", "mhla_causal_triton"]

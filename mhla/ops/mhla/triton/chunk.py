@@ -24,17 +24,20 @@ Causal outputs depend on the earlier tokens only, whatever the later ones hold: 
 (``tl.where``), and the products that also run over masked terms (``tl.dot(A, v)`` inside a chunk, the mix
 ``coeff @ S`` over the blocks) take the finite values only and mark the outputs a NaN / inf reaches.
 
-The M x M mix of the summaries (``P = coeff @ S``) is a batched torch matmul between the kernels: it is
-tiny (``M^2 D Dv`` per head) and a GEMM already. The kernels, with their grids:
+The M x M mix of the summaries (``P = coeff @ S``) runs between these kernels, as a GEMM kernel of
+:mod:`.mix` (or, for compact causal rows, a banded mix in linear time). The kernels, with their grids:
 
 forward
     ``fwd_block_summaries``  grid (NK*NV, NB, B*H): S_b, z_b per block, and R_j, r_j per chunk (causal).
-    ``fwd_output``           grid (NV, NB*NC, B*H): o and the denominator d (kept for the backward).
+    ``fwd_output``           grid (NV, NB*NC, B*H): o and the denominator d (kept for the backward); with
+                             one K tile and no running sums grid (NV, NB, B*H), a program walking the chunks
+                             of its block with the block's P read once.
 backward (``dn_t = do_t / d_t``, ``dd_t = -(do_t . o_t) / d_t``; "none": ``dn = do``, ``dd = 0``)
     ``bwd_block_grads``      grid (NK*NV, NB, B*H): dP_i = sum_{t in i} q_t dn_t^T, dp_i = sum q_t dd_t,
+                             and delta_t = do_t . o_t (its V-tile-0 programs, stored for bwd_dqk),
                              dR_j = sum_{t in block i, chunk(t) > j} q_t dn_t^T (reverse scan), and the
                              R part of the gradient of m_i: sum_j <q^T dn, R_j> + <q^T dd, r_j>.
-    (torch)                  dS = coeff^T dP, d coeff = dP S^T (the mixing gradient), dz likewise.
+    (:mod:`.mix`)            dS = coeff^T dP, d coeff = dP S^T (the mixing gradient), dz likewise.
     ``bwd_dv``               grid (NV, NB*NC, B*H): dv_s = dH_j^T k_s + m_i sum_{t >= s} (q_t . k_s) dn_t
     ``bwd_dqk``              grid (NK, NB*NC, B*H):
                              dq_t = h_j dn_t + g_j dd_t + m_i sum_{s <= t} dA[t, s] k_s
@@ -60,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .mix import mix_gemm, mix_gemm_backward
 from .utils import autotune_configs, chunk_tile, device_helper, dot_precision, feature_tile
 
 _KEY = ["D", "Dv", "BT", "BK", "BV"]  # autotune key; each kernel adds its flags
@@ -220,47 +224,36 @@ def _fwd_block_summaries_kernel(
             tl.store(pz, acc_z, mask=mz)
 
 
-@triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
-@triton.jit
-def _fwd_output_kernel(
-    q, k, v, P, Pz, R, Rz, mdiag, o, den,
-    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, eps,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
-):
-    """Output of one chunk, one V tile: ``o = (q h_j + m tril(q k^T) v) / (q . g_j + m rowsum + eps)``.
-
-    Program ``(i_v, j, i_bh)``; ``j`` is the chunk (block ``j // NC``). The K dimension is reduced in a
-    loop over K tiles. ``mdiag``: ``[H or 1, NB]`` fp32 diagonal coefficients ``m_i`` (head stride
-    ``stride_mh``). The V-tile-0 programs store the denominator ``d_t`` in ``den`` (``[B*H, T]``).
-    """
-    i_v, j, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_blk, i_c = j // NC, j % NC
-    i_b, i_h = i_bh // H, i_bh % H
-    stride_k, stride_v = H * D, H * Dv
-    q_base = q + _row_offset(i_b, i_h, T, H, D)
-    k_base = k + _row_offset(i_b, i_h, T, H, D)
+@device_helper
+def _output_chunk(q_base, k_base, v_base, o_base, P, Pz, R, Rz, den, h_blk, g_blk, m, eps,
+                  i_v, i_blk, i_c, i_bh, T, D, Dv, OFFSET, C, NC, NB, stride_k, stride_v,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CAUSAL: tl.constexpr, HAS_R: tl.constexpr,
+                  NORMALIZE: tl.constexpr, ONE_K: tl.constexpr, PREC: tl.constexpr):
+    """``o`` (and ``d``) of chunk ``i_c`` of block ``i_blk``, V tile ``i_v`` (``_fwd_output_kernel``). With
+    ``ONE_K`` the block's ``P`` / ``p`` tiles are given (``h_blk`` / ``g_blk``), else loaded per K tile."""
     t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
-    m = 0.0
-    if CAUSAL:
-        m = tl.load(mdiag + i_h * stride_mh + i_blk)
     n_p = i_bh * NB + i_blk  # block row of P
-    n_r = i_bh * NB * NC + j  # chunk row of R
-
+    n_r = n_p * NC + i_c  # chunk row of R
     acc = tl.zeros([BT, BV], dtype=tl.float32)
     dsum = tl.zeros([BT], dtype=tl.float32)
     A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(D, BK)):
         qt = _load_tokens(q_base, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
-        p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BV)
-        h = tl.load(p, mask=msk, other=0.0)
+        if ONE_K:
+            h = h_blk
+        else:
+            p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BV)
+            h = tl.load(p, mask=msk, other=0.0)
         if HAS_R:
             p, msk = _summary_ptrs(R, n_r, i_k, i_v, D, Dv, BK, BV)
             h += m * tl.load(p, mask=msk, other=0.0)
         acc += tl.dot(qt.to(tl.float32), h, input_precision=PREC)
         if NORMALIZE:
-            pz, mz = _vector_ptrs(Pz, n_p, i_k, D, BK)
-            g = tl.load(pz, mask=mz, other=0.0)
+            if ONE_K:
+                g = g_blk
+            else:
+                pz, mz = _vector_ptrs(Pz, n_p, i_k, D, BK)
+                g = tl.load(pz, mask=mz, other=0.0)
             if HAS_R:
                 pz, mz = _vector_ptrs(Rz, n_r, i_k, D, BK)
                 g += m * tl.load(pz, mask=mz, other=0.0)
@@ -271,7 +264,7 @@ def _fwd_output_kernel(
     if CAUSAL:
         causal_mask = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
         A = tl.where(causal_mask, A, 0.0)
-        vt = _load_tokens(v + _row_offset(i_b, i_h, T, H, Dv), t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
+        vt = _load_tokens(v_base, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
         # The dot also multiplies the masked A[t, s] = 0 (s > t) by v_s, and 0 * nan = nan: use the finite
         # values only, and put NaN at the rows t >= s of a non-finite v_s.
         finite = tl.abs(vt) < float("inf")
@@ -285,30 +278,85 @@ def _fwd_output_kernel(
         acc = acc / d[:, None]
         if i_v == 0:
             tl.store(den + i_bh.to(tl.int64) * T + t, d, mask=valid)
-    _store_tokens(o + _row_offset(i_b, i_h, T, H, Dv), acc, t, valid, stride_v, i_v, Dv, BV)
+    _store_tokens(o_base, acc, t, valid, stride_v, i_v, Dv, BV)
+
+
+@triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE", "ONE_K"])
+@triton.jit
+def _fwd_output_kernel(
+    q, k, v, P, Pz, R, Rz, mdiag, o, den,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, eps,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, ONE_K: tl.constexpr, PREC: tl.constexpr,
+):
+    """Output, one V tile: per chunk ``o = (q h_j + m tril(q k^T) v) / (q . g_j + m rowsum + eps)``.
+
+    With ``ONE_K`` (``D <= BK``: one K tile; the host sets it only without running sums, whose loads would
+    spill registers next to the held tile) program ``(i_v, i_blk, i_bh)`` loads block ``i_blk``'s mixed summary
+    tile ``P`` (and ``p``) once and walks the block's ``NC`` chunks; otherwise program ``(i_v, j, i_bh)`` computes
+    chunk ``j`` (block ``j // NC``), loading ``P`` per K tile. The K dimension is reduced in a loop over K tiles
+    (:func:`_output_chunk`). ``mdiag``: ``[H or 1, NB]`` fp32 diagonal coefficients ``m_i`` (head stride
+    ``stride_mh``). The V-tile-0 programs store the denominator ``d_t`` in ``den`` (``[B*H, T]``).
+    """
+    i_v, i_p, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    stride_k, stride_v = H * D, H * Dv
+    q_base = q + _row_offset(i_b, i_h, T, H, D)
+    k_base = k + _row_offset(i_b, i_h, T, H, D)
+    v_base = v + _row_offset(i_b, i_h, T, H, Dv)
+    o_base = o + _row_offset(i_b, i_h, T, H, Dv)
+    i_blk = i_p // NC
+    if ONE_K:
+        i_blk = i_p
+    m = 0.0
+    if CAUSAL:
+        m = tl.load(mdiag + i_h * stride_mh + i_blk)
+    if ONE_K:  # the block's P tile (and p), read once for all its chunks
+        p, msk = _summary_ptrs(P, i_bh * NB + i_blk, 0, i_v, D, Dv, BK, BV)
+        h_blk = tl.load(p, mask=msk, other=0.0)
+        g_blk = tl.zeros([BK], dtype=tl.float32)
+        if NORMALIZE:
+            pz, mz = _vector_ptrs(Pz, i_bh * NB + i_blk, 0, D, BK)
+            g_blk = tl.load(pz, mask=mz, other=0.0)
+        for i_c in range(NC):
+            _output_chunk(q_base, k_base, v_base, o_base, P, Pz, R, Rz, den, h_blk, g_blk, m, eps,
+                          i_v, i_blk, i_c, i_bh, T, D, Dv, OFFSET, C, NC, NB, stride_k, stride_v,
+                          BT, BK, BV, CAUSAL, HAS_R, NORMALIZE, ONE_K, PREC)
+    else:
+        _output_chunk(q_base, k_base, v_base, o_base, P, Pz, R, Rz, den, 0.0, 0.0, m, eps,
+                      i_v, i_blk, i_p % NC, i_bh, T, D, Dv, OFFSET, C, NC, NB, stride_k, stride_v,
+                      BT, BK, BV, CAUSAL, HAS_R, NORMALIZE, ONE_K, PREC)
 
 
 # ----------------------------------------------------------------------------------------- backward
 
 
 @device_helper
-def _load_dn_dd(do_base, den, delta, i_bh, t, valid, stride_v, i_v, T, Dv,
-                BT: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr):
-    """``dn = do / d`` ([BT, BV] fp32) and ``dd = -(do . o) / d`` ([BT]); ``do`` and 0 without the
-    normalizer. ``delta = do . o`` is precomputed, ``[B*H, T]``."""
-    dn = _load_tokens(do_base, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
-    dd = tl.zeros([BT], dtype=tl.float32)
-    if NORMALIZE:
-        d = tl.load(den + i_bh.to(tl.int64) * T + t, mask=valid, other=1.0)
-        dn = dn / d[:, None]
-        dd = -tl.load(delta + i_bh.to(tl.int64) * T + t, mask=valid, other=0.0) / d
-    return dn, dd
+def _load_den(den, i_bh, t, valid, T):
+    """The denominators ``d_t`` of a chunk, ``[BT]`` fp32 from ``den [B*H, T]`` (1 where invalid)."""
+    return tl.load(den + i_bh.to(tl.int64) * T + t, mask=valid, other=1.0)
 
 
-@triton.autotune(configs=autotune_configs(), key=_KEY + ["HAS_R", "NORMALIZE"])
+@device_helper
+def _output_delta(do0, do_base, o_base, t, valid, stride_v, Dv, BV: tl.constexpr):
+    """``delta_t = do_t . o_t`` over all of ``Dv`` (``[BT]`` fp32), the normalizer's backward. ``do0``: the
+    ``[BT, BV]`` tile 0 of ``do``, already loaded by the caller; the other V tiles of ``do`` and every tile of
+    ``o`` are loaded here. Products and sum in fp32."""
+    o0 = _load_tokens(o_base, t, valid, stride_v, 0, Dv, BV)
+    delta = tl.sum(do0.to(tl.float32) * o0.to(tl.float32), axis=1)
+    for i_w in range(1, tl.cdiv(Dv, BV)):
+        dw = _load_tokens(do_base, t, valid, stride_v, i_w, Dv, BV).to(tl.float32)
+        ow = _load_tokens(o_base, t, valid, stride_v, i_w, Dv, BV).to(tl.float32)
+        delta += tl.sum(dw * ow, axis=1)
+    return delta
+
+
+# 8 warps only: with the fused delta the HAS_R + NORMALIZE variant spills at 4 warps on sm_90
+# (results/bench/kernel_resources.md)
+@triton.autotune(configs=autotune_configs(warps=(8,)), key=_KEY + ["HAS_R", "NORMALIZE"])
 @triton.jit
 def _bwd_block_grads_kernel(
-    q, do, den, delta, R, Rz, dP, dPz, dR, dRz, dmr,
+    q, do, o, den, delta, R, Rz, dP, dPz, dR, dRz, dmr,
     T, H, D, Dv, OFFSET, C, NC, NB,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
@@ -319,6 +367,10 @@ def _bwd_block_grads_kernel(
     ``dR_j`` (the sum over the *later* chunks of the block) before adding chunk ``j``, and accumulates the
     R part of the gradient of ``m_i``, ``sum_j <G_j, R_j> + <g_j, r_j>`` with ``G_j = q_j^T dn_j``,
     ``g_j = q_j^T dd_j``: one partial sum per program, stored at ``dmr[i_kv, i_bh, i_blk]``.
+
+    With ``NORMALIZE`` the programs of V tile 0 (the ones that form ``dp_i``, which needs ``dd``) compute
+    ``delta_t = do_t . o_t`` over all V tiles (:func:`_output_delta`), and those of K tile 0 also store it in
+    ``delta`` (``[B*H, T]``) for ``_bwd_dqk_kernel``: no separate pass over ``do`` and ``o``.
     """
     i_kv, i_blk, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NV = tl.cdiv(Dv, BV)
@@ -327,6 +379,7 @@ def _bwd_block_grads_kernel(
     stride_k, stride_v = H * D, H * Dv
     q_base = q + _row_offset(i_b, i_h, T, H, D)
     do_base = do + _row_offset(i_b, i_h, T, H, Dv)
+    o_base = o + _row_offset(i_b, i_h, T, H, Dv)
 
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     acc_z = tl.zeros([BK], dtype=tl.float32)
@@ -342,8 +395,18 @@ def _bwd_block_grads_kernel(
                     pz, mz = _vector_ptrs(dRz, j, i_k, D, BK)
                     tl.store(pz, acc_z, mask=mz)
         t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
+        do_t = _load_tokens(do_base, t, valid, stride_v, i_v, Dv, BV)  # [BT, BV], input dtype
+        dn = do_t.to(tl.float32)
+        dd = tl.zeros([BT], dtype=tl.float32)
+        if NORMALIZE:
+            d = _load_den(den, i_bh, t, valid, T)
+            if i_v == 0:  # delta first (before q is loaded): the o tiles live only here
+                delta_j = _output_delta(do_t, do_base, o_base, t, valid, stride_v, Dv, BV)
+                if i_k == 0:
+                    tl.store(delta + i_bh.to(tl.int64) * T + t, delta_j, mask=valid)
+                dd = -delta_j / d
+            dn = dn / d[:, None]
         qt = _load_tokens(q_base, t, valid, stride_k, i_k, D, BK).to(tl.float32)
-        dn, dd = _load_dn_dd(do_base, den, delta, i_bh, t, valid, stride_v, i_v, T, Dv, BT, BV, NORMALIZE)
         G = tl.dot(tl.trans(qt), dn, input_precision=PREC)  # [BK, BV]
         if HAS_R:
             p, msk = _summary_ptrs(R, j, i_k, i_v, D, Dv, BK, BV)
@@ -413,7 +476,9 @@ def _bwd_dv_kernel(
     _store_tokens(dv + _row_offset(i_b, i_h, T, H, Dv), acc, t, valid, stride_v, i_v, Dv, BV)
 
 
-@triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
+# 8 warps x 2 stages only: the causal variants spill at 4 warps on sm_90, and 3 stages need more shared memory
+# than an H100 has (results/bench/kernel_resources.md)
+@triton.autotune(configs=autotune_configs(warps=(8,), stages=(2,)), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
 @triton.jit
 def _bwd_dqk_kernel(
     q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, dq, dk, dmi,
@@ -445,8 +510,14 @@ def _bwd_dqk_kernel(
     dk_acc = tl.zeros([BT, BK], dtype=tl.float32)
     dA = tl.zeros([BT, BT], dtype=tl.float32)
     dd = tl.zeros([BT], dtype=tl.float32)
+    d = tl.full([BT], 1.0, dtype=tl.float32)
+    if NORMALIZE:  # dn = do / d, dd = -(do . o) / d; delta = do . o from _bwd_block_grads_kernel
+        d = _load_den(den, i_bh, t, valid, T)
+        dd = -tl.load(delta + i_bh.to(tl.int64) * T + t, mask=valid, other=0.0) / d
     for i_v in range(tl.cdiv(Dv, BV)):
-        dn, dd = _load_dn_dd(do + v_off, den, delta, i_bh, t, valid, stride_v, i_v, T, Dv, BT, BV, NORMALIZE)
+        dn = _load_tokens(do + v_off, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
+        if NORMALIZE:
+            dn = dn / d[:, None]
         vt = _load_tokens(v + v_off, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
         p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BV)
         h = tl.load(p, mask=msk, other=0.0)
@@ -531,31 +602,34 @@ def fwd_output(q, k, v, P, Pz, R, Rz, mdiag, g: Geometry, *, causal: bool, norma
     o = torch.empty(g.B, g.T, g.H, g.Dv, device=q.device, dtype=out_dtype)
     den = _f32((g.BH, g.T), q) if normalize else _dummy(q)
     has_r = R is not None
-    _fwd_output_kernel[(g.NV, g.NT, g.BH)](
+    one_k = g.NK == 1 and not has_r  # a program per block, its P read once (else a program per chunk)
+    _fwd_output_kernel[(g.NV, g.NB if one_k else g.NT, g.BH)](
         q, k, v, P, Pz if normalize else _dummy(q), R if has_r else _dummy(q),
         Rz if has_r and normalize else _dummy(q), mdiag if causal else _dummy(q), o, den,
-        stride_mh=_head_stride(mdiag) if causal else 0, eps=eps,
-        CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
+        stride_mh=_head_stride(mdiag) if causal else 0, eps=eps, CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize,
+        ONE_K=one_k, PREC=dot_precision(q.dtype), **_common(g),
     )
     return o, (den if normalize else None)
 
 
-def bwd_block_grads(q, do, den, delta, R, Rz, g: Geometry, *, normalize: bool):
+def bwd_block_grads(q, do, o, den, R, Rz, g: Geometry, *, normalize: bool):
     """Run ``_bwd_block_grads_kernel``. Returns ``dP, dPz, dR, dRz`` (fp32, shapes of ``P, Pz, R, Rz``;
-    None where not used) and ``dm_r [B*H, NB]``, the R part of the gradient of ``m_i`` (None without R)."""
+    None where not used), ``dm_r [B*H, NB]``, the R part of the gradient of ``m_i`` (None without R), and
+    ``delta [B*H, T]`` fp32, ``do_t . o_t`` (the normalizer's; None without it) for :func:`bwd_dqk`."""
     has_r = R is not None
     dP = _f32((g.BH, g.NB, g.D, g.Dv), q)
     dPz = _f32((g.BH, g.NB, g.D), q) if normalize else _dummy(q)
     dR = _f32((g.BH, g.NT, g.D, g.Dv), q) if has_r else _dummy(q)
     dRz = _f32((g.BH, g.NT, g.D), q) if has_r and normalize else _dummy(q)
     dmr = _f32((g.NK * g.NV, g.BH, g.NB), q) if has_r else _dummy(q)
+    delta = _f32((g.BH, g.T), q) if normalize else _dummy(q)
     _bwd_block_grads_kernel[(g.NK * g.NV, g.NB, g.BH)](
-        q, do, den if normalize else _dummy(q), delta if normalize else _dummy(q),
+        q, do, o, den if normalize else _dummy(q), delta,
         R if has_r else _dummy(q), Rz if has_r and normalize else _dummy(q), dP, dPz, dR, dRz, dmr,
         HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
     )
     return (dP, dPz if normalize else None, dR if has_r else None, dRz if has_r and normalize else None,
-            dmr.sum(0) if has_r else None)
+            dmr.sum(0) if has_r else None, delta if normalize else None)
 
 
 def bwd_dv(q, k, do, den, dS, dR, mdiag, g: Geometry, *, causal: bool, normalize: bool, out_dtype):
@@ -593,24 +667,26 @@ def bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, g: G
 # --------------------------------------------------------------------------------- torch glue: the mix
 
 
-def mix_summaries(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None):
-    """``P_i = sum_b coeff[i, b] S_b`` (and ``p_i`` from ``z_b``): one batched GEMM per summary kind.
+def mix_summaries(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None, *,
+                  precision: str = "ieee"):
+    """``P_i = sum_b coeff[i, b] S_b`` (and ``p_i`` from ``z_b``): the GEMM kernel of :mod:`.mix` (all blocks).
 
     Args:
         coeff: ``[H or 1, NB, N]`` fp32 (rows: this call's blocks; columns: all blocks summarised).
         S_all: ``[B, H, N, D, Dv]`` fp32; Z_all: ``[B, H, N, D]`` or None.
+        precision: ``tl.dot``'s input precision (:func:`.utils.dot_precision` of the input dtype).
     Returns:
         ``P [B*H, NB, D, Dv]`` and ``Pz [B*H, NB, D]`` (None without Z), contiguous fp32.
     """
     B, H, _, D, Dv = S_all.shape
     NB = coeff.shape[1]
-    P = torch.matmul(coeff, S_all.reshape(B, H, -1, D * Dv)).reshape(B * H, NB, D, Dv)
-    Pz = None if Z_all is None else torch.matmul(coeff, Z_all).reshape(B * H, NB, D)
-    return P, Pz
+    P = mix_gemm(coeff, S_all.reshape(B, H, -1, D * Dv), causal=False, precision=precision)
+    Pz = None if Z_all is None else mix_gemm(coeff, Z_all, causal=False, precision=precision).view(B * H, NB, D)
+    return P.view(B * H, NB, D, Dv), Pz
 
 
-def mix_summaries_backward(coeff, S_all, Z_all, dP, dPz, *, need_dcoeff: bool = True):
-    """Backward of :func:`mix_summaries`.
+def mix_summaries_backward(coeff, S_all, Z_all, dP, dPz, *, need_dcoeff: bool = True, precision: str = "ieee"):
+    """Backward of :func:`mix_summaries` (the GEMM kernels of :mod:`.mix`).
 
     Returns ``dS_all [B, H, N, D, Dv]``, ``dZ_all [B, H, N, D]`` (None without Z) and
     ``dcoeff [H or 1, NB, N]``: ``dcoeff[i, b] = sum_batch <dP_i, S_b> + <dp_i, z_b>`` (summed over heads
@@ -618,29 +694,14 @@ def mix_summaries_backward(coeff, S_all, Z_all, dP, dPz, *, need_dcoeff: bool = 
     """
     B, H, N, D, Dv = S_all.shape
     NB = coeff.shape[1]
-    dP = dP.reshape(B, H, NB, D * Dv)
-    S_flat = S_all.reshape(B, H, N, D * Dv)
-    coeff_t = coeff.transpose(-1, -2)
-    dS_all = torch.matmul(coeff_t, dP).reshape(B, H, N, D, Dv)
+    kw = {"causal": False, "precision": precision, "need_dcoeff": need_dcoeff}
+    dS_all, dcoeff = mix_gemm_backward(coeff, S_all.reshape(B, H, N, D * Dv), dP.reshape(B, H, NB, D * Dv), **kw)
     dZ_all = None
     if Z_all is not None:
-        dPz = dPz.reshape(B, H, NB, D)
-        dZ_all = torch.matmul(coeff_t, dPz)
-    if not need_dcoeff:
-        return dS_all, dZ_all, None
-    dcoeff = torch.matmul(dP, S_flat.transpose(-1, -2))  # [B, H, NB, N]
-    if Z_all is not None:
-        dcoeff = dcoeff + torch.matmul(dPz, Z_all.transpose(-1, -2))
-    dcoeff = dcoeff.sum(0)
-    if coeff.shape[0] == 1:
-        dcoeff = dcoeff.sum(0, keepdim=True)
-    return dS_all, dZ_all, dcoeff
-
-
-def output_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """``delta_t = do_t . o_t`` in fp32, as ``[B*H, T]`` (the normalizer's backward)."""
-    B, T, H, _ = o.shape
-    return (do.float() * o.float()).sum(-1).transpose(1, 2).reshape(B * H, T).contiguous()
+        dZ_all, dcoeff_z = mix_gemm_backward(coeff, Z_all, dPz.reshape(B, H, NB, D), **kw)
+        if need_dcoeff:
+            dcoeff = dcoeff + dcoeff_z
+    return dS_all.view(B, H, N, D, Dv), dZ_all, dcoeff
 
 
 def mixing_3d(mixing: torch.Tensor) -> torch.Tensor:

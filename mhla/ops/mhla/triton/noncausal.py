@@ -33,8 +33,8 @@ from .chunk import (
     mix_summaries_backward,
     mixing_3d,
     mixing_grad_like,
-    output_delta,
 )
+from .utils import dot_precision
 
 
 class MHLANonCausalFunction(torch.autograd.Function):
@@ -54,7 +54,7 @@ class MHLANonCausalFunction(torch.autograd.Function):
         S, Z, _, _ = fwd_block_summaries(k, v, g, has_r=False, store_z=normalize)
         S = S.view(B, H, NB, D, Dv)
         Z = Z.view(B, H, NB, D) if normalize else None
-        P, Pz = mix_summaries(mix, S, Z)
+        P, Pz = mix_summaries(mix, S, Z, precision=dot_precision(q.dtype))
         o, den = fwd_output(q, k, v, P, Pz, None, None, None, g, causal=False, normalize=normalize,
                             eps=eps, out_dtype=v.dtype)
         ctx.save_for_backward(q, k, v, o, mix, S, Z, P, Pz, den)
@@ -66,10 +66,10 @@ class MHLANonCausalFunction(torch.autograd.Function):
         q, k, v, o, mix, S, Z, P, Pz, den = ctx.saved_tensors
         g, normalize = ctx.g, ctx.normalize
         do = do.contiguous()
-        delta = output_delta(do, o) if normalize else None
-        dP, dPz, _, _, _ = bwd_block_grads(q, do, den, delta, None, None, g, normalize=normalize)
+        dP, dPz, _, _, _, delta = bwd_block_grads(q, do, o, den, None, None, g, normalize=normalize)
         need_dmix = ctx.needs_input_grad[3]
-        dS, dZ, dmix = mix_summaries_backward(mix, S, Z, dP, dPz, need_dcoeff=need_dmix)
+        dS, dZ, dmix = mix_summaries_backward(mix, S, Z, dP, dPz, need_dcoeff=need_dmix,
+                                              precision=dot_precision(q.dtype))
         dS = dS.reshape(g.BH, g.NB, g.D, g.Dv)
         dZ = dZ.reshape(g.BH, g.NB, g.D) if normalize else None
         dv = bwd_dv(q, k, do, den, dS, None, None, g, causal=False, normalize=normalize, out_dtype=v.dtype)

@@ -1,0 +1,431 @@
+"""Traffic and launch model of the Triton path of :func:`mhla.ops.mhla_attention`: every launch, its bytes.
+
+For one call (forward, and the backward of ``torch.autograd.grad(o, (q, k, v, mixing), do)``) this lists
+every kernel launch in the order the code issues it: the Triton kernels of :mod:`.chunk` and :mod:`.mix` and
+the torch ops between them (casts, the causal mixing diagonal and its autograd backward, small
+reductions). It is derived by reading the code, and
+``tests/ops/test_kernel_traffic.py`` ties it to the code: it runs the real op under the CPU interpreter,
+counts every launch and its bytes, and compares with this model, so a change of the kernels that is not
+carried here fails the test.
+
+What "bytes" means:
+
+* Triton kernels: the bytes the kernel's loads and stores address (unmasked elements of every ``tl.load`` /
+  ``tl.store`` of every program), so a tile that several programs load is counted once per program. This is
+  what the code asks of memory; L2 can serve some re-reads (e.g. the mixed summaries ``P`` read by every chunk
+  of a block), so it is an upper bound of DRAM traffic, and the re-reads are the thing to remove.
+* torch ops: every tensor operand read once (its addressed elements: a broadcast ``expand`` counts once) and
+  the output written once. A reduction or a GEMM may read an operand more than once from L2; not counted.
+
+Launches: a Triton kernel launch or a torch op that runs a kernel (views, ``empty`` and ops on empty tensors
+launch nothing). Host-device synchronisations are not launches; the Triton path has none (see the test).
+
+Scope: inputs contiguous in ``[B, T, H, D]``, ``output_final_state=False`` and no ``initial_state`` (causal),
+a dense mixing matrix (``[M, M]`` shared or ``[H, M, M]`` per head) of exactly ``M = ceil(T / block_size)``
+blocks that requires a gradient (the backward computes it), the normalizer on or off; not modelled: compact
+:class:`~mhla.ops.mhla.state.MixingRows`, states, ``normalize="official"`` (torch path), the CPU
+interpreter's own fp32 casts of bf16 inputs.
+
+The floors (the bytes no implementation can avoid, in the input dtype):
+
+* forward: 4 tensors, q, k, v read once and o written once;
+* forward + backward: 11 tensors, the forward's 4 and the backward's 7: q, k, v and do read, dq, dk, dv
+  written (o is not counted: the normalizer's ``do_t . o_t = do_t . (q_t^T P_i) / d_t`` can be formed from
+  what the backward reads anyway; FlashAttention-2's backward reads o, a 12-tensor floor).
+
+Design targets (issue 46): at most 1.5x the forward floor and 2x the forward + backward floor at ``T >= 4k``,
+at most 4 launches per forward call. ``python -m mhla.ops.mhla.triton.traffic --markdown`` prints the table of
+docs/kernels.md ("Traffic and launch model").
+
+Nothing here imports triton at import time (the tile sizes are read from :mod:`.utils` when a model is built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+F32 = 4  # fp32 summaries, running sums, denominators
+
+DESIGN_FORWARD_RATIO = 1.5  # x the 4-tensor floor, T >= 4k
+DESIGN_TOTAL_RATIO = 2.0  # x the 11-tensor floor, T >= 4k
+DESIGN_FORWARD_LAUNCHES = 4
+
+
+@dataclass(frozen=True)
+class KernelTraffic:
+    """One launch site. ``name``: the Triton kernel (``_fwd_output_kernel``) or the aten op (``aten.bmm``);
+    ``step``: what the code does there; ``phase``: ``"forward"`` or ``"backward"``; ``group``: the row of the
+    docs table it is summed into."""
+
+    name: str
+    launches: int
+    bytes_read: int
+    bytes_written: int
+    phase: str
+    step: str
+    group: str
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def is_triton(self) -> bool:
+        return not self.name.startswith("aten.")
+
+
+@dataclass
+class Traffic:
+    """The launches of one call and the floors. Sizes as :func:`mhla_traffic`'s arguments."""
+
+    B: int
+    T: int
+    H: int
+    D: int
+    Dv: int
+    block_size: int
+    dtype_bytes: int
+    causal: bool
+    mixing: str
+    kernels: list[KernelTraffic] = field(default_factory=list)
+
+    def phase(self, phase: str) -> list[KernelTraffic]:
+        return [k for k in self.kernels if k.phase == phase]
+
+    def launches(self, phase: str | None = None) -> int:
+        return sum(k.launches for k in (self.kernels if phase is None else self.phase(phase)))
+
+    def bytes(self, phase: str | None = None) -> int:
+        return sum(k.bytes for k in (self.kernels if phase is None else self.phase(phase)))
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of one ``[B, T, H, D]`` tensor in the input dtype (the floors are counted in these, with
+        ``Dv`` for v, o, do, dv)."""
+        return self.B * self.T * self.H * self.D * self.dtype_bytes
+
+    @property
+    def floor_forward(self) -> int:
+        """q, k read, v read, o written."""
+        qk, vo = self.B * self.T * self.H * self.D, self.B * self.T * self.H * self.Dv
+        return (2 * qk + 2 * vo) * self.dtype_bytes
+
+    @property
+    def floor_total(self) -> int:
+        """Forward (q, k, v, o) + backward (q, k, v, do read; dq, dk, dv written): 11 tensors."""
+        qk, vo = self.B * self.T * self.H * self.D, self.B * self.T * self.H * self.Dv
+        return (2 * qk + 2 * vo + 4 * qk + 3 * vo) * self.dtype_bytes
+
+    @property
+    def ratio_forward(self) -> float:
+        return self.bytes("forward") / self.floor_forward
+
+    @property
+    def ratio_total(self) -> float:
+        return self.bytes() / self.floor_total
+
+    def targets_met(self) -> dict[str, bool]:
+        """Issue 46's design targets (meant for ``T >= 4k``): forward bytes, forward + backward bytes, forward
+        launches."""
+        return {"forward bytes": self.ratio_forward <= DESIGN_FORWARD_RATIO,
+                "forward+backward bytes": self.ratio_total <= DESIGN_TOTAL_RATIO,
+                "forward launches": self.launches("forward") <= DESIGN_FORWARD_LAUNCHES}
+
+    def groups(self, phase: str) -> list[tuple[str, int, int]]:
+        """``(group, launches, bytes)`` of a phase, in order of first launch."""
+        out: dict[str, list[int]] = {}
+        for k in self.phase(phase):
+            acc = out.setdefault(k.group, [0, 0])
+            acc[0] += k.launches
+            acc[1] += k.bytes
+        return [(g, n, b) for g, (n, b) in out.items()]
+
+
+def mix_tiles(NB: int, N: int, F: int) -> tuple[int, int, int]:
+    """The tiles of :mod:`.mix`'s GEMM kernels (imported when called: :mod:`.mix` imports triton)."""
+    from .mix import _tiles  # noqa: PLC0415
+
+    return _tiles(NB, N, F)
+
+
+#: :mod:`.mix`'s target number of programs of the coefficient-gradient kernel (``_TARGET_PROGRAMS``)
+MIX_TARGET_PROGRAMS = 256
+
+
+def _geometry(T: int, D: int, Dv: int, block_size: int, causal: bool) -> dict:
+    """The kernels' sizes, as :class:`mhla.ops.mhla.triton.chunk.Geometry` (a causal call inside one block
+    tiles only its ``T`` tokens, as :func:`mhla.ops.mhla.triton.causal.mhla_causal_triton` does)."""
+    from .utils import chunk_tile, feature_tile  # noqa: PLC0415  (imports triton; kept out of module import)
+
+    C = T if causal and T <= block_size else block_size
+    BT, BK, BV = chunk_tile(C), feature_tile(D), feature_tile(Dv)
+    NB, NC = math.ceil(T / C), math.ceil(C / BT)
+    return dict(C=C, NB=NB, NC=NC, NT=NB * NC, BT=BT, BV=BV, NK=math.ceil(D / BK), NV=math.ceil(Dv / BV))
+
+
+def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block_size: int,
+                 dtype_bytes: int = 2, causal: bool = False, mixing: str = "shared", mixing_bytes: int = 4,
+                 normalize: bool = True) -> Traffic:
+    """Model of one ``mhla_attention(q, k, v, mixing, block_size, causal=causal, backend="triton")`` call.
+
+    Args:
+        B, T, H, D, Dv: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` (``Dv`` defaults to ``D``).
+        block_size: ``C`` (non-causal: ``T % C == 0``, ``M = T / C``; causal: ``M = ceil(T / C)``).
+        dtype_bytes: bytes per element of q, k, v (2 for fp16 / bf16, 4 for fp32).
+        mixing: ``"shared"`` (``[M, M]``) or ``"per_head"`` (``[H, M, M]``).
+        mixing_bytes: bytes per element of the mixing matrix (4: fp32; 2: bf16, cast to fp32 and back).
+        normalize: the paper's normalizer (True) or none.
+    Returns:
+        :class:`Traffic`, its ``kernels`` in launch order (forward, then backward).
+    """
+    if mixing not in ("shared", "per_head"):
+        raise ValueError(f"mixing must be 'shared' or 'per_head', got {mixing!r}")
+    Dv = D if Dv is None else Dv
+    if not causal and T % block_size:
+        raise ValueError(f"non-causal MHLA needs T ({T}) to be a multiple of block_size ({block_size})")
+    g = _geometry(T, D, Dv, block_size, causal)
+    NB, NT, NK, NV, BV = g["NB"], g["NT"], g["NK"], g["NV"], g["BV"]
+    e, mb = dtype_bytes, mixing_bytes
+    BH = B * H
+    Hm = H if mixing == "per_head" else 1
+    M = NB
+    n_qk, n_v, n_tok = B * T * H * D, B * T * H * Dv, B * T * H  # elements
+    summ = BH * NB * D * Dv * F32  # S, P, dP, dS: [B*H, NB, D, Dv]
+    zsum = BH * NB * D * F32  # Z, Pz, dPz, dZ: [B*H, NB, D]
+    per_chunk = BH * NT * D * Dv * F32  # R (and one read of a block summary per chunk)
+    per_chunk_z = BH * NT * D * F32
+    den = BH * T * F32  # d, delta: [B*H, T]
+    has_r = causal and g["NC"] > 1  # running in-block sums (causal, several chunks per block)
+    mix3 = Hm * M * M * F32  # the fp32 mixing, [1 or H, M, M]
+    coeff = Hm * NB * NB * F32  # coefficients of this call's blocks, [1 or H, NB, NB]
+    out = Traffic(B, T, H, D, Dv, g["C"], e, causal, mixing)
+    phase = "forward"
+
+    def add(name, read, written, step, group, launches=1):
+        out.kernels.append(KernelTraffic(name, launches, int(read), int(written), phase, step, group))
+
+    def mix_fwd(F: int, step: str):
+        """``mix.mix_gemm``: ``_mix_fwd_kernel`` over summaries of ``F`` features (``N = NB`` columns);
+        causal: a row tile reads the columns before its last row only."""
+        BM, BK, BN = mix_tiles(NB, M, F)
+        w_pairs = x_cols = 0
+        for i_m in range(math.ceil(NB / BM)):
+            k_end = min(M, i_m * BM + BM - 1) if causal else M
+            loaded = min(M, math.ceil(k_end / BK) * BK) if k_end > 0 else 0
+            x_cols += loaded
+            for r in range(i_m * BM, min(NB, i_m * BM + BM)):
+                w_pairs += min(M, r) if causal else loaded
+        add("_mix_fwd_kernel", BH * (math.ceil(F / BN) * w_pairs + x_cols * F) * F32, BH * NB * F * F32, step,
+            "mix GEMMs")
+
+    def mix_bwd(F: int, step: str):
+        """``mix.mix_gemm_backward``: ``dx = coeff^T dP`` and the partial ``dcoeff = dP x^T`` (summed over the
+        batch, and the heads when shared, in ``split`` partial sums that torch adds)."""
+        BM, BK, BN = mix_tiles(NB, M, F)
+        w_pairs = dp_rows = 0
+        for i_k in range(math.ceil(M / BK)):
+            cols = range(i_k * BK, min(M, i_k * BK + BK))
+            start = max(0, i_k * BK + 1) if causal else 0
+            dp_rows += max(0, NB - start)
+            for r in range(start, NB):
+                w_pairs += sum(1 for c in cols if c < r) if causal else len(cols)
+        add("_mix_bwd_dx_kernel", BH * (math.ceil(F / BN) * w_pairs + dp_rows * F) * F32, BH * M * F * F32,
+            step + ": d summaries", "mix GEMMs")
+        n_m, n_k = math.ceil(NB / BM), math.ceil(M / BK)
+        members = B if Hm > 1 else BH
+        split = max(1, min(members, MIX_TARGET_PROGRAMS // (n_m * n_k * Hm)))
+        read = 0
+        for i_m in range(n_m):
+            for i_k in range(n_k):
+                if causal and i_k * BK >= i_m * BM + BM - 1:  # a tile above the diagonal reads nothing
+                    continue
+                rows, cols = min(NB, i_m * BM + BM) - i_m * BM, min(M, i_k * BK + BK) - i_k * BK
+                read += Hm * members * (rows + cols) * F * F32
+        add("_mix_bwd_dw_kernel", read, split * Hm * NB * M * F32, step + ": d coefficients (partial sums)",
+            "mix GEMMs")
+        add("aten.sum", split * Hm * NB * M * F32, Hm * NB * M * F32, step + ": d coefficients, partial sums",
+            "mix GEMMs")
+
+    # ------------------------------------------------------------------------------------------- forward
+    if mb != F32:
+        add("aten._to_copy", Hm * M * M * mb, mix3, "mixing_3d: mixing.float()", "mixing casts (torch)")
+    if causal and NB > 1:  # causal.py _causal_coefficients: views of the mixing; the diagonal made contiguous
+        add("aten.clone", Hm * NB * F32, Hm * NB * F32, "mdiag = diagonal(mix).contiguous()",
+            "causal coefficients (torch)")
+
+    store_z = normalize
+    add("_fwd_block_summaries_kernel",
+        NV * n_qk * e + NK * n_v * e,  # k once per V tile, v once per K tile
+        summ + (zsum if store_z else 0) + (per_chunk if has_r else 0)
+        + (per_chunk_z if has_r and store_z else 0),
+        "S_b, z_b per block (fp32)" + ("; running sums R_j, r_j per chunk" if has_r else ""),
+        "fwd_block_summaries")
+    mix_fwd(D * Dv, "P = coeff @ S")
+    if normalize:
+        mix_fwd(D, "Pz = coeff @ Z")
+    # q once per V tile. A program walks the chunks of one block: with one K tile and no running sums it reads
+    # the block's P (and Pz, per V tile) once, otherwise once per chunk.
+    one_k = NK == 1 and not has_r
+    read = NV * n_qk * e + (summ if one_k else per_chunk)
+    read += (NV * (zsum if one_k else per_chunk_z) if normalize else 0)
+    if has_r:
+        read += per_chunk + (NV * per_chunk_z if normalize else 0)  # R, Rz
+    if causal:
+        read += NV * n_qk * e + n_v * e + NV * BH * (NB if one_k else NT) * F32  # k per V tile, v, m_i per program
+    add("_fwd_output_kernel", read, n_v * e + (den if normalize else 0), "o (and d)", "fwd_output")
+
+    # ------------------------------------------------------------------------------------------ backward
+    phase = "backward"
+    read = NV * n_qk * e + NK * n_v * e  # q once per V tile, do once per K tile
+    written = summ + (zsum if normalize else 0)
+    if normalize:
+        read += NK * NV * den  # d, per program and chunk
+        # delta = do . o: the V-tile-0 programs read o and the other V tiles of do; K tile 0 stores delta
+        read += NK * n_v * e + NK * (n_v - n_tok * min(BV, Dv)) * e
+        written += den
+    if has_r:
+        read += per_chunk + (per_chunk_z if normalize else 0)
+        written += per_chunk + (per_chunk_z if normalize else 0) + NK * NV * BH * NB * F32
+    add("_bwd_block_grads_kernel", read, written,
+        "dP_i, dp_i" + (", delta = do . o" if normalize else "") + (", dR_j, the R part of dm_i" if has_r else ""),
+        "bwd_block_grads")
+    if has_r:
+        add("aten.sum", NK * NV * BH * NB * F32, BH * NB * F32, "dm_r: sum over tiles",
+            "small reductions (torch)")
+
+    mix_bwd(D * Dv, "dS = coeff^T @ dP")
+    if normalize:
+        mix_bwd(D, "dZ = coeff^T @ dPz")
+        add("aten.add", 2 * Hm * NB * M * F32, Hm * NB * M * F32, "dcoeff: the S and Z parts", "mix GEMMs")
+
+    read = NV * n_qk * e + per_chunk  # k per V tile; every chunk reads its block's dS
+    if has_r:
+        read += per_chunk
+    if causal:
+        read += NV * n_qk * e + n_v * e + (NV * den if normalize else 0) + NV * BH * NT * F32
+    add("_bwd_dv_kernel", read, n_v * e, "dv", "bwd_dv")
+
+    read = 2 * n_qk * e + 2 * NK * n_v * e + 2 * per_chunk  # q, k; do, v per K tile; P, dS per chunk
+    read += (2 * NK * den + 2 * per_chunk_z if normalize else 0)  # d, delta once per program; Pz, dSz
+    if has_r:
+        read += 2 * per_chunk + (2 * per_chunk_z if normalize else 0)  # R, dR (Rz, dRz)
+    written = 2 * n_qk * e
+    if causal:
+        read += NK * BH * NT * F32
+        written += NK * BH * NT * F32
+    add("_bwd_dqk_kernel", read, written, "dq, dk" + (", the intra-chunk part of dm_i" if causal else ""),
+        "bwd_dqk")
+
+    if causal:
+        grp = "small reductions (torch)"
+        add("aten.sum", NK * BH * NT * F32, BH * NT * F32, "dm_i: sum over K tiles", grp)
+        add("aten.sum", BH * NT * F32, BH * NB * F32, "dm_i: sum over the chunks of a block", grp)
+        if has_r:
+            add("aten.add", 2 * BH * NB * F32, BH * NB * F32, "dm = dm_i + dm_r", grp)
+        add("aten.sum", BH * NB * F32, H * NB * F32, "dmdiag: sum over the batch", grp)
+        if mixing == "shared":
+            add("aten.sum", H * NB * F32, NB * F32, "dmdiag: sum over the heads", grp)
+        grp = "causal coefficients (torch)"  # autograd of _causal_coefficients' views
+        add("aten.diagonal_backward", Hm * NB * F32, mix3, "backward of diagonal(mix)", grp)
+        add("aten.add", 2 * mix3, mix3, "d mixing: the rows and the diagonal", grp)
+    if mb != F32:
+        add("aten._to_copy", mix3, Hm * M * M * mb, "d mixing in the mixing's dtype", "mixing casts (torch)")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the docs table
+
+
+def bench_num_blocks(T: int) -> int:
+    """``M`` of the non-causal benchmark, as ``scripts/bench_ops.py``'s ``choose_num_blocks`` (imported from
+    there when the scripts package is importable)."""
+    try:
+        from scripts.bench_ops import choose_num_blocks  # noqa: PLC0415
+    except ImportError:  # an installed mhla without the repository's scripts
+        m = 1
+        while (m * 4) ** 2 <= T and T % (m * 4) == 0:
+            m *= 4
+        return m
+    return choose_num_blocks(T)
+
+
+#: The issue's benchmark shape: bf16 (inputs and mixing), B 8, H 16; causal blocks of 64 tokens
+#: (``scripts/bench_ops.py --block``), non-causal M from ``choose_num_blocks``.
+BENCH = dict(B=8, H=16, dtype_bytes=2, mixing_bytes=2, causal_block=64)
+BENCH_DIMS = (64, 128)
+BENCH_LENGTHS = (1024, 4096, 16384, 65536)
+
+
+def bench_traffic(T: int, D: int, causal: bool) -> Traffic:
+    C = BENCH["causal_block"] if causal else T // bench_num_blocks(T)
+    return mhla_traffic(BENCH["B"], T, BENCH["H"], D, block_size=C, dtype_bytes=BENCH["dtype_bytes"],
+                        causal=causal, mixing="shared", mixing_bytes=BENCH["mixing_bytes"])
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def markdown() -> str:
+    """The tables of docs/kernels.md's "Traffic and launch model" (regenerate with ``--markdown``)."""
+    lines = ["Totals: GB per call, x floor (forward: 4 tensors; forward + backward: 11), launches per call.",
+             "",
+             "| form | D | T | M | fwd GB | fwd x floor | fwd launches | fwd+bwd GB | fwd+bwd x floor "
+             "| bwd launches | targets met (fwd bytes, fwd+bwd bytes, fwd launches) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for causal in (False, True):
+        for D in BENCH_DIMS:
+            for T in BENCH_LENGTHS:
+                t = bench_traffic(T, D, causal)
+                lines.append(
+                    f"| {'causal' if causal else 'non-causal'} | {D} | {T} | {math.ceil(T / t.block_size)} "
+                    f"| {_gb(t.bytes('forward'))} | {t.ratio_forward:.2f} | {t.launches('forward')} "
+                    f"| {_gb(t.bytes())} | {t.ratio_total:.2f} | {t.launches('backward')} "
+                    f"| {', '.join('yes' if ok else 'no' for ok in t.targets_met().values())} |")
+    head = " | ".join(f"T {T}" for T in BENCH_LENGTHS)
+    for causal in (False, True):
+        for D in BENCH_DIMS:
+            ts = [bench_traffic(T, D, causal) for T in BENCH_LENGTHS]
+            lines += ["", f"{'Causal' if causal else 'Non-causal'}, D {D}: bytes per kernel in tensors (one "
+                      "tensor: B T H D in bf16; the floors are 4 and 11), launches per call:", "",
+                      f"| phase | kernel or torch ops | launches | {head} |",
+                      "|---|---|---|" + "---|" * len(ts)]
+            for phase in ("forward", "backward"):
+                rows = {}
+                for t in ts:
+                    for group, n, b in t.groups(phase):
+                        rows.setdefault(group, (n, []))[1].append(f"{b / t.tensor_bytes:.2f}")
+                for group, (n, vals) in rows.items():
+                    lines.append(f"| {phase} | {group} | {n} | " + " | ".join(vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--markdown", action="store_true", help="the docs/kernels.md tables (issue 46's shapes)")
+    p.add_argument("--B", type=int, default=8)
+    p.add_argument("--T", type=int, default=4096)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--D", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--per-head", action="store_true")
+    args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(), end="")
+        return
+    t = mhla_traffic(args.B, args.T, args.H, args.D, block_size=args.block_size, dtype_bytes=args.dtype_bytes,
+                     causal=args.causal, mixing="per_head" if args.per_head else "shared")
+    for k in t.kernels:
+        print(f"{k.phase:8s} {k.name:30s} x{k.launches} read {k.bytes_read:>14,d} "
+              f"written {k.bytes_written:>14,d}  {k.step}")
+    print("targets met:", t.targets_met())
+    print(f"forward: {t.launches('forward')} launches, {t.ratio_forward:.2f}x the 4-tensor floor; "
+          f"forward+backward: {t.launches()} launches, {t.ratio_total:.2f}x the 11-tensor floor")
+
+
+if __name__ == "__main__":
+    main()

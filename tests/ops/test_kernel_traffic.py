@@ -1,0 +1,278 @@
+"""The traffic and launch model (:mod:`mhla.ops.mhla.triton.traffic`) against what the Triton path does.
+
+The real op runs under the CPU interpreter, forward and ``torch.autograd.grad`` backward, and every launch is
+recorded:
+
+* Triton kernels: each launch of a kernel of the package (:mod:`.chunk`, :mod:`.mix`), and the bytes its
+  programs load and store (unmasked elements of every ``tl.load`` / ``tl.store``, counted in the
+  interpreter's builder);
+* torch ops: a ``TorchDispatchMode`` sees every aten op; views, allocations and ops on empty tensors launch
+  nothing; the rest are launches, with the model's byte convention (each tensor operand read once over its
+  addressed elements, the output written once).
+
+The model must list the same launches with the same bytes, per phase. A kernel or a torch op added, removed or
+changed without the model fails here. The same recorder counts host-device synchronisations: none on the
+Triton path.
+"""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from mhla.ops import mhla_attention  # noqa: E402
+from mhla.ops.mhla.triton import traffic  # noqa: E402
+
+triton_backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
+INTERPRETED = triton_backend.INTERPRET_AT_IMPORT and triton_backend.available()
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="counts the loads in Triton's CPU interpreter")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Ops that read a tensor's value on the host (a host-device synchronisation on a GPU).
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal", "_assert_async", "tolist"}
+#: Ops that allocate or re-describe memory without running a kernel.
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+             "alias", "lift_fresh", "detach", "set_"}
+#: Factory ops whose tensor argument only gives the dtype and device.
+NO_READ = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}
+
+
+def addressed_bytes(t: torch.Tensor) -> int:
+    """Bytes of the elements a tensor view addresses (a broadcast dim, stride 0, counts once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size() if t.numel() else 0
+
+
+class LaunchRecorder(TorchDispatchMode):
+    """Records ``(phase, name, bytes_read, bytes_written)`` per launch and the host syncs."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.launches = []
+        self.syncs = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.syncs[name] += 1
+            return out
+        if func.is_view or name in NO_KERNEL:
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not any(t.numel() for t in outs):
+            return out
+        ins = {id(t): t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        read = 0 if name in NO_READ else sum(addressed_bytes(t) for t in ins.values())
+        if func._schema.is_mutable:  # in-place / out=: the output is an input, not a new tensor
+            raise AssertionError(f"in-place op {func} on the MHLA path: extend the byte convention")
+        written = sum(t.numel() * t.element_size() for t in outs)
+        self.launches.append((self.phase, f"aten.{name}", read, written))
+        return out
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """A :class:`LaunchRecorder` that also sees the Triton launches of the package and counts their loads
+    and stores in the interpreter (the interpreter's own host copies of the arguments are not recorded)."""
+    from triton.runtime import Autotuner, JITFunction, interpreter
+
+    rec = LaunchRecorder()
+    io = [0, 0]
+    builder = interpreter.interpreter_builder
+
+    def masked_load(ptrs, mask, other, *a, _real=builder.create_masked_load):
+        io[0] += _bytes(ptrs, mask)
+        return _real(ptrs, mask, other, *a)
+
+    def masked_store(ptrs, value, mask, *a, _real=builder.create_masked_store):
+        io[1] += _bytes(ptrs, mask)
+        return _real(ptrs, value, mask, *a)
+
+    monkeypatch.setattr(builder, "create_masked_load", masked_load)
+    monkeypatch.setattr(builder, "create_masked_store", masked_store)
+    kernels = {}  # every kernel of the package's modules (Autotuner or bare @triton.jit), once
+    for module in [m for n, m in sys.modules.items() if n.startswith("mhla.ops.mhla.triton.")]:
+        for name, obj in vars(module).items():
+            if isinstance(obj, (Autotuner, JITFunction, interpreter.InterpretedFunction)):
+                kernels.setdefault(id(obj), (name, obj))
+    assert len(kernels) >= 5, "the Triton kernels were not found"
+    for name, kernel in kernels.values():
+        def run(*args, _real=kernel.run, _name=name, **kw):
+            io[:] = [0, 0]
+            with _disable_current_modes():
+                result = _real(*args, **kw)
+            rec.launches.append((rec.phase, _name, io[0], io[1]))
+            return result
+        monkeypatch.setattr(kernel, "run", run)
+    return rec
+
+
+def _bytes(ptrs, mask) -> int:
+    """Bytes a masked load or store of the interpreter moves: its unmasked elements."""
+    n = int(np.broadcast_to(mask.data, ptrs.data.shape).sum())
+    return n * (ptrs.get_element_ty().primitive_bitwidth // 8)
+
+
+def run_op(rec: LaunchRecorder, B, T, H, D, C, *, causal, per_head, dtype, mix_dtype, normalize=True):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(B, T, H, D, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, D, generator=g).to(dtype).requires_grad_()
+    M = -(-T // C)
+    mix = torch.rand(*((H, M, M) if per_head else (M, M)), generator=g).to(mix_dtype).requires_grad_()
+    do = torch.randn(B, T, H, D, generator=g).to(dtype)
+    with rec:
+        o = mhla_attention(q, k, v, mix, C, causal=causal, normalize=normalize, backend="triton")
+        rec.phase = "backward"
+        grads = torch.autograd.grad(o, (q, k, v, mix), do)
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
+    return o
+
+
+CASES = [  # B, T, H, D, C, causal, per_head, dtype, mixing dtype, normalize
+    (2, 64, 2, 32, 16, False, False, torch.float32, torch.float32, True),
+    (2, 64, 2, 96, 16, False, True, torch.float16, torch.float16, True),  # 3 K x 3 V tiles, casts
+    (1, 128, 3, 32, 64, False, True, torch.float32, torch.float32, False),
+    (2, 70, 2, 32, 16, True, False, torch.float32, torch.float32, True),  # partial last block
+    (2, 100, 2, 40, 80, True, True, torch.float16, torch.float16, True),  # 3 chunks per block: running sums
+    (1, 50, 2, 32, 32, True, False, torch.float32, torch.float32, False),
+]
+
+
+def _case_id(c) -> str:
+    return (f"{'causal' if c[5] else 'noncausal'}-T{c[1]}-D{c[3]}-C{c[4]}-{'head' if c[6] else 'shared'}"
+            f"-{str(c[7])[6:]}-{'paper' if c[9] else 'none'}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_model_lists_every_launch_and_its_bytes(recorder, case):
+    B, T, H, D, C, causal, per_head, dtype, mix_dtype, normalize = case
+    run_op(recorder, B, T, H, D, C, causal=causal, per_head=per_head, dtype=dtype, mix_dtype=mix_dtype,
+           normalize=normalize)
+    model = traffic.mhla_traffic(B, T, H, D, block_size=C, dtype_bytes=torch.finfo(dtype).bits // 8,
+                                 causal=causal, mixing="per_head" if per_head else "shared",
+                                 mixing_bytes=torch.finfo(mix_dtype).bits // 8, normalize=normalize)
+    for phase in ("forward", "backward"):
+        got = collections.Counter(x[1:] for x in recorder.launches if x[0] == phase)
+        want = collections.Counter()
+        for kern in model.phase(phase):
+            want[(kern.name, kern.bytes_read, kern.bytes_written)] += kern.launches
+        assert got == want, (f"{phase}: measured but not modelled {dict(got - want)}; "
+                             f"modelled but not measured {dict(want - got)}")
+    assert recorder.syncs == collections.Counter()
+
+
+#: Host syncs of one forward + backward of the torch path (B 1, T 64, H 2, D 16, C 16), docs/kernels.md.
+TORCH_PATH_SYNCS = {False: 1, True: 2}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_path_has_no_host_sync_and_torch_path_has_the_documented_ones(recorder, causal):
+    """Forward + backward of ``backend="triton"`` reads nothing on the host. The torch path (docs/kernels.md):
+    the mixing's value check (one ``_local_scalar_dense``), and causal, ``mhla_causal_torch``'s test that
+    every summary is finite (one more); its backward none."""
+    B, T, H, D, C = 1, 64, 2, 16, 16
+    run_op(recorder, B, T, H, D, C, causal=causal, per_head=False, dtype=torch.float32,
+           mix_dtype=torch.float32)
+    assert recorder.syncs == collections.Counter()
+
+    torch_rec = LaunchRecorder()
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(B, T, H, D, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, D, generator=g).requires_grad_()
+    mix = torch.rand(T // C, T // C, generator=g).requires_grad_()
+    with torch_rec:
+        o = mhla_attention(q, k, v, mix, C, causal=causal, backend="torch")
+        torch.autograd.grad(o, (q, k, v, mix), torch.ones_like(o))
+    assert dict(torch_rec.syncs) == {"_local_scalar_dense": TORCH_PATH_SYNCS[causal]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_path_runs_under_cuda_sync_errors(causal):
+    """On a GPU: forward + backward of the kernels (after a warm-up call that compiles and autotunes) under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising CUDA call."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D, C = 2, 1024, 4, 64, 64
+    q, k = (torch.rand(B, T, H, D, generator=g).cuda().bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, D, generator=g).cuda().bfloat16().requires_grad_()
+    mix = torch.rand(T // C, T // C, generator=g).cuda().requires_grad_()
+    do = torch.randn(B, T, H, D, generator=g).cuda().bfloat16()
+
+    def step():
+        o = mhla_attention(q, k, v, mix, C, causal=causal, backend="triton")
+        return torch.autograd.grad(o, (q, k, v, mix), do)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_path_skips_the_value_check_unless_asked(monkeypatch, causal):
+    """Negative mixing: a ValueError on the torch path (and on the Triton path with MHLA_CHECK_VALUES=1); the
+    Triton path does not read the values by default."""
+    from mhla.ops.utils.validation import CHECK_VALUES_ENV, checks_mixing_values
+
+    monkeypatch.delenv(CHECK_VALUES_ENV, raising=False)
+    assert checks_mixing_values("torch") and checks_mixing_values("reference")
+    assert not checks_mixing_values("triton")
+    q = k = v = torch.rand(1, 32, 2, 8)
+    bad = -torch.rand(4, 4)
+    with pytest.raises(ValueError, match="nonnegative"):
+        mhla_attention(q, k, v, bad, 8, causal=causal, backend="torch")
+    if not triton_backend.available():
+        return
+    mhla_attention(q, k, v, bad, 8, causal=causal, backend="triton")  # no check, no sync
+    monkeypatch.setenv(CHECK_VALUES_ENV, "1")
+    with pytest.raises(ValueError, match="nonnegative"):
+        mhla_attention(q, k, v, bad, 8, causal=causal, backend="triton")
+
+
+def test_floors_and_targets():
+    """The floors are 4 and 11 tensors; the benchmark shape's counts are what docs/kernels.md says."""
+    t = traffic.mhla_traffic(8, 4096, 16, 64, block_size=64, dtype_bytes=2)
+    assert t.floor_forward == 4 * t.tensor_bytes and t.floor_total == 11 * t.tensor_bytes
+    assert t.tensor_bytes == 8 * 4096 * 16 * 64 * 2
+    assert t.launches("forward") == 4  # summaries, two mix GEMMs, output (fp32 mixing, shared)
+    per_head = traffic.mhla_traffic(8, 4096, 16, 64, block_size=64, dtype_bytes=2, mixing="per_head")
+    assert per_head.launches("forward") == 4  # the mix kernel reads per-head coefficients by a head stride
+    causal = traffic.mhla_traffic(8, 4096, 16, 64, block_size=64, dtype_bytes=2, causal=True)
+    assert causal.launches("forward") == 5  # and the copy of the mixing's diagonal (torch)
+    with pytest.raises(ValueError, match="multiple"):
+        traffic.mhla_traffic(1, 100, 1, 16, block_size=64)
+
+
+def test_docs_table_is_the_cli_output():
+    """docs/kernels.md's tables between the markers: ``python -m mhla.ops.mhla.triton.traffic --markdown``."""
+    doc = (ROOT / "docs" / "kernels.md").read_text()
+    found = re.search(r"<!-- traffic-table:start -->\n(.*?)<!-- traffic-table:end -->", doc, re.S)
+    assert found, "docs/kernels.md lacks the traffic-table markers"
+    out = subprocess.run([sys.executable, "-m", "mhla.ops.mhla.triton.traffic", "--markdown"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert found.group(1) == out.stdout, "regenerate: python -m mhla.ops.mhla.triton.traffic --markdown"
