@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 SCALE ?= full
 EXTRA ?=
 
-.PHONY: install test test-fast bench bench-gpu probe-gpu analyze clean help
+.PHONY: install test test-fast bench bench-gpu probe-gpu gpu-campaign analyze clean help
 
 help:
 	@echo "make install   - create .venv with the pinned dependencies (requirements.lock) and mhla (editable)"
@@ -16,6 +16,7 @@ help:
 	@echo "make bench     - CPU op benchmarks -> results/bench/"
 	@echo "make bench-gpu - GPU tests + kernel benchmarks (bf16, B=8, H=16, D=64/128) -> results/bench/"
 	@echo "make probe-gpu - GPU: D 128 feature tiles and the per-call cost at T 1024 -> results/bench/probe_kernels_cuda.*"
+	@echo "make gpu-campaign [DRY=1] - one GPU window: ops, GPU tests, Table 14, training, issue 46's goals -> \$$OUT (DRY=1: CPU, tiny)"
 	@echo "make analyze   - attention rank/entropy analysis (Fig. 3 measure) -> results/analysis/"
 	@echo "make test-fast - the test suite without the slow tests"
 	@echo "make mnist-gen / lm-mini - CPU smoke runs: class-conditional MNIST DiT / the MHLA language model"
@@ -32,23 +33,8 @@ help:
 	@echo "  Every target takes SCALE=full (default: the paper's recipe, GPUs) or SCALE=mini (CPU proxy, configs/scale/mini/)"
 	@echo "  and EXTRA='...' (Hydra overrides for every cell, e.g. data.root=/data/imagenet; Tables 5/6/8: their options)."
 	@echo "  SEEDS='0 1 2' runs every cell per seed (mean +- std); REF='256=ref256.npz 512=ref512.npz' gives FID references."
-	@echo "make reproduce-table2   [SCALE=mini] - Table 2, ImageNet classification -> results/table2[_mini].md"
-	@echo "    SCALE=mini: MNIST at 256 tokens, every attention x 3 seeds (~80 min on 2 cores) + Fig. 3 -> results/analysis/"
-	@echo "make reproduce-table3   [SCALE=mini] [REF=...] - Table 3a (same as reproduce-table3a) -> results/table3[_mini].md"
-	@echo "make reproduce-table3a  [SCALE=mini] [REF=...] - Table 3a, DiT/DiG FID -> results/table3[_mini].md"
-	@echo "make reproduce-table3b  EXTRA='model.pretrained=DiT-XL-2-256x256.pt ...' REF=256=... - Table 3b -> results/table3b.md"
-	@echo "make reproduce-table4   [SCALE=mini] EXTRA='model.pretrained=... task.data_root=...' - Table 4, SANA -> results/table4[_mini].md"
-	@echo "make reproduce-table5   WAN_PATH=... VIDEO_DATA=... [RUN=--run] - Table 5, Wan2.1 video -> results/table5.md"
-	@echo "make reproduce-table5 SCALE=mini - the video_mini model: softmax / linear / MHLA / hybrid -> results/table5_mini.md"
-	@echo "make reproduce-table6   CKPT_DIR=... [LM_EVAL_DATA=...] - Table 6, 340M LMs, lm-evaluation-harness -> results/table6.md"
-	@echo "make reproduce-table7a  [SCALE=mini] - Table 7a, DeiT-T mixing init sweep -> results/table7a[_mini].md"
-	@echo "make reproduce-table7b  [SCALE=mini] [REF=512=...] - Table 7b, DiT-S/2 512 px M = 4/16/64, FID + throughput"
-	@echo "make reproduce-table8   CKPT_DIR=... LONGBENCH=... - Table 8, LongBench -> results/table8.md"
-	@echo "make reproduce-table11  [SCALE=mini] [SEEDS='0 1 2'] [REF=256=...] - Table 11, DiT-S/B/L/XL-2 MHLA x 3 seeds vs LiT (quoted) -> results/table11[_mini].md"
-	@echo "make reproduce-table12  [SCALE=mini] [REF=256=...] - Table 12, DiT-S/2 CPE / gate -> results/table12[_mini].md"
-	@echo "make reproduce-table13  [SCALE=mini] - Table 13, DeiT-T at 384 / 512 px -> results/table13[_mini].md"
-	@echo "make reproduce-table14  [SCALE=mini] [EXTRA='--bench-batch 8'] - Table 14, DiT-S/2 latency across M -> results/table14[_mini].md"
-	@echo "make reproduce-mqar     [SCALE=mini|full|large] - MQAR, softmax vs linear vs MHLA -> results/mqar[_SCALE].md (alias: mqar)"
+	@if [ -x $(PY) ]; then $(REPRODUCE) --make-help; else \
+		echo "  (after make install: one line per table of scripts/tables/registry.py)"; fi
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +68,12 @@ bench-gpu: $(VENV)/.installed
 probe-gpu: $(VENV)/.installed
 	$(PY) scripts/probe_kernels.py --device cuda
 
+# One GPU window, time-boxed (480 s): every GPU measurement of issue 46 and its goals -> $OUT, else
+# outputs/gpu_campaign (docs/kernels.md#gpu-campaign; on a lent machine: bash scripts/gpu_campaign.sh).
+# DRY=1: the same code on this CPU with tiny shapes, into a temp folder; EXTRA='--stages ops --budget-s 200'
+gpu-campaign: $(VENV)/.installed
+	$(PY) scripts/gpu_campaign.py $(if $(DRY),--dry) $(EXTRA)
+
 analyze: $(VENV)/.installed
 	$(PY) scripts/analyze_attention.py
 
@@ -106,6 +98,10 @@ length-extrapolation: $(VENV)/.installed
 		$(if $(EXTRA),--train-overrides $(EXTRA))
 
 # --- paper tables: one entry point each (scripts/reproduce_table.py; README "Paper tables")
+# One rule runs every table of scripts/tables/registry.py: make reproduce-table<id> (MQAR: reproduce-mqar) is
+# reproduce_table.py --table <id>, so a new table needs no edit here (docs/adding_a_table.md). Every table takes
+# SCALE, SEEDS and REF; EXTRA goes after -- (Hydra overrides for every cell, or options of the table's own driver);
+# TABLE_ARGS_<id>: the make variables that a table's own driver takes (Tables 5, 6, 8).
 REF ?=
 SEEDS ?=
 CKPT_DIR ?= checkpoints/lm
@@ -117,44 +113,16 @@ WAN_PATH ?=
 VIDEO_DATA ?=
 RUN ?=
 REPRODUCE := $(PY) scripts/reproduce_table.py
-# options of the cell tables: scale, seeds, per-resolution FID references
-CELL_OPTS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(REF),--fid-ref $(REF))
-.PHONY: reproduce-table2 reproduce-table3 reproduce-table3a reproduce-table3b reproduce-table4 reproduce-table5 \
-	reproduce-table6 reproduce-table7a reproduce-table7b reproduce-table8 reproduce-table11 reproduce-table12 \
-	reproduce-table13 reproduce-table14 reproduce-mqar mqar
-
-# Table 2 (SCALE=mini: the seeded proxy, its own options in EXTRA, e.g. EXTRA='--resume')
-reproduce-table2: $(VENV)/.installed
-	$(REPRODUCE) --table 2 --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) -- $(EXTRA)
-reproduce-table3: reproduce-table3a
-reproduce-table3a: $(VENV)/.installed
-	$(REPRODUCE) --table 3a $(CELL_OPTS) -- $(EXTRA)
-reproduce-table3b: $(VENV)/.installed
-	$(REPRODUCE) --table 3b $(CELL_OPTS) -- $(EXTRA)
-reproduce-table4: $(VENV)/.installed
-	$(REPRODUCE) --table 4 $(CELL_OPTS) -- $(EXTRA)
-reproduce-table5: $(VENV)/.installed
-	$(REPRODUCE) --table 5 --scale $(SCALE) -- $(if $(WAN_PATH),--wan $(WAN_PATH)) $(if $(VIDEO_DATA),--data $(VIDEO_DATA)) $(RUN) $(EXTRA)
+TABLE_OPTS = --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(REF),--fid-ref $(REF))
+TABLE_ARGS_5 = $(if $(WAN_PATH),--wan $(WAN_PATH)) $(if $(VIDEO_DATA),--data $(VIDEO_DATA)) $(RUN)
 # Tables 6 / 8 evaluate trained models at $(CKPT_DIR)/<cell> (cells: configs/experiment/table6|8/*.yaml).
-reproduce-table6: $(VENV)/.installed
-	$(REPRODUCE) --table 6 --scale $(SCALE) -- --ckpt-dir $(CKPT_DIR) $(if $(LM_EVAL_DATA),--lm-eval-data $(LM_EVAL_DATA)) $(if $(WIKITEXT),--wikitext $(WIKITEXT)) $(if $(LAMBADA),--lambada $(LAMBADA)) $(EXTRA)
-reproduce-table7a: $(VENV)/.installed
-	$(REPRODUCE) --table 7a $(CELL_OPTS) -- $(EXTRA)
-reproduce-table7b: $(VENV)/.installed
-	$(REPRODUCE) --table 7b $(CELL_OPTS) -- $(EXTRA)
-reproduce-table8: $(VENV)/.installed
-	$(REPRODUCE) --table 8 --scale $(SCALE) -- --ckpt-dir $(CKPT_DIR) $(if $(LONGBENCH),--longbench $(LONGBENCH)) $(EXTRA)
-reproduce-table11: $(VENV)/.installed
-	$(REPRODUCE) --table 11 $(CELL_OPTS) -- $(EXTRA)
-reproduce-table12: $(VENV)/.installed
-	$(REPRODUCE) --table 12 $(CELL_OPTS) -- $(EXTRA)
-reproduce-table13: $(VENV)/.installed
-	$(REPRODUCE) --table 13 $(CELL_OPTS) -- $(EXTRA)
-reproduce-table14: $(VENV)/.installed
-	$(REPRODUCE) --table 14 --scale $(SCALE) $(EXTRA)
+TABLE_ARGS_6 = --ckpt-dir $(CKPT_DIR) $(if $(LM_EVAL_DATA),--lm-eval-data $(LM_EVAL_DATA)) \
+	$(if $(WIKITEXT),--wikitext $(WIKITEXT)) $(if $(LAMBADA),--lambada $(LAMBADA))
+TABLE_ARGS_8 = --ckpt-dir $(CKPT_DIR) $(if $(LONGBENCH),--longbench $(LONGBENCH))
+.PHONY: mqar
 mqar: reproduce-mqar
-reproduce-mqar: $(VENV)/.installed
-	$(REPRODUCE) --table mqar --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) -- $(EXTRA)
+reproduce-%: $(VENV)/.installed
+	$(REPRODUCE) --table $(patsubst table%,%,$*) $(strip $(TABLE_OPTS)) -- $(strip $(TABLE_ARGS_$(patsubst table%,%,$*))) $(EXTRA)
 
 bench-video: $(VENV)/.installed
 	$(PY) scripts/bench_video.py --preset cpu
@@ -172,7 +140,7 @@ seed-grid: $(VENV)/.installed
 	$(PY) scripts/run_seed_grid.py configs/grid/$(GRID).yaml --jobs $(or $(JOBS),2) $(EXTRA)
 
 # Parameters and GMACs of every table cell (full-scale configs, random weights, the paper's resolution), beside
-# the paper's numbers; the counting convention is in the file. tests/test_params_table.py checks it.
+# the paper's numbers; the counting convention is in the file. tests/scripts/test_params_table.py checks it.
 .PHONY: params
 params: $(VENV)/.installed
 	$(PY) scripts/count_params.py

@@ -87,9 +87,9 @@ OPS = {
 }
 # growth exponent in T for skip estimates
 COMPLEXITY = {"mhla": 1, "mhla_torch": 1, "linear": 1, "plain_linear": 1, "fla_linear": 1, "sdpa": 2,
-              "release_loop": 2}
+              "release_loop": 2, "mhla_window": 1, "fla_simple_gla": 1}
 # ops that only run on a GPU (fla's Triton kernels) or only make sense there (the torch path as a second MHLA)
-GPU_ONLY = {"fla_linear", "mhla_torch"}
+GPU_ONLY = {"fla_linear", "mhla_torch", "fla_simple_gla"}
 TIME_METHOD = ("each case in a fresh subprocess; one fwd+bwd at full size as warm-up, then the median (and "
                "p25-p75) over N runs, N = min(--repeats, --budget-s / first run), at least 3; CPU wall clock "
                "(time.perf_counter), GPU CUDA events. fwd runs under torch.no_grad(); fwd+bwd backpropagates "
@@ -249,8 +249,16 @@ def make_case(op: str, causal: bool, T: int, args, device):
     elif op == "plain_linear":
         fn = lambda: plain_chunked_linear(q, k, v, args.block)  # noqa: E731
         params = [q, k, v]
+    elif op == "mhla_window":
+        rows = window_mixing_rows(math.ceil(T / C), device, dtype)
+        fn = lambda: mhla.mhla_attention(q, k, v, rows, C, causal=True, backend=args.backend)  # noqa: E731
+        params = [q, k, v, rows.diag, rows.head, rows.recent, rows.far]
+        info.update(backend=mhla.ops.resolve_backend(args.backend, q, causal=True), learned_blocks=WINDOW_BLOCKS)
     elif op == "fla_linear":
         fn = fla_linear_attention(q, k, v)
+        params = [q, k, v]
+    elif op == "fla_simple_gla":
+        fn = fla_simple_gla(q, k, v)
         params = [q, k, v]
     elif op == "sdpa":
         fn = sdpa_call(q, k, v, causal, device)
@@ -273,6 +281,28 @@ def fla_linear_attention(q, k, v):
     if "head_first" in inspect.signature(chunk_linear_attn).parameters:
         kw["head_first"] = False
     return lambda: chunk_linear_attn(q, k, v, scale=1.0, **kw)[0]
+
+
+def fla_simple_gla(q, k, v):
+    """flash-linear-attention's ``chunk_simple_gla`` without gates: unnormalised causal linear attention, the
+    plainest chunked kernel (``[B, T, H, D]``). Raises ImportError when ``fla`` is not installed."""
+    from fla.ops.simple_gla import chunk_simple_gla  # noqa: PLC0415
+
+    return lambda: chunk_simple_gla(q, k, v, scale=1.0)[0]
+
+
+WINDOW_BLOCKS = 32  # learned mixing rows of op "mhla_window": the 340M LM's 2048-token context / 64-token chunks
+
+
+def window_mixing_rows(num_blocks: int, device, dtype):
+    """The compact causal mixing rows of op ``mhla_window`` (the LM's setting): :data:`WINDOW_BLOCKS` learned
+    rows (uniform init) extended by ``uniform_far`` (a bounded window, the far blocks folded into one sum), for
+    ``num_blocks`` blocks (:meth:`mhla.mixing.MixingMatrix.causal_rows`), as leaf tensors that take gradients."""
+    from mhla.mixing import MixingMatrix  # noqa: PLC0415
+
+    rows = MixingMatrix(WINDOW_BLOCKS, causal=True, init="uniform").causal_rows(0, num_blocks)
+    return mhla.ops.MixingRows(rows.first, *(t.detach().to(device=device, dtype=dtype).requires_grad_()
+                                             for t in (rows.diag, rows.head, rows.recent, rows.far)))
 
 
 def sdpa_call(q, k, v, causal: bool, device: str):
@@ -322,15 +352,22 @@ def timer(fn, device: str, repeats: int) -> list[float]:
     return out
 
 
-def run_case(op: str, causal: bool, T: int, args) -> dict:
-    """Time one case in this process (called in a subprocess by :func:`main`)."""
+def run_case(op: str, causal: bool, T: int, args, passes=("fwd", "fwdbwd")) -> dict:
+    """Time one case in this process (called in a subprocess by :func:`main`). ``passes``: which of ``fwd``
+    and ``fwdbwd`` to time (scripts/gpu_campaign.py times the forwards of every case before any backward); the
+    record holds ``<pass>_ms`` and ``<pass>_ms_iqr`` for those only."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
     device = args.device
+    backward = "fwdbwd" in passes
     # Warm the runtime (autograd threads, allocator pools) on a small input so the memory baseline below
     # does not charge one-off start-up costs to the case.
     wfn, wparams, _ = make_case(op, causal, min(T, 256), args, device)
-    wout = wfn()
-    wout.backward(torch.randn_like(wout))
+    if backward:
+        wout = wfn()
+        wout.backward(torch.randn_like(wout))
+    else:
+        with torch.no_grad():
+            wout = wfn()
     del wfn, wparams, wout
     fn, params, info = make_case(op, causal, T, args, device)
     # output gradient made without running the op, so the baseline below excludes the op's memory
@@ -351,16 +388,18 @@ def run_case(op: str, causal: bool, T: int, args) -> dict:
         fn().backward(grad)
 
     # warm-up and a first measurement to size the number of repeats
-    first = timer(fwdbwd, device, 1)[0]
+    first = timer(fwdbwd if backward else fwd, device, 1)[0]
     repeats = max(3, min(args.repeats, int(args.budget_s * 1e3 / max(first, 1e-3))))
-    fwd_t, fwdbwd_t = timer(fwd, device, repeats), timer(fwdbwd, device, repeats)
+    times = {name: timer(call, device, repeats) for name, call in (("fwd", fwd), ("fwdbwd", fwdbwd))
+             if name in passes}
     if device == "cuda":
         peak_mb = (torch.cuda.max_memory_allocated() - base_gpu) / 2**20
     else:
         peak_mb = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
-    return {"op": op, "causal": causal, "T": T, **info, "fwd_ms": statistics.median(fwd_t),
-            "fwdbwd_ms": statistics.median(fwdbwd_t), "fwd_ms_iqr": quartiles(fwd_t),
-            "fwdbwd_ms_iqr": quartiles(fwdbwd_t), "peak_mem_mb": peak_mb, "repeats": repeats}
+    timed = {}
+    for name, ts in times.items():
+        timed.update({f"{name}_ms": statistics.median(ts), f"{name}_ms_iqr": quartiles(ts)})
+    return {"op": op, "causal": causal, "T": T, **info, **timed, "peak_mem_mb": peak_mb, "repeats": repeats}
 
 
 def quartiles(xs: list[float]) -> list[float]:
@@ -1011,6 +1050,7 @@ def write_results(stem: str, out: dict) -> str:
 
 OP_LABELS = {"mhla": "MHLA", "mhla_torch": "MHLA (torch path)", "linear": "linear",
              "plain_linear": "linear (plain chunked)", "fla_linear": "linear (fla)",
+             "mhla_window": "MHLA, LM window", "fla_simple_gla": "simple GLA (fla, no gates)",
              "sdpa": "SDPA (softmax)", "release_loop": "MHLA, release's loop"}
 PLOT_NOTE = ("fwd, fwd+bwd time and peak memory against T per op, log-log; non-causal above, causal below; "
              "skipped cases left out; redraw from the .json with `--plot-only`")
