@@ -8,7 +8,7 @@ for the raw weights). Prints ``final: top1=... top5=...``. A file that is not a 
 "not a checkpoint of this project: PATH".
 
 The task is the class the stored config names in ``task.target``, picked as ``train.py`` picks it
-(:func:`tasks.common.trainer.task_class`); a config without it needs ``+task.target=...``. A config stored before
+(:func:`tasks.common.task.task_class`); a config without it needs ``+task.target=...``. A config stored before
 the attention schema (``attn.*`` for every model) is mapped once, by :func:`tasks.common.config.upgrade_config`.
 
 This file is the command line; :mod:`tasks.common.evaluation` does the work (``load_run``,

@@ -21,19 +21,20 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tasks.common.config import attention_line, model_attention, register_resolvers, validate_config  # noqa: E402
+from tasks.common.config import attention_line, register_resolvers, validate_config  # noqa: E402
 from tasks.common.logger import run_log  # noqa: E402
-from tasks.common.trainer import Trainer, TrainingInterrupted, task_class  # noqa: E402
+from tasks.common.task import task_class  # noqa: E402
+from tasks.common.trainer import Trainer, TrainingInterrupted  # noqa: E402
 
 register_resolvers()  # ${launch_time:...}, ${launch_id:} and ${resume_run_dir:...} in hydra.run.dir
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
-    """Validate the composed config, then train the Task class it names (``task.target``) with the Trainer."""
-    validate_config(cfg)
-    attn = model_attention(cfg)
-    print(attention_line(cfg, attn), flush=True)
-    metrics = Trainer(cfg, task_class(cfg)(cfg), run_dir).fit()
+    """Validate the composed config, then train the Task class it names (``task.target``) with the Trainer. The
+    run's attention is resolved once, here (``validate_config``), and handed to the task."""
+    attention = validate_config(cfg)
+    print(attention_line(attention), flush=True)
+    metrics = Trainer(cfg, task_class(cfg)(cfg, attention), run_dir).fit()
     line = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     print(f"final: {line}", flush=True)
     run_log().info(f"final: {line}")

@@ -1,1 +1,2 @@
-"""Worked examples that extend the library from outside it (docs/adding_an_attention.md)."""
+"""Worked examples that extend the code from outside it: an attention (docs/adding_an_attention.md), a task
+(docs/adding_a_task.md) and a table's configs (docs/adding_a_table.md)."""

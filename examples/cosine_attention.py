@@ -23,6 +23,7 @@ class CosineLinearAttention(LinearAttention):
     supports = Supports(bidirectional=True, grid_ranks=(1, 2, 3), causal=True, prefix_tokens=True, decoding=True,
                         varlen=True, rope=True, host_projections=True)
     excluded_options = ("feature_map",)  # the class's own: attn.feature_map is refused, not ignored
+    plot_label, benchmark = "Cosine", True  # its name in plots; timed by the benchmarks (mhla/registry.py)
 
     def __init__(self, dim: int, num_heads: int = 8, *, temperature: float = 4.0, **kwargs):
         super().__init__(dim, num_heads, **kwargs)

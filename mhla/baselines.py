@@ -137,6 +137,11 @@ class InLineAttention(_GridBaseline):
     (``10 C^2 / heads`` parameters) is what makes the paper's 6.5M. None: the model's ``num_heads``.
     """
 
+    @classmethod
+    def tag_words(cls, options: dict) -> list[str]:
+        """Its own channels per head in a run's tag (``-hw32``; mhla.registry.attention_tag)."""
+        return [f"-hw{options['head_width']}"] if options.get("head_width") else []
+
     def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "identity", head_width: int | None = None,
                  **kwargs):
         if head_width:
@@ -174,6 +179,8 @@ class InLineAttention(_GridBaseline):
 class _GatedRoPEBaseline(_GridBaseline):
     """MALA / RALA wrapper: ELU+1 features, 2-D RoPE in the numerator, ``(Y + LePE_5x5(V)) * O`` with a linear
     output gate ``O = W_o x`` (no activation), then the output projection."""
+
+    legacy_options = {"rope": "rope_2d"}  # a config stored before the schema named its 2-D RoPE switch attn.rope
 
     def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "elu", rope_2d: bool = True,
                  lepe_kernel: int = 5, **kwargs):

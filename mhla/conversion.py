@@ -49,7 +49,7 @@ mixing matrix, a gate that was not there) keep their initialisation and are list
 [names]}``.
 
 ``attn="softmax"`` converts to this repository's softmax layer: the converted model computes what the original
-did (``tests/test_convert.py`` checks it per family), which is how the weight mapping is tested.
+did (``tests/layers/test_convert.py`` checks it per family), which is how the weight mapping is tested.
 
 In place or a copy: by default the model is changed in place and returned; ``copy=True`` converts a deep copy.
 """
@@ -66,7 +66,7 @@ import torch.nn as nn
 from .adapters import select_layers
 from .layers import AttentionBase
 from .layouts import auto_blocks
-from .registry import _plain, accepted_options, build_attention, get_attention_class, with_defaults
+from .registry import _plain, accepted_options, build_attention, get_attention_class, takes_blocks, with_defaults
 
 #: options whose modules hold weights computed from the layer input: they follow the old layer unless given
 WEIGHT_OPTIONS = ("qk_norm", "gate", "cpe", "cpe_kernel", "short_conv")
@@ -161,7 +161,7 @@ def _inherited(old: AttentionBase, given: dict, cls) -> dict:
 
 def _with_layout(name: str, options: dict, grid, causal: bool) -> dict:
     """MHLA on a non-causal grid without a layout: the ``num_blocks=auto`` blocks of the grid."""
-    if name == "mhla" and not causal and grid is not None and not set(LAYOUT_OPTIONS) & set(options):
+    if takes_blocks(name) and not causal and grid is not None and not set(LAYOUT_OPTIONS) & set(options):
         return {**options, "blocks": list(auto_blocks(grid))}
     return options
 
@@ -335,7 +335,7 @@ def _convert_diffusers(model, name, given, layers, strict) -> tuple[list[str], l
     sample, patch = getattr(config, "sample_size", None), getattr(config, "patch_size", None)
     if isinstance(sample, int) and isinstance(patch, int) and patch:
         grid = (sample // patch, sample // patch)
-    if name == "mhla" and not set(LAYOUT_OPTIONS) & set(options):
+    if takes_blocks(name) and not set(LAYOUT_OPTIONS) & set(options):
         if grid is None:
             raise ValueError(f"mhla.convert: {type(model).__name__}'s token grid is not in its config; give "
                              "MHLA's layout: attn={'name': 'mhla', 'blocks': [...]} (blocks per grid axis) "

@@ -5,7 +5,7 @@
 heads; q, k, v, g projections without bias; output ``W_o(RMSNorm_head(o) * swish(x W_g))``.
 
 * the op is :mod:`mhla.ops.gla` (:func:`~mhla.ops.gla.gla_chunked`, the torch chunked form; the token-by-token
-  reference :func:`~mhla.ops.gla.gla_recurrent`; fla's Triton ``chunk_gla`` on CUDA when flash-linear-attention
+  reference :func:`~mhla.ops.gla.gla_reference`; fla's Triton ``chunk_gla`` on CUDA when flash-linear-attention
   imports: ``backend="auto" | "torch" | "fla"``, :func:`~mhla.ops.gla.resolve_gla_backend`).
 * :class:`GatedLinearAttention` (``attn=gla``) runs the recurrence over the tokens in the order it is given them
   (a scan): DiG (:mod:`models.dig`) permutes the tokens into each block's scan direction around it.
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops.gla import GLA_BACKENDS, gla, gla_recurrent, resolve_gla_backend
+from .ops.gla import GLA_BACKENDS, gla, gla_reference, resolve_gla_backend
 from .registry import Supports, register_attention
 
 
@@ -86,7 +86,7 @@ class GatedLinearAttention(nn.Module):
         v = self.v_proj(x).view(B, N, H, -1)
         log_a = (F.logsigmoid(self.gk_proj(x)) / self.gate_norm).view(B, N, H, -1)
         if self.mode == "recurrent":
-            o = gla_recurrent(q, k, v, log_a)
+            o = gla_reference(q, k, v, log_a)
         else:
             o = gla(q, k, v, log_a, self.chunk, backend=self.backend)
         o = self.g_norm(o).reshape(B, N, -1) * F.silu(self.g_proj(x))

@@ -519,6 +519,20 @@ class KernelAttention(AttentionBase):
         return {**super().settings(), "feature_map": self.feature_map_name, "normalize": self.normalize,
                 "eps": self.eps}
 
+    def check_at_start(self) -> None:
+        """The start-of-run check of a built layer (:func:`mhla.registry.probe_layers`): with the rotation after the
+        feature map, the model's rotary tables (of the head dimension) rotate the features, so a feature map that
+        changes the dimension (a Taylor expansion: ``D -> 1 + D + D^2``) cannot run there. Raises ValueError."""
+        if self.rope != "after_feature_map":
+            return
+        param = next(self.parameters(), None)
+        device = param.device if param is not None else torch.device("meta")
+        out = self.feature_map(torch.zeros(1, 1, self.num_heads, self.head_dim, device=device)).shape[-1]
+        if out != self.head_dim:
+            raise ValueError(f"its feature map changes the head dimension ({self.head_dim} -> {out} on the check's "
+                             "layer), and rope=after_feature_map would rotate those features with tables of the head "
+                             "dimension: set attn.rope=before_feature_map (or none)")
+
     def _features(self, q, k, rope_tables):
         """``(q, k, q_plain, k_plain)`` after the feature map and the rotation (:func:`rope_and_feature_map`)."""
         return rope_and_feature_map(q, k, self.feature_map, self._rotate(rope_tables), self.rope)
@@ -563,6 +577,33 @@ class MultiHeadLinearAttention(KernelAttention):
     supports = Supports(bidirectional=True, grid_ranks=(1, 2, 3), causal=True, prefix_tokens=True, decoding=True,
                         varlen=True, rope=True, host_projections=True)
     exclusive_options = (("blocks", "block", "num_blocks"),)
+    # what it says about itself (mhla.registry: run tags, plots, benchmarks)
+    plot_label, plot_group, benchmark, benchmark_baseline = "MHLA", 3, True, "linear"
+    block_options = {"num_blocks": lambda m: "auto" if str(m) == "auto" else int(m)}  # a model's default blocks
+
+    @classmethod
+    def tag_words(cls, options: dict) -> list[str]:
+        """A mixing initialisation other than the locality init (``-uniform``), a frozen matrix (``-frozen``)."""
+        words = [f"-{options['mixing_init']}"] if options.get("mixing_init") not in (None, "locality") else []
+        return words + (["-frozen"] if options.get("mixing_learnable") is False else [])
+
+    @classmethod
+    def tag_blocks(cls, options: dict) -> str | None:
+        """M in a run's tag: ``blocks`` per axis (``7x3x5``), else ``num_blocks``."""
+        if options.get("blocks"):
+            return "x".join(map(str, options["blocks"]))
+        return None if options.get("num_blocks") is None else str(options["num_blocks"])
+
+    @classmethod
+    def bench_options(cls, n_tokens: int | None, cpe_gate: bool = False, block_size: int | None = None) -> dict:
+        """In a benchmark: M = 16 blocks, divided by 4 until ``M^2 <= n_tokens`` (a grid), or chunks of
+        ``block_size`` (a language model); ``cpe_gate``: with CPE and the output gate (Table 3's rows)."""
+        if block_size is not None:
+            return {"block_size": block_size}
+        m = 16
+        while m > 1 and n_tokens is not None and m * m > n_tokens:
+            m //= 4
+        return {"num_blocks": m, "cpe": cpe_gate, "gate": cpe_gate}
 
     def __init__(
         self,
@@ -781,6 +822,7 @@ class LinearAttention(KernelAttention):
 
     supports = Supports(bidirectional=True, grid_ranks=(1, 2, 3), causal=True, prefix_tokens=True, decoding=True,
                         varlen=True, rope=True, host_projections=True)
+    plot_label, plot_group, benchmark = "Linear", 1, True  # mhla.registry: plots, benchmarks
 
     def __init__(self, dim: int, num_heads: int = 8, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
@@ -819,6 +861,9 @@ class SoftmaxAttention(AttentionBase):
 
     supports = Supports(bidirectional=True, grid_ranks=(1, 2, 3), causal=True, prefix_tokens=True, decoding=True,
                         varlen=True, rope=True, host_projections=True)
+    # mhla.registry: plots (FlashAttention and "SA" rows are softmax), benchmarks; it keeps every key
+    plot_label, plot_group, plot_aliases = "Softmax", 0, ("flash", "sa", "self-attn")
+    benchmark, grows_with_context = True, True
 
     def _rotated(self, q, k, rope_tables):
         rot = self._rotate(rope_tables)

@@ -41,7 +41,7 @@ def complete_lm_attention(attn: dict, max_position_embeddings: int) -> dict:
     out["rope"] = rope_placement(out.get("rope", "none"))
     if out.get("block_size") == "auto":
         out["block_size"] = auto_block_size(max_position_embeddings)
-    if name == "mhla" and out.get("max_learned_blocks") is None:
+    if accepted is not None and "max_learned_blocks" in accepted and out.get("max_learned_blocks") is None:  # MHLA
         out["max_learned_blocks"] = max(1, max_position_embeddings // int(out["block_size"]))
     unknown = sorted(k for k in out if k != "name" and accepted is not None and k not in accepted)
     if unknown:

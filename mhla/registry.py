@@ -8,7 +8,7 @@
         supports = Supports(grid_ranks=(1, 2))        # what it can do, declared at the definition
         def attend(self, q, k, v, *, grid, ...): ...
 
-Three pieces, all of them here:
+Four pieces, all of them here:
 
 * :class:`Supports`: what an attention can do (causal or not, which token-grid ranks, class tokens, a decoding
   cache, packed variable-length sequences, rotary tables, running inside a host module's projections).
@@ -18,10 +18,14 @@ Three pieces, all of them here:
   setting: no normaliser + output RMSNorm), the options the model sets itself (``grid``, ``causal``,
   ``head_dim`` ...) and the model's built-in attentions that are not in the registry (SANA's ReLU attention,
   Wan's own softmax processor, Llama's attention).
-* :func:`resolve_attention`: the one place where an ``attn`` config meets a model. Options that are ``None``
-  (unset) take the model's default for that attention; every option that is set must be taken by the class
-  (or consumed by the host model), else it is refused with a message naming it; an attention the model cannot
-  run is refused with the list of those it can.
+* :func:`resolve` (:func:`resolve_attention` + :func:`check_attention`) -> :class:`ResolvedAttention`: the one
+  place where an ``attn`` config meets a model, once per run. Options that are ``None`` (unset) take the model's
+  default for that attention; every option that is set must be taken by the class (or consumed by the host
+  model), else it is refused with a message naming it; an attention the model cannot run is refused with the
+  list of those it can.
+* What an attention says about itself (its run-tag words, plot label and group, whether the benchmarks time it and
+  how, its decoding cache): optional class attributes read by :func:`attention_tag`, :func:`plot_words`,
+  :func:`benchmarked`, :func:`bench_options`, ...; the rest of the code asks these instead of comparing names.
 
 Every registered class takes ``(dim, num_heads, **options)`` and is called as ``layer(x)`` with ``x: [B, N, dim]``
 (see :class:`mhla.layers.AttentionBase`). This module imports nothing else from the package.
@@ -33,6 +37,7 @@ import importlib
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Callable
 
 import torch.nn as nn
@@ -143,6 +148,11 @@ class AttentionContract:
         prepare: what the model does to the resolved options before it builds its layers (e.g. the language
             model's ``block_size="auto"``); the probes see the prepared options.
         native_only: the model runs only its own attentions (e.g. Llama), none of the registry's.
+        passes: options the model passes to every layer it builds, whatever the attention (timm's blocks pass
+            ``qkv_bias``, ``qk_norm``, ...): an attention whose class does not take them cannot run in the model.
+        blocks: the model's default token blocks (``model.token_blocks``: an int M, or ``"auto"``, chosen from the
+            token grid): for an attention that splits its tokens into blocks, the option its ``block_options``
+            names (MHLA's ``num_blocks``), under the model's defaults for that attention (``defaults``).
     """
 
     model: str
@@ -155,6 +165,8 @@ class AttentionContract:
     probes: tuple[tuple[dict, dict], ...] = ()
     prepare: Callable[[dict], dict] | None = None
     native_only: bool = False
+    passes: tuple[str, ...] = ()
+    blocks: int | str | None = None
 
     def host_keys(self, name: str) -> set[str]:
         return set(self.host_options.get("*", ())) | set(self.host_options.get(name, ()))
@@ -301,6 +313,11 @@ def resolve_attention(cfg, contract: AttentionContract, key: str = "attn") -> di
         raise ValueError(f"{contract.model} needs {contract.needs.describe()}; {key}={name} has no "
                          f"{', '.join(missing)}. Attentions that fit: {', '.join(choices(contract))}")
     accepted = accepted_options(cls)
+    passed = [k for k in contract.passes if accepted is not None and k not in accepted]
+    if passed:
+        raise ValueError(f"{contract.model} builds its attention with {', '.join(passed)}; {key}={name} does not "
+                         f"take {'it' if len(passed) == 1 else 'them'}. Attentions that fit: "
+                         f"{', '.join(choices(contract))}")
     fixed = sorted(set(given) & set(contract.fixed))
     if fixed:
         named = ", ".join(f"{key}.{k}" for k in fixed)
@@ -320,7 +337,7 @@ def resolve_attention(cfg, contract: AttentionContract, key: str = "attn") -> di
                          f"its options: {', '.join(valid)}")
     options = {k: v for k, v in contract.defaults.get("*", {}).items()
                if accepted is None or k in accepted or k in host}
-    options.update(contract.defaults.get(name, {}))
+    options.update(with_defaults(contract.defaults.get(name, {}), block_defaults(name, contract.blocks), cls))
     return {"name": name, **with_defaults(given, options, cls)}
 
 
@@ -352,8 +369,9 @@ def probe_layers(options: dict, contract: AttentionContract, num_heads: int = 1,
                  head_dim: int = 8, key: str = "attn") -> list[nn.Module]:
     """The layers of ``contract.probes`` built with the resolved ``options`` on the meta device, one per probe
     (none for a native attention); their ``settings()`` say what the model's layers run with, e.g. the M that
-    MHLA's ``num_blocks="auto"`` picks on each token grid. Raises ValueError (naming the model and the grid)
-    for a layer that cannot be built."""
+    MHLA's ``num_blocks="auto"`` picks on each token grid. A layer with a ``check_at_start()`` method runs it
+    (e.g. a feature map that changes the head dimension under RoPE after the feature map). Raises ValueError
+    (naming the model and the grid) for a layer that cannot be built or fails its check."""
     import torch  # noqa: PLC0415  (registry imports nothing heavy at module level)
 
     name = options["name"]
@@ -373,7 +391,11 @@ def probe_layers(options: dict, contract: AttentionContract, num_heads: int = 1,
         fixed = {k: v for k, v in fixed.items() if accepted is None or k in accepted}
         try:
             with torch.device("meta"):
-                layers.append(build_attention(opts, dim, heads, **fixed))
+                layer = build_attention(opts, dim, heads, **fixed)
+                check = getattr(layer, "check_at_start", None)  # what only the built layer can tell
+                if check is not None:
+                    check()
+            layers.append(layer)
         except ValueError as e:
             where = f" on its {'x'.join(map(str, fixed['grid']))} token grid" if fixed.get("grid") else ""
             raise ValueError(f"{contract.model}{where}: {key}={name}: {e}") from None
@@ -382,7 +404,11 @@ def probe_layers(options: dict, contract: AttentionContract, num_heads: int = 1,
 
 def choices(contract: AttentionContract) -> list[str]:
     """The attentions a model can run: the registered ones that fit its needs, then its native ones."""
-    return ([] if contract.native_only else attentions_for(contract.needs)) + sorted(contract.native)
+    fits = [] if contract.native_only else attentions_for(contract.needs)
+    if contract.passes:
+        fits = [n for n in fits if (accepted_options(_REGISTRY[n]) is None
+                                    or set(contract.passes) <= accepted_options(_REGISTRY[n]))]
+    return fits + sorted(contract.native)
 
 
 def split_host_options(options: dict, contract: AttentionContract) -> tuple[dict, dict]:
@@ -411,6 +437,194 @@ def build_attention(cfg, dim: int, num_heads: int, **overrides) -> nn.Module:
         if unknown:
             raise ValueError(f"attention {name!r} does not take {unknown}; valid options: {', '.join(sorted(accepted))}")
     return cls(dim, num_heads, **options)
+
+
+# ---------------------------------------------------------------------------- one resolution per run
+@dataclass(frozen=True)
+class ResolvedAttention:
+    """An attention resolved against a model's contract (:func:`resolve`): what a run builds, resolved once at its
+    start and handed to the task, the model builder, the run's record and its FLOP count.
+
+    Attributes:
+        resolved: ``{"name": ..., option: value, ...}``, the options the model builds the layer with
+            (:func:`resolve_attention`); :attr:`options` hands out a copy.
+        contract: the model's :class:`AttentionContract` it was resolved against.
+        key: the config key it came from (``attn``; ``attn_cross`` for a cross-attention).
+        cross: the run's cross-attention (``attn_cross``), resolved the same way; None where not resolved.
+    """
+
+    resolved: Mapping
+    contract: AttentionContract
+    key: str = "attn"
+    cross: ResolvedAttention | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.resolved["name"])
+
+    @property
+    def options(self) -> dict:
+        """A copy of :attr:`resolved`, for a model builder (which may change its copy)."""
+        return dict(self.resolved)
+
+    @property
+    def is_native(self) -> bool:
+        """The model's own attention (:attr:`AttentionContract.native`), not a registered one."""
+        return self.name in self.contract.native
+
+    @property
+    def cls(self) -> type[nn.Module] | None:
+        """The registered class, None for the model's native attention."""
+        return None if self.is_native else get_attention_class(self.name)
+
+    @property
+    def effective(self) -> dict:
+        """Every option the layer runs with, the class's defaults filled in (:func:`effective_options`)."""
+        return effective_options(self.options, self.contract)
+
+    def tag(self) -> str:
+        """The attention's part of a run's tag, e.g. ``mhla+cpe+gate-frozen`` (:func:`attention_tag`), with
+        ``+x<name>`` for a cross-attention other than the model's own."""
+        text = attention_tag(self.options, self.contract)
+        if self.cross is not None and not self.cross.is_native:
+            text += f"+x{self.cross.name.removesuffix('_cross')}"
+        return text
+
+
+def resolve(cfg, contract: AttentionContract, key: str = "attn") -> ResolvedAttention:
+    """:func:`resolve_attention`, then :func:`check_attention` (the start-of-run probes): the attention a model
+    builds for ``cfg``, as a :class:`ResolvedAttention`. Raises ValueError as those do."""
+    options = resolve_attention(cfg, contract, key=key)
+    check_attention(options, contract, key=key)
+    return ResolvedAttention(resolved=MappingProxyType(options), contract=contract, key=key)
+
+
+# ------------------------------------------------------------------------ what an attention says about itself
+# A registered class may declare, as class attributes (each optional; the defaults below apply):
+#   plot_label: str                 its name in plots and tables (default: the registered name)
+#   plot_group: int                 bars within a plot group, left to right: 0 softmax, 1 linear, 2 the other
+#                                   attentions (default), 3 MHLA and its variants
+#   plot_aliases: tuple[str, ...]   other words that name it in a cell name or a paper row ("flash", "sa")
+#   benchmark: bool                 whether the benchmarks (scripts/bench_models.py, bench_generation.py) and the
+#                                   length-extrapolation study train and time it by default (default False)
+#   benchmark_baseline: str         the attention its benchmark rows are compared with
+#   bench_options(n_tokens, **flags) -> dict
+#                                   classmethod: its options in a benchmark over n_tokens tokens (default: none)
+#   grows_with_context: bool        keeps every key: its cost grows as T^2 and its decoding cache as T (softmax)
+#   tag_words(options) -> list[str] classmethod: its own words in a run's tag (MHLA: "-uniform", "-frozen")
+#   tag_blocks(options) -> str|None classmethod: its block count for a run's tag (the "M" of run_settings)
+#   block_options: dict             the options that take a model's default token blocks (model.token_blocks):
+#                                   {option: how the block count maps to it}, e.g. MHLA's {"num_blocks": int}
+#   legacy_options: dict            {old option name: new name} for configs stored before a rename
+#   check_at_start()                method of a built layer: what only the built layer can tell, run on the
+#                                   start-of-run probes (:func:`probe_layers`); raises ValueError
+PLOT_GROUP_OTHER = 2
+
+
+def _describing(name: str):
+    return _REGISTRY.get(name)
+
+
+def plot_label(name: str) -> str:
+    cls = _describing(name)
+    return str((cls.__dict__.get("plot_label") if cls is not None else None) or name)  # its own, not inherited
+
+
+def plot_group(name: str) -> int:
+    return int(getattr(_describing(name), "plot_group", PLOT_GROUP_OTHER))
+
+
+def plot_words() -> dict[str, str]:
+    """``{word: attention name}``: every registered self-attention's name, plot label and aliases, lower case
+    (the words that say which attention a cell name or a paper row is about)."""
+    out: dict[str, str] = {}
+    for name in list_attentions():
+        cls = _REGISTRY[name]
+        if cls.supports.cross:
+            continue
+        for word in (name, plot_label(name), *getattr(cls, "plot_aliases", ())):
+            out.setdefault(str(word).lower(), name)
+    return out
+
+
+def has_decoding_cache(name: str) -> bool:
+    return bool(_REGISTRY[name].supports.decoding) if name in _REGISTRY else False
+
+
+def grows_with_context(name: str) -> bool:
+    """Whether the attention keeps every key (cost T^2, decoding cache T): softmax's kind."""
+    return bool(getattr(_describing(name), "grows_with_context", False))
+
+
+def benchmarked(needs: Needs | None = None) -> list[str]:
+    """The registered attentions that declare ``benchmark = True`` (and meet ``needs`` when given), in plot order
+    (:func:`plot_group`, then name)."""
+    names = [n for n in list_attentions() if getattr(_REGISTRY[n], "benchmark", False)
+             and (needs is None or not unmet_needs(_REGISTRY[n].supports, needs))]
+    return sorted(names, key=lambda n: (plot_group(n), n))
+
+
+def benchmark_baseline(name: str) -> str | None:
+    return getattr(_describing(name), "benchmark_baseline", None)
+
+
+def bench_options(name: str, n_tokens: int | None = None, **flags) -> dict:
+    """``{"name": name, **options}`` of the attention in a benchmark over ``n_tokens`` tokens (its
+    ``bench_options``; ``flags``: the benchmark's switches, e.g. ``cpe_gate``)."""
+    make = getattr(_describing(name), "bench_options", None)
+    return {"name": name, **(make(n_tokens, **flags) if make is not None else {})}
+
+
+def takes_option(name: str, option: str) -> bool:
+    """Whether registered attention ``name`` takes ``option`` (False for a name that is not registered)."""
+    cls = _describing(name)
+    return cls is not None and option in (accepted_options(cls) or ())
+
+
+def takes_blocks(name: str) -> bool:
+    """Whether attention ``name`` splits the tokens into blocks (it declares ``block_options``: MHLA)."""
+    return bool(getattr(_describing(name), "block_options", None))
+
+
+def block_defaults(name: str, blocks) -> dict:
+    """The options of attention ``name`` that a model's default token blocks ``blocks`` (an int M, or ``"auto"``)
+    set: ``{option: value}`` from its ``block_options``; ``{}`` for an attention without blocks or for
+    ``blocks=None``."""
+    cls = _describing(name)
+    if blocks is None or cls is None:
+        return {}
+    return {option: convert(blocks) for option, convert in getattr(cls, "block_options", {}).items()}
+
+
+def attention_tag(options: dict, contract: AttentionContract | None = None) -> str:
+    """The attention's part of a run's tag (``tasks.common.config.run_settings``): its name, then the words of the
+    shared options that differ from the plain layer (``+cpe``, ``+gate``), the class's own words
+    (``tag_words``), the host model's layer selection (``-layers<...>``) and, for an attention whose class takes
+    a normaliser, a normaliser other than the default (``-nonorm``). A native attention is its name alone."""
+    name = str(options.get("name", ""))
+    if contract is not None and name in contract.native:
+        return name
+    cls = _describing(name)  # None: not registered (a config that does not resolve): the shared words only
+    words = [name]
+    if options.get("cpe"):
+        words.append("+cpe" + (f"{options['cpe_kernel']}" if options.get("cpe_kernel") not in (None, 3) else ""))
+    if options.get("gate"):
+        words.append("+gate" + (f"-{options['gate']}" if options["gate"] is not True else ""))
+    if cls is not None and hasattr(cls, "tag_words"):
+        words += list(cls.tag_words(options))
+    layers = options.get("layers")
+    if layers not in (None, "all"):
+        words.append(f"-layers{layers}" if isinstance(layers, str) else "-layers" + ".".join(map(str, layers)))
+    if (cls is not None and "normalize" in options and options["normalize"] is not True
+            and "normalize" in (accepted_options(cls) or ())):
+        words.append("-nonorm" if options["normalize"] is False else f"-norm{options['normalize']}")
+    return "".join(words)
+
+
+def tag_blocks(options: dict) -> str | None:
+    """The attention's block count for a run's tag (its ``tag_blocks``), None for an attention without one."""
+    make = getattr(_describing(str(options.get("name", ""))), "tag_blocks", None)
+    return make(options) if make is not None else None
 
 
 def supports_fields() -> tuple[str, ...]:

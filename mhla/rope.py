@@ -26,7 +26,7 @@ What ``normalize=True`` divides by with ``"after_feature_map"``: the numerator u
 normaliser the un-rotated ``phi(q) . phi(k)`` (RoFormer's linear-attention form, as MALA / RALA: the denominator
 stays positive); with the other placements both use the same features. One layer implements it for every model
 (:class:`mhla.layers.KernelAttention`); causal layers refuse that one combination, which would need a second
-decode state (the paper's LM has no normaliser). ``tests/test_rope.py`` checks the causal and the bidirectional
+decode state (the paper's LM has no normaliser). ``tests/layers/test_rope.py`` checks the causal and the bidirectional
 layer against each other for every placement, and the normaliser against its definition.
 """
 

@@ -43,22 +43,22 @@ def _plain(value):
     return value
 
 
-def mhla_defaults(model_cfg) -> dict:
-    """``{"mhla": {"num_blocks": M}}`` from ``model.mhla_num_blocks`` (an int, or ``auto``: chosen from the model's
-    token grid, docs/choosing_m.md), ``{}`` when it is unset: a model family's MHLA default M."""
-    value = model_cfg.get("mhla_num_blocks")
+def token_blocks(model_cfg) -> int | str | None:
+    """The model's default token blocks, ``model.token_blocks``: an int M, ``auto`` (chosen from the model's token
+    grid, docs/choosing_m.md) or None (unset); a contract's ``blocks`` (the default of an attention that splits
+    its tokens into blocks, e.g. MHLA's ``num_blocks``)."""
+    value = model_cfg.get("token_blocks")
     if value is None:
-        return {}
-    return {"mhla": {"num_blocks": "auto" if str(value) == "auto" else int(value)}}
+        return None
+    return "auto" if str(value) == "auto" else int(value)
 
 
 def grid_model_contract(model_cfg, *, patch_grid: tuple[int, int], width: dict) -> AttentionContract:
     """The contract of a model whose blocks attend over its 2-D patch grid (DiT, DiG): any bidirectional attention
-    on a 2-D grid; MHLA's default M is ``model.mhla_num_blocks``; ``width``: ``{"dim", "num_heads"}`` of its
-    layers for the start-of-run probe (empty: the probe's own)."""
-    defaults = mhla_defaults(model_cfg)
+    on a 2-D grid; its default token blocks are ``model.token_blocks`` (MHLA's M); ``width``: ``{"dim",
+    "num_heads"}`` of its layers for the start-of-run probe (empty: the probe's own)."""
     return AttentionContract(model=f"model={model_cfg.get('name', model_cfg.get('kind'))}", needs=Needs(grid_rank=2),
-                             defaults=defaults, fixed=GRID_MODEL_FIXED,
+                             blocks=token_blocks(model_cfg), fixed=GRID_MODEL_FIXED,
                              probes=(({"grid": tuple(patch_grid), **width}, {}),))
 
 

@@ -38,7 +38,7 @@ from functools import partial
 from timm.models import generate_default_cfgs
 
 from mhla.layouts import ceil_div
-from mhla.registry import Needs, attentions_for
+from mhla.registry import Needs, attentions_for, block_defaults
 
 from .vit import (
     VIT_PARAMS,
@@ -79,9 +79,7 @@ def deit(variant: str, attn: str = "mhla", pretrained: bool = False, *, img_size
     model_kwargs, attn_options = split_model_kwargs(kwargs, VIT_PARAMS)
     args = {**PAPER_SETTING, **DEIT[variant], **model_kwargs}
     pad_to = padded_size(img_size, int(args["patch_size"]), num_blocks) if pad else None
-    attn_cfg = {"name": attn, **attn_options}
-    if attn == "mhla":
-        attn_cfg.setdefault("num_blocks", num_blocks)
+    attn_cfg = {"name": attn, **block_defaults(attn, num_blocks), **attn_options}  # MHLA: M = num_blocks
     return create_vit(model_name(variant, attn), attn_cfg, pretrained=pretrained, img_size=img_size,
                       pad_to=pad_to, **args)
 

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from mhla.adapters.diffusers import swap_cross_attention, swap_self_attention
 from mhla.registry import AttentionContract, Needs
 
-from .attention import mhla_defaults
+from .attention import token_blocks
 
 # docs/baselines.md#sana-06b (scripts/convert_sana_to_diffusers.py, SanaMS_600M_P1_D28); sample_size 32 = 1024 px.
 SANA_600M = dict(in_channels=32, out_channels=32, num_attention_heads=36, attention_head_dim=32, num_layers=28,
@@ -43,6 +43,7 @@ SANA_TINY = dict(SANA_600M, in_channels=8, out_channels=8, num_attention_heads=4
                  caption_channels=32, sample_size=8)
 CONFIGS = {"sana_600m": SANA_600M, "sana_tiny": SANA_TINY}
 NATIVE = ("native",)
+CROSS_NATIVE = {"native": "SANA's own softmax cross-attention"}  # its own cross-attention, by config name
 
 
 def sana_config(name_or_dict) -> dict:
@@ -75,8 +76,8 @@ HOST_REFUSED = {k: "the diffusers module owns the projections" for k in ("cpe", 
 
 def attention_contract(model_cfg) -> AttentionContract:
     """SANA's self-attention takes any registered attention that runs inside diffusers' projections over the 2-D
-    latent grid, or ``native`` (SANA's own ReLU linear attention); MHLA's default M is ``model.mhla_num_blocks``."""
-    defaults = mhla_defaults(model_cfg)
+    latent grid, or ``native`` (SANA's own ReLU linear attention); its default token blocks are
+    ``model.token_blocks`` (MHLA's M)."""
     probes = ()
     if not model_cfg.get("pretrained"):  # a released checkpoint's grid is known once it is loaded
         arch = sana_config(model_cfg.get("config", "sana_tiny"))
@@ -85,7 +86,8 @@ def attention_contract(model_cfg) -> AttentionContract:
                     "dim": arch["num_attention_heads"] * arch["attention_head_dim"]}, {}),)
     return AttentionContract(
         model=f"model={model_cfg.get('name', 'sana')}", needs=Needs(grid_rank=2, host_projections=True),
-        defaults=defaults, fixed=("grid", "causal", "projections", "head_dim", "value_dim", "num_prefix_tokens"),
+        blocks=token_blocks(model_cfg),
+        fixed=("grid", "causal", "projections", "head_dim", "value_dim", "num_prefix_tokens"),
         native={name: "SANA's own ReLU linear attention" for name in NATIVE}, refused=dict(HOST_REFUSED),
         probes=probes)
 
@@ -104,14 +106,14 @@ def cross_attention_contract(model_cfg) -> AttentionContract:
         model=f"model={model_cfg.get('name', 'sana')}",
         needs=Needs(cross=True, grid_rank=2, host_projections=True),
         fixed=("grid", "projections", "head_dim", "value_dim", "context_dim"),
-        native={"native": "SANA's own softmax cross-attention"}, probes=probes)
+        native=dict(CROSS_NATIVE), probes=probes)
 
 
 def swap_cross(model: nn.Module, cross_cfg) -> list[str]:
     """Replace SANA's ``attn2`` processors per the resolved ``cross_cfg`` (``native`` or None: keep SANA's
     own)."""
     cfg = {str(k): v for k, v in dict(cross_cfg or {"name": "native"}).items()}
-    if cfg["name"] == "native":
+    if cfg["name"] in CROSS_NATIVE:
         return []
     grid = (model.config.sample_size // model.config.patch_size,) * 2
     return swap_cross_attention(model, cfg, grid=grid)

@@ -29,8 +29,11 @@ from timm.models.vision_transformer import VisionTransformer
 from mhla.adapters.timm import timm_attn_layer
 from mhla.registry import AttentionContract, Needs
 
-from .attention import mhla_defaults
+from .attention import token_blocks
 
+# What timm's blocks pass to their attention (timm's ``attn_layer`` hook, mhla/adapters/timm.py): an attention
+# that does not take them (GLA, with its own projections) cannot run in a timm ViT (it runs in DiT / DiG).
+TIMM_ATTENTION_ARGUMENTS = ("qkv_bias", "qk_norm", "proj_bias", "attn_drop", "proj_drop", "norm_layer", "scale_norm")
 # Options a ViT sets on its attention itself (timm passes them, or the model's grid / class token decide them).
 VIT_FIXED_OPTIONS = ("grid", "num_prefix_tokens", "causal", "qkv_bias", "qk_norm", "proj_bias", "attn_drop",
                      "proj_drop", "norm_layer", "scale_norm", "device", "dtype", "head_dim", "value_dim",
@@ -39,15 +42,17 @@ VIT_FIXED_OPTIONS = ("grid", "num_prefix_tokens", "causal", "qkv_bias", "qk_norm
 
 def attention_contract(model_cfg) -> AttentionContract:
     """A ViT takes any bidirectional attention over its 2-D patch grid (with the class token, one that supports
-    prefix tokens); MHLA's default M is ``model.mhla_num_blocks``."""
-    defaults = mhla_defaults(model_cfg)
+    prefix tokens); its default token blocks are ``model.token_blocks`` (MHLA's M)."""
     class_token = bool(model_cfg.get("class_token", False))
     needs = Needs(grid_rank=2, prefix_tokens=class_token)
     img, patch = int(model_cfg.get("pad_to") or model_cfg.img_size), int(model_cfg.patch_size)
     probe = ({"grid": (img // patch, img // patch), "num_prefix_tokens": int(class_token),
               "dim": int(model_cfg.embed_dim), "num_heads": int(model_cfg.num_heads)}, {})
-    return AttentionContract(model=f"model={model_cfg.get('name', 'vit')}", needs=needs, defaults=defaults,
-                             fixed=VIT_FIXED_OPTIONS, probes=(probe,) if img % patch == 0 else ())
+    return AttentionContract(model=f"model={model_cfg.get('name', 'vit')}", needs=needs,
+                             blocks=token_blocks(model_cfg), fixed=VIT_FIXED_OPTIONS, passes=TIMM_ATTENTION_ARGUMENTS,
+                             probes=(probe,) if img % patch == 0 else ())
+
+
 
 
 def grouped_parameter_names(model: nn.Module) -> set[str]:

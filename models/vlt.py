@@ -58,9 +58,11 @@ from mhla.registry import (
     Needs,
     accepted_options,
     attentions_for,
+    block_defaults,
     build_attention,
     get_attention_class,
     list_attentions,
+    takes_blocks,
     with_defaults,
 )
 
@@ -189,7 +191,7 @@ class VLT(nn.Module):
         for s, (dim, depth, h) in enumerate(zip(dims, depths, heads)):
             if s < 2:  # MHLA's M of this stage unless the config sets the block grid
                 cfg = {k: v for k, v in linear_attn.items() if v is not None}
-                stage = {"num_blocks": int(stage_num_blocks[s])} if cfg["name"] == "mhla" else {}
+                stage = block_defaults(cfg["name"], stage_num_blocks[s])  # {} for an attention without blocks
                 cfg = with_defaults(cfg, stage, get_attention_class(cfg["name"]))
             else:
                 cfg = softmax_attn
@@ -353,8 +355,8 @@ register_family(globals(), [(model_name(v, a), partial(vlt, v, a)) for v in VLT_
 
 def attention_contract(model_cfg) -> AttentionContract:
     """VLT's linear stages take any bidirectional attention over a 2-D grid, with RALA's wrapper as the default of
-    those that do not hold it (:data:`WRAPPER_DEFAULTS`); MHLA's M defaults to ``model.stage_num_blocks`` per
-    stage (one ``attn.num_blocks`` sets both)."""
+    those that do not hold it (:data:`WRAPPER_DEFAULTS`); the token blocks of each linear stage are
+    ``model.stage_num_blocks`` (MHLA's M; one ``attn.num_blocks`` sets both)."""
     defaults = {}
     for name in list_attentions():
         accepted = accepted_options(get_attention_class(name))
@@ -363,7 +365,7 @@ def attention_contract(model_cfg) -> AttentionContract:
     size = int(model_cfg.img_size)
     spec = VLT_SPECS.get(model_cfg.get("variant", "t"), VLT_SPECS["t"])
     probes = tuple(({"grid": (size // s, size // s), "dim": spec["dims"][i], "num_heads": spec["heads"][i]},
-                    {"mhla": {"num_blocks": int(m)}})
+                    {name: block_defaults(name, m) for name in list_attentions() if takes_blocks(name)})
                    for i, (s, m) in enumerate(zip((4, 8), model_cfg.get("stage_num_blocks", (49, 16)))))
     return AttentionContract(model=f"model={model_cfg.get('name', 'vlt')}", needs=Needs(grid_rank=2),
                              defaults=defaults, fixed=("grid", "causal", "num_prefix_tokens", "projections",

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from mhla.adapters.diffusers import hybrid_layers, swap_cross_attention, swap_self_attention
 from mhla.registry import AttentionContract, Needs
 
-from .attention import mhla_defaults
+from .attention import token_blocks
 from .weights import MissingWeightsError, require_local_weights  # noqa: F401  (MissingWeightsError: re-exported)
 
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B (diffusers' conversion script; docs/baselines.md#wan21-t2v-13b).
@@ -103,20 +103,23 @@ def build_transformer(model_cfg):
 # that take those options; the Wan cells and the mini task set the rest (blocks, the linear row's own setting).
 WAN_ATTENTION_DEFAULTS = {"normalize": False, "out_norm": True, "rope": "after_feature_map"}
 HOST_OPTIONS = ("layers", "softmax_every", "softmax_offset")
+NATIVE = {"softmax": "Wan's own processor (SDPA / FlashAttention)"}  # the model's own attentions, by config name
+CROSS_NATIVE = {"native": "Wan's own softmax cross-attention (SDPA)"}
 
 
 def attention_contract(model_cfg) -> AttentionContract:
     """Wan's self-attention takes any registered attention that runs inside diffusers' projections over the 3-D
     latent grid with Wan's rotary tables, or ``softmax`` (Wan's own processor, the FlashAttention row). Host options
-    (``attn.layers`` / ``softmax_every`` / ``softmax_offset``): which layers get it. MHLA's default M is
-    ``model.mhla_num_blocks`` (``attn.blocks`` per axis wins when set)."""
-    defaults = {"*": dict(WAN_ATTENTION_DEFAULTS), **mhla_defaults(model_cfg)}
+    (``attn.layers`` / ``softmax_every`` / ``softmax_offset``): which layers get it. Its default token blocks
+    are ``model.token_blocks`` (MHLA's M; ``attn.blocks`` per axis wins when set)."""
+    defaults = {"*": dict(WAN_ATTENTION_DEFAULTS)}
     refused = {k: "the diffusers module owns the projections" for k in ("cpe", "cpe_kernel", "gate", "qk_norm",
                                                                         "short_conv")}
     return AttentionContract(
         model=f"model={model_cfg.get('name', 'wan')}", needs=Needs(grid_rank=3, rope=True, host_projections=True),
-        defaults=defaults, fixed=("grid", "causal", "projections", "head_dim", "value_dim", "num_prefix_tokens"),
-        host_options={"*": HOST_OPTIONS}, native={"softmax": "Wan's own processor (SDPA / FlashAttention)"},
+        defaults=defaults, blocks=token_blocks(model_cfg),
+        fixed=("grid", "causal", "projections", "head_dim", "value_dim", "num_prefix_tokens"),
+        host_options={"*": HOST_OPTIONS}, native=dict(NATIVE),
         refused=refused, prepare=_check_layer_options)
 
 
@@ -150,7 +153,7 @@ def apply_attention(model, attn_cfg, grid=None) -> list[str]:
     rather than ``blocks`` (per axis).
     """
     a = _plain(attn_cfg)
-    if a.get("name", "softmax") == "softmax":
+    if a.get("name", "softmax") in NATIVE:
         return []
     layer_options = {k: v for k, v in a.items() if k not in HOST_OPTIONS}
     return swap_self_attention(model, layer_options, layers=attention_layers(a, len(model.blocks)), grid=grid)
@@ -167,14 +170,14 @@ def cross_attention_contract(model_cfg) -> AttentionContract:
     return AttentionContract(
         model=f"model={model_cfg.get('name', 'wan')}",
         needs=Needs(cross=True, grid_rank=3, host_projections=True),
-        fixed=CROSS_FIXED, native={"native": "Wan's own softmax cross-attention (SDPA)"})
+        fixed=CROSS_FIXED, native=dict(CROSS_NATIVE))
 
 
 def apply_cross_attention(model, cross_cfg, grid=None) -> list[str]:
     """Swap the text cross-attention of ``model`` as the resolved ``cross_cfg`` says (``native``: keep Wan's
     own); returns the swapped module names."""
     a = _plain(cross_cfg)
-    if a.get("name", "native") == "native":
+    if a.get("name", "native") in CROSS_NATIVE:
         return []
     return swap_cross_attention(model, a, grid=grid)
 

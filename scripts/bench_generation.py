@@ -50,6 +50,9 @@ import torch
 if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import mhla  # noqa: F401, E402  (registers the package's attentions)
+from mhla.registry import Needs, bench_options, benchmark_baseline, benchmarked, grows_with_context  # noqa: E402
+from tasks.common.config import import_config_attentions  # noqa: E402
 from tasks.common.results import BusyMachine, load_summary, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.records import Measurement
@@ -65,7 +68,9 @@ PRESETS = {
     "340m": dict(block_size=64, max_position_embeddings=2048),
 }
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
-ATTNS = ["mhla", "linear", "softmax"]
+# the attentions that declare ``benchmark = True`` and decode causally (mhla/registry.py), MHLA first
+import_config_attentions()  # the attentions defined outside the package (configs/attn/*.yaml's module:)
+ATTNS = benchmarked(Needs(causal=True, decoding=True))[::-1]
 GPU_COMMAND = ("python scripts/bench_generation.py --device cuda --dtype bf16 --presets small 340m "
                "--contexts " + " ".join(map(str, CONTEXTS)))
 TIME_METHOD = ("one process; per preset and attention one model, per context a fresh cache filled to "
@@ -87,7 +92,7 @@ def build_model(preset: str, attn: str, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     cfg = dict(PRESETS[preset])
     block = cfg.pop("block_size")
-    spec = {"name": attn, **({"block_size": block} if attn == "mhla" else {})}
+    spec = bench_options(attn, block_size=block)  # (MHLA: chunks of the preset's block_size)
     return MHLALMForCausalLM(MHLALMConfig(attn=spec, **cfg)).to(device, dtype).eval()
 
 
@@ -151,7 +156,7 @@ def prefill(model, cache, L: int, batch: int, chunk: int) -> None:
 def cache_bytes_estimate(preset: str, attn: str, L: int, batch: int, dtype: torch.dtype) -> int:
     """Bytes of a softmax KV cache at ``L`` tokens (others: 0), to skip what cannot fit
     (``--max-cache-gib``)."""
-    if attn != "softmax":
+    if not grows_with_context(attn):
         return 0
     from models.lm import MHLALMConfig  # noqa: PLC0415
 
@@ -257,7 +262,7 @@ def markdown(data: dict, name: str) -> str:
     lines += ["", "Summary (MHLA's goal: per-token time flat in the context and within 1.2x of linear "
               "attention's; cache flat):", ""]
     for p in presets:
-        for a in ("mhla", "linear", "softmax"):
+        for a in dict.fromkeys(r["attn"] for r in rows):
             ok = sorted((r for r in rows if r["preset"] == p and r["attn"] == a and "ms_per_token" in r),
                         key=lambda r: r["context"])
             if len(ok) < 1:
@@ -266,12 +271,13 @@ def markdown(data: dict, name: str) -> str:
             text = (f"- `{p}` {a}: {hi['ms_per_token'] / lo['ms_per_token']:.2f}x the per-token time and "
                     f"{hi['cache_bytes'] / lo['cache_bytes']:.2f}x the cache from L = {lo['context']} to "
                     f"{hi['context']}")
-            if a == "mhla":
-                ratios = [by[(p, "mhla", L)]["ms_per_token"] / by[(p, "linear", L)]["ms_per_token"]
+            base = benchmark_baseline(a)  # MHLA: linear attention
+            if base:
+                ratios = [by[(p, a, L)]["ms_per_token"] / by[(p, base, L)]["ms_per_token"]
                           for L in sorted({r["context"] for r in ok})
-                          if "ms_per_token" in by.get((p, "linear", L), {})]
+                          if "ms_per_token" in by.get((p, base, L), {})]
                 if ratios:
-                    text += f"; against linear attention {min(ratios):.2f}x-{max(ratios):.2f}x per token"
+                    text += f"; against {base} attention {min(ratios):.2f}x-{max(ratios):.2f}x per token"
             lines.append(text + ".")
     lines += ["", f"Plot: `{name}.png` (ms / token and cache MiB against the context L, one line per preset "
                   "and attention, log-log; redraw from the .json with `--plot-only`)."]

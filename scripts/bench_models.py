@@ -36,7 +36,10 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 import torch
 
+import mhla  # noqa: F401  (registers the package's attentions)
+from mhla.registry import Needs, bench_options, benchmarked, grows_with_context
 from scripts.bench_ops import timer
+from tasks.common.config import import_config_attentions
 from tasks.common.results import BusyMachine, write_result
 from tasks.common.plots import colors_for, loglog_lines, pyplot, save_figure
 from tasks.common.records import Measurement, busy_cpu_s
@@ -44,19 +47,17 @@ from tasks.common.utils import system_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ATTNS = ("softmax", "linear", "mhla")
+# the attentions that declare ``benchmark = True`` and run on DiT's 2-D grid (mhla/registry.py; softmax, linear, MHLA)
+import_config_attentions()  # the attentions defined outside the package (configs/attn/*.yaml's module:)
+ATTNS = tuple(benchmarked(Needs(grid_rank=2)))
 TIME_METHOD = ("one warm-up call, then the median (p25-p75) of --repeats calls; CPU: time.perf_counter wall "
                "clock; GPU: CUDA events. fwd: model(x, t, y) under no_grad (one denoising step); train: forward, "
                "MSE to a fixed target, backward, AdamW step. images/s = batch / median seconds.")
 
 
 def attn_config(name: str, n_tokens: int, cpe_gate: bool) -> dict:
-    if name == "mhla":
-        m = 16
-        while m > 1 and m * m > n_tokens:
-            m //= 4
-        return {"name": "mhla", "num_blocks": m, "cpe": cpe_gate, "gate": cpe_gate}
-    return {"name": name}
+    """The attention's options in this benchmark (its ``bench_options``: MHLA's M from the token count)."""
+    return bench_options(name, n_tokens, cpe_gate=cpe_gate)
 
 
 def build_case(model_name: str, res: int, attn: str, batch: int, device, cpe_gate: bool):
@@ -120,7 +121,7 @@ def estimate(prev: dict | None, n_tokens: int, attn: str, model_name: str) -> fl
     if not prev or prev.get("sec") is None:
         return None
     ratio = n_tokens / prev["n_tokens"]
-    return prev["sec"] * (ratio ** 2 if attn == "softmax" else ratio) * model_weight(model_name) / prev["weight"]
+    return prev["sec"] * (ratio ** 2 if grows_with_context(attn) else ratio) * model_weight(model_name) / prev["weight"]
 
 
 def run(args) -> dict | None:

@@ -33,6 +33,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 import torch
 
+from mhla.registry import takes_blocks
 from models.wan import WAN_1_3B, apply_attention
 from tasks.common.results import BusyMachine, load_summary, write_result
 from tasks.common.plots import colors_for, grouped_bars, pyplot, save_figure
@@ -79,7 +80,7 @@ def bench_variant(preset: dict, variant: str, device: torch.device, dtype, warmu
     with torch.device(device):
         model = WanTransformer3DModel(**preset["arch"])
     attn = {**VARIANTS[variant], "normalize": False, "out_norm": True, "rope": "after"}
-    if attn["name"] == "mhla":  # the block grid is MHLA's own option (linear attention refuses it)
+    if takes_blocks(attn["name"]):  # the block grid is MHLA's own option (linear attention refuses it)
         attn["blocks"] = list(preset["blocks"])
     apply_attention(model, attn)
     model = model.to(device, dtype).eval()

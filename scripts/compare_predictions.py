@@ -26,7 +26,7 @@ recipe that ends lower on the test set fit the training set worse, or as well an
 
 Writes ``<out>.json`` (the runs' error indices, the pairs, the command, machine and commit) and ``<out>.md``
 (with ``--notes``, the reading under ``## Reading``, whose numbers must be in the JSON:
-``tests/test_readings_numbers.py``).
+``tests/scripts/test_readings_numbers.py``).
 Classification tasks only (batches of ``(x, y)`` with integer labels).
 """
 

@@ -51,14 +51,18 @@ import torch
 import torch.nn.functional as F
 
 from mhla.mixing import EXTENSION_RULES, mixing_matrices
+from mhla.registry import Needs, benchmarked, takes_option
 from tasks.common.checkpoint import find_checkpoint, load_run_checkpoint, model_weights
+from tasks.common.config import import_config_attentions
 from tasks.common.evaluation import load_run
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.results import write_result
 from tasks.common.utils import system_info
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
-TRAIN_ATTNS = ("mhla", "linear", "softmax")
+# the attentions that declare ``benchmark = True`` and decode causally (mhla/registry.py), MHLA first
+import_config_attentions()  # the attentions defined outside the package (configs/attn/*.yaml's module:)
+TRAIN_ATTNS = tuple(benchmarked(Needs(causal=True, decoding=True))[::-1])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -226,8 +230,9 @@ def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_b
         info = {"checkpoint": ckpt if graft is None else f"{ckpt} + weights of {find_checkpoint(graft)}",
                 "attn": attn if graft is None else "linear weights in MHLA (mixing at init)", "train_seq_len": int(cfg.data.seq_len),
                 "block_size": int(model.config.attn.get("block_size", 0)), "val_tokens": int(len(tokens))}
-        run_rules = rules if attn == "mhla" else ["-"]
-        if attn == "mhla":
+        extends = takes_option(attn, "mixing_extension")  # MHLA: its mixing has extension rules past the learned rows
+        run_rules = rules if extends else ["-"]
+        if extends:
             results["mixing"][name] = mixing_summary(model)
         for rule in run_rules:
             key = name if rule == "-" else f"{name}/{rule}"

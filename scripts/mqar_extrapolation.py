@@ -34,8 +34,8 @@ import re
 import statistics
 import sys
 
-if __package__ in (None, ""):  # run as a file: the checkout's root on the path, then import as the package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 

@@ -2,7 +2,8 @@
 """One entry point for every paper table: run its cells (or hand over to its own entry point) and write our
 numbers beside the paper's.
 
-    python scripts/reproduce_table.py --list                    # every table: kind, cells, command, results file
+    python scripts/reproduce_table.py --list                    # every table: cells or driver, command, results
+    python scripts/reproduce_table.py --update-readme           # write that index into README.md
     python scripts/reproduce_table.py --table 2                 # full recipe on this machine's GPUs (torchrun)
     python scripts/reproduce_table.py --table 2 --scale mini    # CPU proxy: every attention x 3 seeds (about 80 min)
     python scripts/reproduce_table.py --table 3a --scale mini   # CPU proxy of another table: every cell, one seed
@@ -12,7 +13,9 @@ numbers beside the paper's.
     python scripts/reproduce_table.py --table 14 --scale mini   # DiT-S/2 latency across M, on this CPU
     python scripts/reproduce_table.py --table 6 -- --ckpt-dir /ckpt --wikitext wiki.test.raw   # -> evaluate.py
 
-Tables (``make reproduce-table<id>`` takes the same ids; ``--table 3`` is Table 3a):
+Tables (``make reproduce-table<id>`` takes the same ids; ``--table 3`` is Table 3a). Each is one ``Table`` of
+:mod:`scripts.tables.registry`, which ``--list``, the README's index, ``make help`` (``--make-help``) and the
+Makefile's one ``reproduce-%`` rule all read (docs/adding_a_table.md):
 
 * cells - 2, 3a, 3b, 4, 7a, 11, 12, 13: one ``train.py`` run per cell. A cell is an experiment config
   ``configs/experiment/table<N>/<cell>.yaml`` with a ``paper:`` block; Table 7a's and 7b's cells, until their
@@ -31,7 +34,9 @@ Tables (``make reproduce-table<id>`` takes the same ids; ``--table 3`` is Table 
   :mod:`scripts.tables.table5` (the Wan2.1 fine-tunes; mini scale: :mod:`scripts.tables.table5_mini`, the
   video_mini model); 6 / 8: :mod:`scripts.tables.lm_tables` ``table6|table8`` (evaluates the trained models with
   ``tasks.language.evaluate``); mqar: :mod:`scripts.tables.mqar` ``--scale <scale>`` (= ``scripts/run_mqar.py``).
-  Arguments after ``--`` go to them unchanged; ``--plot-only`` reaches the drivers of 5 and mqar.
+  Arguments after ``--`` go to them unchanged; ``--plot-only`` reaches the drivers of 5 and mqar. A benchmark
+  table (14) takes no Hydra overrides: its arguments after ``--`` are options of this command
+  (``make reproduce-table14 EXTRA='--bench-batch 8'``).
 
 Inputs: every full-scale cell declares what it reads from disk (``inputs:`` of its config: ImageNet, the
 SD-VAE, released weights, the FID reference of its resolution, ...). If one is missing nothing starts: the
@@ -57,8 +62,8 @@ import sys
 if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from scripts.eval_fid import parse_fid_refs
-from scripts.tables import builders, figures, proxy2, registry, writers
+# the index (--list, --make-help) needs nothing else, so `make help` stays fast; the rest is imported in main()
+from scripts.tables import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,10 +76,15 @@ def main(argv=None) -> int:
         for flag in ("--table", "--scale"):
             i = rest.index(flag)
             del rest[i:i + 2]
+        from scripts.tables import proxy2  # noqa: PLC0415
+
         return proxy2.main_proxy2([a for a in rest if a != "--"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--table", help=f"one of {', '.join(registry.TABLES)} (3 = 3a)")
-    p.add_argument("--list", action="store_true", help="list the tables and exit")
+    p.add_argument("--list", action="store_true", help="list the tables (markdown, as in the README) and exit")
+    p.add_argument("--make-help", action="store_true", help="print the tables' lines of `make help` and exit")
+    p.add_argument("--update-readme", action="store_true",
+                   help="write the --list index into README.md (between its paper-tables markers) and exit")
     p.add_argument("--scale", default="full", choices=["full", "mini", "large"],
                    help="full: the paper's recipe; mini: the CPU proxy (configs/scale/mini/); large: MQAR only")
     p.add_argument("--gpus", type=int, default=0, help="GPUs per run (default: all visible)")
@@ -112,13 +122,25 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.argv = argv
     if args.list:
-        print(registry.list_tables())
+        print(registry.index_table())
+        return 0
+    if args.make_help:
+        print(registry.make_help())
+        return 0
+    if args.update_readme:
+        print("README.md " + ("updated" if registry.update_readme() else "already up to date"))
         return 0
     if not args.table:
         p.error("--table is required (--list shows the tables)")
     spec = registry.table_spec(args.table)
+    if spec.kind == "bench" and args.extra:  # no Hydra overrides: what follows -- is this command's options
+        args = p.parse_args([a for a in argv if a != "--"])
+        args.argv = argv
     if args.scale == "large" and spec.id != "mqar":
         p.error("--scale large is MQAR's (scripts/run_mqar.py); tables take full or mini")
+    from scripts.eval_fid import parse_fid_refs  # noqa: PLC0415  (torch and the table builders: only to run one)
+    from scripts.tables import builders, figures, writers  # noqa: PLC0415
+
     try:
         args.fid_refs = parse_fid_refs(args.fid_ref)
     except ValueError as e:

@@ -19,7 +19,7 @@ parameters (MHLA's mixing matrix ``<attn>.attention.mixing.raw``, the per-head o
 ``norm_q`` / ``norm_k``, ``to_out``) and runs everything between them through the layer's own
 :meth:`mhla.layers.AttentionBase.attend` and :meth:`~mhla.layers.AttentionBase.finish_heads`: the same feature
 map, rotary placement, block layout, mixing and normaliser as :class:`mhla.layers.MultiHeadLinearAttention` in
-a ViT, a DiT or the language model (``tests/test_diffusers_adapter.py`` checks the two against each other).
+a ViT, a DiT or the language model (``tests/layers/test_diffusers_adapter.py`` checks the two against each other).
 
 What the processor computes for ``hidden_states x: [B, N, C]`` (grid tokens in raster order, frame-major
 ``(f, h, w)`` for video, ``(h, w)`` for images):

@@ -1,20 +1,24 @@
 """Functional ops, one folder per op as in flash-linear-attention. Layout: ``[batch, seq, heads, dim]``.
 
-    mhla/      Multi-Head Linear Attention: ``mhla_attention`` (the entry point), its state, the dense
-               reference (``naive``), the chunked torch forms (``chunk``), decoding (``decode``) and the
-               fused Triton kernels (``triton``, optional)
-    linear/    plain linear attention: ``naive`` (dense reference) and ``chunk`` (``linear_attention``)
+Every op folder has the same shape: ``naive`` (the definition written out, ``<op>_reference``: the test oracle),
+``chunk`` (the chunked torch path, where the op has one), ``api`` (the entry point and its backend dispatch, where
+there is more than one path) and an ``__init__`` that only re-exports.
+
+    mhla/        Multi-Head Linear Attention: ``mhla_attention`` (``api``), its state (``state``), decoding
+                 (``decode``) and the fused Triton kernels (``triton``, optional)
     mhla_cross/  MHLA cross-attention (queries and keys of different lengths, key padding masks):
-               ``mhla_cross_attention``; ``naive``, ``chunk`` (torch), ``triton`` (the query side; it reuses
-               mhla's Triton helpers)
-    softmax    ``softmax_attention`` (SDPA)
-    utils/     shared by every op: input checks, variable-length batches, causal sums
+                 ``mhla_cross_attention`` (``api``), the blocking rule (``blocks``), the query side in Triton
+                 (``triton``; it reuses mhla's Triton helpers)
+    linear/      plain linear attention: ``linear_attention`` (``chunk``)
+    gla/         gated linear attention (DiG): ``gla`` (``api``: fla's ``chunk_gla`` on CUDA, else ``chunk``)
+    softmax/     softmax attention: ``softmax_attention`` (``api``: SDPA)
+    utils/       shared by every op: input checks, variable-length batches, causal sums
 
 Imports go downwards only: ``utils`` imports nothing of the ops; each op imports ``utils`` and its own
 modules; this file re-exports the public API (and the helpers the layers and models use).
 """
 
-from .linear import linear_attention, linear_attention_reference
+from .linear import linear_attention, linear_reference
 from .mhla import (
     BACKENDS,
     MHLAState,
@@ -30,7 +34,7 @@ from .mhla import (
     resolve_backend,
 )
 from .mhla_cross import mhla_cross_attention, mhla_cross_reference
-from .softmax import softmax_attention
+from .softmax import softmax_attention, softmax_reference
 from .utils import check_cu_seqlens, run_varlen, sequence_bounds, token_index, unbind_state
 
 __all__ = [
@@ -40,7 +44,7 @@ __all__ = [
     "check_cu_seqlens",
     "init_state",
     "linear_attention",
-    "linear_attention_reference",
+    "linear_reference",
     "mhla_attention",
     "mhla_attention_matrix",
     "mhla_cross_attention",
@@ -54,6 +58,7 @@ __all__ = [
     "run_varlen",
     "sequence_bounds",
     "softmax_attention",
+    "softmax_reference",
     "token_index",
     "unbind_state",
 ]

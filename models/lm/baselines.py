@@ -85,10 +85,45 @@ def build_fla_model(name: str, vocab_size: int = 32000, tie_word_embeddings: boo
     return AutoModelForCausalLM.from_config(cfg)
 
 
+def _gla_layer(c: dict, d: int, mlp: int) -> tuple[int, int, int, int]:
+    kd, vd, r = int(d * c["expand_k"]), int(d * c["expand_v"]), 16  # gate low rank 16
+    proj = 2 * d * kd + 2 * d * vd + vd * d + d * r + r * kd  # q, k, v, g, o; the low-rank forget gate
+    return proj, 0, proj + kd + vd // int(c["num_heads"]) + mlp + 2 * d, mlp  # + its bias, g_norm, two norms
+
+
+def _mamba_layer(c: dict, d: int, mlp: int) -> tuple[int, int, int, int]:
+    e, s, r, k = int(c["expand"]) * d, int(c["state_size"]), int(c["dt_rank"]), int(c["conv_kernel"])
+    proj = d * 2 * e + e * (r + 2 * s) + r * e + e * d  # in, x, dt, out projections
+    conv = e * k
+    return proj, conv, proj + conv + e + e + e * s + e + d, 0  # conv bias, dt bias, A_log, D, norm (no MLP)
+
+
+def _mamba2_layer(c: dict, d: int, mlp: int) -> tuple[int, int, int, int]:
+    e, s, k = int(c["expand"]) * d, int(c["state_size"]), int(c["conv_kernel"])
+    h, g = e // int(c["head_dim"]), int(c["n_groups"])
+    proj = d * (2 * e + 2 * g * s + h) + e * d  # in (x, z, B, C, dt), out
+    conv = (e + 2 * g * s) * k
+    return proj, conv, proj + conv + (e + 2 * g * s) + 3 * h + e + d, 0  # conv bias, dt_bias / A_log / D, norms
+
+
+def _gated_deltanet_layer(c: dict, d: int, mlp: int) -> tuple[int, int, int, int]:
+    h, hd = int(c["num_heads"]), int(c["head_dim"])
+    kd, vd, k = h * hd, int(h * hd * c["expand_v"]), int(c["conv_size"])
+    proj = 2 * d * kd + 2 * d * vd + vd * d + 2 * d * h  # q, k, v, g, o; a, b
+    conv = (2 * kd + vd) * k if c.get("use_short_conv", True) else 0
+    return proj, conv, proj + conv + 2 * h + vd // h + mlp + 2 * d, mlp  # A_log, dt_bias, o_norm, two norms
+
+
+#: per fla baseline: ``(config, width, SwiGLU MLP parameters) -> (projection parameters, conv parameters, parameters
+#: of one layer, MLP parameters of one layer)``, from fla 0.6.0's layer definitions (:func:`fla_param_count`)
+FLA_LAYER_COUNTS = {"gla": _gla_layer, "mamba": _mamba_layer, "mamba2": _mamba2_layer,
+                    "gated_deltanet": _gated_deltanet_layer}
+
+
 def fla_param_count(name: str, vocab_size: int = 32000, tie_word_embeddings: bool | None = None,
                     **overrides) -> dict:
     """What :func:`build_fla_model` builds, counted analytically from fla 0.6.0's layer definitions (no ``fla``
-    needed; ``tests/test_lm_task.py`` checks it against fla on the meta device): ``{"params": parameters,
+    needed; ``tests/tasks/test_lm_task.py`` checks it against fla on the meta device): ``{"params": parameters,
     "macs_per_token": multiply-adds of one token through the projections, the MLPs, the short / causal convs
     and the output head}``. The recurrence itself (the state update and read-out, the "attention matmuls") is
     not in ``macs_per_token``."""
@@ -98,29 +133,7 @@ def fla_param_count(name: str, vocab_size: int = 32000, tie_word_embeddings: boo
     d, n_layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
     tie = FLA_TIED[name] if tie_word_embeddings is None else tie_word_embeddings
     mlp = 3 * d * swiglu_intermediate(d, c["hidden_ratio"])  # gate, up, down (fla's GatedMLP)
-    if name == "gla":
-        kd, vd, r = int(d * c["expand_k"]), int(d * c["expand_v"]), 16  # gate low rank 16
-        proj = 2 * d * kd + 2 * d * vd + vd * d + d * r + r * kd  # q, k, v, g, o; the low-rank forget gate
-        layer, conv = proj + kd + vd // int(c["num_heads"]) + mlp + 2 * d, 0  # + its bias, g_norm, two norms
-    elif name == "mamba":
-        e, s, r, k = int(c["expand"]) * d, int(c["state_size"]), int(c["dt_rank"]), int(c["conv_kernel"])
-        proj = d * 2 * e + e * (r + 2 * s) + r * e + e * d  # in, x, dt, out projections
-        conv = e * k
-        layer = proj + conv + e + e + e * s + e + d  # conv bias, dt bias, A_log, D, norm (no MLP)
-        mlp = 0
-    elif name == "mamba2":
-        e, s, k = int(c["expand"]) * d, int(c["state_size"]), int(c["conv_kernel"])
-        h, g = e // int(c["head_dim"]), int(c["n_groups"])
-        proj = d * (2 * e + 2 * g * s + h) + e * d  # in (x, z, B, C, dt), out
-        conv = (e + 2 * g * s) * k
-        layer = proj + conv + (e + 2 * g * s) + 3 * h + e + d  # conv bias, dt_bias / A_log / D, gated norm, norm
-        mlp = 0
-    else:  # gated_deltanet
-        h, hd = int(c["num_heads"]), int(c["head_dim"])
-        kd, vd, k = h * hd, int(h * hd * c["expand_v"]), int(c["conv_size"])
-        proj = 2 * d * kd + 2 * d * vd + vd * d + 2 * d * h  # q, k, v, g, o; a, b
-        conv = (2 * kd + vd) * k if c.get("use_short_conv", True) else 0
-        layer = proj + conv + 2 * h + vd // h + mlp + 2 * d  # A_log, dt_bias, o_norm, two norms
+    proj, conv, layer, mlp = FLA_LAYER_COUNTS[name](c, d, mlp)
     embeddings = vocab_size * d * (1 if tie else 2)
     params = n_layers * layer + embeddings + d  # + the final norm
     return {"params": params, "macs_per_token": n_layers * (proj + conv + mlp) + vocab_size * d}

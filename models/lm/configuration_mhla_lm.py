@@ -31,7 +31,7 @@ attention rotates q, k for either placement.
 
 Configs saved before the attention was one dict (``attn_type`` plus flat ``feature_map``, ``mixing_init``, ...
 fields) load through :func:`attention_from_legacy_fields`, the one mapping (a committed checkpoint of that format
-is loaded in ``tests/test_lm_model.py``).
+is loaded in ``tests/models/test_lm_model.py``).
 """
 
 from __future__ import annotations

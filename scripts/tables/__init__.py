@@ -2,8 +2,9 @@
 one job per module:
 
 * :mod:`.registry` - what each table is and runs: :class:`~.registry.Table`, ``TABLES``, the delegates'
-  drivers, the benchmarks' specs (``BENCH``), a table's cells (:func:`~.registry.table_cells`) and
-  ``--list``.
+  drivers, the benchmarks' specs (``BENCH``), a table's cells (:func:`~.registry.table_cells`), and every list
+  of the tables: ``--list`` (also the README's index), the ``make help`` lines. A new table is its experiment
+  configs plus one ``Table`` (docs/adding_a_table.md).
 * :mod:`.config` - a cell's ``train.py`` config: composing it with Hydra, its kind, its CPU-proxy ``scale``
   option, whether it can start.
 * :mod:`.runner` - launching runs: one cell (``train.py`` under torchrun, or its CPU proxy), the FID sampling
@@ -20,6 +21,10 @@ one job per module:
 * The tables with a driver of their own (``registry.DELEGATES``, run in this process): :mod:`.table5` (Wan2.1
   fine-tunes: commands or ``--run``, the latency table), :mod:`.table5_mini` (its CPU proxy), :mod:`.lm_tables`
   (Tables 6 and 8 on trained LMs), :mod:`.mqar` (the MQAR grid; ``scripts/run_mqar.py``).
+* The experiments beside the paper's tables, each with its own command line: :mod:`.cross_mini` (cross-attention
+  on the video mini model, ``python -m scripts.tables.cross_mini``), :mod:`.conversion` and its results file
+  :mod:`.conversion_report` (softmax converted to MHLA against training from scratch, ``python -m
+  scripts.tables.conversion``).
 * The one writer of results files is :mod:`tasks.common.results` (``write_result``: md + json + png, whole; a
   benchmark's ``measurement`` refused when busy unless allowed, then marked BUSY), used by every table and
   benchmark, and by the task-side drivers, which is why it lives below both.

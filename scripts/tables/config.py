@@ -9,6 +9,7 @@ import os
 
 from omegaconf import open_dict
 
+from mhla.registry import takes_blocks
 from tasks.common.config import assumptions, missing_inputs
 
 from .registry import CONFIGS, Cell, Table
@@ -60,7 +61,7 @@ def cell_kind(task_module: str) -> str:
 def cell_info(cell: Cell) -> dict:
     """What the runner needs from the cell's full-scale config: its model choice, kind, resolution and M."""
     cfg, choices = compose(cell.overrides)
-    blocks = cfg.get("attn", {}).get("num_blocks") if cfg.get("attn", {}).get("name") == "mhla" else None
+    blocks = cfg.get("attn", {}).get("num_blocks") if takes_blocks(cfg.get("attn", {}).get("name")) else None
     return {"model": choices.get("model"), "kind": cell_kind(str(cfg.task.get("target", ""))),
             "image_size": cfg.data.get("image_size"), "num_blocks": blocks}
 

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """The conversion experiment: a softmax teacher converted to MHLA, three ways, at equal steps, over seeds.
 
-    python -m tasks.conversion.experiment --task mnist  --distill-steps 100 --finetune-steps 368 --seeds 0 1 2
-    python -m tasks.conversion.experiment --task lm_mini --distill-steps 100 --finetune-steps 200 --seeds 0 1
+    python -m scripts.tables.conversion --task mnist  --distill-steps 100 --finetune-steps 368 --seeds 0 1 2
+    python -m scripts.tables.conversion --task lm_mini --distill-steps 100 --finetune-steps 200 --seeds 0 1
     2
 
 Arms (every one ends after ``D + F`` optimizer steps; the teacher's own steps come before (a) and (b)):
@@ -30,16 +29,14 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from tasks.common.launch import parse_final, run_parallel
+from tasks.common.records import RUN_RECORD_KEYS, code_version, read_run_record
+from tasks.common.results import write_result
+from tasks.common.stats import mean_std, paired_difference
+from tasks.common.utils import load_average, system_info
 
-from tasks.common.results import write_result  # noqa: E402
-from tasks.common.launch import parse_final, run_parallel  # noqa: E402
-from tasks.common.records import code_version, read_run_record  # noqa: E402
-from tasks.common.stats import mean_std, paired_difference  # noqa: E402
-from tasks.conversion.report import markdown  # noqa: E402
-from tasks.common.utils import load_average, system_info  # noqa: E402
+from .conversion_report import markdown
+from .registry import ROOT
 
 #: per task: train.py overrides that select it, the metric compared, whether higher is better, its label
 TASKS = {
@@ -69,7 +66,7 @@ def run_command(cmd: list[str], run_dir: str, threads: int) -> dict:
     return {"command": shown, "run_dir": os.path.relpath(run_dir, ROOT), "seconds": record.get("seconds"),
             "metrics": record.get("metrics", {}),
             "run": {k: record.get(k)
-                    for k in ("commit", "dirty", "machine", "load_before", "load_after", "config")}}
+                    for k in RUN_RECORD_KEYS}}
 
 
 #: the niceness of every run (``--nice``)
@@ -256,7 +253,7 @@ def main(argv=None) -> None:
     records = run_jobs(teacher, jobs, args)
     summary = summarize(records, args)
     shown = " ".join(argv if argv is not None else sys.argv[1:])
-    summary.update(command="python -m tasks.conversion.experiment " + shown, nice=args.nice, jobs=args.jobs,
+    summary.update(command="python -m scripts.tables.conversion " + shown, nice=args.nice, jobs=args.jobs,
                    machine=system_info(), code=code, load_before=load_before, load_after=load_average(),
                    seconds=round(time.time() - started, 1))
     write_result(args.out, markdown(summary, args.out), summary, lambda png: plot(summary, png), default=str)

@@ -1,10 +1,10 @@
-"""The results file of the conversion experiment (:mod:`tasks.conversion.experiment`): tables from its
+"""The results file of the conversion experiment (:mod:`scripts.tables.conversion`): tables from its
 ``.json``, the verdict of each paired comparison, a reading generated from those numbers (:func:`reading`),
 and the hand-written notes ``<stem>_reading.md`` when there are some (no numbers in them: the numbers come
 from the JSON).
 
-    python -m tasks.conversion.report results/conversion/mnist       # rewrite mnist.md from mnist.json
-    (``python -m tasks.conversion.experiment ... --report-only`` rewrites the .png too; every file goes
+    python -m scripts.tables.conversion_report results/conversion/mnist       # rewrite mnist.md from mnist.json
+    (``python -m scripts.tables.conversion ... --report-only`` rewrites the .png too; every file goes
     through the one results writer, :func:`tasks.common.results.write_result`)
 """
 
@@ -92,7 +92,7 @@ def reading(s: dict) -> list[str]:
     past = "better than" in (side("a"), side("b"))
 
     return [
-        "## Reading (generated from the JSON by tasks/conversion/report.py)",
+        "## Reading (generated from the JSON by scripts/tables/conversion_report.py)",
         "",
         f"- Starting point: the softmax teacher reaches {fmt(t, d)} ({s['metric_label']}, {better} is "
         f"better) after {s['teacher'].get('steps') or 'its'} steps. Swapping its attention for MHLA with "
@@ -130,7 +130,7 @@ def markdown(summary: dict, stem: str) -> str:
     lines = [
         f"# Converting a softmax {s['task']} model to MHLA: distil + fine-tune vs fine-tune vs scratch",
         "",
-        f"Command: `{s['command']}` (`tasks/conversion/experiment.py`; every run's own command and resolved "
+        f"Command: `{s['command']}` (`scripts/tables/conversion.py`; every run's own command and resolved "
         "config are in the JSON, the commands below).",
         "",
         f"Machine: {machine.get('cpu')} ({machine.get('cpu_count')} cores), torch {machine.get('torch')}, "

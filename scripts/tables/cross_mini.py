@@ -1,9 +1,9 @@
 """Cross-attention on the video mini model: softmax (Wan's own) vs MHLA cross-attention vs linear
 cross-attention.
 
-    python -m tasks.video_gen.cross_mini --seeds 0 1 2     # results/video/cross_mini.{md,json,png}
-    python -m tasks.video_gen.cross_mini --latency-only    # the latency part alone
-    python -m tasks.video_gen.cross_mini --plot-only       # rewrite the md and picture from the .json
+    python -m scripts.tables.cross_mini --seeds 0 1 2     # results/video/cross_mini.{md,json,png}
+    python -m scripts.tables.cross_mini --latency-only    # the latency part alone
+    python -m scripts.tables.cross_mini --plot-only       # rewrite the md and picture from the .json
 
 Rows (``ROWS``): ``python train.py task=video_mini attn_cross=<row> seed=S`` (the same model, data, steps and
 sampling as the mini Table 5's MHLA row; only the text cross-attention changes; docs/cross_attention.md).
@@ -39,10 +39,10 @@ from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import Measurement
 from tasks.common.stats import mean_std, paired_lines, paired_summary
 from tasks.common.utils import load_average, system_info
+from tasks.video_gen.follow import SEED_METRICS, all_prompts, sample_and_check
 
-from .follow import SEED_METRICS, all_prompts, sample_and_check
+from .registry import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = {  # row -> its overrides of task=video_mini (attn_cross: configs/attn_cross/)
     "softmax": ["attn_cross=native"],
     "mhla_cross": ["attn_cross=mhla_cross"],
@@ -80,7 +80,7 @@ def build_row_model(row: str, extra: list[str]):
     from hydra import compose, initialize_config_dir  # noqa: PLC0415
 
     from tasks.common.config import register_resolvers  # noqa: PLC0415
-    from tasks.common.trainer import task_class  # noqa: PLC0415
+    from tasks.common.task import task_class  # noqa: PLC0415
 
     register_resolvers()
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides for every training run")
     args = ap.parse_args(argv)
     argv_list = list(argv if argv is not None else sys.argv[1:])
-    command = f"python -m tasks.video_gen.cross_mini {' '.join(argv_list)}".rstrip()
+    command = f"python -m scripts.tables.cross_mini {' '.join(argv_list)}".rstrip()
     data = {"stem": args.out, "records": [], "latency": [],
             "notes": read_notes(args.notes) if args.notes else "",
             "machine": {**system_info(), "load_avg": load_average(), "jobs": args.jobs,

@@ -8,12 +8,17 @@ import json
 import os
 import re
 
+from mhla.registry import PLOT_GROUP_OTHER, plot_group, plot_words
+from tasks.common.config import import_config_attentions
 from tasks.common.plots import colors_for, grouped_bars, pyplot, save_figure
 
 from . import registry
 
-# the word of a cell name where its attention starts (deit_t_mhla -> group deit_t)
-ATTENTION_WORDS = ("softmax", "linear", "mhla", "gla", "focused", "inline", "mala", "rala", "native", "flash")
+import_config_attentions()  # the attentions defined outside the package (configs/attn/*.yaml's module:)
+#: {word: attention}: the words that name an attention (its name, plot label and aliases, mhla/registry.py)
+PLOT_WORDS = plot_words()
+# the word of a cell name where its attention starts (deit_t_mhla -> group deit_t); native: a model's own
+ATTENTION_WORDS = (*PLOT_WORDS, "native")
 OURS_ORDER = ("top1", "fid", "loss", "mse", "top5", "fid_cfg", "sfid", "inception_score", "clip", "geneval")
 
 
@@ -50,11 +55,12 @@ def group_order(group: str) -> tuple:
 
 
 def bar_order(label: str) -> int:
-    """Bars within a group: softmax first, then linear, the other attentions, MHLA and its variants last."""
+    """Bars within a group: softmax first, then linear, the other attentions, MHLA and its variants last (each
+    attention's ``plot_group``), by the attention the label names first (``Focused linear`` is FLatten's)."""
     low = label.lower()
-    if re.search(r"\b(sa|self-attn|softmax|flash)", low):
-        return 0
-    return 1 if "linear" in low and "focused" not in low else 3 if "mhla" in low else 2
+    found = [(m.start(), -len(word), PLOT_WORDS[word]) for word in PLOT_WORDS
+             for m in [re.search(r"\b" + re.escape(word), low)] if m]
+    return plot_group(min(found)[2]) if found else PLOT_GROUP_OTHER
 
 
 def strip_common_prefix(labels: list[str]) -> list[str]:

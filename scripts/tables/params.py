@@ -25,7 +25,7 @@ its column is compared with the second. Where the model runs:
 
 The check: a paper number more than 3% away from ours (ours rounded to the paper's printed precision) must be
 marked by an assumption of the cell (``assumptions.size`` for parameters, ``assumptions.flops`` for GFLOPs);
-``tests/test_params_table.py`` fails otherwise.
+``tests/scripts/test_params_table.py`` fails otherwise.
 """
 
 from __future__ import annotations
@@ -255,7 +255,8 @@ def write(rows: list[dict], out: str, argv: list[str], seconds: float) -> str:
              "to fla 0.6.0; GMACs: their projections, MLPs, convs and head, the recurrences not counted).", "",
              f"**Check**: a paper number more than {TOLERANCE:.0%} from ours (ours rounded to the paper's printed "
              "precision) must be explained by an assumption of the cell (`assumptions.size` / `assumptions.flops` "
-             "of its config), listed below the table; `tests/test_params_table.py` fails on an unexplained one. "
+             "of its config), listed below the table; `tests/scripts/test_params_table.py` fails on an "
+             "unexplained one. "
              "Paper numbers: the paper's columns where it prints them (Table 2), the sizes in its row labels and "
              "model names (Tables 4, 5, 6); blank where it gives none. Table 8 evaluates Table 6's checkpoints "
              "(its own row labels, 325-360M, are not compared).", "",

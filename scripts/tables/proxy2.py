@@ -27,7 +27,7 @@ PROXY2_ROWS = {  # attention -> the Table 2 cell whose attention settings the pr
     "softmax": "deit_t_softmax", "linear": "deit_t_linear", "focused": "deit_t_focused",
     "inline": "deit_t_inline", "mala": "deit_t_mala", "rala": "deit_s_rala", "mhla": "deit_t_mhla"}
 PROXY2_GEOMETRY = ["task=mnist", "model=vit_mini", "model.embed_dim=64", "model.num_heads=2", "model.patch_size=2",
-                   "model.mhla_num_blocks=16"]
+                   "model.token_blocks=16"]
 PROXY2_DEFAULTS = {"steps": 600, "batch": 64, "warmup": 30, "seeds": [0, 1, 2]}
 PROXY2_ANALYZE = ("softmax", "linear", "mhla")  # Fig. 3 on the proxy's trained models (every seed)
 

@@ -1,6 +1,9 @@
 """What each paper table is and runs: its spec (:class:`Table`, ``TABLES``), the entry points the delegated
-tables hand over to, the benchmarks across M (``BENCH``), its cells (:func:`table_cells`) and the ``--list``
-index."""
+tables hand over to, the benchmarks across M (``BENCH``), its cells (:func:`table_cells`), and everything that
+lists the tables, rendered from ``TABLES``: the ``--list`` index, which is also the README's "Paper tables"
+index (:func:`index_table`, :func:`update_readme`), and the ``make help`` lines (:func:`make_help`). The
+Makefile has one pattern rule for every ``make reproduce-table<id>``, so a new table is its experiment configs
+plus one ``Table`` here (docs/adding_a_table.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ EXPERIMENTS = os.path.join(CONFIGS, "experiment")
 
 
 # ------------------------------------------------------------------------------------------------ the tables
+MINI = "every cell composed with scale=mini/<model> (configs/scale/mini/), on the CPU"
+
+
 @dataclass(frozen=True)
 class Table:
     id: str
@@ -24,12 +30,15 @@ class Table:
     folder: str | None = None            # configs/experiment/<folder>/
     stem: str | None = None              # results/<stem>[_mini]; default table<id>
     seeds: tuple[int, ...] = ()          # default --seeds
-    mini: str | None = "proxy"           # None: no CPU proxy (the reason is in `needs`)
+    mini: str | None = MINI              # what SCALE=mini runs; None: no CPU proxy (the reason is in `needs`)
     derived: str | None = None           # the sweep the cells come from while the folder does not exist
     bench: str | None = None             # BENCH key measured with (or as) the table
     cfg_scales: tuple[float, ...] = (1.0,)  # image generation: guidance scales sampled for FID
     needs: str = ""                      # what the full scale needs, in short for --list (each cell's config
     #                                      declares its inputs: `inputs:`, checked by config.check_config)
+    status: str = ""                     # what of it is committed in results/ (--list, README index)
+    usage: str | None = None             # the make variables it takes, as `make help` shows them; None: the
+    #                                      usual ones ([SCALE=mini] where it has a CPU proxy)
 
     def results_stem(self, scale: str) -> str:
         return (self.stem or f"table{self.id}") + ("_mini" if scale == "mini" else "")
@@ -37,34 +46,57 @@ class Table:
 
 TABLES = {t.id: t for t in (
     Table("2", "ImageNet-1K classification: DeiT-T/S and MHLA-VLT (top-1)", "cells", folder="table2",
-          needs="ImageNet, GPUs"),
+          mini="the seeded proxy (its options in EXTRA, e.g. EXTRA='--resume'): MNIST at 256 tokens, every "
+               "attention x 3 seeds (~80 min on 2 cores) + Fig. 3 -> results/analysis/",
+          needs="ImageNet, GPUs", status="CPU proxy committed (`table2_mini.md`)"),
     Table("3a", "class-conditional ImageNet generation: DiT / DiG S-XL at 256 / 512 px (FID-50K)", "cells",
-          folder="table3", stem="table3", needs="ImageNet, SD-VAE, ADM FID references (256 and 512 px), GPUs"),
+          folder="table3", stem="table3", needs="ImageNet, SD-VAE, ADM FID references (256 and 512 px), GPUs",
+          usage="[SCALE=mini] [REF=...]", status="CPU proxy committed (`table3_mini.md`, `.png`)"),
     Table("3b", "DiT-XL/2 fast adaptation from the released weights (FID-50K, IS, sFID; cfg 1.5)", "cells",
           folder="table3b", mini=None, cfg_scales=(1.0, 1.5),
-          needs="DiT-XL-2-256x256.pt, ImageNet, SD-VAE, ADM 256 px reference, GPUs"),
+          needs="DiT-XL-2-256x256.pt, ImageNet, SD-VAE, ADM 256 px reference, GPUs",
+          usage="EXTRA='model.pretrained=DiT-XL-2-256x256.pt data.root=... data.vae_path=...' REF=256=...",
+          status="no CPU proxy; the self-attention baseline is the released weights, evaluated only"),
     Table("4", "SANA-0.6B fine-tuned with MHLA (FID, CLIP, GenEval)", "cells", folder="table4",
-          needs="SANA-0.6B diffusers weights, caption latents, MJHQ-30K, CLIP, GenEval, GPUs"),
-    Table("5", "Wan2.1-1.3B video generation (VBench, latency)", "delegate", mini="video_mini",
-          needs="Wan2.1-T2V-1.3B-Diffusers weights, a video dataset, VBench, GPUs"),
+          needs="SANA-0.6B diffusers weights, caption latents, MJHQ-30K, CLIP, GenEval, GPUs",
+          usage="[SCALE=mini] EXTRA='model.pretrained=... task.data_root=...'",
+          status="CPU proxy runs, not committed"),
+    Table("5", "Wan2.1-1.3B video generation (VBench, latency)", "delegate",
+          mini="the video_mini model: softmax / linear / MHLA / hybrid",
+          needs="Wan2.1-T2V-1.3B-Diffusers weights, a video dataset, VBench, GPUs",
+          usage="WAN_PATH=... VIDEO_DATA=... [RUN=--run], or SCALE=mini",
+          status="CPU proxy committed (`table5_mini.md`: eval loss, prompt following, latency, frames); `table5.md`: "
+                 "the paper's numbers, the commands, CPU latency; `table5.png`: latency ratios"),
     Table("6", "340M language models (commonsense, MMLU, Wiki / LAMBADA ppl)", "delegate", mini=None,
-          needs="trained 340M models (CKPT_DIR), lm-eval, WikiText / LAMBADA"),
+          needs="trained 340M models (CKPT_DIR), lm-eval, WikiText / LAMBADA",
+          usage="CKPT_DIR=... [LM_EVAL_DATA=...] [WIKITEXT=...] [LAMBADA=...]",
+          status="the committed file has no numbers of ours"),
     Table("7a", "ablation: mixing init x learnability on DeiT-T (top-1)", "cells", folder="table7a",
-          derived="configs/sweep/mhla_init.yaml", needs="ImageNet, GPUs"),
+          derived="configs/sweep/mhla_init.yaml", needs="ImageNet, GPUs",
+          status="CPU proxy in the Table 2 convergence grid (3 seeds per row)"),
     Table("7b", "ablation: DiT-S/2 512 px, M = 4 / 16 / 64 (FID, throughput)", "cells", folder="table7b",
           derived="configs/sweep/dit_blocks.yaml", bench="7b",
-          needs="ImageNet, SD-VAE, ADM 512 px reference, GPUs"),
+          needs="ImageNet, SD-VAE, ADM 512 px reference, GPUs", usage="[SCALE=mini] [REF=512=...]",
+          status="CPU proxy runs, not committed"),
     Table("8", "LongBench, 14 tasks (average)", "delegate", mini=None,
-          needs="trained 340M models (CKPT_DIR), LongBench data"),
+          needs="trained 340M models (CKPT_DIR), LongBench data", usage="CKPT_DIR=... LONGBENCH=...",
+          status="the committed file has no numbers of ours"),
     Table("11", "DiT-S/B/L/XL-2 256 px MHLA against LiT (quoted), three seeds (FID-50K mean ± std)", "cells",
-          folder="table11", seeds=(0, 1, 2), needs="ImageNet, SD-VAE, ADM 256 px reference, GPUs"),
+          folder="table11", seeds=(0, 1, 2), needs="ImageNet, SD-VAE, ADM 256 px reference, GPUs",
+          usage="[SCALE=mini] [SEEDS='0 1 2'] [REF=256=...]",
+          status="CPU proxy committed (`table11_mini.md`: 3 seeds per cell)"),
     Table("12", "DiT-S/2 256 px module ablation: CPE / gate (FID-50K)", "cells", folder="table12",
-          needs="ImageNet, SD-VAE, ADM 256 px reference, GPUs"),
+          needs="ImageNet, SD-VAE, ADM 256 px reference, GPUs", usage="[SCALE=mini] [REF=256=...]",
+          status="CPU proxy runs, not committed"),
     Table("13", "high-resolution DeiT-T: 384 / 512 px (top-1)", "cells", folder="table13",
-          needs="ImageNet, GPUs"),
-    Table("14", "profiling: DiT-S/2 latency across M", "bench", bench="14", needs="a GPU"),
+          needs="ImageNet, GPUs", status="CPU proxy runs, not committed"),
+    Table("14", "profiling: DiT-S/2 latency across M", "bench", bench="14", needs="a GPU",
+          mini="the latency at 512 px on this CPU", usage="[SCALE=mini] [EXTRA='--bench-batch 8']",
+          status="the CPU run (512 px) is not committed"),
     Table("mqar", "MQAR: softmax vs linear vs MHLA (not a paper table)", "delegate",
-          needs="nothing: runs on the CPU (SCALE=mini|full|large)"),
+          mini="the CI-size grid (N = 32, K = 2; about 10 min); SCALE=large: more cells, widths and seeds",
+          needs="nothing: runs on the CPU (SCALE=mini|full|large)",
+          usage="[SCALE=mini|full|large]", status="runs at full scale on the CPU, committed (`mqar.md`)"),
 )}
 ALIASES = {"3": "3a"}
 # Tables with a driver of their own (in this package: their runs, or the evaluation of given models, and their
@@ -202,9 +234,23 @@ def cells(table: str) -> list[tuple[str, dict]]:
         raise SystemExit(str(e)) from None
 
 
-# ---------------------------------------------------------------------------------------------- --list
+# ------------------------------------------------------------------- --list, the README index, make help
+README = os.path.join(ROOT, "README.md")
+README_BEGIN = "<!-- paper tables: begin (written by scripts/reproduce_table.py --update-readme) -->"
+README_END = "<!-- paper tables: end -->"
+
+
 def make_target(spec: Table) -> str:
+    """``make reproduce-table<id>`` (MQAR: ``make reproduce-mqar``); the Makefile's ``reproduce-%`` rule runs every
+    one of them."""
     return "make reproduce-" + ("mqar" if spec.id == "mqar" else f"table{spec.id}")
+
+
+def make_command(spec: Table) -> str:
+    """The make target with the variables the table takes (``usage``; by default ``[SCALE=mini]`` where it has a
+    CPU proxy)."""
+    usage = spec.usage if spec.usage is not None else ("[SCALE=mini]" if spec.mini else "")
+    return f"{make_target(spec)} {usage}".rstrip()
 
 
 def results_files(spec: Table) -> str:
@@ -213,25 +259,68 @@ def results_files(spec: Table) -> str:
     return f"results/{spec.results_stem('full')}" + ("" if spec.mini is None else "[_mini]") + ".md"
 
 
-def list_tables() -> str:
-    lines = ["| table | what | kind | config / entry point | command | results | full scale needs |",
+def entry_point(spec: Table) -> str:
+    """Where a table's runs come from: its cell configs (or the sweep they are derived from), its own driver, or
+    the benchmark."""
+    if spec.kind == "delegate":
+        module, lead = DELEGATES[spec.id]
+        return f"`{' '.join([delegate_path(module), *lead])}`" + (
+            f" (mini: `{delegate_path(DELEGATES_MINI[spec.id][0])}`)" if spec.id in DELEGATES_MINI else "")
+    if spec.kind == "bench":
+        return "`scripts/bench_models.py` timing"
+    if glob.glob(os.path.join(EXPERIMENTS, spec.folder, "*.yaml")):
+        return f"`configs/experiment/{spec.folder}/`"
+    if spec.derived:
+        return f"`{spec.derived}` (derived)"
+    return f"`configs/experiment/{spec.folder}/` (no cells yet)"
+
+
+def index_table() -> str:
+    """The index of the tables as a markdown table: ``--list`` prints it, the README holds it (between
+    ``README_BEGIN`` and ``README_END``; ``tests/scripts/test_table_index.py`` checks that they agree)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| table | what | cells or driver | command | results | status | full scale needs |",
              "|---|---|---|---|---|---|---|"]
     for spec in TABLES.values():
-        if spec.kind == "delegate":
-            module, lead = DELEGATES[spec.id]
-            where = " ".join([delegate_path(module), *lead]) + (
-                f" (mini: {delegate_path(DELEGATES_MINI[spec.id][0])})" if spec.id in DELEGATES_MINI else "")
-        elif spec.kind == "bench":
-            where = "scripts/bench_models.py timing"
-        else:
-            try:
-                n = len(table_cells(spec.id))
-                derived = not glob.glob(os.path.join(EXPERIMENTS, spec.folder, "*.yaml"))
-                where = (f"{spec.derived} (derived)" if derived and spec.derived
-                     else f"configs/experiment/{spec.folder}/") + f", {n} cells"
-            except NoCells:
-                where = f"configs/experiment/{spec.folder}/ (no cells yet)"
-        lines.append(f"| {spec.id} | {spec.title} | {spec.kind} | {where} | {make_target(spec)}"
-                     f"{'' if spec.mini is None else ' [SCALE=mini]'} | {results_files(spec)} | {spec.needs} |")
+        lines.append("| " + " | ".join(cell(x) for x in (
+            spec.id, spec.title, entry_point(spec), f"`{make_command(spec)}`", f"`{results_files(spec)}`",
+            spec.status, spec.needs)) + " |")
     return "\n".join(lines)
 
+
+def make_help() -> str:
+    """The ``make help`` lines of the tables, one per table (and its CPU proxy when it is not the usual one)."""
+    width = max(len(make_target(spec)) for spec in TABLES.values()) + 1
+    lines = []
+    for spec in TABLES.values():
+        usage = make_command(spec)[len(make_target(spec)):].strip()
+        alias = [f"reproduce-table{a}" for a, t in ALIASES.items() if t == spec.id]
+        what = spec.title if spec.id == "mqar" else f"Table {spec.id}: {spec.title}"
+        alias += ["make mqar"] if spec.id == "mqar" else []  # the Makefile's short name for it
+        lines.append(f"{make_target(spec):<{width}} {usage + ' - ' if usage else '- '}{what}"
+                     + "".join(f" (= {a})" for a in alias) + f" -> {results_files(spec)}")
+        if spec.mini not in (None, MINI):
+            lines.append(f"    SCALE=mini: {spec.mini}")
+    return "\n".join(lines)
+
+
+def readme_with_index(text: str) -> str:
+    """``text`` (the README) with the index between its markers replaced by :func:`index_table`."""
+    if README_BEGIN not in text or README_END not in text:
+        raise ValueError(f"README.md has no {README_BEGIN!r} ... {README_END!r} block")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_BEGIN}\n{index_table()}\n{README_END}{tail}"
+
+
+def update_readme(path: str = README) -> bool:
+    """Write the index into the README (``--update-readme``); True when it changed."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    new = readme_with_index(text)
+    if new != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new != text

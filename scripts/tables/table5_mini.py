@@ -7,7 +7,7 @@
 Each row is ``python train.py task=video_mini <row overrides> seed=S`` (the same model, data, steps and
 sampling; only the self-attention changes), ``--jobs`` at a time; each record keeps its run's ``run.json`` as
 ``run`` (the resolved config, commit, machine and load). Then, in this process and one row after the other, each
-row is measured by :func:`tasks.video_gen.table5_mini.measure_row` (eval loss, prompt following on its 4 sample
+row is measured by :func:`measure_row` (eval loss, prompt following on its 4 sample
 prompts and all 32 captions, and the sampling latency of its sample prompts, timed for every row under the same
 load; the load before and after the timings is the .json's ``measurement``, and a busy one marks the table BUSY).
 
@@ -23,24 +23,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
 
+from tasks.common.evaluation import load_run
 from tasks.common.fileio import atomic_write
 from tasks.common.launch import mean_std, read_notes, run_parallel, run_training
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import Measurement, wait_until_settled
+from tasks.common.results import write_result
 from tasks.common.stats import paired_lines, paired_summary
 from tasks.common.utils import load_average, system_info
-from tasks.video_gen.follow import SEED_METRICS
+from tasks.video_gen.follow import SEED_METRICS, all_prompts, follow_report, sample_and_check
 from tasks.video_gen.media import to_uint8_frames
-from tasks.video_gen.table5_mini import checkpoint_of, measure_row
 
 from .registry import ROOT
-from tasks.common.results import write_result
 from .table5 import load_bench
 
 COMMAND = "python scripts/reproduce_table.py --table 5 --scale mini"  # + " -- <this driver's arguments>"
@@ -71,6 +73,39 @@ def run_row(row: str, seed: int, args) -> dict:
                         f"hydra.run.dir={run_dir}", *args.extra], threads=args.threads)
     rec.update(row=row, seed=seed, run_dir=os.path.relpath(run_dir, ROOT))
     return rec
+
+
+# ---------------------------------------------------------------------------- measuring a trained row
+# The sampling latency is the wall time of sampling the 4 sample prompts: one batch, 50 steps with CFG = 100
+# forwards, timed here for every row under the same load.
+def checkpoint_of(rec: dict) -> str:
+    """The trained row's last checkpoint (``rec["run_dir"]`` is relative to the repository root)."""
+    return os.path.join(ROOT, rec["run_dir"], "checkpoints", "last.pt")
+
+
+@torch.no_grad()
+def measure_row(rec: dict, repeats: int = 3) -> dict:
+    """Sample a trained row (``rec["run_dir"]``, relative to the repository root): prompt following on its sample
+    prompts and on all 32 captions, sampling latency of its sample prompts (one 2-step warm-up, then the median of
+    ``repeats`` timed samplings, every time kept), and the frames of its sample prompts (for the picture)."""
+    cfg, task, model, info = load_run(checkpoint_of(rec))
+    s = cfg.sample
+    kw = dict(num_steps=int(s.num_steps), guidance_scale=float(s.guidance_scale), shift=float(s.shift))
+    prompts = list(s.prompts)
+    task.generate(model, prompts[:1], info.device, seed=0, progress=False, **{**kw, "num_steps": 2})  # warm-up
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        videos = task.generate(model, prompts, info.device, seed=int(s.get("seed", 0)), batch_size=len(prompts),
+                               progress=False, **kw)
+        times.append(time.perf_counter() - t0)
+    latency = statistics.median(times)
+    sample_report = follow_report(videos, prompts)
+    everything = sample_and_check(task, model, all_prompts(), info.device, **kw)
+    everything.pop("videos")
+    return {"latency_s": round(latency, 3), "latency_times_s": [round(t, 3) for t in times],
+            "sample_follow": sample_report, "all_follow": everything,
+            "frames": videos, "num_sample_prompts": len(prompts), "sample_prompts": prompts, "sample_settings": kw}
 
 
 def bench(preset: str, threads: int, allow_busy: bool = False, warmup: int = 1, iters: int = 3) -> None:

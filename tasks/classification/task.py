@@ -12,8 +12,8 @@ from timm.data import Mixup
 
 from models.vit import build_vit
 from models.vlt import build_vlt
-from tasks.common.config import ConfigError, model_attention
-from tasks.common.trainer import Task
+from tasks.common.config import ConfigError
+from tasks.common.task import Task
 from tasks.common.utils import count_flops_split
 
 from .imagenet_data import build_imagenet, check_class_count, check_image_folder
@@ -40,7 +40,7 @@ class ClassificationTask(Task):
     def build_model(self) -> nn.Module:
         self.check_data()
         kind = self.cfg.model.get("kind", "vit")
-        attn = model_attention(self.cfg)
+        attn = self.attention.options
         if kind == "vit":
             return build_vit(self.cfg.model, attn)
         if kind == "vlt":
@@ -124,7 +124,7 @@ class ClassificationTask(Task):
         def unpadded_flops(px: int) -> dict:
             cfg = OmegaConf.merge(m, {"img_size": px, "input_size": px, "pad_to": None})
             with torch.random.fork_rng(devices=[]):  # the run's RNG stream stays as without this count
-                net = build_vit(cfg, model_attention(self.cfg)).to(device)
+                net = build_vit(cfg, self.attention.options).to(device)
             return count_flops_split(net, torch.zeros(1, in_chans, px, px, device=device))
 
         n = tokens(size)

@@ -3,9 +3,11 @@
 Hydra already rejects unknown keys (``foo=1`` -> "Key 'foo' is not in struct"); :func:`apply_overrides` does
 the same for configs read back from a checkpoint (``eval.py``). This module checks what only the values or the
 combination of groups can tell: the inputs a recipe declares (``inputs:``: data, weights) that are not on disk,
-an attention a model cannot take or an ``attn.*`` option that would not take effect (:func:`model_attention`, the
-one place a run's attention is resolved), a block layout that does not tile the model's token grid, a missing data
-root, a schedule that trains nothing.
+an attention a model cannot take or an ``attn.*`` option that would not take effect (:func:`resolve_run_attention`,
+the one place a run's attention is resolved, once, into the :class:`~mhla.registry.ResolvedAttention` the task
+shares), a block layout that does not tile the model's token grid, a missing data root, a schedule that trains
+nothing. It also words a run's settings (:func:`run_settings`: the attention's part from what the attention says
+about itself, mhla/registry.py).
 
 It also holds the resolvers of ``hydra.run.dir`` (:func:`register_resolvers`).
 """
@@ -13,17 +15,22 @@ It also holds the resolvers of ``hydra.run.dir`` (:func:`register_resolvers`).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from mhla.registry import (
+    ResolvedAttention,
     accepted_options,
-    check_attention,
+    attention_tag,
+    block_defaults,
     get_attention_class,
+    list_attentions,
     probe_layers,
-    resolve_attention,
+    resolve,
+    tag_blocks,
 )
 from models.attention import attention_contract, cross_attention_contract
 from models.lm.configuration_mhla_lm import LEGACY_ATTENTION_FIELDS
@@ -33,49 +40,80 @@ class ConfigError(ValueError):
     """A config that cannot run, with a message that says how to fix it."""
 
 
-def model_attention(cfg) -> dict:
-    """The attention this run builds: ``cfg.attn`` resolved against the model's attention contract
-    (:func:`models.attention.attention_contract`, :func:`mhla.registry.resolve_attention`): ``{"name": ...,
-    option: value, ...}`` with every option set. Raises :class:`ConfigError` for an attention the model cannot
-    run (the message lists the ones it can), or an ``attn.*`` option that would not take effect (it names it)."""
+ATTN_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "attn"
+
+
+def import_config_attentions(folder: str | os.PathLike = ATTN_CONFIGS) -> list[str]:
+    """Import the ``module:`` of every attention config in ``folder`` (``configs/attn/*.yaml``), so that the
+    attentions defined outside the package (``examples/cosine_attention.py``) are registered too: what lists
+    attentions (plots, benchmarks) calls this first. Returns the modules imported."""
+    import importlib  # noqa: PLC0415
+
+    modules = []
+    for path in sorted(Path(folder).glob("*.yaml")):
+        module = OmegaConf.load(path).get("module")
+        if module:
+            importlib.import_module(str(module))
+            modules.append(str(module))
+    return modules
+
+
+def resolve_run_attention(cfg) -> ResolvedAttention:
+    """The run's attention and cross-attention, resolved once at its start (train.py; a task builds from
+    :attr:`Task.attention <tasks.common.task.Task.attention>`): ``cfg.attn`` against the model's attention
+    contract (:func:`models.attention.attention_contract`, :func:`mhla.registry.resolve`), with
+    ``cfg.attn_cross`` against its cross-attention contract as ``.cross``. Raises :class:`ConfigError` for an
+    attention the model cannot run (the message lists the ones it can), or an option that would not take effect
+    (it names it)."""
+    return replace(resolve_model_attention(cfg), cross=_cross(cfg))
+
+
+def _resolved(given, contract_of, model_cfg, key: str) -> ResolvedAttention:
     try:
-        contract = attention_contract(cfg.model)
-        options = resolve_attention(cfg.attn, contract)
-        check_attention(options, contract)
+        return resolve(given, contract_of(model_cfg), key=key)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return options
+
+
+def _cross(cfg) -> ResolvedAttention:
+    """``cfg.attn_cross`` resolved (``native`` when the config has none, e.g. one stored before the group
+    existed): ``native`` keeps the model's own cross-attention (softmax in Wan and SANA); a model without a
+    cross-attention takes only ``native`` (docs/cross_attention.md)."""
+    given = cfg.get("attn_cross") if hasattr(cfg, "get") else None
+    return _resolved(given if given is not None else "native", cross_attention_contract, cfg.model, "attn_cross")
+
+
+def resolve_model_attention(cfg) -> ResolvedAttention:
+    """:func:`resolve_run_attention` without the cross-attention (``.cross`` is None)."""
+    return _resolved(cfg.attn, attention_contract, cfg.model, "attn")
+
+
+def model_attention(cfg) -> dict:
+    """The options of the attention a stored run built (:func:`resolve_model_attention`'s ``.options``), for the
+    readers of a checkpoint that need only them."""
+    return resolve_model_attention(cfg).options
 
 
 def model_cross_attention(cfg) -> dict:
-    """The cross-attention this run builds: ``cfg.attn_cross`` (``native`` when the config has none, e.g. one
-    stored before the group existed) resolved against the model's cross-attention contract
-    (:func:`models.attention.cross_attention_contract`). ``native`` keeps the model's own cross-attention
-    (softmax in Wan and SANA); a model without a cross-attention takes only ``native``. Raises
-    :class:`ConfigError` as :func:`model_attention` does (docs/cross_attention.md)."""
-    given = cfg.get("attn_cross") if hasattr(cfg, "get") else None
-    try:
-        contract = cross_attention_contract(cfg.model)
-        options = resolve_attention(given if given is not None else "native", contract, key="attn_cross")
-        check_attention(options, contract, key="attn_cross")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return options
+    """The options of the run's cross-attention (``attn_cross``; ``native``: the model's own), as
+    :func:`model_attention` for the self-attention."""
+    return _cross(cfg).options
 
 
 AUTO_OPTIONS = ("num_blocks", "block_size")  # MHLA's options that take "auto" (from the token grid / context)
 
 
-def attention_line(cfg, options: dict) -> str:
-    """The ``attention: name=mhla num_blocks=... ...`` line that train.py prints for the resolved ``options``
-    (:func:`model_attention`). An option set to ``auto`` (MHLA's ``num_blocks`` on a grid, ``block_size`` in a
-    language model) shows what it resolves to in the model's layers (the start-of-run probes), e.g.
+def attention_line(attention: ResolvedAttention) -> str:
+    """The ``attention: name=mhla num_blocks=... ...`` line that train.py prints for the run's resolved attention
+    (:func:`resolve_run_attention`). An option set to ``auto`` (MHLA's ``num_blocks`` on a grid, ``block_size``
+    in a language model) shows what it resolves to in the model's layers (the start-of-run probes), e.g.
     ``num_blocks=auto(M=16: 4x4 blocks of 4x4 tokens on the 16x16 grid)``."""
+    options = attention.options
     auto = [k for k in AUTO_OPTIONS if options.get(k) == "auto"]
     resolved = []
     if auto:
         try:
-            layers = probe_layers(options, attention_contract(cfg.model))
+            layers = probe_layers(options, attention.contract)
         except ValueError:
             layers = []
         resolved = list(dict.fromkeys(auto_resolution(layer.settings()) for layer in layers))
@@ -101,7 +139,7 @@ def auto_resolution(settings: dict) -> str:
 
 # The one mapping of configs written before the attention schema (``attn.*`` for every model): the language models
 # kept their attention options as model.* fields, DiG chose GLA with model.token_mixer, MALA / RALA called their
-# 2-D RoPE switch attn.rope. (A committed pre-schema checkpoint is loaded in tests/test_eval_dispatch.py.)
+# 2-D RoPE switch attn.rope. (A committed pre-schema checkpoint is loaded in tests/tasks/test_eval_dispatch.py.)
 
 
 def upgrade_config(cfg):
@@ -126,10 +164,14 @@ def upgrade_config(cfg):
                 model.max_position_embeddings = cfg.data.seq_len  # (MQAR's builder took it from the data then)
         if model.get("kind") == "dig" and "token_mixer" in model:
             mixer, chunk, backend = model.pop("token_mixer"), model.pop("gla_chunk", None), model.pop("gla_backend", None)
-            if mixer == "gla":
-                cfg.attn = OmegaConf.create({"name": "gla", "chunk": chunk, "backend": backend})
-        if cfg.attn.get("name") in ("mala", "rala") and "rope" in cfg.attn:
-            cfg.attn.rope_2d = cfg.attn.pop("rope")
+            if mixer in list_attentions():  # (the one registered then: gla)
+                cfg.attn = OmegaConf.create({"name": mixer, "chunk": chunk, "backend": backend})
+        if cfg.attn.get("name") in list_attentions():  # options renamed since (MALA / RALA: rope -> rope_2d)
+            for old, new in getattr(get_attention_class(cfg.attn.name), "legacy_options", {}).items():
+                if old in cfg.attn:
+                    cfg.attn[new] = cfg.attn.pop(old)
+        if "mhla_num_blocks" in model:  # the model's default token blocks, named for MHLA until the registry said it
+            model.token_blocks = model.pop("mhla_num_blocks")
         model.pop("attentions", None)
     return cfg
 
@@ -241,16 +283,27 @@ def check_inputs(cfg) -> None:
 
 
 # ------------------------------------------------------------------------------ what distinguishes two runs
-def run_settings(cfg) -> dict:
+def run_settings(cfg, attention: ResolvedAttention | None = None) -> dict:
     """The settings that tell two table cells (or two seeds of one) apart, from a composed config: ``model``,
-    ``resolution`` (px, video ``FxHxW`` px, LM context), ``attention`` (name and its non-default options),
-    ``M`` (MHLA's token-level heads), ``seed`` and ``schedule`` (steps or epochs). Sample folders, run folders and
-    result records carry them (:func:`settings_tag`)."""
+    ``resolution`` (px, video ``FxHxW`` px, LM context), ``attention`` (name and its non-default options, in the
+    words the attention gives, :meth:`mhla.registry.ResolvedAttention.tag`), ``M`` (the attention's token
+    blocks, e.g. MHLA's token-level heads), ``seed`` and ``schedule`` (steps or epochs). Sample folders, run
+    folders and result records carry them (:func:`settings_tag`). ``attention``: the run's, when resolved
+    already (:func:`resolve_run_attention`)."""
     m, d, t = cfg.model, cfg.get("data") or {}, cfg.get("trainer") or {}
-    try:  # the attention as the model builds it (null options resolved)
-        a = model_attention(cfg)
-    except ConfigError:  # a cell train.py does not run (e.g. the fla baselines): its config as it stands
+    if attention is None:
+        attention = _resolved_or_none(lambda: resolve_model_attention(cfg))
+        if attention is not None:
+            attention = replace(attention, cross=_resolved_or_none(lambda: _cross(cfg)))
+    if attention is not None:  # the attention as the model builds it (null options resolved), its cross's word
+        a, attn = attention.options, attention.tag()
+    else:  # a cell train.py does not run (e.g. the fla baselines): its config as it stands
         a = {k: v for k, v in (cfg.get("attn") or {}).items() if v is not None}
+        attn = attention_tag(a)
+    if attention is None or attention.cross is None:  # an unresolved cross-attention: a registered one's word
+        cross_name = str((cfg.get("attn_cross") or {}).get("name", ""))
+        if cross_name in list_attentions():
+            attn += f"+x{cross_name.removesuffix('_cross')}"
     model = str(m.get("name"))
     if m.get("arch") not in (None, "mhla_lm"):
         model += f"-{m.arch}"
@@ -267,42 +320,20 @@ def run_settings(cfg) -> dict:
         res = None
     if m.get("pretrained"):
         model += "-ft"  # fine-tuned from released weights
-    name = str(a.get("name", ""))
-    attn = name
-    if a.get("cpe"):
-        attn += "+cpe" + (f"{a['cpe_kernel']}" if a.get("cpe_kernel") not in (None, 3) else "")
-    if a.get("gate"):
-        attn += "+gate" + (f"-{a['gate']}" if a["gate"] is not True else "")
-    if name == "mhla":
-        if a.get("mixing_init") not in (None, "locality"):
-            attn += f"-{a['mixing_init']}"
-        if a.get("mixing_learnable") is False:
-            attn += "-frozen"
-    layers = a.get("layers")
-    if layers not in (None, "all") and name != "softmax":
-        attn += f"-layers{layers}" if isinstance(layers, str) else "-layers" + ".".join(map(str, layers))
-    if a.get("head_width"):
-        attn += f"-hw{a['head_width']}"
-    if name in ("linear", "mhla") and "normalize" in a and a.get("normalize") is not True:
-        attn += "-nonorm" if a["normalize"] is False else f"-norm{a['normalize']}"
-    try:
-        cross = model_cross_attention(cfg)
-    except ConfigError:
-        cross = {"name": str((cfg.get("attn_cross") or {}).get("name", "native"))}
-    if cross["name"] != "native":  # the default (the model's own cross-attention) adds nothing to the tag
-        attn += f"+x{cross['name'].removesuffix('_cross')}"
-    blocks = None
-    if name == "mhla":
-        if a.get("blocks"):
-            blocks = "x".join(map(str, a["blocks"]))
-        elif a.get("num_blocks") is not None:
-            blocks = str(a["num_blocks"])
-        elif m.get("stage_num_blocks"):
-            blocks = "-".join(map(str, m.stage_num_blocks))
+    blocks = tag_blocks(a)
+    if blocks is None and m.get("stage_num_blocks") and block_defaults(str(a.get("name", "")), 1):
+        blocks = "-".join(map(str, m.stage_num_blocks))  # VLT: the blocks of each linear stage
     steps = t.get("max_steps")
     schedule = f"{steps}steps" if steps else (f"{t.get('max_epochs')}ep" if t.get("max_epochs") else None)
     return {"model": model, "resolution": res, "attention": attn, "M": blocks, "seed": cfg.get("seed"),
             "schedule": schedule}
+
+
+def _resolved_or_none(resolve_it) -> ResolvedAttention | None:
+    try:
+        return resolve_it()
+    except ConfigError:
+        return None
 
 
 def settings_tag(settings) -> str:
@@ -368,15 +399,15 @@ def check_trainer(cfg) -> None:
                           f"docs/training.md), got {strategy!r}")
 
 
-def validate_config(cfg) -> None:
+def validate_config(cfg) -> ResolvedAttention:
+    """The start-of-run checks; returns the run's attention, resolved (:func:`resolve_run_attention`)."""
     for key in ("task", "model", "attn", "data", "optim", "sched", "trainer"):
         if key not in cfg or cfg[key] is None:
             raise ConfigError(f"the config has no '{key}' group; add {key}=... to the command")
     check_inputs(cfg)
     check_data(cfg)
     check_trainer(cfg)
-    model_attention(cfg)
-    model_cross_attention(cfg)
+    return resolve_run_attention(cfg)
 
 
 def apply_overrides(cfg, overrides: list[str]) -> None:

@@ -6,7 +6,7 @@ the scripts that read trained runs (``scripts/analyze_attention.py``, ``scripts/
 
 The run's resolved config is stored in the checkpoint; ``overrides`` are applied on top with Hydra's rule (a
 misspelled key is an error, ``+key=value`` adds a key). The task is the class the stored config names in
-``task.target``, picked as ``train.py`` picks it (:func:`tasks.common.trainer.task_class`).
+``task.target``, picked as ``train.py`` picks it (:func:`tasks.common.task.task_class`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from .config import apply_overrides, check_eval_batch_size
 from .data import ResumableSampler
 from .distributed import setup_distributed
 from .progress import ProgressLoader
-from .trainer import _precision_context, cap_num_workers, task_class
+from .task import task_class
+from .trainer import _precision_context, cap_num_workers
 
 
 def load_run(ckpt_path: str, overrides: list[str] | None = None, use_ema: bool = True):
     """``(cfg, task, model, dist_info)`` of a ``train.py`` checkpoint: the run's stored config with
     ``overrides`` on top, its task (the class ``task.target`` names, as in ``train.py``:
-    :func:`tasks.common.trainer.task_class`), and the model with the EMA (``use_ema``) or raw weights, in eval
+    :func:`tasks.common.task.task_class`), and the model with the EMA (``use_ema``) or raw weights, in eval
     mode."""
     state = load_run_checkpoint(ckpt_path)
     cfg = run_config(state)

@@ -32,6 +32,8 @@ from .utils import load_average, system_info
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = "run.json"
+#: What a table keeps of each run's record: the code version, machine, load, resolved config and effective attention.
+RUN_RECORD_KEYS = ("commit", "dirty", "machine", "load_before", "load_after", "config", "attention")
 
 
 def code_version(root: str | os.PathLike = ROOT) -> dict:
@@ -56,24 +58,23 @@ def code_version(root: str | os.PathLike = ROOT) -> dict:
 
 def effective_attention(cfg) -> dict | None:
     """The attention the run built with every option it runs with: ``cfg.attn`` (whose None fields mean "the
-    model's default") resolved against the model's contract (:func:`tasks.common.config.model_attention`), the
-    class's own defaults filled in (:func:`mhla.registry.effective_options`); None for a config without a model
+    model's default"; a stored config is brought to today's schema first, :func:`tasks.common.config.upgrade_config`)
+    resolved against the model's contract (:func:`tasks.common.config.resolve_model_attention`), the class's own
+    defaults filled in (:attr:`mhla.registry.ResolvedAttention.effective`); None for a config without a model
     attention (e.g. a distillation record)."""
-    from mhla.registry import effective_options  # noqa: PLC0415  (records stays light to import)
-    from models.attention import attention_contract  # noqa: PLC0415
-
-    from .config import model_attention  # noqa: PLC0415
+    from .config import resolve_model_attention, upgrade_config  # noqa: PLC0415  (records stays light to import)
 
     try:
         if cfg.get("attn") is None or cfg.get("model") is None:
             return None
-        return effective_options(model_attention(cfg), attention_contract(cfg.model))
+        stored = upgrade_config(OmegaConf.create(OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else cfg))
+        return resolve_model_attention(stored).effective
     except (ValueError, KeyError, AttributeError, ImportError):
         return None
 
 
 def write_run_record(run_dir: str | os.PathLike, cfg, metrics: dict, *, seconds: float, load_before,
-                     segments: list[dict] | None = None) -> Path:
+                     segments: list[dict] | None = None, attention=None) -> Path:
     """Write ``<run_dir>/run.json`` (module docstring) and return its path.
 
     ``seconds`` and ``load_before`` are this process's. ``segments`` (the trainer's): one dict per process
@@ -81,7 +82,8 @@ def write_run_record(run_dir: str | os.PathLike, cfg, metrics: dict, *, seconds:
     "load_before"}``; more than one when the run was resumed from a checkpoint (``trainer.resume``). A segment
     from a checkpoint that predates them is ``{"from_step": None, "to_step": step}``: what trained up to that
     step is unknown. ``seconds_total`` is their sum (``seconds`` without segments), None when one is
-    unknown."""
+    unknown. ``attention``: the run's resolved attention (a :class:`mhla.registry.ResolvedAttention`, the
+    trainer's); without it the record resolves ``cfg`` (:func:`effective_attention`)."""
     known = [seg.get("seconds") for seg in segments] if segments is not None else [seconds]
     segments = list(segments or [])
     record = {
@@ -96,7 +98,7 @@ def write_run_record(run_dir: str | os.PathLike, cfg, metrics: dict, *, seconds:
         "seconds_total": round(sum(known), 1) if known and None not in known else None,
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))},
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "attention": effective_attention(cfg),
+        "attention": attention.effective if attention is not None else effective_attention(cfg),
     }
     text = json.dumps(record, indent=1, default=str)
     return atomic_write(Path(run_dir) / RECORD, lambda tmp: Path(tmp).write_text(text))

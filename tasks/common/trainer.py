@@ -34,7 +34,6 @@ evaluation): ``last.pt`` is saved, the logger is finished, and :class:`TrainingI
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import os
 import signal
@@ -61,13 +60,14 @@ from .checkpoint import (
 )
 from .config import ConfigError, check_trainer
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
-from .distributed import DistInfo, all_reduce_mean, barrier, setup_distributed
+from .distributed import all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
 from .hooks import after_optimizer_step, logged_matrices
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
 from .progress import ProgressLoader
 from .records import code_version, write_run_record
+from .task import Task
 from .utils import (
     count_flops,
     count_parameters,
@@ -84,81 +84,6 @@ def _fsdp_module():
     from . import fsdp  # noqa: PLC0415
 
     return fsdp
-
-
-class Task:
-    """What a task provides to the trainer. Subclasses override the methods below.
-
-    ``monitor`` / ``monitor_mode``: the eval metric that selects ``best.pt``.
-    """
-
-    monitor: str = "loss"
-    monitor_mode: str = "min"
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def build_model(self) -> nn.Module:
-        raise NotImplementedError
-
-    def build_datasets(self):
-        """Return ``(train_dataset, eval_dataset)``; samples are what :meth:`collate` batches."""
-        raise NotImplementedError
-
-    def collate(self, samples):
-        return torch.utils.data.default_collate(samples)
-
-    def on_batch(self, batch, device):
-        """Move a batch to ``device`` and apply batch-level augmentation (mixup, ...)."""
-        return [b.to(device, non_blocking=True) if torch.is_tensor(b) else b for b in batch]
-
-    def training_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict]:
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, loader, device, dist_info: DistInfo) -> dict:
-        raise NotImplementedError
-
-    def example_input(self, device):
-        """An input for the FLOP counter (or None to skip counting)."""
-        return None
-
-    def describe_model(self, model: nn.Module) -> str:
-        return type(model).__name__
-
-    def after_fit(self, trainer: "Trainer", metrics: dict) -> dict:
-        """Hook for task-specific end-of-run work (sample grids, ...). Returns extra metrics, and
-        :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``.
-
-        Every rank calls it. Under FSDP the weights of ``trainer.model`` and ``trainer.ema.module`` are whole
-        for its duration (:func:`tasks.common.fsdp.gathered`), so rank 0 may sample alone; a transformers
-        ``generate`` there needs ``synced_gpus=False`` (it would wait for the other ranks at each token)."""
-        return {}
-
-
-def task_class(cfg) -> type[Task]:
-    """The :class:`Task` subclass a run's config names in ``task.target`` (e.g.
-    ``tasks.classification.task.ClassificationTask``; every ``configs/task/*.yaml`` sets it).
-
-    ``train.py`` builds its run from it and ``eval.py`` a checkpoint's (from the config stored in it), so both
-    pick the same class. A config without ``task.target`` is a :class:`ConfigError` that says how to name one.
-    """
-    target = cfg.task.get("target")
-    if not target:
-        raise ConfigError(
-            "the config names no task class (no task.target); pass +task.target=<module>.<Task subclass>, e.g. "
-            "+task.target=tasks.classification.task.ClassificationTask")
-    module_name, _, name = str(target).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name, None) if module_name else None
-    except ModuleNotFoundError as e:
-        if not (e.name and module_name.startswith(e.name)):
-            raise  # the module exists but one of its own imports is missing
-        cls = None
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise ConfigError(f"task.target={target} is not a Task subclass (module.ClassName, e.g. "
-                          "tasks.classification.task.ClassificationTask)")
-    return cls
 
 
 def matrix_heatmaps(model: nn.Module, step: int) -> dict[str, Media]:
@@ -545,7 +470,7 @@ class Trainer:
                     stop_workers(loader)
         if self.dist.is_main:  # the run's record: resolved config, code version, machine and its load
             write_run_record(self.run_dir, self.cfg, metrics, seconds=time.time() - started,
-                             load_before=load_before, segments=run.history())
+                             load_before=load_before, segments=run.history(), attention=self.task.attention)
         barrier(self.dist)
         return metrics
 

@@ -1,3 +1,3 @@
-"""Converting trained softmax models to MHLA: the distillation entry point (``distill.py``) and the experiment
-(``experiment.py``); the library part is :mod:`mhla.conversion` and :mod:`mhla.distill`
-(docs/conversion.md)."""
+"""Converting trained softmax models to MHLA: the distillation entry point (``distill.py``); the library part is
+:mod:`mhla.conversion` and :mod:`mhla.distill`, the experiment that compares conversion with training from
+scratch :mod:`scripts.tables.conversion` (docs/conversion.md)."""

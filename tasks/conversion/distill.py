@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import time
 
 import hydra
@@ -34,24 +33,20 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from mhla.conversion import convert  # noqa: E402
-from mhla.distill import attention_gap, distill_attention  # noqa: E402
-from tasks.common.checkpoint import (  # noqa: E402
+from mhla.conversion import convert
+from mhla.distill import attention_gap, distill_attention
+from tasks.common.checkpoint import (
     atomic_save,
     find_checkpoint,
     load_run_checkpoint,
     model_weights,
     run_config,
 )
-from tasks.common.config import ConfigError, model_attention, register_resolvers  # noqa: E402
-from tasks.common.distributed import DistInfo  # noqa: E402
-from tasks.common.records import write_run_record  # noqa: E402
-from tasks.common.trainer import task_class  # noqa: E402
-from tasks.common.utils import load_average, seed_everything  # noqa: E402
+from tasks.common.config import ConfigError, model_attention, register_resolvers
+from tasks.common.distributed import DistInfo
+from tasks.common.records import write_run_record
+from tasks.common.task import task_class
+from tasks.common.utils import load_average, seed_everything
 
 register_resolvers()
 

@@ -32,9 +32,9 @@ import torch.nn as nn
 from omegaconf import OmegaConf, open_dict
 
 from models.sana import build_sana, sana_config
-from tasks.common.config import model_attention, model_cross_attention
 from tasks.common.flow_matching import flow_matching_loss
-from tasks.common.trainer import Task, Trainer
+from tasks.common.task import Task
+from tasks.common.trainer import Trainer
 from tasks.image_gen.sana_prompts import NEGATIVE_FILE, load_negative, stack_captions
 
 
@@ -99,7 +99,7 @@ class SanaFinetuneTask(Task):
     monitor_mode = "min"
 
     def build_model(self) -> nn.Module:
-        model = build_sana(self.cfg.model, model_attention(self.cfg), model_cross_attention(self.cfg))
+        model = build_sana(self.cfg.model, self.attention.options, self.attention.cross.options)
         if OmegaConf.is_config(self.cfg):
             # Record the transformer's own config with the run (checkpoints save the run config), so the sampler
             # (tasks.image_gen.sana_checkpoint) rebuilds the same architecture without the pretrained folder.
@@ -110,9 +110,9 @@ class SanaFinetuneTask(Task):
         return model
 
     def describe_model(self, model) -> str:
-        cross = model_cross_attention(self.cfg)["name"]
+        cross = self.attention.cross
         return (f"SANA ({self.cfg.model.name}) with {self.cfg.attn.name} self-attention, "
-                f"{'softmax (native)' if cross == 'native' else cross} cross-attention")
+                f"{'softmax (native)' if cross.is_native else cross.name} cross-attention")
 
     @property
     def caption_dropout(self) -> float:

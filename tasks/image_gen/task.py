@@ -19,10 +19,9 @@ import torch.nn as nn
 
 from models.dig import build_dig
 from models.dit import build_dit
-from tasks.common.config import model_attention
 from tasks.common.distributed import barrier, setup_distributed
 from tasks.common.logger import Media
-from tasks.common.trainer import Task
+from tasks.common.task import Task
 
 from .data import LatentDataset, MNISTImages, build_image_folder, check_image_folder_split
 from .diffusion import create_diffusion
@@ -34,8 +33,8 @@ class ImageGenTask(Task):
     monitor = "loss"
     monitor_mode = "min"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, attention=None):
+        super().__init__(cfg, attention)
         self.diffusion = create_diffusion("", int(cfg.task.get("diffusion_steps", 1000)),
                                           learn_sigma=bool(cfg.model.get("learn_sigma", True)),
                                           prediction=str(cfg.task.get("prediction", "eps")))
@@ -46,14 +45,14 @@ class ImageGenTask(Task):
         self._check_data_root()  # before the model: a wrong data.root should not wait for the build
         kind = self.cfg.model.get("kind", "dit")
         if kind == "dig":  # DiG (models/dig.py): a DiT subclass whose blocks scan with GLA (attn=gla) or run MHLA
-            return build_dig(self.cfg.model, model_attention(self.cfg))
+            return build_dig(self.cfg.model, self.attention.options)
         if kind != "dit":
             raise ValueError(f"model.kind={kind!r} is not a generation model (dit | dig)")
 
-        return build_dit(self.cfg.model, model_attention(self.cfg))
+        return build_dit(self.cfg.model, self.attention.options)
 
     def describe_model(self, model) -> str:
-        a = model_attention(self.cfg)
+        a = self.attention.options
         extras = "".join(f"+{k}" for k in ("cpe", "gate") if a.get(k))
         return f"{self.cfg.model.name} with {a['name']}{extras} attention"
 

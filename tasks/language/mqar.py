@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 from mhla.mixing import mixing_matrices, normalized_rows
 from models.lm import MHLALMConfig, MHLALMForCausalLM
 from tasks.common.config import model_attention
-from tasks.common.trainer import Task
+from tasks.common.task import Task
 
 
 def power_law_probs(space: int, power_a: float) -> np.ndarray:
@@ -112,13 +112,14 @@ class MQARDataset(Dataset):
         return self.inputs[i], self.labels[i]
 
 
-def build_mqar_model(cfg) -> nn.Module:
-    """Our causal LM (``models.lm.MHLALMForCausalLM``) with the run's resolved attention and ``cfg.model``'s sizes
-    (context = ``data.seq_len``)."""
+def build_mqar_model(cfg, attn: dict | None = None) -> nn.Module:
+    """Our causal LM (``models.lm.MHLALMForCausalLM``) with the run's resolved attention ``attn`` (resolved from
+    ``cfg`` when None) and ``cfg.model``'s sizes (context = ``data.seq_len``)."""
     m = OmegaConf.to_container(cfg.model, resolve=True) if OmegaConf.is_config(cfg.model) else dict(cfg.model)
     sizes = {k: m[k] for k in ("hidden_size", "num_hidden_layers", "num_heads", "key_dim_ratio", "value_dim_ratio",
                                "intermediate_size", "rope_theta", "tie_word_embeddings") if m.get(k) is not None}
-    config = MHLALMConfig(attn=model_attention(cfg), vocab_size=int(cfg.data.vocab_size), bos_token_id=None,
+    attn = attn if attn is not None else model_attention(cfg)
+    config = MHLALMConfig(attn=attn, vocab_size=int(cfg.data.vocab_size), bos_token_id=None,
                           eos_token_id=None, pad_token_id=None,
                           max_position_embeddings=int(m.get("max_position_embeddings") or cfg.data.seq_len), **sizes)
     return MHLALMForCausalLM(config)
@@ -206,7 +207,7 @@ class MQARTask(Task):
     monitor_mode = "max"
 
     def build_model(self) -> nn.Module:
-        return build_mqar_model(self.cfg)
+        return build_mqar_model(self.cfg, self.attention.options)
 
     def describe_model(self, model: nn.Module) -> str:
         c = model.config

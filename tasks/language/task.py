@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from models.lm import MHLALMConfig, MHLALMForCausalLM
 from models.lm.baselines import build_transformer_pp
-from tasks.common.config import ConfigError, model_attention
-from tasks.common.trainer import Task
+from tasks.common.config import ConfigError
+from tasks.common.task import Task
 
 from .data import build_lm_datasets, packed_forward_kwargs
 
@@ -40,8 +40,8 @@ class LanguageModelingTask(Task):
     monitor = "val_loss"
     monitor_mode = "min"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, attention=None):
+        super().__init__(cfg, attention)
         self._data = None
 
     @property
@@ -63,7 +63,7 @@ class LanguageModelingTask(Task):
         if self.cfg.data.get("reset_at_doc_boundary", False) and arch != "mhla_lm":
             raise ConfigError(f"data.reset_at_doc_boundary=true needs our LM (model.arch=mhla_lm, which takes "
                               f"cu_seqlens); model.arch={arch} does not: set data.reset_at_doc_boundary=false")
-        return build_lm(self.cfg.model, model_attention(self.cfg), len(tok), tok.eos_token_id)
+        return build_lm(self.cfg.model, self.attention.options, len(tok), tok.eos_token_id)
 
     def _packed(self, batch) -> dict:
         """``cu_seqlens`` of the documents in a packed batch when ``data.reset_at_doc_boundary`` (else ``{}``)."""

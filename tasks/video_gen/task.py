@@ -10,7 +10,7 @@ Loss: velocity MSE (:mod:`tasks.common.flow_matching`), times ``shift(sigmoid(N(
 dropped (replaced by the null prompt) with probability ``task.caption_dropout`` so CFG works at sampling.
 Evaluation: the same loss at fixed times and fixed noise (``eval/loss``, comparable across runs).
 ``task.finetune: false`` marks an evaluation-only row (Table 5's FlashAttention: the pretrained Wan2.1, not
-fine-tuned): :meth:`VideoGenTask.build_datasets` refuses to train it and ``tasks.video_gen.table5`` only samples it.
+fine-tuned): :meth:`VideoGenTask.build_datasets` refuses to train it and ``scripts.tables.table5`` only samples it.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from omegaconf import OmegaConf
 
 from models.wan import build_wan, load_vae, token_grid
 from tasks.common import flow_matching as fm
-from tasks.common.config import ConfigError, model_attention, model_cross_attention
+from tasks.common.config import ConfigError
 from tasks.common.logger import Media
-from tasks.common.trainer import Task
+from tasks.common.task import Task
 
 from .data import VOCAB, MovingShapes, VideoFolder, caption_ids
 from .follow import follow_report, summary_line
@@ -45,8 +45,8 @@ class VideoGenTask(Task):
     monitor = "loss"
     monitor_mode = "min"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, attention=None):
+        super().__init__(cfg, attention)
         m, d = cfg.model, cfg.data
         self.pixel_space = not m.get("vae")
         stride = (1, 1, 1) if self.pixel_space else tuple(m.get("vae_stride", (4, 8, 8)))
@@ -63,34 +63,33 @@ class VideoGenTask(Task):
                 raise ConfigError("model.coord_channels adds input channels: only for a random-init model "
                                   "(model.pretrained=null)")
             m = OmegaConf.merge(m, {"in_channels": int(m.in_channels) + 3})  # x_t + (frame, row, column)
-        transformer = build_wan(m, model_attention(self.cfg), grid=self.grid,
-                                cross_cfg=model_cross_attention(self.cfg))
+        transformer = build_wan(m, self.attention.options, grid=self.grid, cross_cfg=self.attention.cross.options)
         kw = dict(text_pool=bool(m.get("text_pool", False)), coord_channels=coords)
         if self.word_text:
             return VideoDenoiser(transformer, len(VOCAB), int(m.text_dim), **kw)
         return VideoDenoiser(transformer, **kw)
 
     def describe_model(self, model) -> str:
-        a = model_attention(self.cfg)
-        layers = a.get("layers", "all") if a["name"] != "softmax" else "-"
-        blocks = f", blocks {list(a['blocks'])}" if a["name"] == "mhla" and a.get("blocks") else ""
-        cross = model_cross_attention(self.cfg)["name"]
+        attention = self.attention
+        a, cross = attention.options, attention.cross
+        layers = "-" if attention.is_native else a.get("layers", "all")
+        blocks = f", blocks {list(a['blocks'])}" if a.get("blocks") else ""  # (MHLA's blocks per axis)
         return (f"{self.cfg.model.name} (Wan-shaped) with {a['name']} self-attention (layers: {layers}{blocks}), "
-                f"{'softmax (native)' if cross == 'native' else cross} cross-attention, "
+                f"{'softmax (native)' if cross.is_native else cross.name} cross-attention, "
                 f"token grid {self.grid} = {math.prod(self.grid)} tokens")
 
     # -------------------------------------------------------------------------------------- data
     @property
     def finetune(self) -> bool:
         """``task.finetune`` (default true); false: an evaluation-only row (Table 5's FlashAttention, the
-        pretrained Wan2.1 without fine-tuning), sampled by ``python -m tasks.video_gen.table5``, never trained."""
+        pretrained Wan2.1 without fine-tuning), sampled by ``python -m scripts.tables.table5``, never trained."""
         return bool(self.cfg.task.get("finetune", True))
 
     def build_datasets(self):
         if not self.finetune:  # the trainer asks for data only to train: refuse before any step
             raise ConfigError(
                 "task.finetune=false: this row is evaluation-only (the pretrained model, not fine-tuned); sample it "
-                "with `python -m tasks.video_gen.table5 --sample-pretrained <row> --wan <Wan2.1 folder>` instead of "
+                "with `python -m scripts.tables.table5 --sample-pretrained <row> --wan <Wan2.1 folder>` instead of "
                 "train.py, or set task.finetune=true to fine-tune it")
         d = self.cfg.data
         if d.name == "moving_shapes":

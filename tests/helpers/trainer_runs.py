@@ -1,7 +1,7 @@
 """Several ``train.py`` runs one after another in one launch (one process, or each rank under ``torchrun``),
 so that the start-up (imports, process group) is paid once:
 
-    torchrun --nproc_per_node=2 tests/helpers/trainer_runs.py SPEC.json
+    PYTHONPATH=. torchrun --nproc_per_node=2 tests/helpers/trainer_runs.py SPEC.json    # from the repository root
 
 ``SPEC.json``: ``[{"dir": run folder, "overrides": [Hydra overrides of configs/train.yaml]}, ...]``, each run
 by ``train.run`` (what ``python train.py`` runs) in its folder, in order; the process group stays up between
@@ -13,14 +13,12 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf, open_dict  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(spec_path: str) -> None:

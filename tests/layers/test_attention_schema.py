@@ -18,7 +18,7 @@ from mhla.registry import choices
 from models.attention import attention_contract
 from tasks.common.config import ConfigError, model_attention, register_resolvers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ATTN_DIR = os.path.join(ROOT, "configs", "attn")
 register_resolvers()
 
@@ -84,7 +84,7 @@ def _build(task_name, cfg):
         if task_name == "mqar":
             return build_mqar_model(cfg)
         return build_lm(cfg.model, model_attention(cfg), 64)
-    from tasks.common.trainer import task_class
+    from tasks.common.task import task_class
 
     return task_class(cfg)(cfg).build_model()
 

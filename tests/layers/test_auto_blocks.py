@@ -18,9 +18,9 @@ from hydra import compose, initialize_config_dir
 from mhla.layers import MultiHeadLinearAttention
 from mhla.layouts import auto_block_size, auto_blocks, auto_num_blocks
 from mhla.registry import build_attention
-from tasks.common.config import ConfigError, attention_line, model_attention, register_resolvers
+from tasks.common.config import ConfigError, attention_line, model_attention, register_resolvers, resolve_run_attention
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 register_resolvers()
 
 # grid -> (blocks per axis, tokens per block); M = prod(blocks)
@@ -137,7 +137,7 @@ def _mhla_layers(model):
     ],
 )
 def test_composed_config_builds_the_chosen_m_and_prints_it(overrides, grid, blocks, block):
-    from tasks.common.trainer import task_class
+    from tasks.common.task import task_class
 
     cfg = _compose([*overrides, "attn=mhla", "attn.num_blocks=auto"])
     options = model_attention(cfg)
@@ -148,7 +148,7 @@ def test_composed_config_builds_the_chosen_m_and_prints_it(overrides, grid, bloc
         s = layer.settings()
         assert s["auto_blocks"] and s["blocks"] == auto_blocks(s["grid"])
         assert s["num_blocks"] == layer.mixing.num_blocks == auto_num_blocks(s["grid"])
-    line = attention_line(cfg, options)
+    line = attention_line(resolve_run_attention(cfg))
     s = layers[0].settings()
     want = (
         f"num_blocks=auto(M={s['num_blocks']}: {'x'.join(map(str, s['blocks']))} blocks of "
@@ -159,22 +159,21 @@ def test_composed_config_builds_the_chosen_m_and_prints_it(overrides, grid, bloc
         assert (s["grid"], s["blocks"], tuple(s["block"])) == (grid, blocks, block)
 
 
-def test_model_default_mhla_num_blocks_auto():
-    from tasks.common.trainer import task_class
+def test_model_default_token_blocks_auto():
+    from tasks.common.task import task_class
 
-    cfg = _compose(["task=mnist", "model=vit_mini", "attn=mhla", "model.mhla_num_blocks=auto"])
+    cfg = _compose(["task=mnist", "model=vit_mini", "attn=mhla", "model.token_blocks=auto"])
     assert model_attention(cfg)["num_blocks"] == "auto"
     layers = _mhla_layers(task_class(cfg)(cfg).build_model())
     assert layers and all(layer.settings()["num_blocks"] == 4 for layer in layers)
 
 
 def test_video_model_resolves_auto_on_its_3d_grid():
-    from tasks.common.trainer import task_class
+    from tasks.common.task import task_class
 
     cfg = _compose(["task=video_mini", "model.num_layers=3", "data.num_frames=4", "data.height=8",
                     "data.width=8", "attn=mhla", "attn.num_blocks=auto"])
-    options = model_attention(cfg)
-    assert "num_blocks=auto(per layer at build, from its token grid)" in attention_line(cfg, options)
+    assert "num_blocks=auto(per layer at build, from its token grid)" in attention_line(resolve_run_attention(cfg))
     layers = _mhla_layers(task_class(cfg)(cfg).build_model())
     assert layers and {(layer.settings()["grid"], layer.settings()["blocks"]) for layer in layers} == {
         ((4, 4, 4), (2, 2, 2))}
@@ -182,7 +181,7 @@ def test_video_model_resolves_auto_on_its_3d_grid():
 
 def test_vlt_resolves_auto_per_stage():
     cfg = _compose(["task=mnist", "model=vlt_t", "scale=mini/vlt_t", "attn=mhla", "attn.num_blocks=auto"])
-    line = attention_line(cfg, model_attention(cfg))
+    line = attention_line(resolve_run_attention(cfg))
     assert line.count("M=") >= 1 and "num_blocks=auto(" in line, line
 
 
@@ -197,9 +196,8 @@ def test_language_model_block_size_auto_is_printed_and_num_blocks_auto_refused()
             "attn.block_size=auto",
         ]
     )
-    options = model_attention(cfg)
     c = auto_block_size(int(cfg.model.max_position_embeddings))
-    assert f"block_size=auto(block_size={c}, " in attention_line(cfg, options)
+    assert f"block_size=auto(block_size={c}, " in attention_line(resolve_run_attention(cfg))
     cfg = _compose(["task=lm_mini", "model.num_hidden_layers=1", "attn=mhla", "attn.num_blocks=auto"])
     with pytest.raises(ConfigError, match="block_size=auto"):
         model_attention(cfg)

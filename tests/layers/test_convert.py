@@ -20,7 +20,7 @@ from mhla.conversion import attention_modules, model_family
 from mhla.distill import attention_gap, distill_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def close(a, b, tol=1e-10):
@@ -347,8 +347,8 @@ def test_distill_entry_point_and_init_from(tmp_path):
 def test_experiment_summary_pairs_seeds_and_writes_the_report(tmp_path):
     from argparse import Namespace  # noqa: PLC0415
 
-    from tasks.conversion.experiment import summarize  # noqa: PLC0415
-    from tasks.conversion.report import markdown  # noqa: PLC0415
+    from scripts.tables.conversion import summarize  # noqa: PLC0415
+    from scripts.tables.conversion_report import markdown  # noqa: PLC0415
 
     def rec(**metrics):
         return {"command": "python train.py ...", "run_dir": "nowhere", "seconds": 1.0, "metrics": metrics,
@@ -367,7 +367,7 @@ def test_experiment_summary_pairs_seeds_and_writes_the_report(tmp_path):
     assert ac["diffs"] == pytest.approx([5.0, -1.0, 4.0]) and ac["level"]  # the interval contains 0
     assert summary["arms"]["a"]["mean"] == pytest.approx(96.0)
     assert summary["teacher"]["value"] == pytest.approx(98.0)
-    summary.update(command="python -m tasks.conversion.experiment ...", machine={"cpu": "x", "cpu_count": 2},
+    summary.update(command="python -m scripts.tables.conversion ...", machine={"cpu": "x", "cpu_count": 2},
                    code={"commit": "abc"}, seconds=60.0)
     text = markdown(summary, str(tmp_path / "mnist"))
     assert "(a) is better than (b)" in text and "(a) vs (c): level" in text

@@ -22,7 +22,7 @@ from models.attention import attention_contract, cross_attention_contract
 from tasks.common.config import ConfigError, model_cross_attention, register_resolvers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 register_resolvers()
 VIDEO = ["task=video_mini", "model.num_layers=2", "data.num_frames=4", "data.height=8", "data.width=8"]
 CROSS = ("linear_cross", "mhla_cross", "softmax_cross")
@@ -34,7 +34,7 @@ def _compose(*overrides):
 
 
 def _build(cfg):
-    from tasks.common.trainer import task_class
+    from tasks.common.task import task_class
 
     torch.manual_seed(0)
     return task_class(cfg)(cfg).build_model()

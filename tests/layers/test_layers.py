@@ -42,7 +42,7 @@ def test_registry_imports_nothing_from_the_package_and_import_mhla_fills_it():
             assert not any(a.name.startswith("mhla") for a in node.names), ast.dump(node)
     out = subprocess.run([sys.executable, "-c", "import mhla; print(' '.join(mhla.list_attentions()))"],
                          capture_output=True, text=True, check=True,
-                         cwd=pathlib.Path(__file__).resolve().parents[1]).stdout.split()
+                         cwd=pathlib.Path(__file__).resolve().parents[2]).stdout.split()
     assert out == ["focused", "gla", "inline", "linear", "linear_cross", "mala", "mhla", "mhla_cross", "rala",
                    "softmax", "softmax_cross"]
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from mhla.gla import GatedLinearAttention
-from mhla.ops.gla import gla_chunked, gla_recurrent
+from mhla.ops.gla import gla_chunked, gla_reference
 from models.dig import DiG, build_dig, scan_permutation
 
 
@@ -23,7 +23,7 @@ def _gla_inputs(B=2, T=37, H=3, Dk=8, Dv=5, gate_scale=3.0, dtype=torch.float64,
 @pytest.mark.parametrize("T,chunk", [(37, 8), (32, 16), (5, 16), (64, 1)])
 def test_chunked_gla_equals_recurrence(T, chunk):
     q, k, v, log_a = _gla_inputs(T=T)
-    torch.testing.assert_close(gla_chunked(q, k, v, log_a, chunk), gla_recurrent(q, k, v, log_a), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gla_chunked(q, k, v, log_a, chunk), gla_reference(q, k, v, log_a), rtol=1e-10, atol=1e-10)
 
 
 def test_gla_strong_decay_is_stable_and_causal():
@@ -31,7 +31,7 @@ def test_gla_strong_decay_is_stable_and_causal():
     log_a = log_a - 30.0  # a ~ e^-30 per step: exp(cumulative) underflows but no overflow / nan
     o = gla_chunked(q.float(), k.float(), v.float(), log_a.float(), 16)
     assert torch.isfinite(o).all()
-    ref = gla_recurrent(q, k, v, log_a)
+    ref = gla_reference(q, k, v, log_a)
     torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-4)
     # causality: changing the last token leaves earlier outputs unchanged
     v2 = v.clone()

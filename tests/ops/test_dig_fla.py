@@ -6,7 +6,7 @@
   in a subprocess with ``TRITON_INTERPRET=1`` set before import (and, with the full flash-linear-attention
   package, fla's own ``GatedLinearAttention`` layer loaded with our layer's weights), e.g.
   ``pip install --no-deps --target /tmp/fla_site fla-core==0.6.0`` then
-  ``PYTHONPATH=/tmp/fla_site pytest tests/test_dig_fla.py``. fp32 only: the interpreter has no bf16 backward.
+  ``PYTHONPATH=/tmp/fla_site pytest tests/ops/test_dig_fla.py``. fp32 only: the interpreter has no bf16 backward.
 * GPU (``@pytest.mark.gpu``), when fla imports: forward and backward, fp32 and bf16, odd lengths.
 """
 
@@ -24,11 +24,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mhla.ops.gla as dig
+import mhla.ops.gla.api as dig
 from mhla.gla import GatedLinearAttention
 from mhla.ops.gla import gla, gla_chunked, resolve_gla_backend
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _inputs(B=2, T=37, H=2, Dk=16, Dv=32, gate_norm=16.0, dtype=torch.float32, device="cpu", seed=0):

@@ -9,7 +9,7 @@ import sys
 from scripts import bench_ops
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_varlen_lengths_split():

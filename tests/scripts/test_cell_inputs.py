@@ -15,7 +15,7 @@ from scripts.tables import config, registry
 
 from tasks.common.config import ConfigError, declared_inputs, validate_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def every_cell():

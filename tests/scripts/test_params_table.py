@@ -10,7 +10,7 @@ import os
 import pytest
 from scripts.tables import config, params
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEM = os.path.join(ROOT, "results", "params")
 
 

@@ -8,7 +8,7 @@ from scripts import analyze_attention
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_load_qk_file_roundtrip_and_errors(tmp_path):

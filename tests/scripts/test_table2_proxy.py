@@ -9,7 +9,7 @@ import pytest
 from scripts import reproduce_table as rt
 from scripts.tables import proxy2, registry, runner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _rec(attn, seed, top1):
@@ -56,7 +56,7 @@ def test_make_reproduce_table2_mini_end_to_end(tmp_path):
     data = json.loads((tmp_path / "t2.json").read_text())
     assert sorted(r["attn"] for r in data["records"]) == ["linear", "mhla", "softmax"]
     assert all(r["curve"] and 0 <= r["metrics"]["top1"] <= 1 for r in data["records"])
-    assert all("model.patch_size=2" in r["command"] and "model.mhla_num_blocks=16" in r["command"]
+    assert all("model.patch_size=2" in r["command"] and "model.token_blocks=16" in r["command"]
                for r in data["records"])
     md = (tmp_path / "t2.md").read_text()
     assert "| mhla | deit_t_mhla | 75.8 |" in md and "## Ordering" in md and "| rala |" in md  # rala: not run

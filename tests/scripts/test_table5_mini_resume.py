@@ -8,7 +8,7 @@ import pytest
 
 from scripts.tables import table5_mini
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_interrupted_table_resumes_from_partial(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""The cross-attention experiment driver (tasks/video_gen/cross_mini.py): its results files from records, and the
+"""The cross-attention experiment driver (scripts/tables/cross_mini.py): its results files from records, and the
 load guard of its latency (a busy measurement is refused unless --allow-busy, then marked BUSY)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 
 from tasks.common.results import BusyMachine
 from tasks.common.stats import paired_lines, paired_summary
-from tasks.video_gen import cross_mini
+from scripts.tables import cross_mini
 from tasks.video_gen.follow import SEED_METRICS
 
 
 def _data(stem):
     rec = lambda row, seed, loss, fol: {"row": row, "seed": seed, "metrics": {"loss": loss},  # noqa: E731
                                         "all_follow": {"followed": fol, "shape_ok": 0.5}, "seconds": 1.0}
-    return {"stem": stem, "notes": "", "machine": {"command": "python -m tasks.video_gen.cross_mini", "warmup": 1,
+    return {"stem": stem, "notes": "", "machine": {"command": "python -m scripts.tables.cross_mini", "warmup": 1,
                                                    "repeats": 3, "latency_threads": 2},
             "records": [rec("softmax", 0, 0.20, 1.0), rec("softmax", 1, 0.22, 0.9), rec("mhla_cross", 0, 0.21, 1.0),
                         {"row": "linear_cross", "seed": 0, "error": "boom", "error_tail": "boom"}],

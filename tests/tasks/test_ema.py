@@ -1,11 +1,15 @@
 """Our ModelEMA against timm's: the DeiT recipe (constant decay, no warmup) must give timm's numbers."""
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
 from timm.utils.model_ema import ModelEmaV3
 
 from tasks.common.ema import ModelEMA
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _model():
@@ -39,9 +43,7 @@ def test_constant_decay_ema_equals_timm_model_ema(decay):
 def test_deit_recipe_uses_the_constant_decay():
     from hydra import compose, initialize_config_dir  # noqa: PLC0415
 
-    import os  # noqa: PLC0415
-
-    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    configs = os.path.join(ROOT, "configs")
     with initialize_config_dir(config_dir=configs, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["task=imagenet", "model=deit_t"])
     assert cfg.trainer.ema.enabled and cfg.trainer.ema.decay == 0.99996 and cfg.trainer.ema.warmup is False
@@ -51,13 +53,11 @@ def test_deit_recipe_uses_the_constant_decay():
 def test_evaluate_both_reports_the_model_and_its_ema(tmp_path, which):
     """``trainer.ema.evaluate: both`` (the ImageNet recipe, Table 2): the model's metrics under their names (the
     headline, as DeiT reports) and the EMA's as ``ema_<name>``; ``true`` / ``false``: one of them, unprefixed."""
-    import os  # noqa: PLC0415
-
     from hydra import compose, initialize_config_dir  # noqa: PLC0415
 
     from train import run  # noqa: PLC0415
 
-    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    configs = os.path.join(ROOT, "configs")
     tiny = ["logger=none", "trainer.progress_bar=false", "trainer.count_flops=false", "data.limit=256",
             "data.eval_limit=128", "data.batch_size=64", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
             "trainer.max_steps=3", "trainer.ema.enabled=true", "trainer.ema.decay=0.5",

@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 EXPERIMENTS = os.path.join(CONFIGS, "experiment")
 
@@ -32,7 +32,7 @@ TABLE5_ROWS = ("wan_flash", "wan_linear", "wan_mhla", "wan_mhla_hybrid")
 
 
 def test_table5_flash_row_is_evaluation_only_the_others_finetune():
-    from tasks.video_gen.table5 import commands, finetunes
+    from scripts.tables.table5 import commands, finetunes
 
     for row in TABLE5_ROWS:
         cfg = make_cfg([f"experiment=table5/{row}"])
@@ -65,7 +65,7 @@ def test_table5_eval_only_row_samples_without_a_trainer(tmp_path, monkeypatch):
     """--sample-pretrained builds the pretrained model (here: the tiny random-init Wan) and samples it with the row's
     sample settings; nothing is trained."""
     from tasks.common import trainer as trainer_mod
-    from tasks.video_gen import table5
+    from scripts.tables import table5
 
     def no_training(*args, **kwargs):
         raise AssertionError("an evaluation-only row must not be trained")

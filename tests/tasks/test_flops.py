@@ -24,7 +24,7 @@ from mhla.registry import accepted_options, build_attention, get_attention_class
 from models.deit import deit
 from tasks.common.utils import count_flops, sdpa_flop_formulas
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 CPU_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -176,7 +176,7 @@ def test_triton_backend_counted_as_torch_backend():
         "import torch\n"
         "from mhla.registry import build_attention\n"
         "from tasks.common.utils import count_flops\n"
-        "from tests.test_flops import plain_count\n"
+        "from tests.tasks.test_flops import plain_count\n"
         "x = torch.randn(1, 16, 32)\n"
         "tri = build_attention({'name': 'mhla', 'grid': [4, 4], 'num_blocks': 4, 'backend': 'triton'}, 32, 2)\n"
         "ref = build_attention({'name': 'mhla', 'grid': [4, 4], 'num_blocks': 4, 'backend': 'torch'}, 32, 2)\n"

@@ -37,7 +37,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 RUNS = os.path.join(ROOT, "tests", "helpers", "trainer_runs.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

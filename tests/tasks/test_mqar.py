@@ -12,7 +12,7 @@ import torch
 from mhla.layouts import auto_block_size
 from tasks.language.mqar import mqar_loss_and_correct, multiquery_ar, power_law_probs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("N,K", [(64, 4), (64, 16), (128, 8), (256, 16)])
@@ -142,7 +142,7 @@ def test_train_py_runs_mqar_for_each_attention(tmp_path):
 
     import train as train_py
 
-    cfg_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    cfg_dir = os.path.join(ROOT, "configs")
     for attn in ("mhla", "linear", "softmax"):
         with initialize_config_dir(config_dir=cfg_dir, version_base="1.3"):
             cfg = compose("train", overrides=[

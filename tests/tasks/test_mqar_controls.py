@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from tasks.common.config import register_resolvers
 from tasks.language.mqar import build_mqar_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["task=mqar", "data.seq_len=64", "data.num_kv_pairs=4", "attn.short_conv=4", "attn.gate=false"]
 FROZEN_UNIFORM = ["attn=mhla", "attn.block_size=8", "attn.mixing_init=uniform", "attn.mixing_learnable=false"]
 

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from tasks.common.trainer import stop_workers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 TINY = [
     "logger=none", "trainer.progress_bar=false", "trainer.count_flops=false", "data.limit=512",

@@ -24,7 +24,7 @@ from tasks.image_gen.sana_prompts import FilePrompts, PipelinePrompts, encode_to
 from tasks.image_gen.sana_sampling import (SOLVERS, dpm_scheduler, initial_noise, make_velocity, sample_latents,
                                            sample_seed, sample_settings)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["task=sana_mini", "attn=mhla", "logger=none", "trainer.progress_bar=false", "trainer.count_flops=false",
         "trainer.device=cpu", "trainer.max_steps=2", "data.batch_size=4", "task.train_size=8", "task.eval_size=4"]
 

@@ -15,7 +15,7 @@ from tasks.image_gen.sana_prompts import load_negative
 from tasks.image_gen.sana_sampling import make_velocity
 from tasks.image_gen.sana_task import LatentFolder, SanaFinetuneTask
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 D, C, S = 32, 8, 8  # sana_tiny: caption channels, latent channels, latent size
 
 

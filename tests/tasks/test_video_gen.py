@@ -15,7 +15,7 @@ from mhla.layouts import BlockLayout  # noqa: E402
 from models.wan import MissingWeightsError, apply_attention, build_transformer, check_weights_dir, token_grid  # noqa: E402
 from tasks.video_gen.data import MovingShapes, VideoFolder, caption_ids  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = dict(patch_size=[1, 4, 4], num_attention_heads=2, attention_head_dim=12, in_channels=3, out_channels=3,
             text_dim=8, freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
 

@@ -21,7 +21,7 @@ from tasks.common.logger import Media, RunLogger, format_metrics, heatmap_image,
 from tasks.common.hooks import logged_matrices
 from tasks.common.trainer import Trainer, available_cpus, cap_num_workers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 TINY = [
     "trainer.progress_bar=false", "trainer.count_flops=false", "data.limit=512", "data.eval_limit=256",

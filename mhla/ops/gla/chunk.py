@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 
 def gla_chunked(q, k, v, log_a, chunk: int = 16, scale: float | None = None):
-    """GLA in chunks of ``chunk`` tokens (same inputs / output as :func:`gla_recurrent`).
+    """GLA in chunks of ``chunk`` tokens (same inputs / output as :func:`~.naive.gla_reference`).
 
     Inside a chunk, with ``b_t = sum_{s <= t} log_a_s`` (cumulative within the chunk):
     ``o_t = (q_t * e^{b_t}) S_prev + sum_{s <= t} (sum_d q_td k_sd e^{b_td - b_sd}) v_s``, where the pairwise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def gla_recurrent(q, k, v, log_a, scale: float | None = None):
+def gla_reference(q, k, v, log_a, scale: float | None = None):
     """Reference GLA, one token at a time. ``q, k, log_a: [B, T, H, Dk]``, ``v: [B, T, H, Dv]`` -> ``[B, T, H, Dv]``.
 
     ``S_t = diag(exp(log_a_t)) S_{t-1} + k_t^T v_t``;  ``o_t = (scale * q_t) S_t`` (scale default ``Dk^-1/2``).

@@ -10,7 +10,7 @@ import torch
 from ..utils import causal_product
 
 
-def linear_attention_reference(
+def linear_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -31,3 +31,5 @@ def linear_attention_reference(
     if normalize:
         out = out / (scores.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
     return out
+
+

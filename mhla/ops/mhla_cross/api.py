@@ -1,8 +1,7 @@
 """The public entry point ``mhla_cross_attention``: validates the inputs and dispatches to a backend.
 
 Backends: ``"torch"`` (:mod:`.chunk`, everywhere), ``"reference"`` (the dense definition, :mod:`.naive`;
-    tests),
-``"triton"`` (the query side fused, :mod:`.triton.query`; CUDA, or the CPU interpreter with
+tests), ``"triton"`` (the query side fused, :mod:`.triton.query`; CUDA, or the CPU interpreter with
 ``TRITON_INTERPRET=1`` set before import; fp64 inputs run the torch path), ``"auto"`` (``"triton"`` for CUDA
 tensors when it is available, else ``"torch"``). Importing this module never imports triton.
 """
@@ -42,8 +41,8 @@ def resolve_cross_backend(backend: str, q: torch.Tensor) -> str:
 
 
 def check_cross_mixing(mixing, num_heads: int, query_len: int, key_len: int) -> None:
-    """``mixing [Mq, Mk]`` or ``[H, Mq, Mk]``: finite, nonnegative, ``1 <= Mq <= Tq`` and ``1 <= Mk <=
-    Tk``."""
+    """``mixing [Mq, Mk]`` or ``[H, Mq, Mk]``: finite, nonnegative, ``1 <= Mq <= Tq`` and
+    ``1 <= Mk <= Tk``."""
     if not isinstance(mixing, torch.Tensor) or mixing.dim() not in (2, 3):
         shape = tuple(mixing.shape) if isinstance(mixing, torch.Tensor) else type(mixing).__name__
         raise ValueError(f"mixing must be [Mq, Mk] (shared) or [H, Mq, Mk] (per head), got {shape}")

@@ -1,5 +1,5 @@
-"""The dense definition of MHLA cross-attention: the test oracle (O(Tq Tk) memory; written to be read, not
-fast).
+"""The dense definition of MHLA cross-attention: the test oracle (``O(Tq Tk)`` memory; written to be read,
+not to be fast).
 
 Effective weight of query ``t`` (block ``i = bq(t)``) on key ``s`` (block ``j = bk(s)``), blocks by
 :mod:`.blocks` (``bq(t) = (t Mq) // Tq``, ``bk(s) = (s Mk) // Tk``) and ``m_s`` the key padding mask:

@@ -13,9 +13,10 @@ on such a packed batch, in one of two ways:
   by length and cut into contiguous groups (:func:`bucket_sequences`); each group runs as one right-padded
   batch ``[group_size, group_max_len, ...]`` (zeros behind each sequence; a group of one is the sequence's
   own slice, unpadded), and the outputs are put back in the packed order. Zeros *behind* a causal sequence
-  change none of its outputs, so this equals separate calls. The cut minimises ``sum(group_size *
-  group_max_len) + call_cost_tokens * number_of_groups``: the work is that of the padded tokens of the groups
-  (about ``total_T`` for any mix of lengths, not ``N * max_len``) plus a fixed cost per op call.
+  change none of its outputs, so this equals separate calls. The cut minimises
+  ``sum(group_size * group_max_len) + call_cost_tokens * number_of_groups``: the work is that of the padded
+  tokens of the groups (about ``total_T`` for any mix of lengths, not ``N * max_len``) plus a fixed cost per
+  op call.
 * calls with states: one op call per sequence (a Python loop), the states a list of ``N`` per-sequence
   states (each of batch 1). Sequences may have consumed different numbers of tokens before, which a single
   batched state (one ``num_tokens``) cannot express.

@@ -1,5 +1,5 @@
 """eval.py picks a checkpoint's Task class as train.py does: from ``task.target`` of the run's config
-(:func:`tasks.common.trainer.task_class`). Every ``configs/task/*.yaml`` names its class; a tiny run of
+(:func:`tasks.common.task.task_class`). Every ``configs/task/*.yaml`` names its class; a tiny run of
 every task that needs no downloads (MNIST, MNIST generation, SANA mini, video mini, LM mini, MQAR) is trained
 for two steps, and eval.py must rebuild the same Task and give back the run's final metrics. Checkpoints from
 before ``task.target`` (``task.module`` only) still load. The tasks that need data or weights (ImageNet,
@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -50,7 +50,7 @@ def test_every_task_config_is_listed_here():
 
 @pytest.mark.parametrize("task", sorted(EXPECTED))
 def test_task_config_names_its_class(task):
-    from tasks.common.trainer import task_class  # noqa: PLC0415
+    from tasks.common.task import task_class  # noqa: PLC0415
 
     cfg = make_cfg([f"task={task}"])
     assert cfg.task.target == EXPECTED[task] and "module" not in cfg.task
@@ -59,7 +59,7 @@ def test_task_config_names_its_class(task):
 
 def test_task_class_refuses_configs_without_a_task_class():
     from tasks.common.config import ConfigError  # noqa: PLC0415
-    from tasks.common.trainer import task_class  # noqa: PLC0415
+    from tasks.common.task import task_class  # noqa: PLC0415
 
     with pytest.raises(ConfigError, match=r"\+task\.target="):
         task_class(OmegaConf.create({"task": {"module": "tasks.language.mqar"}}))

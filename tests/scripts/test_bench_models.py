@@ -5,7 +5,7 @@ import os
 
 from scripts import bench_models
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_attn_config_keeps_m_squared_below_n():

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "adding_an_attention.md")
 FILES = {"python": os.path.join(ROOT, "examples", "cosine_attention.py"),
          "yaml": os.path.join(ROOT, "configs", "attn", "cosine.yaml")}

@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 TINY = [
     "logger=none", "trainer.progress_bar=false", "trainer.count_flops=false", "data.limit=512",
@@ -230,7 +230,7 @@ def test_every_model_and_attention_trains_two_steps_on_imagefolder(model, attn, 
         "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.num_workers=0", "trainer.device=cpu",
         "data.batch_size=4", "data.eval_batch_size=8", "model.img_size=32", "model.input_size=32",
         "model.pad_to=32", "model.patch_size=8", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
-        "model.num_classes=4", "model.mhla_num_blocks=4", "attn.cpe=true",
+        "model.num_classes=4", "model.token_blocks=4", "attn.cpe=true",
     ]
     metrics = run(make_cfg(overrides), tmp_path)
     assert 0.0 <= metrics["top1"] <= 1.0 and math.isfinite(metrics["loss"])
@@ -273,7 +273,7 @@ def test_hf_imagefolder_format(fake_imagefolder, tmp_path, monkeypatch):
         "logger=none", "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.num_workers=0",
         "data.batch_size=4", "data.eval_batch_size=8", "model.img_size=32", "model.input_size=32",
         "model.pad_to=32", "model.patch_size=8", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
-        "model.num_classes=4", "model.mhla_num_blocks=4",
+        "model.num_classes=4", "model.token_blocks=4",
     ]
     metrics = run(make_cfg(overrides), tmp_path)
     assert 0.0 <= metrics["top1"] <= 1.0

@@ -1,11 +1,12 @@
-"""Softmax attention with the ops' layout ``[batch, seq, heads, dim]``: the baseline MHLA is compared with."""
+"""Softmax attention's entry point, :func:`softmax_attention`: PyTorch's SDPA with the ops' layout and
+variable-length batches."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .utils import check_cu_seqlens, check_qkv, run_varlen
+from ..utils import check_cu_seqlens, check_qkv, run_varlen
 
 
 def softmax_attention(

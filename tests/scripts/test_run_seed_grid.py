@@ -1,51 +1,14 @@
-"""scripts/run_seed_grid.py: the grid files reproduce the committed runs' commands, and a tiny grid runs end to end."""
+"""scripts/run_seed_grid.py: a tiny grid runs end to end. (That each grid file composes the config of its committed
+runs, key by key, is tests/scripts/test_grid_configs.py; that its table rebuilds from them, test_tables_rebuild.py.)"""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
 import pytest
+
 from scripts import run_seed_grid as rsg
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRIDS = sorted(glob.glob(os.path.join(ROOT, "configs", "grid", "*.yaml")))
-
-
-def _resolved(overrides: list[str]) -> dict[str, str]:
-    """What a list of ``key=value`` overrides sets, the last one of a key winning (as Hydra applies them); the run
-    folder (``hydra.*``, machine-specific) left out. Order matters only between overrides of the same key."""
-    out: dict[str, str] = {}
-    for o in overrides:
-        key, value = o.split("=", 1)
-        if not key.startswith("hydra."):
-            out[key] = value
-    return out
-
-
-def _overrides(command: str) -> list[str]:
-    """A recorded ``python .../train.py a=b ...`` command's overrides."""
-    words = command.split()
-    return words[next(i for i, w in enumerate(words) if w.endswith("train.py")) + 1:]
-
-
-@pytest.mark.parametrize("path", GRIDS, ids=os.path.basename)
-def test_grid_file_reproduces_its_committed_runs(path):
-    grid = rsg.load_grid(path)
-    runs = rsg.runs_of(grid)
-    assert runs and len(set(runs)) == len(runs)
-    committed = os.path.join(ROOT, f"{grid['out']}_runs")
-    if not os.path.isdir(committed):
-        pytest.skip(f"{grid['out']}: no committed runs yet")
-    names = {f"{v}_s{s}" for v, s in runs}
-    found = sorted(d for d in os.listdir(committed) if os.path.isdir(os.path.join(committed, d)))
-    assert set(found) <= names, f"runs the grid does not describe: {sorted(set(found) - names)}"
-    for name in found:
-        variant, seed = name.rsplit("_s", 1)
-        record = json.load(open(os.path.join(committed, name, "run.json")))
-        expected = _resolved(rsg.run_overrides(grid, variant, int(seed), "x"))
-        assert _resolved(_overrides(record["command"])) == expected, name
 
 
 def test_seeds_of_and_filters():

@@ -120,7 +120,7 @@ def test_nonfinite_token_reaches_no_earlier_output(backend, C, name, value, norm
 @pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_linear_attention_nonfinite_token_reaches_no_earlier_output(impl, C, name, value, normalize):
-    from mhla.ops.linear import linear_attention, linear_attention_reference  # noqa: PLC0415
+    from mhla.ops.linear import linear_attention, linear_reference  # noqa: PLC0415
 
     T, pos = 32, 20
     q, k, v = rand_qkv(2, T, 2, 4, 3)
@@ -129,7 +129,7 @@ def test_linear_attention_nonfinite_token_reaches_no_earlier_output(impl, C, nam
             return linear_attention(q, k, v, causal=True, normalize=normalize, chunk_size=C)
     else:
         def run(q, k, v):
-            return linear_attention_reference(q, k, v, causal=True, normalize=normalize)
+            return linear_reference(q, k, v, causal=True, normalize=normalize)
     clean = run(q, k, v)
     got = run(*poisoned(q, k, v, name, pos, value))
     assert torch.isfinite(got[:, :pos]).all()

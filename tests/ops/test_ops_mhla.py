@@ -9,7 +9,7 @@ import mhla
 from mhla.ops import (
     init_state,
     linear_attention,
-    linear_attention_reference,
+    linear_reference,
     mhla_attention,
     mhla_decode_step,
     mhla_reference,
@@ -120,7 +120,7 @@ def test_single_block_equals_linear_attention(causal):
     got = mhla_attention(q, k, v, mix, 40, causal=causal, backend="torch")
     torch.testing.assert_close(got, linear_attention(q, k, v, causal=causal), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(
-        got, linear_attention_reference(q, k, v, causal=causal), rtol=1e-10, atol=1e-10
+        got, linear_reference(q, k, v, causal=causal), rtol=1e-10, atol=1e-10
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from scripts import bench_ops
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _rec(op, T, ms, **extra):
