@@ -23,7 +23,6 @@ config stored in it.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -32,9 +31,6 @@ from mhla.registry import ResolvedAttention
 
 from .config import ConfigError, resolve_run_attention
 from .distributed import DistInfo
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 
 class Task:
@@ -87,8 +83,10 @@ class Task:
     def describe_model(self, model: nn.Module) -> str:
         return type(model).__name__
 
-    def after_fit(self, trainer: "Trainer", metrics: dict) -> dict:
-        """Hook for task-specific end-of-run work (sample grids, ...). Returns extra metrics, and
+    def after_fit(self, trainer, metrics: dict) -> dict:
+        """Hook for task-specific end-of-run work (sample grids, ...), given the
+        :class:`~tasks.common.trainer.Trainer` (not imported here: the trainer imports this module). Returns extra
+        metrics, and
         :class:`~tasks.common.logger.Media` values (images, videos) that go to W&B as ``final/<name>``.
 
         Every rank calls it. Under FSDP the weights of ``trainer.model`` and ``trainer.ema.module`` are whole
