@@ -1,15 +1,15 @@
 """Functional ops, one folder per op as in flash-linear-attention. Layout: ``[batch, seq, heads, dim]``.
 
 Every op folder has the same shape: ``naive`` (the definition written out, ``<op>_reference``: the test oracle),
-``chunk`` (the chunked torch path, where the op has one), ``api`` (the entry point and its backend dispatch, where
-there is more than one path) and an ``__init__`` that only re-exports.
+``chunk`` (a chunked torch path beside other backends, where the op has several), ``api`` (the entry point: its
+backend dispatch, or its one path) and an ``__init__`` that only re-exports.
 
     mhla/        Multi-Head Linear Attention: ``mhla_attention`` (``api``), its state (``state``), decoding
                  (``decode``) and the fused Triton kernels (``triton``, optional)
     mhla_cross/  MHLA cross-attention (queries and keys of different lengths, key padding masks):
                  ``mhla_cross_attention`` (``api``), the blocking rule (``blocks``), the query side in Triton
                  (``triton``; it reuses mhla's Triton helpers)
-    linear/      plain linear attention: ``linear_attention`` (``chunk``)
+    linear/      plain linear attention: ``linear_attention`` (``api``: one torch path, chunkwise when causal)
     gla/         gated linear attention (DiG): ``gla`` (``api``: fla's ``chunk_gla`` on CUDA, else ``chunk``)
     softmax/     softmax attention: ``softmax_attention`` (``api``: SDPA)
     utils/       shared by every op: input checks, variable-length batches, causal sums

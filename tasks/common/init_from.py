@@ -20,9 +20,10 @@ from .checkpoint import find_checkpoint, load_run_checkpoint, run_config
 from .config import ConfigError, model_attention
 
 
-def init_model_from(model: nn.Module, path, cfg=None, map_location="cpu") -> list[str]:
+def init_model_from(model: nn.Module, path, attention: dict | None = None, map_location="cpu") -> list[str]:
     """Load the model weights of the ``train.py`` checkpoint (or run folder) ``path`` into ``model``; returns
-    the lines to print. ``cfg``: this run's config, to compare the attentions."""
+    the lines to print. ``attention``: this run's attention options (its :class:`mhla.registry.ResolvedAttention`'s
+    ``options``, resolved once at the start of the run), to compare with the checkpoint's."""
     ckpt = find_checkpoint(path)
     state = load_run_checkpoint(ckpt, map_location=map_location)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
@@ -33,11 +34,12 @@ def init_model_from(model: nn.Module, path, cfg=None, map_location="cpu") -> lis
             f"{'...' if len(unexpected) > 6 else ''}); build the same model and attention as the checkpoint")
     lines = [f"init_from: model weights of {ckpt} (its step {state['step']}); optimizer, schedule and step "
              "start fresh"]
-    if cfg is not None:
+    if attention is not None:
+        ours = dict(attention)
         try:
-            theirs, ours = model_attention(run_config(state)), model_attention(cfg)
+            theirs = model_attention(run_config(state))
         except (ConfigError, KeyError, AttributeError):
-            theirs = ours = None
+            theirs = ours
         if theirs != ours:
             lines.append(f"WARNING: init_from: the checkpoint's attention {theirs} differs from this run's "
                          f"{ours}")

@@ -483,7 +483,8 @@ class Trainer:
         if tcfg.get("init_from"):  # another run's weights (docs/conversion.md); trainer.resume still wins
             from .init_from import init_model_from  # noqa: PLC0415
 
-            for line in init_model_from(model, tcfg.init_from, cfg, map_location=self.device):
+            for line in init_model_from(model, tcfg.init_from, self.task.attention.options,
+                                        map_location=self.device):
                 self._print(line)
         n_params = self._describe_model(model)
 

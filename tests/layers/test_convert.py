@@ -330,8 +330,9 @@ def test_distill_entry_point_and_init_from(tmp_path):
     from tasks.classification.task import ClassificationTask  # noqa: PLC0415
     from tasks.common.init_from import init_model_from  # noqa: PLC0415
 
-    model = ClassificationTask(ft).build_model()
-    init_model_from(model, tmp_path / "distill", ft)
+    task = ClassificationTask(ft)
+    model = task.build_model()
+    init_model_from(model, tmp_path / "distill", task.attention.options)
     assert all(torch.equal(v, state["model"][k]) for k, v in model.state_dict().items())
     train_run(ft, str(tmp_path / "finetune"))
     with initialize_config_dir(config_dir=configs, version_base="1.3"):

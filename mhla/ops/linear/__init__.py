@@ -1,11 +1,11 @@
 """Plain linear attention, the M = 1 special case of MHLA.
 
     :mod:`.naive`  the dense O(T^2) definition, :func:`linear_reference` (test oracle).
-    :mod:`.chunk`  :func:`linear_attention`, the entry point: non-causal; causal chunkwise, with a state and
-                   variable-length batches.
+    :mod:`.api`    :func:`linear_attention`, the entry point and its one path (torch): non-causal; causal
+                   chunkwise, with a state and variable-length batches.
 """
 
-from .chunk import linear_attention
+from .api import linear_attention
 from .naive import linear_reference
 
 __all__ = ["linear_attention", "linear_reference"]
