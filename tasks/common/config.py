@@ -367,6 +367,7 @@ def check_trainer(cfg) -> None:
     ``trainer.max_steps``: null (no step limit) or >= 1; ``trainer.max_epochs``: null (no epoch limit) or > 0
     (fractions allowed); at least one of them set. ``trainer.grad_clip``: null or 0 (no clipping) or > 0.
     ``data.eval_batch_size``: null (``data.batch_size``) or >= 1. The step intervals: null or >= 1.
+    ``trainer.accumulate``: ``auto`` or an integer >= 1 (:func:`resolve_accumulation`).
     """
     tcfg = cfg.trainer
     max_steps, max_epochs = tcfg.get("max_steps"), tcfg.get("max_epochs")
@@ -397,6 +398,65 @@ def check_trainer(cfg) -> None:
     if strategy not in ("ddp", "fsdp"):
         raise ConfigError(f"trainer.strategy must be ddp or fsdp (how torchrun's processes share the model; "
                           f"docs/training.md), got {strategy!r}")
+    accumulate = tcfg.get("accumulate", "auto")
+    if accumulate != "auto" and not (_is_int(accumulate) and accumulate >= 1):
+        raise ConfigError(f"trainer.accumulate must be auto (the recipe's global batch decides) or an integer >= 1 "
+                          f"(micro-batches per optimizer step), got {accumulate!r}")
+
+
+def recipe_global_batch(cfg) -> tuple[int, str] | None:
+    """The global batch (samples per optimizer step) the recipe states, and the words saying where it comes
+    from: ``task.global_batch``, or ``task.tokens_per_step`` / ``data.seq_len`` (sequences of ``seq_len``
+    tokens); None when the recipe states neither. Refuses a token count that is not whole sequences, and two
+    keys that disagree."""
+    task = cfg.task
+    batch, tokens = task.get("global_batch"), task.get("tokens_per_step")
+    if tokens is not None:
+        seq_len = cfg.data.get("seq_len")
+        if not seq_len or int(tokens) % int(seq_len):
+            raise ConfigError(f"task.tokens_per_step={tokens} is not a whole number of data.seq_len={seq_len} "
+                              f"token sequences: set task.tokens_per_step to a multiple of data.seq_len")
+        from_tokens = int(tokens) // int(seq_len)
+        if batch is not None and int(batch) != from_tokens:
+            raise ConfigError(f"task.global_batch={batch} and task.tokens_per_step={tokens} (= {from_tokens} "
+                              f"sequences of {seq_len} tokens) disagree: set one of them to null")
+        return from_tokens, f"task.tokens_per_step={tokens} / data.seq_len={seq_len}"
+    if batch is None:
+        return None
+    return int(batch), f"task.global_batch={batch}"
+
+
+def resolve_accumulation(cfg, world_size: int) -> int:
+    """The micro-batches per optimizer step (gradient accumulation) of a run on ``world_size`` processes.
+
+    ``trainer.accumulate``: an integer forces it; ``auto`` (the default) forms the recipe's global batch
+    (:func:`recipe_global_batch`) exactly: ``global batch / (data.batch_size x world_size)``, refusing a global
+    batch that this per-process batch and process count cannot form; 1 when the recipe states no global batch.
+    """
+    accumulate = cfg.trainer.get("accumulate", "auto")
+    if accumulate != "auto":
+        return int(accumulate)
+    recipe = recipe_global_batch(cfg)
+    if recipe is None:
+        return 1
+    global_batch, source = recipe
+    per_step = int(cfg.data.batch_size) * world_size
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    procs = f"{world_size} process{'es' * (world_size != 1)}"
+    fix = ("trainer.accumulate=<k> trains another global batch (k x data.batch_size x processes; then scale "
+           "optim.lr)")
+    if global_batch % world_size:
+        hint = f"the number of processes must divide {global_batch}"
+    else:
+        per_process = global_batch // world_size
+        fits = max(d for d in range(1, min(per_process, int(cfg.data.batch_size)) + 1) if per_process % d == 0)
+        hint = (f"data.batch_size must divide {global_batch} / {world_size} = {per_process}: e.g. "
+                f"data.batch_size={fits} ({per_process // fits} accumulation steps)")
+    raise ConfigError(f"the recipe's global batch {global_batch} ({source}) cannot be formed from "
+                      f"data.batch_size={cfg.data.batch_size} x {procs} = {per_step} per micro-step: "
+                      f"{global_batch} / {per_step} is not a whole number of accumulation steps; {hint}, or "
+                      f"{fix}")
 
 
 def validate_config(cfg) -> ResolvedAttention:

@@ -1,7 +1,8 @@
 """Deterministic data order and per-sample seeded augmentation, so a resumed run sees exactly the same data.
 
 * :class:`ResumableSampler` shuffles with a generator seeded by ``(seed, epoch)``, shards across ranks,
-  and can skip the batches already consumed in the current epoch.
+  groups micro-batches into optimizer steps (gradient accumulation), and can skip the batches already consumed
+  in the current epoch.
 * :class:`SeededDataset` seeds Python, NumPy and torch RNGs from ``(seed, epoch, index)`` around each
   sample's transform, so random augmentation does not depend on worker count or on where a run resumed.
 * :func:`loader_generator` gives each ``DataLoader`` its own generator seeded from ``(seed, epoch)``: without
@@ -25,7 +26,13 @@ class ResumableSampler(Sampler[int]):
     """Epoch-seeded shuffling, sharded by rank, with ``drop_last`` on the global batch.
 
     Args:
-        n: dataset length. batch_size: per-rank batch. rank, world_size: sharding.
+        n: dataset length. batch_size: per-rank (micro-)batch. rank, world_size: sharding.
+        accumulate: micro-batches per optimizer step (gradient accumulation): the global batch is
+            ``batch_size x world_size x accumulate`` samples, ``steps_per_epoch`` counts them (whole ones: the
+            epoch's tail is dropped), and the loader yields ``batches_per_epoch = steps_per_epoch x accumulate``
+            micro-batches. Micro-batch ``j`` of every rank is part of global micro-batch ``j``, so the
+            ``accumulate`` consecutive micro-batches of an optimizer step hold exactly the samples of one batch of
+            ``batch_size x world_size x accumulate`` (the same order-chunk, whatever the split).
         shuffle: permute each epoch (else identity order). seed: base seed.
         repeats: repeated augmentation (DeiT): each sampled image appears ``repeats`` times in a row, as
             *virtual indices* ``r * n + i`` (``SeededDataset`` maps them back to ``i`` with a different
@@ -34,10 +41,12 @@ class ResumableSampler(Sampler[int]):
     """
 
     def __init__(self, n: int, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True, repeats: int = 1):
+                 seed: int = 0, drop_last: bool = True, repeats: int = 1, accumulate: int = 1):
         if repeats < 1:
             raise ValueError(f"repeated augmentation count must be >= 1, got {repeats}")
-        self.n, self.batch_size = n, batch_size
+        if accumulate < 1 or (accumulate > 1 and not drop_last):
+            raise ValueError(f"accumulate must be >= 1 (and 1 without drop_last), got {accumulate}")
+        self.n, self.batch_size, self.accumulate = n, batch_size, accumulate
         self.repeats = repeats
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -45,16 +54,21 @@ class ResumableSampler(Sampler[int]):
         self.skip_batches = 0
         global_batch = batch_size * world_size
         if drop_last:
-            self.batches_per_epoch = n // global_batch
-            if self.batches_per_epoch == 0:
+            self.steps_per_epoch = n // (global_batch * accumulate)
+            if self.steps_per_epoch == 0:
+                steps = f" x {accumulate} accumulation steps" if accumulate > 1 else ""
                 raise ValueError(
-                    f"the dataset has {n} samples, fewer than one global batch ({global_batch} = "
-                    f"{batch_size} per device x {world_size}); lower data.batch_size"
+                    f"the dataset has {n} samples, fewer than one global batch ({global_batch * accumulate} = "
+                    f"{batch_size} per device x {world_size}{steps}); "
+                    + ("train a smaller global batch: trainer.accumulate=<k> (or a lower data.batch_size)"
+                       if accumulate > 1 else "lower data.batch_size")
                 )
+            self.batches_per_epoch = self.steps_per_epoch * accumulate  # micro-batches
         else:
-            self.batches_per_epoch = ceil_div(n, global_batch)
+            self.batches_per_epoch = self.steps_per_epoch = ceil_div(n, global_batch)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Iterate epoch ``epoch`` from its micro-batch ``skip_batches`` on (a resumed run's place)."""
         self.epoch = epoch
         self.skip_batches = skip_batches
 

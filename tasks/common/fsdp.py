@@ -21,6 +21,10 @@ and used in that dtype, gradients are reduced in fp32, and the sharded parameter
 the trainer's autocast stays on as with DDP. Inputs are not cast (``cast_forward_inputs=False``): timesteps
 and rotary tables stay fp32, as under DDP's autocast.
 
+Gradient accumulation: the trainer runs the micro-batches of an optimizer step before its last inside
+:func:`no_gradient_sync` (no reduce-scatter: each rank sums its unsharded gradients), and the last one's backward
+reduce-scatters the sum.
+
 Evaluation and ``after_fit``: :func:`gathered` all-gathers the parameters of the model (and the EMA) for the
 duration: the forward passes inside then need no communication, so ranks may run different numbers of them
 (uneven evaluation shards, ``model.generate`` on rank 0 alone), and the modules' ``logged_matrices`` see whole
@@ -139,6 +143,18 @@ def gathered(*modules: nn.Module | None):
         for m in units:
             m.reshard()
             m.set_reshard_after_forward(getattr(m, _RESHARD_ATTR, True), recurse=False)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module):
+    """Within the block, the backward of the sharded ``model`` sums each rank's gradients unsharded, without the
+    reduce-scatter: the micro-batches of an accumulated optimizer step before its last, whose backward (outside
+    the block) then reduce-scatters the sum (FSDP2's ``set_requires_gradient_sync``; DDP's ``no_sync``)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:

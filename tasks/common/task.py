@@ -9,8 +9,10 @@ then calls, in this order:
 1. :meth:`Task.build_model` (once; the trainer moves it to the device, wraps it for DDP / FSDP, keeps its EMA),
    :meth:`Task.describe_model` for the log, and :meth:`Task.example_input` for the FLOP count;
 2. :meth:`Task.build_datasets` (once): ``(train, eval)`` datasets whose samples :meth:`Task.collate` batches;
-3. per training step: :meth:`Task.on_batch` (to the device, batch-level augmentation), then
-   :meth:`Task.training_loss` ``-> (loss, {name: value})``, which the trainer backpropagates and logs;
+3. per micro-batch (``trainer.accumulate`` of them make one optimizer step; 1 unless the recipe's global batch
+   needs more): :meth:`Task.on_batch` (to the device, batch-level augmentation), then
+   :meth:`Task.training_loss` ``-> (loss, {name: value})``, which the trainer scales by 1 / accumulate,
+   backpropagates and logs (the modules' ``after_optimizer_step`` hooks and the EMA run once per optimizer step);
 4. every ``trainer.eval_every_steps`` steps (default: every epoch) and at the end: :meth:`Task.evaluate` on the
    eval loader ``-> {metric: value}``, on every rank (reduce across ranks with ``dist_info``); ``monitor`` /
    ``monitor_mode`` pick the metric that selects ``best.pt``;

@@ -9,6 +9,14 @@ after each optimizer step, matrices to log), progress bars, periodic evaluation,
 of a checkpoint reads as the same dict) with exact resume, and logging (stdout, ``train.log``,
 ``metrics.jsonl``, W&B offline by default).
 
+Gradient accumulation (``trainer.accumulate``; :func:`tasks.common.config.resolve_accumulation`): an optimizer
+step runs ``accumulate`` micro-batches of ``data.batch_size`` per process, each loss scaled by ``1 / accumulate``,
+so the summed gradients are those of one batch of all of them (every task's loss is a mean over a fixed number of
+terms per sample); gradients cross processes on the last micro-batch only (DDP ``no_sync``, FSDP2 without
+reduce-scatter before it), then one clipping, GradScaler step, optimizer step, schedule step and EMA update. The
+default, ``auto``, forms the recipe's global batch (``task.global_batch``) on any number of processes. Steps,
+logs, schedules and checkpoints count optimizer steps; a stop signal finishes the step's micro-batches first.
+
 Exact resume: the checkpoint holds the model, optimizer, scheduler, EMA, RNG states and the step; the data
 order is a function of ``(seed, epoch)`` (:class:`~tasks.common.data.ResumableSampler`), each ``DataLoader`` has
 its own generator seeded from ``(seed, epoch)`` (so making an iterator does not consume the global RNG that
@@ -45,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -58,7 +66,7 @@ from .checkpoint import (
     latest_checkpoint,
     load_run_checkpoint,
 )
-from .config import ConfigError, check_trainer
+from .config import ConfigError, check_trainer, recipe_global_batch, resolve_accumulation
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
@@ -228,8 +236,9 @@ class _Run:
     eval_loader: DataLoader | None
     seed: int
     total: int
-    steps_per_epoch: int
+    steps_per_epoch: int  # optimizer steps
     facts: dict  # global_batch, batch_size, total_steps, lr, seed
+    accumulate: int = 1  # micro-batches per optimizer step
     step: int = 0
     saved_step: int = -1  # the step of the last checkpoint saved (or loaded)
     logger: RunLogger | None = None
@@ -252,6 +261,7 @@ class Trainer:
         self.cfg = cfg
         self.task = task
         self.tcfg = cfg.trainer
+        self._auto_accumulate = False  # trainer.accumulate=auto (set by _resolve_accumulation)
         self.run_dir = Path(run_dir)
         self.dist = setup_distributed(self.tcfg.get("device", "auto"))
         self.device = self.dist.device
@@ -342,18 +352,21 @@ class Trainer:
         return n_params
 
     def _plan(self, n_train: int, sampler: ResumableSampler) -> int:
-        """Print the data and schedule lines (with the recipe-batch warning and the max_epochs cap note);
-        returns the total number of steps."""
-        cfg, bs, world = self.cfg, sampler.batch_size, self.dist.world_size
-        steps_per_epoch = sampler.batches_per_epoch
-        global_batch = bs * world
-        recipe_batch = cfg.task.get("global_batch")
-        self._print(f"data: {n_train} train samples, global batch {global_batch} "
-                    f"({bs} x {world} processes), {steps_per_epoch} steps per epoch")
-        if recipe_batch and int(recipe_batch) != global_batch:
-            self._print(f"WARNING: the recipe's global batch is {recipe_batch} but this run uses {global_batch}; "
-                        f"set data.batch_size={int(recipe_batch) // world} or scale optim.lr "
-                        f"(linear scaling: lr x {global_batch / int(recipe_batch):.3g})")
+        """Print the data and schedule lines (the global batch as ``1024 = 128 x 2 processes x 4 accumulation
+        steps``, the recipe-batch warning when ``trainer.accumulate`` forces another global batch, the max_epochs
+        cap note); returns the total number of optimizer steps."""
+        cfg, bs, world, k = self.cfg, sampler.batch_size, self.dist.world_size, sampler.accumulate
+        steps_per_epoch = sampler.steps_per_epoch
+        global_batch = bs * world * k
+        recipe = recipe_global_batch(cfg)
+        source = f" (trainer.accumulate=auto: {recipe[1]})" if recipe and self._auto_accumulate else ""
+        self._print(f"data: {n_train} train samples, global batch {global_batch} = {bs} x {world} "
+                    f"process{'es' * (world != 1)} x {k} accumulation step{'s' * (k != 1)}{source}, "
+                    f"{steps_per_epoch} steps per epoch")
+        if recipe and recipe[0] != global_batch:
+            self._print(f"WARNING: the recipe's global batch is {recipe[0]} ({recipe[1]}) but this run uses "
+                        f"{global_batch} (trainer.accumulate={k}); trainer.accumulate=auto forms the recipe's, "
+                        f"else scale optim.lr (linear scaling: lr x {global_batch / recipe[0]:.3g})")
         total, note = plan_schedule(self.tcfg.get("max_steps"), self.tcfg.get("max_epochs"), steps_per_epoch)
         self._print(f"schedule: {total} steps ({total / steps_per_epoch:.3g} epochs)")
         if note:
@@ -477,6 +490,7 @@ class Trainer:
     def _setup(self) -> _Run:
         """Model, data, schedule, optimizer, checkpoint manager, logger; the resumed state when resuming."""
         cfg, tcfg = self.cfg, self.tcfg
+        accumulate = self._resolve_accumulation()
         seed = int(cfg.get("seed", 0))
         seed_everything(seed)
         model = self.task.build_model().to(self.device)
@@ -491,9 +505,10 @@ class Trainer:
         train_ds, eval_ds = self.task.build_datasets()
         bs = int(cfg.data.batch_size)
         sampler = ResumableSampler(len(train_ds), bs, rank=self.dist.rank, world_size=self.dist.world_size,
-                                   shuffle=True, seed=seed, repeats=int(cfg.data.get("repeated_aug", 1) or 1))
+                                   shuffle=True, seed=seed, repeats=int(cfg.data.get("repeated_aug", 1) or 1),
+                                   accumulate=accumulate)
         total = self._plan(len(train_ds), sampler)
-        facts = {"global_batch": bs * self.dist.world_size, "batch_size": bs, "total_steps": total,
+        facts = {"global_batch": bs * self.dist.world_size * accumulate, "batch_size": bs, "total_steps": total,
                  "lr": float(cfg.optim.lr), "seed": seed}
 
         ckpt = CheckpointManager(self.run_dir / "checkpoints", monitor=self.task.monitor,
@@ -510,7 +525,7 @@ class Trainer:
         wrapped = self._wrap(model, ema)
         self._wrapped = wrapped
         optimizer = build_optimizer(wrapped, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.sched, total, sampler.batches_per_epoch)
+        scheduler = build_scheduler(optimizer, cfg.sched, total, sampler.steps_per_epoch)
         fp16_cuda = self.precision == "fp16" and self.device.type == "cuda"
         if self._fsdp:  # found-inf agreed by all ranks (each sees its shard of the gradients)
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415
@@ -533,8 +548,8 @@ class Trainer:
         run = _Run(model=model, wrapped=wrapped, ema=ema, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                    ckpt=ckpt, sampler=sampler, train_data=train_data,
                    train_loader=self._loader(train_data, sampler, bs, loader_generator(seed)),
-                   eval_loader=eval_loader, seed=seed, total=total, steps_per_epoch=sampler.batches_per_epoch,
-                   facts=facts)
+                   eval_loader=eval_loader, seed=seed, total=total, steps_per_epoch=sampler.steps_per_epoch,
+                   facts=facts, accumulate=accumulate)
         resumed, wandb_id = state is not None, None
         if resumed:
             self._restore(state, run)
@@ -590,8 +605,9 @@ class Trainer:
         try:
             while run.step < run.total and not self._stop_agreed(stop):
                 self._start_epoch(run)
-                for batch in run.train_loader:
-                    loss, logs, grad_norm = self._train_step(run, batch)
+                batches = iter(run.train_loader)
+                for _ in range(len(run.train_loader) // run.accumulate):  # the epoch's optimizer steps left
+                    loss, logs, grad_norm = self._train_step(run, batches)
                     run.step += 1
                     if progress is not None:
                         progress.update(1)
@@ -608,22 +624,30 @@ class Trainer:
         return metrics
 
     def _start_epoch(self, run: _Run) -> None:
-        """Point the sampler, the dataset and the loader's generator at the epoch of ``run.step``."""
+        """Point the sampler, the dataset and the loader's generator at the epoch of ``run.step`` (from the first
+        micro-batch of its next optimizer step)."""
         epoch, in_epoch = divmod(run.step, run.steps_per_epoch)
-        run.sampler.set_epoch(epoch, skip_batches=in_epoch)
+        run.sampler.set_epoch(epoch, skip_batches=in_epoch * run.accumulate)
         if hasattr(run.train_data, "set_epoch"):
             run.train_data.set_epoch(epoch)
         run.train_loader.generator.manual_seed(loader_seed(run.seed, epoch))
 
-    def _train_step(self, run: _Run, batch) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
-        """One optimizer step on ``batch``; returns the loss, the task's logs and the gradient norm (if clipped)."""
-        batch = self.task.on_batch(batch, self.device)
-        with _precision_context(self.precision, self.device):
-            loss, logs = self.task.training_loss(run.wrapped, batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {run.step}; lower optim.lr or check data")
+    def _train_step(self, run: _Run, batches) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """One optimizer step on the next ``run.accumulate`` micro-batches of the iterator ``batches``: their
+        gradients summed (:meth:`_backward`), synchronised across processes on the last one only
+        (:meth:`_gradient_sync`), then one clipping, GradScaler step, optimizer step, schedule step,
+        ``after_optimizer_step`` and EMA update. Returns the loss of the whole batch (the mean of the micro-batches'
+        losses), the task's logs (means alike) and the gradient norm (if clipped)."""
+        k = run.accumulate
         run.optimizer.zero_grad(set_to_none=True)
-        run.scaler.scale(loss).backward()
+        losses, logs = [], []
+        for micro in range(k):
+            with self._gradient_sync(run, micro == k - 1):
+                loss, micro_logs = self._backward(run, next(batches), micro)
+            losses.append(loss.detach() if k > 1 else loss)
+            logs.append(micro_logs)
+        loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        logs = logs[0] if k == 1 else {name: sum(one[name] for one in logs) / k for name in logs[0]}
         grad_norm = None
         clip = self.tcfg.get("grad_clip")
         if clip:
@@ -638,6 +662,40 @@ class Trainer:
         if run.ema is not None:
             run.ema.update(run.model)
         return loss, logs, grad_norm
+
+    def _backward(self, run: _Run, batch, micro: int) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of micro-batch ``micro`` of the step; its loss is scaled by ``1 / accumulate``
+        before the backward, so the gradients the step sums equal those of one batch of all its micro-batches
+        (a mean over ``accumulate`` equal-sized means). Returns the unscaled loss and the task's logs."""
+        batch = self.task.on_batch(batch, self.device)
+        with _precision_context(self.precision, self.device):
+            loss, logs = self.task.training_loss(run.wrapped, batch)
+        if not torch.isfinite(loss):
+            where = f", micro-batch {micro + 1}/{run.accumulate}" if run.accumulate > 1 else ""
+            raise FloatingPointError(f"loss is {loss.item()} at step {run.step}{where}; lower optim.lr or check "
+                                     f"data")
+        run.scaler.scale(loss if run.accumulate == 1 else loss / run.accumulate).backward()
+        return loss, logs
+
+    def _gradient_sync(self, run: _Run, sync: bool):
+        """The context of a micro-batch's forward and backward: gradients are reduced across processes only when
+        ``sync`` (the step's last micro-batch); before it each process sums its own (DDP: ``no_sync``; FSDP2:
+        :func:`tasks.common.fsdp.no_gradient_sync`, no reduce-scatter)."""
+        if sync or not self.dist.enabled:
+            return contextlib.nullcontext()
+        if self._fsdp:
+            return _fsdp_module().no_gradient_sync(run.model)
+        return run.wrapped.no_sync()
+
+    def _resolve_accumulation(self) -> int:
+        """``trainer.accumulate`` resolved for this run's processes (:func:`resolve_accumulation`), written back
+        into the config as the integer, so the checkpoints and ``run.json`` store the count the run used."""
+        self._auto_accumulate = self.tcfg.get("accumulate", "auto") == "auto"
+        accumulate = resolve_accumulation(self.cfg, self.dist.world_size)
+        if OmegaConf.is_config(self.cfg):
+            with open_dict(self.cfg):
+                self.cfg.trainer.accumulate = accumulate
+        return accumulate
 
     def _after_step(self, run: _Run, loss, logs: dict, grad_norm, start: tuple[int, float], metrics: dict) -> dict:
         """Log, evaluate and save as the step's number says; returns the latest evaluation's metrics."""

@@ -5,7 +5,8 @@ so that the start-up (imports, process group) is paid once:
 
 ``SPEC.json``: ``[{"dir": run folder, "overrides": [Hydra overrides of configs/train.yaml]}, ...]``, each run
 by ``train.run`` (what ``python train.py`` runs) in its folder, in order; the process group stays up between
-them. ``"dir": null``: the folder ``python train.py`` would make (``hydra.run.dir`` resolved, relative to the
+them. ``"interrupted": true``: the run is expected to stop on a signal (``TrainingInterrupted``), and the next
+one goes on. ``"dir": null``: the folder ``python train.py`` would make (``hydra.run.dir`` resolved, relative to the
 current folder; under torchrun the one that the ranks of all nodes agree on).
 """
 
@@ -34,7 +35,11 @@ def main(spec_path: str) -> None:
         with open_dict(cfg):
             del cfg["hydra"]  # as @hydra.main passes it
         os.makedirs(run_dir, exist_ok=True)
-        train.run(cfg, run_dir)
+        try:
+            train.run(cfg, run_dir)
+        except train.TrainingInterrupted:
+            if not item.get("interrupted"):
+                raise
     if dist.is_initialized():
         dist.destroy_process_group()
 

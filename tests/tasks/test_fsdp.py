@@ -29,19 +29,14 @@ process.
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers.torchrun import run_torchrun
 from hydra import compose, initialize_config_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
-RUNS = os.path.join(ROOT, "tests", "helpers", "trainer_runs.py")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-TIMEOUT = 600
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 #: the tests that use the torchrun launches (two for the whole module; the file took 2.5 min on the 2 shared
@@ -59,10 +54,6 @@ CLS = ["logger=none", "trainer.progress_bar=false", "trainer.count_flops=false",
 DROP_PATH = ["model.drop_path_rate=0.1"]  # the resume pair: per-rank RNG states restored
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "WANDB_SILENT": "true"}
-
-
 def make_cfg(overrides):
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
@@ -72,36 +63,6 @@ def run_single(overrides, run_dir):
     from train import run as train_run  # noqa: PLC0415
 
     return train_run(make_cfg(overrides), str(run_dir))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def run_torchrun(runs: list[tuple[str | None, list[str]]], tmp, nodes: int = 1) -> list[int]:
-    """``runs`` ([(run folder or None for the default one, overrides)]) one after another in one 2-process
-    torchrun launch: one node (``--standalone``), or ``nodes=2`` launchers of one process each that meet at a
-    c10d rendezvous on localhost, as two machines would. Returns the launchers' pids."""
-    spec = os.path.join(tmp, f"spec_{len(os.listdir(tmp))}.json")
-    with open(spec, "w") as f:
-        json.dump([{"dir": None if d is None else str(d), "overrides": o} for d, o in runs], f)
-    if nodes == 1:
-        cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", RUNS, spec]
-    else:
-        cmd = TORCHRUN + [f"--nnodes={nodes}", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                          f"--rdzv_endpoint=localhost:{_free_port()}", "--rdzv_id=mhla-test", RUNS, spec]
-    launchers = [subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for _ in range(nodes)]
-    try:
-        outs = [node.communicate(timeout=TIMEOUT)[0] for node in launchers]
-    finally:
-        for node in launchers:
-            if node.poll() is None:
-                node.kill()
-    assert all(node.returncode == 0 for node in launchers), "\n=====\n".join(o[-4000:] for o in outs)
-    return [node.pid for node in launchers]
 
 
 def load(run_dir, which="last"):

@@ -228,6 +228,7 @@ def test_every_model_and_attention_trains_two_steps_on_imagefolder(model, attn, 
     overrides = [
         "task=imagenet", f"model={model}", f"attn={attn}", f"data.root={fake_imagefolder}", "logger=none",
         "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.num_workers=0", "trainer.device=cpu",
+        "trainer.accumulate=1",  # the recipe's global batch, 1024, would be 256 accumulation steps of 4
         "data.batch_size=4", "data.eval_batch_size=8", "model.img_size=32", "model.input_size=32",
         "model.pad_to=32", "model.patch_size=8", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
         "model.num_classes=4", "model.token_blocks=4", "attn.cpe=true",
@@ -271,6 +272,7 @@ def test_hf_imagefolder_format(fake_imagefolder, tmp_path, monkeypatch):
     overrides = [
         "task=imagenet", "model=deit_t", "attn=mhla", f"data.root={fake_imagefolder}", "data.format=hf",
         "logger=none", "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.num_workers=0",
+        "trainer.accumulate=1",  # the recipe's global batch, 1024, would be 256 accumulation steps of 4
         "data.batch_size=4", "data.eval_batch_size=8", "model.img_size=32", "model.input_size=32",
         "model.pad_to=32", "model.patch_size=8", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
         "model.num_classes=4", "model.token_blocks=4",

@@ -13,7 +13,8 @@ CONFIGS = os.path.join(ROOT, "configs")
 
 TINY = ["logger=none", "trainer.progress_bar=false", "trainer.count_flops=false", "trainer.device=cpu",
         "model.depth=1", "model.hidden_size=32", "model.num_heads=2", "trainer.max_steps=2",
-        "data.batch_size=8", "task.sample.steps=3", "task.sample.per_class=1", "task.sample.classes=3"]
+        "data.batch_size=8", "task.sample.steps=3", "task.sample.per_class=1", "task.sample.classes=3",
+        "trainer.accumulate=1"]  # task=imagenet_gen's recipe batch (256) would be 32 accumulation steps
 
 
 def make_cfg(overrides):
