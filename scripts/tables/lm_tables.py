@@ -51,18 +51,36 @@ def table_cells(table: str) -> list[tuple[str, dict]]:
     return out
 
 
+def cell_assumptions(cell: str) -> dict:
+    """``{topic: text}``: the ``assumptions:`` of ``configs/experiment/table6/<cell>.yaml`` as ``train.py`` composes
+    it (its task's, e.g. the token budget, and its own); the file's own block when it does not compose."""
+    from .config import compose  # noqa: PLC0415  (hydra only where a config is composed)
+
+    try:
+        cfg, _ = compose([f"experiment=table6/{cell}"])
+        return {str(k): str(v) for k, v in (cfg.get("assumptions") or {}).items() if v}
+    except Exception:  # noqa: BLE001  (a config being written: read the file as it is)
+        with open(os.path.join(ROOT, "configs", "experiment", "table6", cell + ".yaml")) as f:
+            return {str(k): str(v) for k, v in ((yaml.safe_load(f) or {}).get("assumptions") or {}).items() if v}
+
+
 def assumption_notes(table: str = "6") -> list[str]:
-    """The ``assumptions:`` of the Table 6 cells' configs (the models Tables 6 and 8 evaluate), as markdown."""
-    lines = []
-    for p in sorted(glob.glob(os.path.join(ROOT, "configs", "experiment", "table6", "*.yaml"))):
-        with open(p) as f:
-            notes = (yaml.safe_load(f) or {}).get("assumptions") or {}
-        cell = os.path.splitext(os.path.basename(p))[0]
-        lines += [f"- `{cell}` ({k}): ASSUMPTION {' '.join(str(v).split())}" for k, v in notes.items() if v]
+    """The ``assumptions:`` of the Table 6 cells' configs (the models Tables 6 and 8 evaluate), as markdown: those
+    every cell shares (the recipe's: ``task=lm_fineweb``) once, then each cell's own."""
+    cells = [os.path.splitext(os.path.basename(p))[0]
+             for p in sorted(glob.glob(os.path.join(ROOT, "configs", "experiment", "table6", "*.yaml")))]
+    notes = {cell: cell_assumptions(cell) for cell in cells}
+    shared = {k: v for k, v in (notes[cells[0]] if cells else {}).items()
+              if all(notes[c].get(k) == v for c in cells)}
+    one = lambda v: " ".join(str(v).split())  # noqa: E731
+    lines = [f"- every cell ({k}): ASSUMPTION {one(v)}" for k, v in shared.items()]
+    lines += [f"- `{cell}` ({k}): ASSUMPTION {one(v)}" for cell in cells for k, v in notes[cell].items()
+              if k not in shared]
     if not lines:
         return []
-    return ["", f"Model sizes (Table {table} evaluates the models of configs/experiment/table6/; parameters and GMACs "
-                "of every cell: results/params.md):", "", *lines]
+    return ["", f"Settings and assumptions (where the paper is silent or disagrees with itself; Table {table} evaluates "
+                "the models of configs/experiment/table6/, each config's `assumptions:`; parameters and GMACs of every "
+                "cell: results/params.md):", "", *lines]
 
 
 def _write(table: str, header: list[str], rows: list[list[str]], notes: list[str], records: list[dict],
@@ -124,7 +142,8 @@ def reproduce_table6(args) -> str:
     notes = ["340M language models (docs/paper_tables.md#table-6). Accuracies in %, `avg` = mean of the six commonsense columns "
              "(Wino, PIQA, ARC-c, OBQA, ARC-e, BoolQ); Wiki ppl = lm-eval `wikitext` word perplexity; LAMBADA ppl "
              "= `lambada_openai` perplexity. Paper numbers: docs/paper_tables.md; the baselines' commonsense averages come from the authors' "
-             "project page (the `paper:` block of each config says so). A `paper` value is blank where neither gives it.",
+             "project page (the `paper:` block of each config says so). The paper prints every column for every row; a "
+             "`paper` value is blank where the project's sources do not give it (not guessed).",
              "", f"Command: `make reproduce-table6 CKPT_DIR={args.ckpt_dir}"
              + (f" LM_EVAL_DATA={args.lm_eval_data}" if args.lm_eval_data else "") + "`"
              + (f" (lm-evaluation-harness {evaluate.lm_eval_version()}, zero-shot"
@@ -164,8 +183,9 @@ def reproduce_table8(args) -> str:
                        for g, tasks in TABLE8_GROUPS.items())
     notes = [f"LongBench (docs/paper_tables.md#table-8), the paper's 14 tasks in its column order ({groups}), "
              "official prompts, greedy decoding, middle truncation to "
-             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). Paper averages: the paper (docs/paper_tables.md), "
-             "and for GLA / Mamba2 the authors' project page. A blank paper value: neither gives it.", "",
+             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). Paper averages: the paper's Table 8 (docs/paper_tables.md). "
+             "The paper also prints the 14 per-task scores of every row; the project's sources do not give them, so this "
+             "file quotes only the averages (not guessed).", "",
              f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir}"
              + (f" LONGBENCH={args.longbench}`" if args.longbench else "` (no LONGBENCH data given)")
              + (f" (limit {args.limit} examples per task)" if args.limit else "")]

@@ -124,8 +124,7 @@ def delegate_path(module: str) -> str:
 BENCH = {
     "14": {"model": "DiT-S/2", "cpe_gate": False, "full": (1024, (4, 16, 64, 256, 1024)),
            "mini": (512, (4, 16, 64, 256)), "paper_key": "latency (ms)",
-           "paper": {4: "145-157 (range, M <= 256)", 16: "145-157 (range, M <= 256)",
-                     64: "145-157 (range, M <= 256)", 256: "145-157 (range, M <= 256)", 1024: "219"}},
+           "paper": {4: 147, 16: 145, 64: 148, 256: 157, 1024: 219}},  # the paper's Table 14, one latency per M
     "7b": {"model": "DiT-S/2", "cpe_gate": True, "full": (512, (4, 16, 64)), "mini": (512, (4, 16, 64)),
            "paper_key": "throughput (img/s)", "paper": {4: 435, 16: 435, 64: 408}},
 }
@@ -189,7 +188,7 @@ def extra_cells(table: str) -> list[Cell]:
     return [Cell("dit_xl2_256_softmax_pretrained",
                  ["experiment=table3b/dit_xl2_256_mhla_finetune", "attn=softmax"],
                  {"table": "3b", "row": "DiT-XL/2 256 self-attention (released weights, not fine-tuned)",
-                  "fid": 9.62, "fid_cfg": 2.27},
+                  "fid": 9.62, "fid_cfg": 2.27},  # the paper also prints this row's IS / sFID: not in our sources
                  "table3b/dit_xl2_256_mhla_finetune with attn=softmax, evaluated without training", eval_only=True,
                  notes=["`dit_xl2_256_softmax_pretrained` trains nothing: the `model.pretrained` weights are loaded "
                         "into the softmax DiT-XL/2, saved as a checkpoint and sampled like the other cells."])]

@@ -165,6 +165,12 @@ def rewrite(spec: Table, args) -> int:
     rows = [(cells.get(r["cell"]) or Cell(r["cell"], r.get("overrides", []), r.get("paper", {}), ""),
              {k: v for k, v in r.items() if k not in ("cell", "paper", "overrides", "assumptions")})
             for r in data.get("rows", [])]
+    for cell, res in rows:  # rows saved before the runner recorded their kind: the kind of the cell's config
+        if "kind" not in res and "error" not in res and cell.source:
+            try:
+                res["kind"] = config.cell_info(cell)["kind"]
+            except Exception:  # noqa: BLE001  (a cell that no longer composes keeps the default)
+                pass
     args.argv, args.seeds = data.get("argv"), data.get("seeds")
     print(f"wrote {write_table(spec.id, args, rows, data.get('bench'), machine=machine, date=data.get('date'))}")
     return 0

@@ -10,16 +10,30 @@ import torch.nn as nn
 from .hooks import optim_groups
 
 
+# Weight decay of a module's own optimizer group when ``optim.<group>_weight_decay`` is not set; for MHLA's mixing
+# matrix that is ``optim.mixing_weight_decay`` (configs/optim/adamw.yaml). 0, not the base weight decay: the paper
+# does not say, and the matrix is a handful of nonnegative, row-normalised coefficients per layer, like the norms,
+# biases and position tables that get no decay; decay would pull every coefficient toward 0, which the paper's
+# normaliser (and the LM's output RMSNorm) cancels within a row, so it only shrinks the matrix toward the clamp's
+# floor. The authors' release puts the matrix in its decayed parameter group (weight decay 0.05):
+# ``optim.mixing_weight_decay=0.05`` runs that (docs/decisions.md#mixing-matrix-weight-decay).
+GROUP_WEIGHT_DECAY = 0.0
+
+
 def group_settings(cfg, group: str) -> dict:
-    """``optim.<group>_lr_scale`` (default 1), ``_weight_decay`` (default 0) and ``_freeze_steps`` (default 0),
-    validated."""
+    """``optim.<group>_lr_scale`` (default 1), ``_weight_decay`` (default :data:`GROUP_WEIGHT_DECAY`, 0) and
+    ``_freeze_steps`` (default 0), validated."""
     scale = float(cfg.get(f"{group}_lr_scale", 1.0))
     if not scale >= 0:
         raise ValueError(f"optim.{group}_lr_scale must be >= 0, got {scale}")
     freeze = cfg.get(f"{group}_freeze_steps", 0) or 0
     if isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 0:
         raise ValueError(f"optim.{group}_freeze_steps must be an integer >= 0, got {freeze!r}")
-    return {"lr_scale": scale, "weight_decay": float(cfg.get(f"{group}_weight_decay", 0.0)), "freeze_steps": freeze}
+    decay = cfg.get(f"{group}_weight_decay", GROUP_WEIGHT_DECAY)
+    decay = GROUP_WEIGHT_DECAY if decay is None else float(decay)
+    if not decay >= 0:
+        raise ValueError(f"optim.{group}_weight_decay must be >= 0, got {decay}")
+    return {"lr_scale": scale, "weight_decay": decay, "freeze_steps": freeze}
 
 
 def param_groups(model: nn.Module, weight_decay: float, cfg=None) -> list[dict]:
