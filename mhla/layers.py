@@ -102,11 +102,20 @@ class AttentionBase(nn.Module):
         num_heads: feature heads ``H``; ``head_dim = dim // num_heads`` unless given.
         head_dim: per-head query/key dim ``D``. value_dim: per-head value dim ``Dv`` (default ``head_dim``).
         qkv_bias, proj_bias: biases of the input and output projections.
-        qk_norm: RMSNorm over each head's query and key (before the feature map).
+        qk_norm: RMSNorm of the queries and keys before the feature map: ``True`` (or ``"per_head"``) over each
+            head's ``D`` channels; ``"across_heads"`` over all ``H * D`` channels at once (the authors' release:
+            its DeiT's ``nn.RMSNorm(dim)``, its Wan's ``WanRMSNorm(dim)``). Epsilon 1e-6 (the release's DeiT
+            uses torch's default, the dtype's machine epsilon: no difference on its fixture, see
+            docs/method.md).
+        in_norm: a LayerNorm (eps 1e-5) on the layer's input before the projections (the release's DeiT has one in
+            every attention, after the block's own pre-norm); the output gate then reads the normed input too.
         causal: causal attention over a 1-D sequence (language models); decode with ``cache``.
         cpe: add a depthwise convolution of V on the token grid (kernel ``cpe_kernel``) to the output.
         gate: output gate. ``True`` / ``"swish"``: ``RMSNorm(o) * swish(W_g x)`` (GLA-style); ``"linear"``:
-            ``(o + cpe) * (W_o x + b)`` without a norm (RALA's wrapper, used by VLT). out_norm: RMSNorm on each
+            ``(o + cpe) * (W_o x + b)`` without a norm (RALA's wrapper, used by VLT). A layer built with
+            ``projections=False`` keeps its gate: the host passes its input to :meth:`finish_heads` (the release's
+            Wan MHLA, ``is_gated``). gate_bias: a bias in ``W_g`` (default: only the linear gate has one; the
+            release's Wan gate has one). out_norm: RMSNorm on each
             head's output without a gate (the paper's LM / video setting with ``normalize=False``); ``None`` (the
             default): only the swish gate's.
         rope: where the model's rotary tables apply (:data:`mhla.rope.ROPE_PLACEMENTS`): ``"none"`` (default),
@@ -137,7 +146,9 @@ class AttentionBase(nn.Module):
         value_dim: int | None = None,
         qkv_bias: bool = False,
         proj_bias: bool = True,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
+        in_norm: bool = False,
+        gate_bias: bool | None = None,
         causal: bool = False,
         cpe: bool = False,
         cpe_kernel: int = 3,
@@ -177,9 +188,12 @@ class AttentionBase(nn.Module):
             raise ValueError(f"{name} runs causally only: build it with causal=True")
         if num_prefix_tokens and not self.supports.prefix_tokens:
             raise ValueError(f"{name} does not support prefix (class / register) tokens; use average pooling")
-        if not projections and (cpe or gate or short_conv or qk_norm):
-            raise ValueError(f"{name}: qk_norm, cpe, gate and short_conv belong to the projections; a layer built "
-                             "with projections=False (a host owns them) cannot have them")
+        if qk_norm not in (False, True, None, "per_head", "across_heads"):
+            raise ValueError(f"{name}: qk_norm must be false, true / 'per_head' or 'across_heads', got {qk_norm!r}")
+        self.qk_norm_kind = {None: False, "per_head": True}.get(qk_norm, qk_norm)
+        if not projections and (cpe or short_conv or self.qk_norm_kind or in_norm):
+            raise ValueError(f"{name}: qk_norm, in_norm, cpe and short_conv belong to the projections; a layer "
+                             "built with projections=False (a host owns them) cannot have them")
         dd = dict(device=device, dtype=dtype)
         self.dim = dim
         self.num_heads = num_heads
@@ -197,16 +211,22 @@ class AttentionBase(nn.Module):
                              "out_norm=false would not remove it (drop out_norm, or set gate=false / linear)")
         # Submodules in a fixed order: weight init (timm's, transformers') draws random numbers module by module.
         self.qkv = nn.Linear(dim, 2 * qk_inner + v_inner, bias=qkv_bias, **dd) if projections else None
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm and projections else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6, **dd) if qk_norm and projections else nn.Identity()
+        norm_width = qk_inner if self.qk_norm_kind == "across_heads" else self.head_dim
+        qk = bool(self.qk_norm_kind) and projections
+        self.q_norm = nn.RMSNorm(norm_width, eps=1e-6, **dd) if qk else nn.Identity()
+        self.k_norm = nn.RMSNorm(norm_width, eps=1e-6, **dd) if qk else nn.Identity()
         self.cpe = self._make_cpe(v_inner, cpe_kernel, dd) if cpe else None
-        self.gate = nn.Linear(dim, v_inner, bias=self.gate_kind == "linear", **dd) if self.gate_kind else None
+        if gate_bias is not None and not self.gate_kind:
+            raise ValueError(f"{name}: gate_bias={gate_bias} is set but the gate is off")
+        bias = self.gate_kind == "linear" if gate_bias is None else bool(gate_bias)
+        self.gate = nn.Linear(dim, v_inner, bias=bias, **dd) if self.gate_kind else None
         swish_gate = self.gate_kind == "swish"
         self.out_norm = nn.RMSNorm(self.value_dim, eps=1e-6, **dd) if (swish_gate or out_norm) else None
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(v_inner, dim, bias=proj_bias, **dd) if projections else None
         self.proj_drop = nn.Dropout(proj_drop)
         self.short_conv = None
+        self.in_norm = nn.LayerNorm(dim, **dd) if in_norm else None
         if short_conv:  # one depthwise conv over the channels of q | k | v, as fla's three ShortConvolutions
             channels = 2 * qk_inner + v_inner
             self.short_conv = nn.Conv1d(channels, channels, short_conv, groups=channels, bias=False, **dd)
@@ -221,7 +241,11 @@ class AttentionBase(nn.Module):
                "num_prefix_tokens": self.num_prefix_tokens, "grid": self.grid, "projections": self.projections,
                "head_dim": self.head_dim, "value_dim": self.value_dim}
         if self.projections:
-            out["qk_norm"] = isinstance(self.q_norm, nn.RMSNorm)
+            out["qk_norm"] = self.qk_norm_kind if isinstance(self.q_norm, nn.RMSNorm) else False
+            if self.in_norm is not None:
+                out["in_norm"] = True
+        if self.gate is not None:
+            out["gate_bias"] = self.gate.bias is not None
         return out
 
     # ------------------------------------------------------------------------------------------ CPE
@@ -280,8 +304,10 @@ class AttentionBase(nn.Module):
         B, N, _ = x.shape
         H, D, Dv = self.num_heads, self.head_dim, self.value_dim
         q, k, v = self.qkv(x).split([H * D, H * D, H * Dv], dim=-1)
-        q = self.q_norm(q.view(B, N, H, D))
-        k = self.k_norm(k.view(B, N, H, D))
+        if self.qk_norm_kind == "across_heads":  # one RMSNorm over all heads' channels
+            q, k = self.q_norm(q).view(B, N, H, D), self.k_norm(k).view(B, N, H, D)
+        else:
+            q, k = self.q_norm(q.view(B, N, H, D)), self.k_norm(k.view(B, N, H, D))
         v = v.view(B, N, H, Dv)
         if self.short_conv is not None:
             q, k, v = self._apply_short_conv(q, k, v, cache, cu_seqlens)
@@ -350,10 +376,21 @@ class AttentionBase(nn.Module):
             )
         return grid
 
-    def finish_heads(self, o: torch.Tensor) -> torch.Tensor:
-        """``o: [B, N, H, Dv]`` -> dropout and the per-head output RMSNorm (with a swish gate, or ``out_norm``)."""
+    def finish_heads(self, o: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        """``o: [B, N, H, Dv]`` -> dropout and the per-head output RMSNorm (with a swish gate, or ``out_norm``).
+
+        A layer built with ``projections=False`` and a gate also applies the gate here, on its host's input
+        ``x: [B, N, C]``: ``RMSNorm(o) * swish(W_g x)`` (or ``o * (W_o x + b)``), per head."""
         o = self.attn_drop(o)
-        return self.out_norm(o) if self.out_norm is not None else o
+        o = self.out_norm(o) if self.out_norm is not None else o
+        if self.gate is not None and not self.projections:
+            if x is None:
+                raise ValueError(f"{type(self).__name__} has an output gate: its host must pass its input x to "
+                                 "finish_heads(o, x)")
+            g = self.gate(x)
+            g = F.silu(g) if self.gate_kind == "swish" else g
+            o = o * g.unflatten(-1, (self.num_heads, self.value_dim)).to(o.dtype)
+        return o
 
     def _finish(self, o: torch.Tensor, x: torch.Tensor, cpe_out: torch.Tensor | None) -> torch.Tensor:
         """``o: [B, N, H, Dv]`` -> output norm, CPE, gate, projection -> ``[B, N, C]``."""
@@ -426,6 +463,8 @@ class AttentionBase(nn.Module):
         if layout is not None:  # a layer with blocks works in block-major order from its input on: per-token ops
             # do not care, and the token order (the order of the sums of the weight gradients) stays the same
             x = torch.cat([x[:, :P], layout.raster_to_block_major(x[:, P:])], dim=1)
+        if self.in_norm is not None:
+            x = self.in_norm(x)
         q, k, v = self._project(x, cache)
         cpe_out = None
         if self.cpe is not None:
@@ -458,6 +497,8 @@ class AttentionBase(nn.Module):
         if attn_mask is not None:
             raise ValueError("pass either attn_mask or cu_seqlens")
         check_cu_seqlens(cu_seqlens, x.unsqueeze(2))
+        if self.in_norm is not None:
+            x = self.in_norm(x)
         q, k, v = self._project(x, cache, cu_seqlens)
         cpe_out = None
         if self.cpe is not None:
@@ -493,6 +534,11 @@ class KernelAttention(AttentionBase):
             denominator; use ``out_norm``, the paper's LM / video setting) or ``"official"`` (MHLA: the authors'
             release's vision normaliser).
         eps: the denominator's epsilon.
+        feature_map_eps: the feature map's own epsilon where it has one (``relu``: ``relu(x) + eps``, default
+            1e-6); ``0.0`` gives the plain ``relu`` of the release's language model. None: the map's default.
+        q_scale: a factor on the query features (after the feature map and the rotation): a number, or
+            ``"head_dim"`` for ``head_dim ** -0.5`` (the release's language model). 1 by default; with a normaliser
+            it cancels (up to ``eps``), without one the output RMSNorm removes it (up to its epsilon).
 
     With ``rope="after_feature_map"`` and a normaliser, the numerator uses the rotated features and the
     normaliser the un-rotated ``phi(q) . phi(k)`` (RoFormer's linear-attention form: the denominator stays
@@ -501,7 +547,7 @@ class KernelAttention(AttentionBase):
     """
 
     def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "relu", normalize=True,
-                 eps: float = 1e-6, **kwargs):
+                 eps: float = 1e-6, feature_map_eps: float | None = None, q_scale: float | str = 1.0, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
         if normalize not in (True, False, "official"):
             raise ValueError(f"normalize must be true, false or 'official', got {normalize!r}")
@@ -511,13 +557,25 @@ class KernelAttention(AttentionBase):
             raise ValueError("causal layers with rope='after_feature_map' have no normaliser: set normalize=false "
                              "(and out_norm=true, the paper's LM setting) or rope='before_feature_map'")
         self.feature_map_name = feature_map
-        self.feature_map = get_feature_map(feature_map)
+        self.feature_map_eps = feature_map_eps
+        fm_kwargs = {} if feature_map_eps is None else {"eps": float(feature_map_eps)}
+        self.feature_map = get_feature_map(feature_map, **fm_kwargs)
+        if q_scale == "head_dim":
+            q_scale = self.head_dim ** -0.5
+        elif isinstance(q_scale, str):
+            raise ValueError(f"q_scale must be a number or 'head_dim', got {q_scale!r}")
+        self.q_scale = float(q_scale)
         self.normalize = normalize
         self.eps = eps
 
     def settings(self) -> dict:
-        return {**super().settings(), "feature_map": self.feature_map_name, "normalize": self.normalize,
-                "eps": self.eps}
+        out = {**super().settings(), "feature_map": self.feature_map_name, "normalize": self.normalize,
+               "eps": self.eps}
+        if self.feature_map_eps is not None:
+            out["feature_map_eps"] = self.feature_map_eps
+        if self.q_scale != 1.0:
+            out["q_scale"] = self.q_scale
+        return out
 
     def check_at_start(self) -> None:
         """The start-of-run check of a built layer (:func:`mhla.registry.probe_layers`): with the rotation after the
@@ -534,8 +592,14 @@ class KernelAttention(AttentionBase):
                              "dimension: set attn.rope=before_feature_map (or none)")
 
     def _features(self, q, k, rope_tables):
-        """``(q, k, q_plain, k_plain)`` after the feature map and the rotation (:func:`rope_and_feature_map`)."""
-        return rope_and_feature_map(q, k, self.feature_map, self._rotate(rope_tables), self.rope)
+        """``(q, k, q_plain, k_plain)`` after the feature map and the rotation (:func:`rope_and_feature_map`), the
+        queries times ``q_scale``."""
+        q, k, qp, kp = rope_and_feature_map(q, k, self.feature_map, self._rotate(rope_tables), self.rope)
+        if self.q_scale != 1.0:
+            same = q is qp
+            q = q * self.q_scale
+            qp = q if same else qp * self.q_scale
+        return q, k, qp, kp
 
     def _kernel_op(self, op, q, k, v, rope_tables):
         """``op(q, k, v, normalize)`` on the featured (and rotated) q, k; with the rotation after the feature

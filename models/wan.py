@@ -113,7 +113,8 @@ def attention_contract(model_cfg) -> AttentionContract:
     (``attn.layers`` / ``softmax_every`` / ``softmax_offset``): which layers get it. Its default token blocks
     are ``model.token_blocks`` (MHLA's M; ``attn.blocks`` per axis wins when set)."""
     defaults = {"*": dict(WAN_ATTENTION_DEFAULTS)}
-    refused = {k: "the diffusers module owns the projections" for k in ("cpe", "cpe_kernel", "gate", "qk_norm",
+    # (``gate``: the layer owns its gate, applied on the module's input, as the authors' release's is_gated)
+    refused = {k: "the diffusers module owns the projections" for k in ("cpe", "cpe_kernel", "qk_norm",
                                                                         "short_conv")}
     return AttentionContract(
         model=f"model={model_cfg.get('name', 'wan')}", needs=Needs(grid_rank=3, rope=True, host_projections=True),

@@ -27,7 +27,8 @@ What the processor computes for ``hidden_states x: [B, N, C]`` (grid tokens in r
     q, k, v = to_q(x), to_k(x), to_v(x)             # or to_qkv(x).chunk(3)
     q, k    = norm_q(q), norm_k(k)                   # the module's q/k norms (across heads or per head)
     o = layer.attend(q, k, v [B, N, H, D], grid=..., rope_tables=the model's rotary tables (Wan))
-    o = layer.finish_heads(o)                        # per-head output RMSNorm (out_norm=True)
+    o = layer.finish_heads(o, x)                     # per-head output RMSNorm (out_norm=True); a gate:
+                                                     # o * swish(W_g x), W_g the layer's (gate=true)
     y = to_out[1](to_out[0](o.flatten(heads)))
 
 Token grid. The layout needs the token grid ``(F, H, W)`` / ``(H, W)`` of each call; diffusers passes only
@@ -181,7 +182,7 @@ class AttentionProcessor:
                                needs_grid=getattr(layer, "blocks", None) is not None)
         q, k, v = self.project(attn, x)
         tables = RotaryTables(*rotary_emb, interleaved=True, upcast=True) if rotary_emb is not None else None
-        o = layer.finish_heads(layer.attend(q, k, v, grid=grid, rope_tables=tables, x=x))
+        o = layer.finish_heads(layer.attend(q, k, v, grid=grid, rope_tables=tables, x=x), x)
         return self.output(attn, o, residual, shape_4d)
 
 
