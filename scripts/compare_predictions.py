@@ -25,7 +25,8 @@ recipe that ends lower on the test set fit the training set worse, or as well an
 ``--limit N`` reads only the split's first N examples (a 60k training split is six test sets' worth).
 
 Writes ``<out>.json`` (the runs' error indices, the pairs, the command, machine and commit) and ``<out>.md``
-(with ``--notes``, the reading under ``## Reading``, whose numbers must be in the JSON:
+(with ``--notes``, the reading under ``## Reading``, each of whose numbers and verdict words a sidecar
+``<out>.reading.bind`` binds to a JSON path or a rule: ``scripts/tables/readings.py``, checked by
 ``tests/scripts/test_readings_numbers.py``).
 Classification tasks only (batches of ``(x, y)`` with integer labels).
 """

@@ -16,7 +16,8 @@ of one recipe give the scale of seed-to-seed differences, against which two init
 Writes ``<out>.json`` (each run's resolved config, its run commit, every layer's profile and row-normalised
 matrix; the pairwise distances; this command's commit, machine and load) and ``<out>.md`` (per run, over runs
 of the same variant as mean ± std, between runs, per layer; with ``--notes``, the reading under ``## Reading``,
-whose numbers must be in the JSON: ``tests/scripts/test_readings_numbers.py``).
+each of whose numbers and verdict words a sidecar ``<out>.reading.bind`` binds to a JSON path or a rule:
+``scripts/tables/readings.py``, checked by ``tests/scripts/test_readings_numbers.py``).
 """
 
 from __future__ import annotations

@@ -129,7 +129,17 @@ def render(claims=CLAIMS, root: str = ROOT) -> str:
     ]
     lines += ["| " + " | ".join(row(c, records)) + " |" for c in claims]
     lines += ["", "Each record's own page (the `.md` beside its `.json`) has every seed, the learning curves and "
-              "the reading; the run records in it hold each run's resolved config, commit, machine and load.", ""]
+              "the reading; the run records in it hold each run's resolved config, commit, machine and load.", "",
+              "**How the readings are bound to their data.** A reading (the hand-written text under a page's "
+              "`## Reading`) has a binding beside it, `<stem>.reading.bind` (`scripts/tables/readings.py`). Each "
+              "decimal number of the reading, in order, names the JSON path it prints, or arithmetic over paths "
+              "(a paired difference, a mean over seeds, a relative change; other records by name), and is checked "
+              "at the decimals it is quoted with; a number that is a setting or the paper's says so. Each verdict "
+              "word (holds, level, reversed, converged, still gaining, better, worse) names the rule that gives it "
+              "(the ordering rule above, a paired 95% interval that clears zero, or the convergence rule), "
+              "computed from the per-seed values, or says why that use is not a verdict. "
+              "`tests/scripts/test_readings_numbers.py` checks every reading, and injects a wrong number and a "
+              "wrong verdict word into each to show that the check fails.", ""]
     return "\n".join(lines)
 
 
