@@ -37,13 +37,16 @@ FIGURES = ("registers", "spill_stores", "spill_loads", "stack", "shared")
 KNOWN_SPILLS = {
     ("_bwd_block_grads_kernel", "HAS_R", 8, 3, "sm_80"),
     ("_bwd_block_grads_kernel", "NORMALIZE", 8, 2, "sm_80"),
+    ("_bwd_block_grads_kernel", "NORMALIZE", 8, 3, "sm_80"),  # D 128 with the wide tiles (128): 8 B
     ("_bwd_dqk_kernel", "CAUSAL,HAS_R", 8, 2, "sm_80"),
     ("_bwd_dqk_kernel", "CAUSAL,HAS_R,NORMALIZE", 8, 2, "sm_80"),
     ("_fwd_block_summaries_kernel", "-", 4, 2, "sm_80"),
+    ("_fwd_block_summaries_kernel", "-", 4, 3, "sm_80"),  # D 128 with the wide tiles (128): 20 B
     ("_fwd_block_summaries_kernel", "HAS_R,HAS_INIT,STORE_Z", 8, 2, "sm_80"),
     ("_fwd_block_summaries_kernel", "HAS_R,STORE_Z", 8, 2, "sm_80"),
     ("_fwd_output_kernel", "CAUSAL,HAS_R,NORMALIZE", 4, 2, "sm_80"),
     ("_fwd_output_kernel", "CAUSAL,HAS_R,NORMALIZE", 4, 3, "sm_80"),
+    ("_mix_bwd_dw_kernel", "CAUSAL", 4, 3, "sm_80"),  # both parts (S and z) in one launch: 20 B
 }
 
 

@@ -51,9 +51,11 @@ def rel_err(a, b):
 # ------------------------------------------------------------------------------------------- GEMM kernels
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("G", [1, 3])
-@pytest.mark.parametrize("NB,first,F", [(37, 5, 20), (16, 0, 64), (3, 2, 17)])
+@pytest.mark.parametrize("NB,first,F", [(37, 5, 20), (16, 0, 64), (3, 2, 17), (70, 3, 20), (5, 66, 9)])
 def test_mix_gemm_matches_torch(causal, G, NB, first, F):
-    """P = coeff @ x, dx = coeff^T dP, dcoeff = dP x^T (summed over the batch, and heads when shared)."""
+    """P = coeff @ x, dx = coeff^T dP, dcoeff = dP x^T (summed over the batch, and heads when shared). Up to 64
+    blocks and columns the kernels hold the coefficients once per program; (70, 3) and (5, 66) take the general
+    tiles."""
     g = torch.Generator().manual_seed(NB)
     B, H, N = 2, 3, first + NB
     coeff = torch.rand(G, NB, N, generator=g, dtype=F64)

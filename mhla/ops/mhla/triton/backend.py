@@ -92,6 +92,8 @@ def mhla_triton(
     out_dtype = v.dtype
     if INTERPRET_AT_IMPORT and q.dtype == torch.bfloat16:  # numpy has no bf16: compute in fp32
         q, k, v = q.float(), k.float(), v.float()
+    if INTERPRET_AT_IMPORT and isinstance(mixing, torch.Tensor) and mixing.dtype == torch.bfloat16:
+        mixing = mixing.float()  # the kernels read the mixing in its own dtype; the interpreter has no bf16
     normalize_b = mode == "paper"
 
     if not causal:

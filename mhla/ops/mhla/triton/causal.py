@@ -66,9 +66,9 @@ class MHLACausalFunction(torch.autograd.Function):
     """Causal chunkwise MHLA with fused Triton kernels (module docstring for the math).
 
     Inputs: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]``; the mixing of this call's ``NB`` blocks as
-    ``mdiag [1 or H, NB]`` (fp32, the diagonal) and a ``mixer`` of :mod:`.mix` with its ``coefficients``
-    (the trailing tensors; e.g. :class:`~.mix.DenseMix`: ``coeff [1 or H, NB, first + NB]``, row ``i`` on the
-    ``first`` state columns then the call's blocks); optional state tensors (fp32): ``state_s [B, H, first,
+    ``mdiag [1 or H, NB]`` (the diagonal: any float dtype and strides) and a ``mixer`` of :mod:`.mix` with its
+    ``coefficients`` (the trailing tensors; e.g. :class:`~.mix.DenseMix`: ``coeff [1 or H, NB, first + NB]``,
+    row ``i`` on the ``first`` state columns then the call's blocks); optional state tensors (fp32): ``state_s [B, H, first,
     D, Dv]``, ``state_z [B, H, first, D]`` (the summaries the state's columns hold: its kept blocks and
     folded sum, in the mixer's column order), ``cur_s [B, H, D, Dv]``, ``cur_z [B, H, D]`` (running sums of
     the unfinished block, ``offset`` tokens of it seen). ``keep_z``: compute the key sums even without the
@@ -88,8 +88,8 @@ class MHLACausalFunction(torch.autograd.Function):
         B, H, NB, D, Dv = g.B, g.H, g.NB, g.D, g.Dv
         has_init = cur_s is not None
         store_z = normalize or keep_z
-        mdiag = mdiag.float().contiguous()
-        coefficients = tuple(c.float().contiguous() for c in coefficients)
+        # mdiag and the coefficients stay as given (views of the mixing, any float dtype): the kernels read
+        # them by their strides as fp32, so the forward launches no cast and no copy
         has_r = g.NC > 1 or has_init  # with one chunk per block and no state, R is zero
         if has_init:
             cur_s = cur_s.float().contiguous()

@@ -57,16 +57,24 @@ dim works.
 # ruff: noqa: SIM102  (nested ifs: a compile-time flag outside, a runtime test inside)
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from .mix import mix_gemm, mix_gemm_backward
+from .mix import mix_gemm_parts, mix_gemm_parts_backward
 from .utils import autotune_configs, chunk_tile, device_helper, dot_precision, feature_tile
+from .utils import feature_tile as _feature_tile_any_cap
 
 _KEY = ["D", "Dv", "BT", "BK", "BV"]  # autotune key; each kernel adds its flags
+
+#: Feature tiles of the "wide" kernels (:meth:`Geometry.wide`): at D 128 one tile of 128, so q, k, v, do are read
+#: once. Only the variants that compile for sm_90 without spills and within its shared memory at 128 take it
+#: (results/bench/kernel_resources.md): ``fwd_block_summaries`` and ``bwd_block_grads`` without running sums,
+#: and the non-causal ``fwd_output`` and ``bwd_dv``; the causal ``fwd_output`` / ``bwd_dv`` (240 KB of shared
+#: memory) and ``bwd_dqk`` (spills) keep tiles of at most 64.
+WIDE_TILE = 128
 
 
 @dataclass
@@ -95,6 +103,15 @@ class Geometry:
         BT = chunk_tile(block_size)
         return cls(B, T, H, D, Dv, block_size, offset, NB, triton.cdiv(block_size, BT), BT,
                    feature_tile(D), feature_tile(Dv))
+
+    def wide(self) -> Geometry:
+        """This geometry with feature tiles of up to :data:`WIDE_TILE` when ``D`` and ``Dv`` are at most that
+        (the variants compile_check covers: one tile each at D 128); larger head dims keep their tiles. The
+        buffers' layouts do not depend on the tiles, so each kernel may take its own."""
+        if max(self.D, self.Dv) > WIDE_TILE:
+            return self
+        return replace(self, BK=_feature_tile_any_cap(self.D, max_tile=WIDE_TILE),
+                       BV=_feature_tile_any_cap(self.Dv, max_tile=WIDE_TILE))
 
     @property
     def NK(self) -> int:
@@ -285,7 +302,7 @@ def _output_chunk(q_base, k_base, v_base, o_base, P, Pz, R, Rz, den, h_blk, g_bl
 @triton.jit
 def _fwd_output_kernel(
     q, k, v, P, Pz, R, Rz, mdiag, o, den,
-    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, eps,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, stride_mb, eps,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, ONE_K: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -310,7 +327,7 @@ def _fwd_output_kernel(
         i_blk = i_p
     m = 0.0
     if CAUSAL:
-        m = tl.load(mdiag + i_h * stride_mh + i_blk)
+        m = tl.load(mdiag + i_h * stride_mh + i_blk * stride_mb).to(tl.float32)
     if ONE_K:  # the block's P tile (and p), read once for all its chunks
         p, msk = _summary_ptrs(P, i_bh * NB + i_blk, 0, i_v, D, Dv, BK, BV)
         h_blk = tl.load(p, mask=msk, other=0.0)
@@ -433,7 +450,7 @@ def _bwd_block_grads_kernel(
 @triton.jit
 def _bwd_dv_kernel(
     q, k, do, den, dS, dR, mdiag, dv,
-    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, stride_mb,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -451,7 +468,7 @@ def _bwd_dv_kernel(
     t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
     m = 0.0
     if CAUSAL:
-        m = tl.load(mdiag + i_h * stride_mh + i_blk)
+        m = tl.load(mdiag + i_h * stride_mh + i_blk * stride_mb).to(tl.float32)
 
     acc = tl.zeros([BT, BV], dtype=tl.float32)
     At = tl.zeros([BT, BT], dtype=tl.float32)
@@ -482,7 +499,7 @@ def _bwd_dv_kernel(
 @triton.jit
 def _bwd_dqk_kernel(
     q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, dq, dk, dmi,
-    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, stride_mb,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -500,7 +517,7 @@ def _bwd_dqk_kernel(
     t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
     m = 0.0
     if CAUSAL:
-        m = tl.load(mdiag + i_h * stride_mh + i_blk)
+        m = tl.load(mdiag + i_h * stride_mh + i_blk * stride_mb).to(tl.float32)
     n_p = i_bh * NB + i_blk
     n_r = i_bh * NB * NC + j
 
@@ -567,9 +584,12 @@ def _dummy(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, device=like.device, dtype=torch.float32)
 
 
-def _head_stride(mdiag: torch.Tensor) -> int:
-    """Head stride of the ``[H or 1, NB]`` diagonal coefficients: 0 when shared by all heads."""
-    return mdiag.stride(0) if mdiag.shape[0] > 1 else 0
+def _diag_strides(mdiag: torch.Tensor | None) -> dict:
+    """Head and block strides of the ``[H or 1, NB]`` diagonal coefficients (head stride 0 when shared by all
+    heads): the kernels read a strided view, e.g. the diagonal of the mixing itself, in its own dtype."""
+    if mdiag is None:
+        return {"stride_mh": 0, "stride_mb": 0}
+    return {"stride_mh": mdiag.stride(0) if mdiag.shape[0] > 1 else 0, "stride_mb": mdiag.stride(1)}
 
 
 def _common(g: Geometry):
@@ -583,6 +603,8 @@ def fwd_block_summaries(k, v, g: Geometry, *, has_r: bool, store_z: bool, cur_s=
     Returns ``S [B*H, NB, D, Dv]``, ``Z [B*H, NB, D]`` (or None), ``R [B*H, NB*NC, D, Dv]`` and
     ``Rz [B*H, NB*NC, D]`` (None without ``has_r``), all fp32.
     """
+    if not has_r:  # no running sums: the wide tiles (k and v read once at D 128)
+        g = g.wide()
     S = _f32((g.BH, g.NB, g.D, g.Dv), k)
     Z = _f32((g.BH, g.NB, g.D), k) if store_z else _dummy(k)
     R = _f32((g.BH, g.NT, g.D, g.Dv), k) if has_r else _dummy(k)
@@ -598,7 +620,11 @@ def fwd_block_summaries(k, v, g: Geometry, *, has_r: bool, store_z: bool, cur_s=
 def fwd_output(q, k, v, P, Pz, R, Rz, mdiag, g: Geometry, *, causal: bool, normalize: bool, eps: float,
                out_dtype: torch.dtype):
     """Run ``_fwd_output_kernel``. Returns ``o [B, T, H, Dv]`` (``out_dtype``) and ``den [B*H, T]`` fp32
-    (None without the normalizer)."""
+    (None without the normalizer). ``mdiag`` (causal): ``[H or 1, NB]`` in any float dtype and strides (the
+    kernels read it as fp32 by its head and block strides, e.g. the mixing's own diagonal; as ``bwd_dv``,
+    ``bwd_dqk``)."""
+    if not causal:  # the wide tiles: q read once, and at D 128 one K tile, so P is read once per block
+        g = g.wide()
     o = torch.empty(g.B, g.T, g.H, g.Dv, device=q.device, dtype=out_dtype)
     den = _f32((g.BH, g.T), q) if normalize else _dummy(q)
     has_r = R is not None
@@ -606,7 +632,7 @@ def fwd_output(q, k, v, P, Pz, R, Rz, mdiag, g: Geometry, *, causal: bool, norma
     _fwd_output_kernel[(g.NV, g.NB if one_k else g.NT, g.BH)](
         q, k, v, P, Pz if normalize else _dummy(q), R if has_r else _dummy(q),
         Rz if has_r and normalize else _dummy(q), mdiag if causal else _dummy(q), o, den,
-        stride_mh=_head_stride(mdiag) if causal else 0, eps=eps, CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize,
+        **_diag_strides(mdiag if causal else None), eps=eps, CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize,
         ONE_K=one_k, PREC=dot_precision(q.dtype), **_common(g),
     )
     return o, (den if normalize else None)
@@ -617,6 +643,8 @@ def bwd_block_grads(q, do, o, den, R, Rz, g: Geometry, *, normalize: bool):
     None where not used), ``dm_r [B*H, NB]``, the R part of the gradient of ``m_i`` (None without R), and
     ``delta [B*H, T]`` fp32, ``do_t . o_t`` (the normalizer's; None without it) for :func:`bwd_dqk`."""
     has_r = R is not None
+    if not has_r:  # no running sums: the wide tiles (q and do read once at D 128)
+        g = g.wide()
     dP = _f32((g.BH, g.NB, g.D, g.Dv), q)
     dPz = _f32((g.BH, g.NB, g.D), q) if normalize else _dummy(q)
     dR = _f32((g.BH, g.NT, g.D, g.Dv), q) if has_r else _dummy(q)
@@ -634,11 +662,13 @@ def bwd_block_grads(q, do, o, den, R, Rz, g: Geometry, *, normalize: bool):
 
 def bwd_dv(q, k, do, den, dS, dR, mdiag, g: Geometry, *, causal: bool, normalize: bool, out_dtype):
     """Run ``_bwd_dv_kernel``. Returns ``dv [B, T, H, Dv]``."""
+    if not causal:  # the wide tiles: k read once at D 128
+        g = g.wide()
     dv = torch.empty(g.B, g.T, g.H, g.Dv, device=q.device, dtype=out_dtype)
     has_r = dR is not None
     _bwd_dv_kernel[(g.NV, g.NT, g.BH)](
         q, k, do, den if normalize else _dummy(q), dS, dR if has_r else _dummy(q),
-        mdiag if causal else _dummy(q), dv, stride_mh=_head_stride(mdiag) if causal else 0,
+        mdiag if causal else _dummy(q), dv, **_diag_strides(mdiag if causal else None),
         CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
     )
     return dv
@@ -657,7 +687,7 @@ def bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, g: G
         q, k, v, do, den if normalize else d, delta if normalize else d, P, Pz if normalize else d,
         R if has_r else d, Rz if has_r and normalize else d, dS, dSz if normalize else d,
         dR if has_r else d, dRz if has_r and normalize else d, mdiag if causal else d, dq, dk, dmi,
-        stride_mh=_head_stride(mdiag) if causal else 0,
+        **_diag_strides(mdiag if causal else None),
         CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
     )
     dm = dmi.sum(0).view(g.BH, g.NB, g.NC).sum(-1) if causal else None
@@ -669,10 +699,12 @@ def bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, g: G
 
 def mix_summaries(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None, *,
                   precision: str = "ieee"):
-    """``P_i = sum_b coeff[i, b] S_b`` (and ``p_i`` from ``z_b``): the GEMM kernel of :mod:`.mix` (all blocks).
+    """``P_i = sum_b coeff[i, b] S_b`` and ``p_i`` from ``z_b``: one launch of the GEMM kernel of :mod:`.mix`
+    (all blocks).
 
     Args:
-        coeff: ``[H or 1, NB, N]`` fp32 (rows: this call's blocks; columns: all blocks summarised).
+        coeff: ``[H or 1, NB, N]``, any float dtype and strides (rows: this call's blocks; columns: all blocks
+            summarised; the kernel reads it as fp32).
         S_all: ``[B, H, N, D, Dv]`` fp32; Z_all: ``[B, H, N, D]`` or None.
         precision: ``tl.dot``'s input precision (:func:`.utils.dot_precision` of the input dtype).
     Returns:
@@ -680,34 +712,30 @@ def mix_summaries(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor 
     """
     B, H, _, D, Dv = S_all.shape
     NB = coeff.shape[1]
-    P = mix_gemm(coeff, S_all.reshape(B, H, -1, D * Dv), causal=False, precision=precision)
-    Pz = None if Z_all is None else mix_gemm(coeff, Z_all, causal=False, precision=precision).view(B * H, NB, D)
-    return P.view(B * H, NB, D, Dv), Pz
+    P, Pz = mix_gemm_parts(coeff, [S_all.reshape(B, H, -1, D * Dv), Z_all], causal=False, precision=precision)
+    return P.view(B * H, NB, D, Dv), (None if Pz is None else Pz.view(B * H, NB, D))
 
 
 def mix_summaries_backward(coeff, S_all, Z_all, dP, dPz, *, need_dcoeff: bool = True, precision: str = "ieee"):
-    """Backward of :func:`mix_summaries` (the GEMM kernels of :mod:`.mix`).
+    """Backward of :func:`mix_summaries` (the GEMM kernels of :mod:`.mix`, both parts in one launch each).
 
     Returns ``dS_all [B, H, N, D, Dv]``, ``dZ_all [B, H, N, D]`` (None without Z) and
-    ``dcoeff [H or 1, NB, N]``: ``dcoeff[i, b] = sum_batch <dP_i, S_b> + <dp_i, z_b>`` (summed over heads
+    ``dcoeff [H or 1, NB, N]`` fp32: ``dcoeff[i, b] = sum_batch <dP_i, S_b> + <dp_i, z_b>`` (summed over heads
     too when the coefficients are shared; None unless ``need_dcoeff``).
     """
     B, H, N, D, Dv = S_all.shape
     NB = coeff.shape[1]
-    kw = {"causal": False, "precision": precision, "need_dcoeff": need_dcoeff}
-    dS_all, dcoeff = mix_gemm_backward(coeff, S_all.reshape(B, H, N, D * Dv), dP.reshape(B, H, NB, D * Dv), **kw)
-    dZ_all = None
-    if Z_all is not None:
-        dZ_all, dcoeff_z = mix_gemm_backward(coeff, Z_all, dPz.reshape(B, H, NB, D), **kw)
-        if need_dcoeff:
-            dcoeff = dcoeff + dcoeff_z
+    (dS_all, dZ_all), dcoeff = mix_gemm_parts_backward(
+        coeff, [S_all.reshape(B, H, N, D * Dv), Z_all],
+        [dP.reshape(B, H, NB, D * Dv), None if Z_all is None else dPz.reshape(B, H, NB, D)],
+        causal=False, precision=precision, need_dcoeff=need_dcoeff)
     return dS_all.view(B, H, N, D, Dv), dZ_all, dcoeff
 
 
 def mixing_3d(mixing: torch.Tensor) -> torch.Tensor:
-    """``[M, M]`` or ``[H, M, M]`` -> fp32 ``[1 or H, M, M]``."""
-    mix = mixing.float()
-    return mix.unsqueeze(0) if mix.dim() == 2 else mix
+    """``[M, M]`` or ``[H, M, M]`` -> ``[1 or H, M, M]``, a view in the mixing's own dtype (the kernels read
+    it as fp32: no cast launch)."""
+    return mixing.unsqueeze(0) if mixing.dim() == 2 else mixing
 
 
 def mixing_grad_like(dmix3: torch.Tensor, ndim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -19,8 +19,10 @@ shapes, shared memory) nor what they cost in registers. This module
    ``ptxas``), and runs the bundled ``ptxas -v`` (Triton's flags) on the PTX for registers per thread, spill
    stores / loads and stack frame bytes; shared memory is Triton's (``metadata.shared``, dynamic shared memory).
 
-Variant sets (:data:`VARIANT_SETS`): ``default`` (bf16 inputs, D 64 and 128 with the tiles ``feature_tile``
-gives, blocks of 128 tokens: the largest chunk tile, 64, looping over two chunks) is what
+Variant sets (:data:`VARIANT_SETS`): ``default`` (bf16 inputs, D 64 and 128 with the tiles the ops choose:
+``feature_tile``, and 128 at D 128 in the wide kernels, ``chunk.Geometry.wide``; blocks of 128 tokens: the
+largest chunk tile, 64, looping over two chunks; and calls of ``MANY_BLOCKS`` blocks for the mix kernels'
+general tiles) is what
 ``tests/ops/test_kernel_resources.py`` checks (no spills, equal to the committed table); ``small blocks`` (blocks
 of 16 / 32 / 64 tokens: chunk tiles 16 / 32 / 64, one chunk per block), ``fp16``, ``fp32`` (exact ``ieee`` dots)
 and ``cap 128 (not used by default)`` (D 128 with the feature tiles at 128, ``BK = BV = 128``: does a 128-wide tile
@@ -67,6 +69,10 @@ CAP128 = SETS[1]
 ARCHS = (90, 80)
 QUERIES_PER_BLOCK = (16, 64)
 NUM_BLOCKS = 64  # blocks per call (MHLA) and query blocks (cross-attention)
+#: the default set's extra MHLA calls with more blocks than the mix kernels hold in one tile (``mix.W_ONCE_MAX``):
+#: their general tiles (rows of 128, ``dx`` columns of 64), bf16, D 64, blocks of 128 tokens (the chunk kernels'
+#: variants are the default ones), normalizer on
+MANY_BLOCKS = 256
 ROW_FIELDS = ("kernel", "set", "dtype", "flags", "tiles", "PREC", "spec", "num_warps", "num_stages",
               "arch", "registers", "spill_stores", "spill_loads", "stack", "shared")
 FIGURES = ("registers", "spill_stores", "spill_loads", "stack", "shared")
@@ -138,6 +144,7 @@ class Case:
     block_size: int
     normalize: bool
     set: str = "default"
+    blocks: int = NUM_BLOCKS
 
 
 @dataclasses.dataclass
@@ -164,6 +171,9 @@ def cases(sets: tuple = SETS) -> Iterator[Case]:
                             yield Case("mhla", path, dtype, D, block_size, normalize, set_name)
                     for queries_per_block in QUERIES_PER_BLOCK:
                         yield Case("mhla_cross", "query", dtype, D, queries_per_block, normalize, set_name)
+        if set_name == "default":
+            for path in ("noncausal", "causal"):
+                yield Case("mhla", path, "bf16", 64, 128, True, set_name, blocks=MANY_BLOCKS)
 
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -172,14 +182,15 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def run_case(case: Case) -> None:
     """Call the op of ``case`` (forward and backward) on small CPU tensors; the launches must be intercepted.
 
-    Shapes: B 2, H 16, D = Dv; ``NUM_BLOCKS`` MHLA blocks (``T = NUM_BLOCKS * block_size``) or query blocks. ``H``
-    and the block count are multiples of 16 and ``B > 1``, as at the benchmark shape, so the arguments get the
-    specialisations of real calls, and 64 blocks give the mix GEMMs their largest tiles."""
+    Shapes: B 2, H 16, D = Dv; ``case.blocks`` MHLA blocks (``T = blocks * block_size``: ``NUM_BLOCKS``, or
+    ``MANY_BLOCKS``) or query blocks. ``H`` and the block count are multiples of 16 and ``B > 1``, as at the
+    benchmark shape, so the arguments get the specialisations of real calls; 64 blocks give the mix GEMMs their
+    one-tile form (coefficients held), 256 their general tiles."""
     import torch
 
     dtype = getattr(torch, _DTYPES[case.dtype])
     gen = torch.Generator().manual_seed(0)
-    B, H, T, D = 2, 16, NUM_BLOCKS * case.block_size, case.D
+    B, H, T, D = 2, 16, case.blocks * case.block_size, case.D
 
     def rand(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen).to(dt).requires_grad_()
@@ -507,14 +518,15 @@ def sort_rows(rows: list) -> list:
 
 #: What each variant set holds (the md's legend).
 SET_NOTES = {
-    "default": "bf16 inputs, D 64 and 128 with the tiles the ops choose (`feature_tile`, `chunk_tile`), blocks of "
+    "default": "bf16 inputs, D 64 and 128 with the tiles the ops choose (`feature_tile`, `chunk_tile`; 128 at D 128 "
+               "in the wide kernels, `Geometry.wide`), blocks of "
                "128 tokens (the largest chunk tile, two chunks per block)",
     "small blocks": "the same with blocks of 16, 32 and 64 tokens (`BT` 16 / 32 / 64, one chunk per block, so "
                     "`NC` is specialised to 1)",
     "fp16": "the default set with fp16 inputs",
     "fp32": "the default set with fp32 inputs (`PREC = ieee`: exact fp32 dots, no tensor cores)",
     CAP128: "D 128 with the feature tiles capped at 128 instead of 64 (`feature_tile(128, max_tile=128)`: `BK = "
-            "BV = 128`), bf16, blocks of 128 tokens; the ops do not launch these today",
+            "BV = 128`), bf16, blocks of 128 tokens; the ops launch them only in the wide kernels (`Geometry.wide`)",
 }
 
 
@@ -663,7 +675,9 @@ def describe_cases(sets: tuple) -> str:
             f"of {', '.join(map(str, blocks))} tokens "
             "(non-causal, causal, and causal returning a state then continuing it 16 tokens into a block; forward "
             "and backward; normalizer paper and none); cross-attention's query side with "
-            f"{' and '.join(map(str, QUERIES_PER_BLOCK))} queries per block")
+            f"{' and '.join(map(str, QUERIES_PER_BLOCK))} queries per block"
+            + (f"; default set: also non-causal and causal calls of {MANY_BLOCKS} blocks of 128 tokens (D 64, the "
+               "mix kernels' general tiles)" if "default" in sets else ""))
 
 
 def run(archs=ARCHS, sets=SETS, configs=None, jobs=1, log=None) -> tuple[list, list, list]:

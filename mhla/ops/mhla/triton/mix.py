@@ -38,96 +38,153 @@ import triton
 import triton.language as tl
 
 from ...utils import causal_product
-from .utils import autotune_configs, next_pow2
+from .utils import autotune_configs, device_helper, next_pow2
 
 # ------------------------------------------------------------------------------------------- GEMM kernels
 
 _BIG: tl.constexpr = tl.constexpr(2**30)  # "no non-finite column yet"
+_MIX_KEY = ["F1", "F2", "CAUSAL", "BM", "BK", "BN", "FT", "W_ONCE"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["F", "CAUSAL", "BM", "BK", "BN"])
+@device_helper
+def _part(i_n, NF1, X1, X2, P1, P2, F1, F2, BN: tl.constexpr):
+    """Feature tile ``i_n`` of the two parts laid end to end (part 1's ``NF1`` tiles, then part 2's): the part's
+    ``X`` and ``P`` base pointers, its feature count, and the tile's first feature."""
+    if i_n < NF1:
+        x, p, F, f0 = X1, P1, F1, i_n * BN
+    else:
+        x, p, F, f0 = X2, P2, F2, (i_n - NF1) * BN
+    return x, p, F, f0
+
+
+@triton.autotune(configs=autotune_configs(), key=_MIX_KEY)
 @triton.jit
 def _mix_fwd_kernel(
-    W, X, P, NB, N, F, H, stride_wg, COL0,
-    BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    W, X1, P1, X2, P2, NB, N, F1, F2, H, stride_wg, stride_wr, stride_wc, COL0,
+    BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FT: tl.constexpr, W_ONCE: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    """``P[bh, i, f] = sum_b W[g, i, b] X[bh, b, f]`` for a ``[BM, BN]`` tile; program ``(i_m, i_n, bh)``.
+    """``P[bh, i, f] = sum_b W[g, i, b] X[bh, b, f]`` for ``FT`` tiles ``[BM, BN]``; program ``(i_m, i_t, bh)``.
 
-    ``W [G, NB, N]`` (``g = bh % H``, head stride ``stride_wg``, 0 when shared), ``X [B*H, N, F]``,
-    ``P [B*H, NB, F]``, fp32, contiguous. ``CAUSAL``: row ``i`` reads ``b < i + COL0`` only; the loop stops
-    at the last column the tile's rows read, non-finite values of ``X`` are zeroed in the product and mark
-    the rows after their column NaN.
+    Two parts in one launch (the summaries ``S`` and the key sums ``z``): ``X1 [B*H, N, F1]`` -> ``P1 [B*H, NB,
+    F1]`` and ``X2 [B*H, N, F2]`` -> ``P2`` (``F2 = 0``: none), fp32, contiguous; their feature tiles are numbered
+    end to end and program ``i_t`` owns tiles ``i_t * FT ..``. ``W [G, NB, N]`` in any float dtype (read as fp32),
+    strides ``stride_wg`` (0 when shared; ``g = bh % H``), ``stride_wr``, ``stride_wc``. ``W_ONCE`` (``N <=
+    BK``): the program loads its ``[BM, BK]`` coefficient tile once for all its feature tiles. ``CAUSAL``: row
+    ``i`` reads ``b < i + COL0`` only; the loop stops at the last column the tile's rows read, non-finite values
+    of ``X`` are zeroed in the product and mark the rows after their column NaN.
     """
-    i_m, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_m, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_m * BM + tl.arange(0, BM)
-    feats = i_n * BN + tl.arange(0, BN)
     w_base = W + (i_bh % H).to(tl.int64) * stride_wg
-    x_base = X + i_bh.to(tl.int64) * N * F
+    NF1 = tl.cdiv(F1, BN)
+    NF = NF1 + tl.cdiv(F2, BN)
     k_end = N
     if CAUSAL:
         k_end = tl.minimum(N, COL0 + i_m * BM + BM - 1)  # the last row of the tile reads b < its index + COL0
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    first_bad = tl.full([BN], _BIG, dtype=tl.int32)
-    for k0 in range(0, k_end, BK):
-        cols = k0 + tl.arange(0, BK)
+    w_once = tl.zeros([BM, BK], dtype=tl.float32)
+    if W_ONCE:
+        cols = tl.arange(0, BK)
         w_mask = (rows < NB)[:, None] & (cols < N)[None, :]
         if CAUSAL:
             w_mask = w_mask & (cols[None, :] < rows[:, None] + COL0)
-        w = tl.load(w_base + rows[:, None].to(tl.int64) * N + cols[None, :], mask=w_mask, other=0.0)
-        x = tl.load(x_base + cols[:, None].to(tl.int64) * F + feats[None, :],
-                    mask=(cols < N)[:, None] & (feats < F)[None, :], other=0.0)
-        if CAUSAL:  # 0 * nan = nan: multiply the finite values only, remember where the others are
-            finite = tl.abs(x) < float("inf")
-            first_bad = tl.minimum(first_bad, tl.min(tl.where(finite, _BIG, cols[:, None]), axis=0))
-            x = tl.where(finite, x, 0.0)
-        acc += tl.dot(w, x, input_precision=PREC)
-    if CAUSAL:
-        acc = tl.where(first_bad[None, :] < rows[:, None] + COL0, float("nan"), acc)
-    tl.store(P + i_bh.to(tl.int64) * NB * F + rows[:, None].to(tl.int64) * F + feats[None, :], acc,
-             mask=(rows < NB)[:, None] & (feats < F)[None, :])
+        w_once = tl.load(w_base + rows[:, None].to(tl.int64) * stride_wr + cols[None, :] * stride_wc,
+                         mask=w_mask, other=0.0).to(tl.float32)
+    for it in range(FT):
+        i_n = i_t * FT + it
+        if i_n < NF:
+            X, P, F, f0 = _part(i_n, NF1, X1, X2, P1, P2, F1, F2, BN)
+            feats = f0 + tl.arange(0, BN)
+            x_base = X + i_bh.to(tl.int64) * N * F
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            first_bad = tl.full([BN], _BIG, dtype=tl.int32)
+            for k0 in range(0, k_end, BK):
+                cols = k0 + tl.arange(0, BK)
+                if W_ONCE:
+                    w = w_once
+                else:
+                    w_mask = (rows < NB)[:, None] & (cols < N)[None, :]
+                    if CAUSAL:
+                        w_mask = w_mask & (cols[None, :] < rows[:, None] + COL0)
+                    w = tl.load(w_base + rows[:, None].to(tl.int64) * stride_wr + cols[None, :] * stride_wc,
+                                mask=w_mask, other=0.0).to(tl.float32)
+                x = tl.load(x_base + cols[:, None].to(tl.int64) * F + feats[None, :],
+                            mask=(cols < N)[:, None] & (feats < F)[None, :], other=0.0)
+                if CAUSAL:  # 0 * nan = nan: multiply the finite values only, remember where the others are
+                    finite = tl.abs(x) < float("inf")
+                    first_bad = tl.minimum(first_bad, tl.min(tl.where(finite, _BIG, cols[:, None]), axis=0))
+                    x = tl.where(finite, x, 0.0)
+                acc += tl.dot(w, x, input_precision=PREC)
+            if CAUSAL:
+                acc = tl.where(first_bad[None, :] < rows[:, None] + COL0, float("nan"), acc)
+            tl.store(P + i_bh.to(tl.int64) * NB * F + rows[:, None].to(tl.int64) * F + feats[None, :], acc,
+                     mask=(rows < NB)[:, None] & (feats < F)[None, :])
 
 
-@triton.autotune(configs=autotune_configs(), key=["F", "CAUSAL", "BM", "BK", "BN"])
+@triton.autotune(configs=autotune_configs(), key=_MIX_KEY)
 @triton.jit
 def _mix_bwd_dx_kernel(
-    W, dP, dX, NB, N, F, H, stride_wg, COL0,
-    BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    W, dP1, dX1, dP2, dX2, NB, N, F1, F2, H, stride_wg, stride_wr, stride_wc, COL0,
+    BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FT: tl.constexpr, W_ONCE: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    """``dX[bh, b, f] = sum_i W[g, i, b] dP[bh, i, f]`` for a ``[BK, BN]`` tile; program ``(i_k, i_n, bh)``.
+    """``dX[bh, b, f] = sum_i W[g, i, b] dP[bh, i, f]`` for ``FT`` tiles ``[BK, BN]``; program ``(i_k, i_t, bh)``.
 
-    ``CAUSAL``: only the rows ``i > b - COL0`` read column ``b``; the loop starts at the first of them.
+    Parts, ``FT`` and strides as ``_mix_fwd_kernel``; ``W_ONCE`` (``NB <= BM``): the ``[BK, BM]`` coefficient
+    tile is loaded once. ``CAUSAL``: only the rows ``i > b - COL0`` read column ``b``; the loop starts at the
+    first of them (with ``W_ONCE`` at row 0: one step, masked).
     """
-    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = i_k * BK + tl.arange(0, BK)
-    feats = i_n * BN + tl.arange(0, BN)
     w_base = W + (i_bh % H).to(tl.int64) * stride_wg
-    dp_base = dP + i_bh.to(tl.int64) * NB * F
+    NF1 = tl.cdiv(F1, BN)
+    NF = NF1 + tl.cdiv(F2, BN)
     i_start = 0
     if CAUSAL:
-        i_start = tl.maximum(0, i_k * BK - COL0 + 1)
-    acc = tl.zeros([BK, BN], dtype=tl.float32)
-    for i0 in range(i_start, NB, BM):
-        rows = i0 + tl.arange(0, BM)
+        if not W_ONCE:
+            i_start = tl.maximum(0, i_k * BK - COL0 + 1)
+    wt_once = tl.zeros([BK, BM], dtype=tl.float32)
+    if W_ONCE:
+        rows = tl.arange(0, BM)
         w_mask = (rows < NB)[None, :] & (cols < N)[:, None]
         if CAUSAL:
             w_mask = w_mask & (cols[:, None] < rows[None, :] + COL0)
-        wt = tl.load(w_base + rows[None, :].to(tl.int64) * N + cols[:, None], mask=w_mask, other=0.0)  # [BK, BM]
-        dp = tl.load(dp_base + rows[:, None].to(tl.int64) * F + feats[None, :],
-                     mask=(rows < NB)[:, None] & (feats < F)[None, :], other=0.0)
-        acc += tl.dot(wt, dp, input_precision=PREC)
-    tl.store(dX + i_bh.to(tl.int64) * N * F + cols[:, None].to(tl.int64) * F + feats[None, :], acc,
-             mask=(cols < N)[:, None] & (feats < F)[None, :])
+        wt_once = tl.load(w_base + rows[None, :].to(tl.int64) * stride_wr + cols[:, None] * stride_wc,
+                          mask=w_mask, other=0.0).to(tl.float32)  # [BK, BM]
+    for it in range(FT):
+        i_n = i_t * FT + it
+        if i_n < NF:
+            dP, dX, F, f0 = _part(i_n, NF1, dP1, dP2, dX1, dX2, F1, F2, BN)
+            feats = f0 + tl.arange(0, BN)
+            dp_base = dP + i_bh.to(tl.int64) * NB * F
+            acc = tl.zeros([BK, BN], dtype=tl.float32)
+            for i0 in range(i_start, NB, BM):
+                rows = i0 + tl.arange(0, BM)
+                if W_ONCE:
+                    wt = wt_once
+                else:
+                    w_mask = (rows < NB)[None, :] & (cols < N)[:, None]
+                    if CAUSAL:
+                        w_mask = w_mask & (cols[:, None] < rows[None, :] + COL0)
+                    wt = tl.load(w_base + rows[None, :].to(tl.int64) * stride_wr + cols[:, None] * stride_wc,
+                                 mask=w_mask, other=0.0).to(tl.float32)  # [BK, BM]
+                dp = tl.load(dp_base + rows[:, None].to(tl.int64) * F + feats[None, :],
+                             mask=(rows < NB)[:, None] & (feats < F)[None, :], other=0.0)
+                acc += tl.dot(wt, dp, input_precision=PREC)
+            tl.store(dX + i_bh.to(tl.int64) * N * F + cols[:, None].to(tl.int64) * F + feats[None, :], acc,
+                     mask=(cols < N)[:, None] & (feats < F)[None, :])
 
 
 # 4 warps only: the causal variant spills 8 bytes at 8 warps x 2 stages on sm_90 (results/bench/kernel_resources.md)
-@triton.autotune(configs=autotune_configs(warps=(4,)), key=["F", "CAUSAL", "BM", "BK", "BN"])
+@triton.autotune(configs=autotune_configs(warps=(4,)), key=["F1", "F2", "CAUSAL", "BM", "BK", "BN"])
 @triton.jit
 def _mix_bwd_dw_kernel(
-    X, dP, dW, NB, N, F, H, MEMBERS, STEP, SPLIT, COL0,
+    X1, dP1, X2, dP2, dW, NB, N, F1, F2, H, MEMBERS, STEP, SPLIT, COL0,
     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
 ):
     """Partial ``dW[s, g, i, b] = sum_{n = s, s + SPLIT, ..} sum_f dP[bh, i, f] X[bh, b, f]``, ``bh = n * STEP
-    + g`` (``MEMBERS`` summaries per coefficient group: the batch, times the heads when shared).
+    + g`` (``MEMBERS`` summaries per coefficient group: the batch, times the heads when shared), over the
+    features of both parts (``X1, dP1``: ``F1``; ``X2, dP2``: ``F2``, 0 for none).
 
     Program ``(tile, g * SPLIT + s)`` owns the ``[BM, BK]`` tile ``tile`` of ``[NB, N]``. ``CAUSAL``: entries
     ``b >= i + COL0`` are 0, and a tile holding only those reads nothing.
@@ -144,12 +201,19 @@ def _mix_bwd_dw_kernel(
     acc = tl.zeros([BM, BK], dtype=tl.float32)
     for n in range(s, n_end, SPLIT):
         bh = (n * STEP + g).to(tl.int64)
-        for f0 in range(0, F, BN):
+        for f0 in range(0, F1, BN):
             feats = f0 + tl.arange(0, BN)
-            dp = tl.load(dP + bh * NB * F + rows[:, None].to(tl.int64) * F + feats[None, :],
-                         mask=(rows < NB)[:, None] & (feats < F)[None, :], other=0.0)
-            x = tl.load(X + bh * N * F + cols[:, None].to(tl.int64) * F + feats[None, :],
-                        mask=(cols < N)[:, None] & (feats < F)[None, :], other=0.0)
+            dp = tl.load(dP1 + bh * NB * F1 + rows[:, None].to(tl.int64) * F1 + feats[None, :],
+                         mask=(rows < NB)[:, None] & (feats < F1)[None, :], other=0.0)
+            x = tl.load(X1 + bh * N * F1 + cols[:, None].to(tl.int64) * F1 + feats[None, :],
+                        mask=(cols < N)[:, None] & (feats < F1)[None, :], other=0.0)
+            acc += tl.dot(dp, tl.trans(x), input_precision=PREC)
+        for f0 in range(0, F2, BN):
+            feats = f0 + tl.arange(0, BN)
+            dp = tl.load(dP2 + bh * NB * F2 + rows[:, None].to(tl.int64) * F2 + feats[None, :],
+                         mask=(rows < NB)[:, None] & (feats < F2)[None, :], other=0.0)
+            x = tl.load(X2 + bh * N * F2 + cols[:, None].to(tl.int64) * F2 + feats[None, :],
+                        mask=(cols < N)[:, None] & (feats < F2)[None, :], other=0.0)
             acc += tl.dot(dp, tl.trans(x), input_precision=PREC)
     if CAUSAL:  # a select, not a product: a non-finite later column stays out of the kept entries
         acc = tl.where(cols[None, :] < rows[:, None] + COL0, acc, 0.0)
@@ -160,10 +224,37 @@ def _mix_bwd_dw_kernel(
 
 # -------------------------------------------------------------------------------------------- GEMM host
 
+#: the coefficient matrix is held in registers (loaded once per program) when its blocks fit one tile
+W_ONCE_MAX = 64
+#: feature tiles per program when the coefficients are held (their loads amortised over this many tiles)
+W_ONCE_TILES = 8
 
-def _tiles(NB: int, N: int, F: int) -> tuple[int, int, int]:
-    """``(BM, BK, BN)``: rows, columns (blocks) and features per tile; every one >= 16 (``tl.dot``)."""
-    return min(64, max(16, next_pow2(NB))), min(32, max(16, next_pow2(N))), min(64, max(16, next_pow2(F)))
+
+def _tiles(NB: int, N: int, F: int, kind: str = "fwd") -> tuple[int, int, int]:
+    """``(BM, BK, BN)`` of the ``kind`` kernel (``"fwd"``, ``"dx"``, ``"dw"``): rows, columns (blocks) and
+    features per tile; every one >= 16 (``tl.dot``).
+
+    When both ``NB`` and ``N`` fit :data:`W_ONCE_MAX`, ``fwd`` and ``dx`` take one tile of rows and one of
+    columns (the coefficients read once per program, :func:`w_once`). Otherwise the tile that sets the re-reads
+    is widened: ``fwd`` rows of up to 128 (the summaries are re-read once per row tile), ``dx`` columns of up
+    to 64 (``dP`` is re-read once per column tile). ``dw`` keeps ``[64, 32]`` (``[64, 64]`` spills registers on
+    sm_80 at 4 warps, results/bench/kernel_resources.md)."""
+    BN = min(64, max(16, next_pow2(F)))
+    if kind != "dw" and w_once(NB, N):
+        return max(16, next_pow2(NB)), max(16, next_pow2(N)), BN
+    BM = min(128 if kind == "fwd" else 64, max(16, next_pow2(NB)))
+    BK = min(64 if kind == "dx" else 32, max(16, next_pow2(N)))
+    return BM, BK, BN
+
+
+def w_once(NB: int, N: int) -> bool:
+    """Whether the mix kernels hold the coefficient tile for all their feature tiles (one row and one column
+    tile: ``NB, N <= W_ONCE_MAX``)."""
+    return max(NB, N) <= W_ONCE_MAX
+
+
+def feature_tiles_per_program(NB: int, N: int) -> int:
+    return W_ONCE_TILES if w_once(NB, N) else 1
 
 
 #: programs the coefficient-gradient kernel aims for (about two per SM of an H100): the sum over the batch
@@ -171,28 +262,91 @@ def _tiles(NB: int, N: int, F: int) -> tuple[int, int, int]:
 _TARGET_PROGRAMS = 256
 
 
-def mix_gemm(coeff: torch.Tensor, x: torch.Tensor, *, causal: bool, first: int = 0,
-             precision: str = "ieee") -> torch.Tensor:
-    """``P[bh, i] = sum_b coeff[g, i, b] x[bh, b]`` on the GPU's matrix units (``_mix_fwd_kernel``).
+def _strides(coeff: torch.Tensor) -> tuple[int, int, int]:
+    """``(stride_wg, stride_wr, stride_wc)`` of ``coeff [G, NB, N]``: the group stride 0 when shared."""
+    return (coeff.stride(0) if coeff.shape[0] > 1 else 0), coeff.stride(1), coeff.stride(2)
+
+
+def mix_gemm_parts(coeff: torch.Tensor, xs: list, *, causal: bool, first: int = 0,
+                   precision: str = "ieee") -> list:
+    """``P[bh, i] = sum_b coeff[g, i, b] x[bh, b]`` for one or two ``x`` (summaries and key sums) in one launch
+    of ``_mix_fwd_kernel`` on the GPU's matrix units.
 
     Args:
-        coeff: ``[G, NB, N]`` fp32 (``G`` = 1 shared, or ``H``); x: ``[B, H, N, F]`` fp32.
+        coeff: ``[G, NB, N]`` (``G`` = 1 shared, or ``H``), any float dtype and strides (read as fp32 in the
+            kernel: no cast, no copy); xs: one or two ``[B, H, N, F]`` fp32 (or None for an absent second).
         causal: row ``i`` reads the columns ``b < first + i`` only (whatever ``coeff`` holds elsewhere), and a
             non-finite ``x[b, f]`` makes ``P[i, f]`` NaN for the rows ``i`` after it, never before.
         precision: ``tl.dot``'s ``input_precision`` (:func:`.utils.dot_precision`).
     Returns:
-        ``P [B, H, NB, F]`` fp32.
+        ``[P [B, H, NB, F]`` fp32 per ``x`` (None for None)].
     """
-    B, H, N, F = x.shape
+    parts = [x for x in xs if x is not None]
+    assert 1 <= len(parts) <= 2
+    x1 = parts[0].float().contiguous()
+    x2 = parts[1].float().contiguous() if len(parts) > 1 else None
+    B, H, N, F1 = x1.shape
+    F2 = 0 if x2 is None else x2.shape[-1]
     G, NB, _ = coeff.shape
-    coeff, x = coeff.float().contiguous(), x.float().contiguous()
-    P = torch.empty(B, H, NB, F, device=x.device, dtype=torch.float32)
-    BM, BK, BN = _tiles(NB, N, F)
-    _mix_fwd_kernel[(triton.cdiv(NB, BM), triton.cdiv(F, BN), B * H)](
-        coeff, x, P, NB, N, F, H, NB * N if G > 1 else 0, first,
+    p1 = torch.empty(B, H, NB, F1, device=x1.device, dtype=torch.float32)
+    p2 = None if x2 is None else torch.empty(B, H, NB, F2, device=x1.device, dtype=torch.float32)
+    BM, BK, BN = _tiles(NB, N, max(F1, F2), "fwd")
+    FT = feature_tiles_per_program(NB, N)
+    NF = triton.cdiv(F1, BN) + triton.cdiv(F2, BN)
+    _mix_fwd_kernel[(triton.cdiv(NB, BM), triton.cdiv(NF, FT), B * H)](
+        coeff, x1, p1, x1 if x2 is None else x2, p1 if p2 is None else p2, NB, N, F1, F2, H, *_strides(coeff),
+        first, BM=BM, BK=BK, BN=BN, FT=FT, W_ONCE=w_once(NB, N), CAUSAL=causal, PREC=precision,
+    )
+    out = iter([p1, p2])
+    return [None if x is None else next(out) for x in xs]
+
+
+def mix_gemm(coeff: torch.Tensor, x: torch.Tensor, *, causal: bool, first: int = 0,
+             precision: str = "ieee") -> torch.Tensor:
+    """:func:`mix_gemm_parts` of one ``x [B, H, N, F]``: ``P [B, H, NB, F]`` fp32."""
+    return mix_gemm_parts(coeff, [x], causal=causal, first=first, precision=precision)[0]
+
+
+def mix_gemm_parts_backward(coeff: torch.Tensor, xs: list, dps: list, *, causal: bool, first: int = 0,
+                            precision: str = "ieee", need_dcoeff: bool = True):
+    """Backward of :func:`mix_gemm_parts`: ``([dx [B, H, N, F]] per x, dcoeff [G, NB, N] fp32)``, ``dcoeff`` the
+    sum over the parts of ``dP x^T`` summed over the batch, and over the heads when ``G == 1`` (zero where
+    ``causal`` reads nothing; None unless ``need_dcoeff``). One launch of ``_mix_bwd_dx_kernel`` and one of
+    ``_mix_bwd_dw_kernel`` for both parts."""
+    keep = [n for n, x in enumerate(xs) if x is not None]
+    assert 1 <= len(keep) <= 2
+    x1, dp1 = xs[keep[0]].float().contiguous(), dps[keep[0]].float().contiguous()
+    two = len(keep) > 1
+    x2 = xs[keep[1]].float().contiguous() if two else x1
+    dp2 = dps[keep[1]].float().contiguous() if two else dp1
+    B, H, N, F1 = x1.shape
+    F2 = x2.shape[-1] if two else 0
+    G, NB, _ = coeff.shape
+    BM, BK, BN = _tiles(NB, N, max(F1, F2), "dx")
+    FT = feature_tiles_per_program(NB, N)
+    NF = triton.cdiv(F1, BN) + triton.cdiv(F2, BN)
+    dx1 = torch.empty(B, H, N, F1, device=x1.device, dtype=torch.float32)
+    dx2 = torch.empty(B, H, N, F2, device=x1.device, dtype=torch.float32) if two else dx1
+    _mix_bwd_dx_kernel[(triton.cdiv(N, BK), triton.cdiv(NF, FT), B * H)](
+        coeff, dp1, dx1, dp2, dx2, NB, N, F1, F2, H, *_strides(coeff), first,
+        BM=BM, BK=BK, BN=BN, FT=FT, W_ONCE=w_once(NB, N), CAUSAL=causal, PREC=precision,
+    )
+    dxs = [None] * len(xs)
+    dxs[keep[0]] = dx1
+    if two:
+        dxs[keep[1]] = dx2
+    if not need_dcoeff:
+        return dxs, None
+    members, step = (B, H) if G > 1 else (B * H, 1)
+    BM, BK, BN = _tiles(NB, N, max(F1, F2), "dw")
+    tiles = triton.cdiv(NB, BM) * triton.cdiv(N, BK)
+    split = max(1, min(members, _TARGET_PROGRAMS // (tiles * G)))
+    dW = torch.empty(split, G, NB, N, device=x1.device, dtype=torch.float32)
+    _mix_bwd_dw_kernel[(tiles, G * split)](
+        x1, dp1, x2, dp2, dW, NB, N, F1, F2, H, members, step, split, first,
         BM=BM, BK=BK, BN=BN, CAUSAL=causal, PREC=precision,
     )
-    return P
+    return dxs, dW.sum(0)
 
 
 def mix_gemm_backward(coeff: torch.Tensor, x: torch.Tensor, dP: torch.Tensor, *, causal: bool, first: int = 0,
@@ -200,26 +354,9 @@ def mix_gemm_backward(coeff: torch.Tensor, x: torch.Tensor, dP: torch.Tensor, *,
     """Backward of :func:`mix_gemm`: ``dx [B, H, N, F]`` and ``dcoeff [G, NB, N]`` (``dP x^T`` summed over the
     batch, and over the heads when ``G == 1``; zero where ``causal`` reads nothing; None unless
     ``need_dcoeff``)."""
-    B, H, N, F = x.shape
-    G, NB, _ = coeff.shape
-    coeff, x, dP = coeff.float().contiguous(), x.float().contiguous(), dP.float().contiguous()
-    BM, BK, BN = _tiles(NB, N, F)
-    dx = torch.empty(B, H, N, F, device=x.device, dtype=torch.float32)
-    _mix_bwd_dx_kernel[(triton.cdiv(N, BK), triton.cdiv(F, BN), B * H)](
-        coeff, dP, dx, NB, N, F, H, NB * N if G > 1 else 0, first,
-        BM=BM, BK=BK, BN=BN, CAUSAL=causal, PREC=precision,
-    )
-    if not need_dcoeff:
-        return dx, None
-    members, step = (B, H) if G > 1 else (B * H, 1)
-    tiles = triton.cdiv(NB, BM) * triton.cdiv(N, BK)
-    split = max(1, min(members, _TARGET_PROGRAMS // (tiles * G)))
-    dW = torch.empty(split, G, NB, N, device=x.device, dtype=torch.float32)
-    _mix_bwd_dw_kernel[(tiles, G * split)](
-        x, dP, dW, NB, N, F, H, members, step, split, first,
-        BM=BM, BK=BK, BN=BN, CAUSAL=causal, PREC=precision,
-    )
-    return dx, dW.sum(0)
+    (dx,), dcoeff = mix_gemm_parts_backward(coeff, [x], [dP], causal=causal, first=first, precision=precision,
+                                            need_dcoeff=need_dcoeff)
+    return dx, dcoeff
 
 
 # ------------------------------------------------------------------------------------------------ mixers
@@ -243,25 +380,25 @@ class DenseMix:
     precision: str = "ieee"
 
     def mix(self, coefficients, xs):
-        """``xs``: summaries ``[B, H, N, *feat]`` (or None) -> mixed ``[B, H, NB, *feat]`` (or None)."""
+        """``xs``: summaries ``[B, H, N, *feat]`` (or None) -> mixed ``[B, H, NB, *feat]`` (or None); the two
+        parts (summaries and key sums) in one launch (:func:`mix_gemm_parts`)."""
         (coeff,) = coefficients
-        return [None if x is None else mix_gemm(coeff, _flat(x), causal=self.causal, first=self.first,
-                                                precision=self.precision).view(*x.shape[:2], -1, *x.shape[3:])
-                for x in xs]
+        if all(x is None for x in xs):
+            return [None] * len(xs)
+        ps = mix_gemm_parts(coeff, [_flat(x) for x in xs], causal=self.causal, first=self.first,
+                            precision=self.precision)
+        return [None if x is None else p.view(*x.shape[:2], -1, *x.shape[3:]) for x, p in zip(xs, ps)]
 
     def backward(self, coefficients, xs, dps, need_dcoeff: bool):
         """Gradients of :meth:`mix`: ``(dxs, dcoefficients)`` (``dcoefficients`` None unless ``need_dcoeff``)."""
         (coeff,) = coefficients
-        dxs, dcoeff = [], None
-        for x, dp in zip(xs, dps):
-            if x is None:
-                dxs.append(None)
-                continue
-            dx, dc = mix_gemm_backward(coeff, _flat(x), _flat(dp), causal=self.causal, first=self.first,
-                                       precision=self.precision, need_dcoeff=need_dcoeff)
-            dxs.append(dx.view(x.shape))
-            if dc is not None:
-                dcoeff = dc if dcoeff is None else dcoeff + dc
+        if all(x is None for x in xs):
+            return [None] * len(xs), None
+        dxs, dcoeff = mix_gemm_parts_backward(coeff, [_flat(x) for x in xs],
+                                              [None if dp is None else _flat(dp) for dp in dps],
+                                              causal=self.causal, first=self.first, precision=self.precision,
+                                              need_dcoeff=need_dcoeff)
+        dxs = [None if x is None else dx.view(x.shape) for x, dx in zip(xs, dxs)]
         return dxs, (None if dcoeff is None else (dcoeff,))
 
 
@@ -369,4 +506,5 @@ class BandedMix:
         return dxs, dcs
 
 
-__all__ = ["BandedMix", "DenseMix", "band_tile", "mix_gemm", "mix_gemm_backward"]
+__all__ = ["BandedMix", "DenseMix", "band_tile", "mix_gemm", "mix_gemm_backward", "mix_gemm_parts",
+           "mix_gemm_parts_backward"]

@@ -3,7 +3,7 @@
 Math (tokens in block-major order, ``T = M * C``, token ``t`` in block ``i``):
 
     S_b = sum_{s in b} k_s v_s^T   [D, Dv]          z_b = sum_{s in b} k_s   [D]        (kernel)
-    S~_i = sum_b Mix[i, b] S_b                      z~_i = sum_b Mix[i, b] z_b         (torch GEMM)
+    S~_i = sum_b Mix[i, b] S_b                      z~_i = sum_b Mix[i, b] z_b    (mix kernel, one launch)
     o_t = q_t^T S~_i / d_t,   d_t = q_t . z~_i + eps      ("none": o_t = q_t^T S~_i)  (kernel)
 
 Backward, with ``dn_t = do_t / d_t`` and ``dd_t = -(do_t . o_t) / d_t``:
@@ -11,7 +11,7 @@ Backward, with ``dn_t = do_t / d_t`` and ``dd_t = -(do_t . o_t) / d_t``:
     dq_t   = S~_i dn_t + z~_i dd_t                                                      (kernel)
     dS~_i  = sum_{t in i} q_t dn_t^T,   dz~_i = sum_{t in i} q_t dd_t                   (kernel)
     dMix[i, b] = <dS~_i, S_b> + <dz~_i, z_b>     (summed over the batch, and heads if shared)
-    dS_b   = sum_i Mix[i, b] dS~_i,     dz_b = sum_i Mix[i, b] dz~_i                    (torch GEMMs)
+    dS_b   = sum_i Mix[i, b] dS~_i,     dz_b = sum_i Mix[i, b] dz~_i               (mix kernels)
     dk_s   = dS_b v_s + dz_b,           dv_s = dS_b^T k_s                               (kernels)
 
 These are the ``m_i = 0`` case of the chunked kernels in :mod:`mhla.ops.mhla.triton.chunk`.

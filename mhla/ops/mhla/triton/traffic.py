@@ -143,24 +143,35 @@ class Traffic:
         return [(g, n, b) for g, (n, b) in out.items()]
 
 
-def mix_tiles(NB: int, N: int, F: int) -> tuple[int, int, int]:
-    """The tiles of :mod:`.mix`'s GEMM kernels (imported when called: :mod:`.mix` imports triton)."""
+def mix_tiles(NB: int, N: int, F: int, kind: str) -> tuple[int, int, int]:
+    """The tiles of :mod:`.mix`'s GEMM kernel ``kind`` (``"fwd"``, ``"dx"``, ``"dw"``; imported when called:
+    :mod:`.mix` imports triton)."""
     from .mix import _tiles  # noqa: PLC0415
 
-    return _tiles(NB, N, F)
+    return _tiles(NB, N, F, kind)
+
+
+def mix_w_once(NB: int, N: int) -> tuple[bool, int]:
+    """Whether :mod:`.mix`'s kernels hold the coefficient tile, and their feature tiles per program."""
+    from .mix import feature_tiles_per_program, w_once  # noqa: PLC0415
+
+    return w_once(NB, N), feature_tiles_per_program(NB, N)
 
 
 #: :mod:`.mix`'s target number of programs of the coefficient-gradient kernel (``_TARGET_PROGRAMS``)
 MIX_TARGET_PROGRAMS = 256
 
 
-def _geometry(T: int, D: int, Dv: int, block_size: int, causal: bool) -> dict:
+def _geometry(T: int, D: int, Dv: int, block_size: int, causal: bool, wide: bool = False) -> dict:
     """The kernels' sizes, as :class:`mhla.ops.mhla.triton.chunk.Geometry` (a causal call inside one block
-    tiles only its ``T`` tokens, as :func:`mhla.ops.mhla.triton.causal.mhla_causal_triton` does)."""
-    from .utils import chunk_tile, feature_tile  # noqa: PLC0415  (imports triton; kept out of module import)
+    tiles only its ``T`` tokens, as :func:`mhla.ops.mhla.triton.causal.mhla_causal_triton` does); ``wide``:
+    :meth:`~mhla.ops.mhla.triton.chunk.Geometry.wide`'s feature tiles."""
+    from .chunk import WIDE_TILE  # noqa: PLC0415  (imports triton; kept out of module import)
+    from .utils import chunk_tile, feature_tile  # noqa: PLC0415
 
     C = T if causal and T <= block_size else block_size
-    BT, BK, BV = chunk_tile(C), feature_tile(D), feature_tile(Dv)
+    cap = {"max_tile": WIDE_TILE} if wide and max(D, Dv) <= WIDE_TILE else {}  # as Geometry.wide
+    BT, BK, BV = chunk_tile(C), feature_tile(D, **cap), feature_tile(Dv, **cap)
     NB, NC = math.ceil(T / C), math.ceil(C / BT)
     return dict(C=C, NB=NB, NC=NC, NT=NB * NC, BT=BT, BV=BV, NK=math.ceil(D / BK), NV=math.ceil(Dv / BV))
 
@@ -187,6 +198,7 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         raise ValueError(f"non-causal MHLA needs T ({T}) to be a multiple of block_size ({block_size})")
     g = _geometry(T, D, Dv, block_size, causal)
     NB, NT, NK, NV, BV = g["NB"], g["NT"], g["NK"], g["NV"], g["BV"]
+    gw = _geometry(T, D, Dv, block_size, causal, wide=True)  # the wide kernels' tiles (chunk.WIDE_TILE)
     e, mb = dtype_bytes, mixing_bytes
     BH = B * H
     Hm = H if mixing == "per_head" else 1
@@ -206,10 +218,14 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
     def add(name, read, written, step, group, launches=1):
         out.kernels.append(KernelTraffic(name, launches, int(read), int(written), phase, step, group))
 
-    def mix_fwd(F: int, step: str):
-        """``mix.mix_gemm``: ``_mix_fwd_kernel`` over summaries of ``F`` features (``N = NB`` columns);
-        causal: a row tile reads the columns before its last row only."""
-        BM, BK, BN = mix_tiles(NB, M, F)
+    def mix_fwd(F1: int, F2: int, step: str):
+        """``mix.mix_gemm_parts``: one ``_mix_fwd_kernel`` over the summaries (``F1`` features) and the key sums
+        (``F2``, 0 without) (``N = NB`` columns); causal: a row tile reads the columns before its last row only.
+        The coefficients are read in the mixing's dtype: once per program when they fit one tile (``W_ONCE``,
+        ``FT`` feature tiles per program), else once per feature tile and column step."""
+        BM, BK, BN = mix_tiles(NB, M, max(F1, F2), "fwd")
+        once, FT = mix_w_once(NB, M)
+        NF = math.ceil(F1 / BN) + math.ceil(F2 / BN)
         w_pairs = x_cols = 0
         for i_m in range(math.ceil(NB / BM)):
             k_end = min(M, i_m * BM + BM - 1) if causal else M
@@ -217,22 +233,28 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
             x_cols += loaded
             for r in range(i_m * BM, min(NB, i_m * BM + BM)):
                 w_pairs += min(M, r) if causal else loaded
-        add("_mix_fwd_kernel", BH * (math.ceil(F / BN) * w_pairs + x_cols * F) * F32, BH * NB * F * F32, step,
-            "mix GEMMs")
+        w_loads = math.ceil(NF / FT) if once else NF
+        add("_mix_fwd_kernel", BH * (w_loads * w_pairs * mb + x_cols * (F1 + F2) * F32), BH * NB * (F1 + F2) * F32,
+            step, "mix GEMMs")
 
-    def mix_bwd(F: int, step: str):
-        """``mix.mix_gemm_backward``: ``dx = coeff^T dP`` and the partial ``dcoeff = dP x^T`` (summed over the
-        batch, and the heads when shared, in ``split`` partial sums that torch adds)."""
-        BM, BK, BN = mix_tiles(NB, M, F)
+    def mix_bwd(F1: int, F2: int, step: str):
+        """``mix.mix_gemm_parts_backward``: ``dx = coeff^T dP`` and the partial ``dcoeff = dP x^T`` (summed over
+        the batch, and the heads when shared, in ``split`` partial sums that torch adds), both parts in one
+        launch each."""
+        BM, BK, BN = mix_tiles(NB, M, max(F1, F2), "dx")
+        once, FT = mix_w_once(NB, M)
+        NF = math.ceil(F1 / BN) + math.ceil(F2 / BN)
         w_pairs = dp_rows = 0
         for i_k in range(math.ceil(M / BK)):
             cols = range(i_k * BK, min(M, i_k * BK + BK))
-            start = max(0, i_k * BK + 1) if causal else 0
+            start = max(0, i_k * BK + 1) if causal and not once else 0
             dp_rows += max(0, NB - start)
             for r in range(start, NB):
                 w_pairs += sum(1 for c in cols if c < r) if causal else len(cols)
-        add("_mix_bwd_dx_kernel", BH * (math.ceil(F / BN) * w_pairs + dp_rows * F) * F32, BH * M * F * F32,
-            step + ": d summaries", "mix GEMMs")
+        w_loads = math.ceil(NF / FT) if once else NF
+        add("_mix_bwd_dx_kernel", BH * (w_loads * w_pairs * mb + dp_rows * (F1 + F2) * F32),
+            BH * M * (F1 + F2) * F32, step + ": d summaries", "mix GEMMs")
+        BM, BK, BN = mix_tiles(NB, M, max(F1, F2), "dw")
         n_m, n_k = math.ceil(NB / BM), math.ceil(M / BK)
         members = B if Hm > 1 else BH
         split = max(1, min(members, MIX_TARGET_PROGRAMS // (n_m * n_k * Hm)))
@@ -242,42 +264,39 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
                 if causal and i_k * BK >= i_m * BM + BM - 1:  # a tile above the diagonal reads nothing
                     continue
                 rows, cols = min(NB, i_m * BM + BM) - i_m * BM, min(M, i_k * BK + BK) - i_k * BK
-                read += Hm * members * (rows + cols) * F * F32
+                read += Hm * members * (rows + cols) * (F1 + F2) * F32
         add("_mix_bwd_dw_kernel", read, split * Hm * NB * M * F32, step + ": d coefficients (partial sums)",
             "mix GEMMs")
         add("aten.sum", split * Hm * NB * M * F32, Hm * NB * M * F32, step + ": d coefficients, partial sums",
             "mix GEMMs")
 
     # ------------------------------------------------------------------------------------------- forward
-    if mb != F32:
-        add("aten._to_copy", Hm * M * M * mb, mix3, "mixing_3d: mixing.float()", "mixing casts (torch)")
-    if causal and NB > 1:  # causal.py _causal_coefficients: views of the mixing; the diagonal made contiguous
-        add("aten.clone", Hm * NB * F32, Hm * NB * F32, "mdiag = diagonal(mix).contiguous()",
-            "causal coefficients (torch)")
-
+    # No torch op: the kernels read the mixing (the coefficients and, causal, its diagonal) in its own dtype
+    # through its strides (no fp32 cast, no copy of the diagonal).
     store_z = normalize
+    NK, NV = (g["NK"], g["NV"]) if has_r else (gw["NK"], gw["NV"])  # wide tiles without running sums
     add("_fwd_block_summaries_kernel",
         NV * n_qk * e + NK * n_v * e,  # k once per V tile, v once per K tile
         summ + (zsum if store_z else 0) + (per_chunk if has_r else 0)
         + (per_chunk_z if has_r and store_z else 0),
         "S_b, z_b per block (fp32)" + ("; running sums R_j, r_j per chunk" if has_r else ""),
         "fwd_block_summaries")
-    mix_fwd(D * Dv, "P = coeff @ S")
-    if normalize:
-        mix_fwd(D, "Pz = coeff @ Z")
+    mix_fwd(D * Dv, D if normalize else 0, "P = coeff @ S" + (", Pz = coeff @ Z" if normalize else ""))
     # q once per V tile. A program walks the chunks of one block: with one K tile and no running sums it reads
-    # the block's P (and Pz, per V tile) once, otherwise once per chunk.
+    # the block's P (and Pz, per V tile) once, otherwise once per chunk. Non-causal: the wide tiles.
+    NK, NV = (g["NK"], g["NV"]) if causal else (gw["NK"], gw["NV"])
     one_k = NK == 1 and not has_r
     read = NV * n_qk * e + (summ if one_k else per_chunk)
     read += (NV * (zsum if one_k else per_chunk_z) if normalize else 0)
     if has_r:
         read += per_chunk + (NV * per_chunk_z if normalize else 0)  # R, Rz
     if causal:
-        read += NV * n_qk * e + n_v * e + NV * BH * (NB if one_k else NT) * F32  # k per V tile, v, m_i per program
+        read += NV * n_qk * e + n_v * e + NV * BH * (NB if one_k else NT) * mb  # k per V tile, v, m_i per program
     add("_fwd_output_kernel", read, n_v * e + (den if normalize else 0), "o (and d)", "fwd_output")
 
     # ------------------------------------------------------------------------------------------ backward
     phase = "backward"
+    NK, NV, BV = (g["NK"], g["NV"], g["BV"]) if has_r else (gw["NK"], gw["NV"], gw["BV"])  # wide without R
     read = NV * n_qk * e + NK * n_v * e  # q once per V tile, do once per K tile
     written = summ + (zsum if normalize else 0)
     if normalize:
@@ -295,25 +314,24 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         add("aten.sum", NK * NV * BH * NB * F32, BH * NB * F32, "dm_r: sum over tiles",
             "small reductions (torch)")
 
-    mix_bwd(D * Dv, "dS = coeff^T @ dP")
-    if normalize:
-        mix_bwd(D, "dZ = coeff^T @ dPz")
-        add("aten.add", 2 * Hm * NB * M * F32, Hm * NB * M * F32, "dcoeff: the S and Z parts", "mix GEMMs")
+    mix_bwd(D * Dv, D if normalize else 0, "dS = coeff^T @ dP" + (", dZ = coeff^T @ dPz" if normalize else ""))
 
+    NK, NV = (g["NK"], g["NV"]) if causal else (gw["NK"], gw["NV"])  # non-causal: the wide tiles
     read = NV * n_qk * e + per_chunk  # k per V tile; every chunk reads its block's dS
     if has_r:
         read += per_chunk
     if causal:
-        read += NV * n_qk * e + n_v * e + (NV * den if normalize else 0) + NV * BH * NT * F32
+        read += NV * n_qk * e + n_v * e + (NV * den if normalize else 0) + NV * BH * NT * mb
     add("_bwd_dv_kernel", read, n_v * e, "dv", "bwd_dv")
 
+    NK, NV = g["NK"], g["NV"]  # tiles of at most 64
     read = 2 * n_qk * e + 2 * NK * n_v * e + 2 * per_chunk  # q, k; do, v per K tile; P, dS per chunk
     read += (2 * NK * den + 2 * per_chunk_z if normalize else 0)  # d, delta once per program; Pz, dSz
     if has_r:
         read += 2 * per_chunk + (2 * per_chunk_z if normalize else 0)  # R, dR (Rz, dRz)
     written = 2 * n_qk * e
     if causal:
-        read += NK * BH * NT * F32
+        read += NK * BH * NT * mb  # m_i
         written += NK * BH * NT * F32
     add("_bwd_dqk_kernel", read, written, "dq, dk" + (", the intra-chunk part of dm_i" if causal else ""),
         "bwd_dqk")
@@ -327,9 +345,12 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         add("aten.sum", BH * NB * F32, H * NB * F32, "dmdiag: sum over the batch", grp)
         if mixing == "shared":
             add("aten.sum", H * NB * F32, NB * F32, "dmdiag: sum over the heads", grp)
-        grp = "causal coefficients (torch)"  # autograd of _causal_coefficients' views
-        add("aten.diagonal_backward", Hm * NB * F32, mix3, "backward of diagonal(mix)", grp)
-        add("aten.add", 2 * mix3, mix3, "d mixing: the rows and the diagonal", grp)
+        grp = "causal coefficients (torch)"  # autograd of _causal_coefficients' views, in the mixing's dtype
+        if mb != F32:
+            add("aten._to_copy", Hm * NB * F32, Hm * NB * mb, "d diagonal in the mixing's dtype",
+                "mixing casts (torch)")
+        add("aten.diagonal_backward", Hm * NB * mb, Hm * M * M * mb, "backward of diagonal(mix)", grp)
+        add("aten.add", 2 * Hm * M * M * mb, Hm * M * M * mb, "d mixing: the rows and the diagonal", grp)
     if mb != F32:
         add("aten._to_copy", mix3, Hm * M * M * mb, "d mixing in the mixing's dtype", "mixing casts (torch)")
     return out
