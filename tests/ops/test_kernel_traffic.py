@@ -96,6 +96,9 @@ def recorder(monkeypatch):
     and stores in the interpreter (the interpreter's own host copies of the arguments are not recorded)."""
     from triton.runtime import Autotuner, JITFunction, interpreter
 
+    from mhla.ops.mhla.triton.utils import SUMMARY_DTYPE_ENV
+
+    monkeypatch.delenv(SUMMARY_DTYPE_ENV, raising=False)  # the default, fp32 summaries (a test may opt in)
     rec = LaunchRecorder()
     io = [0, 0]
     builder = interpreter.interpreter_builder
@@ -133,19 +136,48 @@ def _bytes(ptrs, mask) -> int:
     return n * (ptrs.get_element_ty().primitive_bitwidth // 8)
 
 
-def run_op(rec: LaunchRecorder, B, T, H, D, C, *, causal, per_head, dtype, mix_dtype, normalize=True):
+def run_op(rec: LaunchRecorder, B, T, H, D, C, *, causal, per_head, dtype, mix_dtype, normalize=True,
+           window=None, final_state=False):
+    """One forward and ``torch.autograd.grad`` backward under ``rec``. ``window``: compact
+    :class:`~mhla.ops.MixingRows` with that ``(head, recent)`` (random rows) instead of a dense matrix;
+    ``final_state``: the call also returns its state (not used by the loss)."""
+    from mhla.ops import MixingRows
+
     g = torch.Generator().manual_seed(0)
     q, k = (torch.rand(B, T, H, D, generator=g).to(dtype).requires_grad_() for _ in range(2))
     v = torch.randn(B, T, H, D, generator=g).to(dtype).requires_grad_()
     M = -(-T // C)
-    mix = torch.rand(*((H, M, M) if per_head else (M, M)), generator=g).to(mix_dtype).requires_grad_()
+    lead = (H,) if per_head else ()
+    if window is None:
+        leaves = [torch.rand(*lead, M, M, generator=g).to(mix_dtype).requires_grad_()]
+        mix = leaves[0]
+    else:
+        leaves = [torch.rand(*lead, *shape, generator=g).to(mix_dtype).requires_grad_()
+                  for shape in [(M,), (M, window[0]), (M, window[1]), (M,)]]
+        mix = MixingRows(0, *leaves)
     do = torch.randn(B, T, H, D, generator=g).to(dtype)
     with rec:
-        o = mhla_attention(q, k, v, mix, C, causal=causal, normalize=normalize, backend="triton")
+        o = mhla_attention(q, k, v, mix, C, causal=causal, normalize=normalize, backend="triton",
+                           output_final_state=final_state)
+        if final_state:
+            o, state = o
+            assert state.num_tokens == T
         rec.phase = "backward"
-        grads = torch.autograd.grad(o, (q, k, v, mix), do)
+        grads = torch.autograd.grad(o, [t for t in (q, k, v, *leaves) if t.numel()], do)
     assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
     return o
+
+
+def assert_model_matches(rec: LaunchRecorder, model: traffic.Traffic) -> None:
+    """The recorded launches equal the model's, per phase (as multisets of ``(name, read, written)``)."""
+    for phase in ("forward", "backward"):
+        got = collections.Counter(x[1:] for x in rec.launches if x[0] == phase)
+        want = collections.Counter()
+        for kern in model.phase(phase):
+            want[(kern.name, kern.bytes_read, kern.bytes_written)] += kern.launches
+        assert got == want, (f"{phase}: measured but not modelled {dict(got - want)}; "
+                             f"modelled but not measured {dict(want - got)}")
+    assert rec.syncs == collections.Counter()
 
 
 CASES = [  # B, T, H, D, C, causal, per_head, dtype, mixing dtype, normalize
@@ -176,14 +208,64 @@ def test_model_lists_every_launch_and_its_bytes(recorder, case):
     model = traffic.mhla_traffic(B, T, H, D, block_size=C, dtype_bytes=torch.finfo(dtype).bits // 8,
                                  causal=causal, mixing="per_head" if per_head else "shared",
                                  mixing_bytes=torch.finfo(mix_dtype).bits // 8, normalize=normalize)
-    for phase in ("forward", "backward"):
-        got = collections.Counter(x[1:] for x in recorder.launches if x[0] == phase)
-        want = collections.Counter()
-        for kern in model.phase(phase):
-            want[(kern.name, kern.bytes_read, kern.bytes_written)] += kern.launches
-        assert got == want, (f"{phase}: measured but not modelled {dict(got - want)}; "
-                             f"modelled but not measured {dict(want - got)}")
-    assert recorder.syncs == collections.Counter()
+    assert_model_matches(recorder, model)
+
+
+STATE_CASES = [  # B, T, H, D, C, window (None: dense), per_head, dtype, rows dtype, normalize, final state
+    (2, 134, 2, 16, 2, (0, 31), False, torch.float16, torch.float16, True, False),  # the LM's window, 3 band tiles
+    (1, 100, 2, 16, 16, (0, 3), False, torch.float32, torch.float32, True, True),  # far blocks folded
+    (2, 100, 2, 40, 80, (2, 3), True, torch.float16, torch.float16, True, True),  # running sums, per-head rows
+    (1, 70, 2, 32, 16, (3, 0), True, torch.float32, torch.float32, False, True),  # last_row's window, key sums kept
+    (2, 64, 2, 16, 4, (1, 5), False, torch.float32, torch.float32, False, False),
+    (1, 50, 2, 32, 64, (0, 3), False, torch.float32, torch.float16, True, True),  # one block: no finished block
+    (1, 96, 2, 16, 16, None, False, torch.float32, torch.float32, True, True),  # dense, ends on a block boundary
+    (1, 70, 2, 32, 16, None, True, torch.float16, torch.float16, False, True),  # dense, partial last block
+]
+
+
+def _state_case_id(c) -> str:
+    return (f"T{c[1]}-D{c[3]}-C{c[4]}-{'dense' if c[5] is None else 'rows%d,%d' % c[5]}"
+            f"-{'head' if c[6] else 'shared'}-{str(c[7])[6:]}-{'paper' if c[9] else 'none'}"
+            f"{'-final' if c[10] else ''}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", STATE_CASES, ids=_state_case_id)
+def test_model_lists_the_compact_rows_and_final_state(recorder, case):
+    """Causal :class:`~mhla.ops.MixingRows` (:class:`~mhla.ops.mhla.triton.mix.BandedMix`, the LM's bounded
+    rows) and a returned final state: the same launches and bytes as the model."""
+    B, T, H, D, C, window, per_head, dtype, mix_dtype, normalize, final = case
+    run_op(recorder, B, T, H, D, C, causal=True, per_head=per_head, dtype=dtype, mix_dtype=mix_dtype,
+           normalize=normalize, window=window, final_state=final)
+    model = traffic.mhla_traffic(B, T, H, D, block_size=C, dtype_bytes=torch.finfo(dtype).bits // 8,
+                                 causal=True, mixing="per_head" if per_head else "shared",
+                                 mixing_bytes=torch.finfo(mix_dtype).bits // 8, normalize=normalize,
+                                 window=window, output_final_state=final)
+    assert_model_matches(recorder, model)
+
+
+HALF_SUMMARY_CASES = [  # B, T, H, D, C, causal, per_head (fp16 inputs and mixing, the normalizer)
+    (2, 64, 2, 32, 16, False, False),
+    (2, 64, 2, 96, 16, False, True),  # 3 K x 3 V tiles
+    (2, 70, 2, 32, 16, True, False),  # partial last block
+    (2, 100, 2, 40, 80, True, True),  # running sums
+    (1, 134, 2, 16, 2, True, True),  # 67 blocks: the mix's general tiles
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", HALF_SUMMARY_CASES, ids=lambda c: f"{'causal' if c[5] else 'noncausal'}-T{c[1]}-D{c[3]}-C{c[4]}")
+def test_model_of_half_summaries(recorder, monkeypatch, case):
+    """``MHLA_SUMMARY_DTYPE=input``: ``S`` and ``P`` stored (and read) in the input dtype, fp16 here: the model's
+    ``summary_bytes=2``, launch for launch and byte for byte."""
+    from mhla.ops.mhla.triton.utils import SUMMARY_DTYPE_ENV
+
+    B, T, H, D, C, causal, per_head = case
+    monkeypatch.setenv(SUMMARY_DTYPE_ENV, "input")
+    run_op(recorder, B, T, H, D, C, causal=causal, per_head=per_head, dtype=torch.float16, mix_dtype=torch.float16)
+    model = traffic.mhla_traffic(B, T, H, D, block_size=C, dtype_bytes=2, causal=causal,
+                                 mixing="per_head" if per_head else "shared", mixing_bytes=2, summary_bytes=2)
+    assert_model_matches(recorder, model)
 
 
 #: Host syncs of one forward + backward of the torch path (B 1, T 64, H 2, D 16, C 16), docs/kernels.md.
@@ -273,6 +355,26 @@ def test_floors_and_targets():
         assert bf16.launches("forward") == 3 and not any(k.name.startswith("aten.") for k in bf16.phase("forward"))
     with pytest.raises(ValueError, match="multiple"):
         traffic.mhla_traffic(1, 100, 1, 16, block_size=64)
+
+
+def test_lm_setting_is_linear_and_half_summaries_halve_the_summary_passes():
+    """The LM setting (compact rows, window (0, 31), blocks of 64): bytes and launches per call linear in T (the
+    issue's goal: at most 17x the T 4k cost at T 64k); half summaries (``MHLA_SUMMARY_DTYPE=input``) at the
+    benchmark's T 4k, D 64: about 8 tensors forward (2.06x, from 3.07x), as docs/kernels.md says."""
+    base = traffic.lm_traffic(4096, 64)
+    for T in (16384, 65536):
+        t = traffic.lm_traffic(T, 64)
+        assert t.bytes() / base.bytes() <= T / 4096 * 1.001
+        assert t.launches() == base.launches()
+    assert traffic.lm_traffic(65536, 64).bytes() / base.bytes() <= 17
+    full = traffic.mhla_traffic(8, 4096, 16, 64, block_size=64, dtype_bytes=2, mixing_bytes=2)
+    half = traffic.mhla_traffic(8, 4096, 16, 64, block_size=64, dtype_bytes=2, mixing_bytes=2, summary_bytes=2)
+    assert round(full.ratio_forward, 2) == 3.07 and round(half.ratio_forward, 2) == 2.06
+    assert half.launches() == full.launches()
+    # compact rows and a returned state keep fp32 summaries
+    kw = dict(block_size=64, dtype_bytes=2, causal=True)
+    assert (traffic.mhla_traffic(1, 256, 2, 64, window=(0, 3), summary_bytes=2, **kw).bytes()
+            == traffic.mhla_traffic(1, 256, 2, 64, window=(0, 3), **kw).bytes())
 
 
 def test_docs_table_is_the_cli_output():

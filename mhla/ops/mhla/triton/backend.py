@@ -5,7 +5,9 @@ calls it; ``cu_seqlens`` is handled there) and returns the same values as the to
 
 * layout ``[B, T, H, D]`` in and out (the kernels read it in place, strided by heads);
 * ``mixing`` ``[M, M]`` (shared) or ``[H, M, M]`` (per head), any float dtype (read as fp32);
-* fp16 / bf16 / fp32 inputs, fp32 accumulation and summaries, output in ``v``'s dtype. Under the CPU
+* fp16 / bf16 / fp32 inputs, fp32 accumulation and summaries, output in ``v``'s dtype (opt-in:
+  ``MHLA_SUMMARY_DTYPE=input`` stores the block summaries ``S`` and their mix ``P`` in the input dtype, dense
+  mixing without a state only: :func:`mhla.ops.mhla.triton.utils.summary_dtype`). Under the CPU
   interpreter bf16 tensors are computed in fp32 (numpy has no bf16) and the output cast back;
 * causal calls may continue an :class:`~mhla.ops.MHLAState` and return the final one (fp32 summaries), with
   a dense mixing matrix or compact :class:`~mhla.ops.mhla.state.MixingRows` (the state then keeps the blocks

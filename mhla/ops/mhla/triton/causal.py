@@ -47,7 +47,7 @@ from .chunk import (
     mixing_3d,
 )
 from .mix import DenseMix
-from .utils import dot_precision
+from .utils import dot_precision, summary_dtype
 
 
 def _causal_coefficients(mix: torch.Tensor, first: int, NB: int):
@@ -94,7 +94,9 @@ class MHLACausalFunction(torch.autograd.Function):
         if has_init:
             cur_s = cur_s.float().contiguous()
             cur_z = cur_z.float().contiguous()
-        S, Z, R, Rz = fwd_block_summaries(k, v, g, has_r=has_r, store_z=store_z, cur_s=cur_s, cur_z=cur_z)
+        s_dtype = getattr(mixer, "p_dtype", torch.float32)  # opt-in half summaries: DenseMix without a state
+        S, Z, R, Rz = fwd_block_summaries(k, v, g, has_r=has_r, store_z=store_z, cur_s=cur_s, cur_z=cur_z,
+                                          s_dtype=s_dtype)
         S = S.view(B, H, NB, D, Dv)
         Z = Z.view(B, H, NB, D) if store_z else None
         S_all, Z_all = S, Z
@@ -198,7 +200,10 @@ def mhla_causal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = Tr
     columns = 0 if state_s is None else state_s.shape[2]
     if mix is None:
         coeff, mdiag = _causal_coefficients(mixing_3d(mixing), first, NB)
-        mixer, coefficients = DenseMix(causal=True, first=columns, precision=dot_precision(q.dtype)), (coeff,)
+        # opt-in half summaries (MHLA_SUMMARY_DTYPE=input): without a state only (a state's summaries are fp32)
+        s_dtype = summary_dtype(q.dtype) if state is None and not keep_z else torch.float32
+        mixer = DenseMix(causal=True, first=columns, precision=dot_precision(q.dtype), p_dtype=s_dtype)
+        coefficients = (coeff,)
     else:
         mixer, mdiag, coefficients = mix
     if offset + q.shape[1] <= block_size:  # one block: its earlier tokens are in cur_s, its later ones absent

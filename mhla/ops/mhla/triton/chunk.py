@@ -46,7 +46,8 @@ backward (``dn_t = do_t / d_t``, ``dd_t = -(do_t . o_t) / d_t``; "none": ``dn = 
                              dA[t, s] = dn_t . v_s + dd_t; plus the intra-chunk part of the gradient of
                              m_i: sum_{s <= t} (q_t . k_s) dA[t, s] (one partial sum per K tile).
 
-Layouts: q, k ``[B, T, H, D]``, v, o, do ``[B, T, H, Dv]`` (contiguous); summaries fp32
+Layouts: q, k ``[B, T, H, D]``, v, o, do ``[B, T, H, Dv]`` (contiguous); summaries fp32 (``S``, ``z``, ``P``, ``p``:
+in the input dtype with the opt-in ``MHLA_SUMMARY_DTYPE=input``, :func:`.utils.summary_dtype`, loaded as fp32)
 ``[B*H, NB, D, Dv]`` / ``[B*H, NB, D]``, running sums ``[B*H, NB*NC, D, Dv]``; d ``[B*H, T]``.
 ``OFFSET`` empty positions precede token 0 in the first block (a causal call that continues a state in
 the middle of a block); those positions, and positions past ``T``, read as zeros.
@@ -260,7 +261,7 @@ def _output_chunk(q_base, k_base, v_base, o_base, P, Pz, R, Rz, den, h_blk, g_bl
             h = h_blk
         else:
             p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BV)
-            h = tl.load(p, mask=msk, other=0.0)
+            h = tl.load(p, mask=msk, other=0.0).to(tl.float32)  # P: fp32, or the input dtype (opt-in)
         if HAS_R:
             p, msk = _summary_ptrs(R, n_r, i_k, i_v, D, Dv, BK, BV)
             h += m * tl.load(p, mask=msk, other=0.0)
@@ -270,7 +271,7 @@ def _output_chunk(q_base, k_base, v_base, o_base, P, Pz, R, Rz, den, h_blk, g_bl
                 g = g_blk
             else:
                 pz, mz = _vector_ptrs(Pz, n_p, i_k, D, BK)
-                g = tl.load(pz, mask=mz, other=0.0)
+                g = tl.load(pz, mask=mz, other=0.0).to(tl.float32)
             if HAS_R:
                 pz, mz = _vector_ptrs(Rz, n_r, i_k, D, BK)
                 g += m * tl.load(pz, mask=mz, other=0.0)
@@ -330,11 +331,11 @@ def _fwd_output_kernel(
         m = tl.load(mdiag + i_h * stride_mh + i_blk * stride_mb).to(tl.float32)
     if ONE_K:  # the block's P tile (and p), read once for all its chunks
         p, msk = _summary_ptrs(P, i_bh * NB + i_blk, 0, i_v, D, Dv, BK, BV)
-        h_blk = tl.load(p, mask=msk, other=0.0)
+        h_blk = tl.load(p, mask=msk, other=0.0).to(tl.float32)
         g_blk = tl.zeros([BK], dtype=tl.float32)
         if NORMALIZE:
             pz, mz = _vector_ptrs(Pz, i_bh * NB + i_blk, 0, D, BK)
-            g_blk = tl.load(pz, mask=mz, other=0.0)
+            g_blk = tl.load(pz, mask=mz, other=0.0).to(tl.float32)
         for i_c in range(NC):
             _output_chunk(q_base, k_base, v_base, o_base, P, Pz, R, Rz, den, h_blk, g_blk, m, eps,
                           i_v, i_blk, i_c, i_bh, T, D, Dv, OFFSET, C, NC, NB, stride_k, stride_v,
@@ -537,7 +538,7 @@ def _bwd_dqk_kernel(
             dn = dn / d[:, None]
         vt = _load_tokens(v + v_off, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
         p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BV)
-        h = tl.load(p, mask=msk, other=0.0)
+        h = tl.load(p, mask=msk, other=0.0).to(tl.float32)
         p, msk = _summary_ptrs(dS, n_p, i_k, i_v, D, Dv, BK, BV)
         dH = tl.load(p, mask=msk, other=0.0)
         if HAS_R:
@@ -551,7 +552,7 @@ def _bwd_dqk_kernel(
             dA += tl.dot(dn, tl.trans(vt), input_precision=PREC)  # dn_t . v_s
     if NORMALIZE:
         pz, mz = _vector_ptrs(Pz, n_p, i_k, D, BK)
-        g = tl.load(pz, mask=mz, other=0.0)
+        g = tl.load(pz, mask=mz, other=0.0).to(tl.float32)
         pz, mz = _vector_ptrs(dSz, n_p, i_k, D, BK)
         dh = tl.load(pz, mask=mz, other=0.0)
         if HAS_R:
@@ -597,16 +598,18 @@ def _common(g: Geometry):
             "BT": g.BT, "BK": g.BK, "BV": g.BV}
 
 
-def fwd_block_summaries(k, v, g: Geometry, *, has_r: bool, store_z: bool, cur_s=None, cur_z=None):
+def fwd_block_summaries(k, v, g: Geometry, *, has_r: bool, store_z: bool, cur_s=None, cur_z=None,
+                        s_dtype: torch.dtype = torch.float32):
     """Run ``_fwd_block_summaries_kernel``.
 
     Returns ``S [B*H, NB, D, Dv]``, ``Z [B*H, NB, D]`` (or None), ``R [B*H, NB*NC, D, Dv]`` and
-    ``Rz [B*H, NB*NC, D]`` (None without ``has_r``), all fp32.
+    ``Rz [B*H, NB*NC, D]`` (None without ``has_r``), fp32 except ``S``, ``Z`` in ``s_dtype`` (opt-in half
+    summaries).
     """
     if not has_r:  # no running sums: the wide tiles (k and v read once at D 128)
         g = g.wide()
-    S = _f32((g.BH, g.NB, g.D, g.Dv), k)
-    Z = _f32((g.BH, g.NB, g.D), k) if store_z else _dummy(k)
+    S = torch.empty((g.BH, g.NB, g.D, g.Dv), device=k.device, dtype=s_dtype)  # the store rounds to s_dtype
+    Z = torch.empty((g.BH, g.NB, g.D), device=k.device, dtype=s_dtype) if store_z else _dummy(k)
     R = _f32((g.BH, g.NT, g.D, g.Dv), k) if has_r else _dummy(k)
     Rz = _f32((g.BH, g.NT, g.D), k) if has_r and store_z else _dummy(k)
     has_init = cur_s is not None
@@ -698,7 +701,7 @@ def bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, g: G
 
 
 def mix_summaries(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor | None, *,
-                  precision: str = "ieee"):
+                  precision: str = "ieee", p_dtype: torch.dtype = torch.float32):
     """``P_i = sum_b coeff[i, b] S_b`` and ``p_i`` from ``z_b``: one launch of the GEMM kernel of :mod:`.mix`
     (all blocks).
 
@@ -708,11 +711,12 @@ def mix_summaries(coeff: torch.Tensor, S_all: torch.Tensor, Z_all: torch.Tensor 
         S_all: ``[B, H, N, D, Dv]`` fp32; Z_all: ``[B, H, N, D]`` or None.
         precision: ``tl.dot``'s input precision (:func:`.utils.dot_precision` of the input dtype).
     Returns:
-        ``P [B*H, NB, D, Dv]`` and ``Pz [B*H, NB, D]`` (None without Z), contiguous fp32.
+        ``P [B*H, NB, D, Dv]`` and ``Pz [B*H, NB, D]`` (None without Z), contiguous, in ``p_dtype``.
     """
     B, H, _, D, Dv = S_all.shape
     NB = coeff.shape[1]
-    P, Pz = mix_gemm_parts(coeff, [S_all.reshape(B, H, -1, D * Dv), Z_all], causal=False, precision=precision)
+    P, Pz = mix_gemm_parts(coeff, [S_all.reshape(B, H, -1, D * Dv), Z_all], causal=False, precision=precision,
+                           out_dtype=p_dtype)
     return P.view(B * H, NB, D, Dv), (None if Pz is None else Pz.view(B * H, NB, D))
 
 

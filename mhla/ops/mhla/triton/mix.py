@@ -67,7 +67,8 @@ def _mix_fwd_kernel(
     """``P[bh, i, f] = sum_b W[g, i, b] X[bh, b, f]`` for ``FT`` tiles ``[BM, BN]``; program ``(i_m, i_t, bh)``.
 
     Two parts in one launch (the summaries ``S`` and the key sums ``z``): ``X1 [B*H, N, F1]`` -> ``P1 [B*H, NB,
-    F1]`` and ``X2 [B*H, N, F2]`` -> ``P2`` (``F2 = 0``: none), fp32, contiguous; their feature tiles are numbered
+    F1]`` and ``X2 [B*H, N, F2]`` -> ``P2`` (``F2 = 0``: none), contiguous, fp32 or all in one half dtype
+    (opt-in half summaries: loaded as fp32, rounded at the store); their feature tiles are numbered
     end to end and program ``i_t`` owns tiles ``i_t * FT ..``. ``W [G, NB, N]`` in any float dtype (read as fp32),
     strides ``stride_wg`` (0 when shared; ``g = bh % H``), ``stride_wr``, ``stride_wc``. ``W_ONCE`` (``N <=
     BK``): the program loads its ``[BM, BK]`` coefficient tile once for all its feature tiles. ``CAUSAL``: row
@@ -109,7 +110,7 @@ def _mix_fwd_kernel(
                     w = tl.load(w_base + rows[:, None].to(tl.int64) * stride_wr + cols[None, :] * stride_wc,
                                 mask=w_mask, other=0.0).to(tl.float32)
                 x = tl.load(x_base + cols[:, None].to(tl.int64) * F + feats[None, :],
-                            mask=(cols < N)[:, None] & (feats < F)[None, :], other=0.0)
+                            mask=(cols < N)[:, None] & (feats < F)[None, :], other=0.0).to(tl.float32)
                 if CAUSAL:  # 0 * nan = nan: multiply the finite values only, remember where the others are
                     finite = tl.abs(x) < float("inf")
                     first_bad = tl.minimum(first_bad, tl.min(tl.where(finite, _BIG, cols[:, None]), axis=0))
@@ -206,14 +207,14 @@ def _mix_bwd_dw_kernel(
             dp = tl.load(dP1 + bh * NB * F1 + rows[:, None].to(tl.int64) * F1 + feats[None, :],
                          mask=(rows < NB)[:, None] & (feats < F1)[None, :], other=0.0)
             x = tl.load(X1 + bh * N * F1 + cols[:, None].to(tl.int64) * F1 + feats[None, :],
-                        mask=(cols < N)[:, None] & (feats < F1)[None, :], other=0.0)
+                        mask=(cols < N)[:, None] & (feats < F1)[None, :], other=0.0).to(tl.float32)
             acc += tl.dot(dp, tl.trans(x), input_precision=PREC)
         for f0 in range(0, F2, BN):
             feats = f0 + tl.arange(0, BN)
             dp = tl.load(dP2 + bh * NB * F2 + rows[:, None].to(tl.int64) * F2 + feats[None, :],
                          mask=(rows < NB)[:, None] & (feats < F2)[None, :], other=0.0)
             x = tl.load(X2 + bh * N * F2 + cols[:, None].to(tl.int64) * F2 + feats[None, :],
-                        mask=(cols < N)[:, None] & (feats < F2)[None, :], other=0.0)
+                        mask=(cols < N)[:, None] & (feats < F2)[None, :], other=0.0).to(tl.float32)
             acc += tl.dot(dp, tl.trans(x), input_precision=PREC)
     if CAUSAL:  # a select, not a product: a non-finite later column stays out of the kept entries
         acc = tl.where(cols[None, :] < rows[:, None] + COL0, acc, 0.0)
@@ -267,8 +268,14 @@ def _strides(coeff: torch.Tensor) -> tuple[int, int, int]:
     return (coeff.stride(0) if coeff.shape[0] > 1 else 0), coeff.stride(1), coeff.stride(2)
 
 
+def _summaries(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels read it: contiguous, fp32 or a half dtype (opt-in half summaries,
+    :data:`.utils.SUMMARY_DTYPE_ENV`; the kernels load it as fp32)."""
+    return (x if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else x.float()).contiguous()
+
+
 def mix_gemm_parts(coeff: torch.Tensor, xs: list, *, causal: bool, first: int = 0,
-                   precision: str = "ieee") -> list:
+                   precision: str = "ieee", out_dtype: torch.dtype = torch.float32) -> list:
     """``P[bh, i] = sum_b coeff[g, i, b] x[bh, b]`` for one or two ``x`` (summaries and key sums) in one launch
     of ``_mix_fwd_kernel`` on the GPU's matrix units.
 
@@ -278,18 +285,20 @@ def mix_gemm_parts(coeff: torch.Tensor, xs: list, *, causal: bool, first: int = 
         causal: row ``i`` reads the columns ``b < first + i`` only (whatever ``coeff`` holds elsewhere), and a
             non-finite ``x[b, f]`` makes ``P[i, f]`` NaN for the rows ``i`` after it, never before.
         precision: ``tl.dot``'s ``input_precision`` (:func:`.utils.dot_precision`).
+        out_dtype: of ``P`` (fp32, or a half dtype for opt-in half summaries; fp32 accumulation, rounded at
+            the store). The two parts must share a dtype (the kernel picks a part's pointers in a branch).
     Returns:
-        ``[P [B, H, NB, F]`` fp32 per ``x`` (None for None)].
+        ``[P [B, H, NB, F]`` in ``out_dtype`` per ``x`` (None for None)].
     """
     parts = [x for x in xs if x is not None]
     assert 1 <= len(parts) <= 2
-    x1 = parts[0].float().contiguous()
-    x2 = parts[1].float().contiguous() if len(parts) > 1 else None
+    x1 = _summaries(parts[0])
+    x2 = _summaries(parts[1]) if len(parts) > 1 else None
     B, H, N, F1 = x1.shape
     F2 = 0 if x2 is None else x2.shape[-1]
     G, NB, _ = coeff.shape
-    p1 = torch.empty(B, H, NB, F1, device=x1.device, dtype=torch.float32)
-    p2 = None if x2 is None else torch.empty(B, H, NB, F2, device=x1.device, dtype=torch.float32)
+    p1 = torch.empty(B, H, NB, F1, device=x1.device, dtype=out_dtype)
+    p2 = None if x2 is None else torch.empty(B, H, NB, F2, device=x1.device, dtype=out_dtype)
     BM, BK, BN = _tiles(NB, N, max(F1, F2), "fwd")
     FT = feature_tiles_per_program(NB, N)
     NF = triton.cdiv(F1, BN) + triton.cdiv(F2, BN)
@@ -315,9 +324,9 @@ def mix_gemm_parts_backward(coeff: torch.Tensor, xs: list, dps: list, *, causal:
     ``_mix_bwd_dw_kernel`` for both parts."""
     keep = [n for n, x in enumerate(xs) if x is not None]
     assert 1 <= len(keep) <= 2
-    x1, dp1 = xs[keep[0]].float().contiguous(), dps[keep[0]].float().contiguous()
+    x1, dp1 = _summaries(xs[keep[0]]), dps[keep[0]].float().contiguous()
     two = len(keep) > 1
-    x2 = xs[keep[1]].float().contiguous() if two else x1
+    x2 = _summaries(xs[keep[1]]) if two else x1
     dp2 = dps[keep[1]].float().contiguous() if two else dp1
     B, H, N, F1 = x1.shape
     F2 = x2.shape[-1] if two else 0
@@ -378,6 +387,7 @@ class DenseMix:
     causal: bool
     first: int = 0
     precision: str = "ieee"
+    p_dtype: torch.dtype = torch.float32  # of the mixed summaries P and key sums p
 
     def mix(self, coefficients, xs):
         """``xs``: summaries ``[B, H, N, *feat]`` (or None) -> mixed ``[B, H, NB, *feat]`` (or None); the two
@@ -386,7 +396,7 @@ class DenseMix:
         if all(x is None for x in xs):
             return [None] * len(xs)
         ps = mix_gemm_parts(coeff, [_flat(x) for x in xs], causal=self.causal, first=self.first,
-                            precision=self.precision)
+                            precision=self.precision, out_dtype=self.p_dtype)
         return [None if x is None else p.view(*x.shape[:2], -1, *x.shape[3:]) for x, p in zip(xs, ps)]
 
     def backward(self, coefficients, xs, dps, need_dcoeff: bool):

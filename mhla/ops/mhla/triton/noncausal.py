@@ -34,7 +34,7 @@ from .chunk import (
     mixing_3d,
     mixing_grad_like,
 )
-from .utils import dot_precision
+from .utils import dot_precision, summary_dtype
 
 
 class MHLANonCausalFunction(torch.autograd.Function):
@@ -42,19 +42,21 @@ class MHLANonCausalFunction(torch.autograd.Function):
 
     Inputs: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` (fp16 / bf16 / fp32, one dtype), ``mixing``
     ``[M, M]`` or ``[H, M, M]`` with ``M = T / block_size``; ``normalize`` is a bool (the paper's
-    denominator or none). Output ``[B, T, H, Dv]`` in the dtype of ``v``. Summaries are fp32.
+    denominator or none). Output ``[B, T, H, Dv]`` in the dtype of ``v``. Summaries ``S``, ``z``, ``P``, ``p`` in
+    ``s_dtype`` (fp32 by default), the rest fp32.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mixing, block_size: int, normalize: bool, eps: float):
+    def forward(ctx, q, k, v, mixing, block_size: int, normalize: bool, eps: float,
+                s_dtype: torch.dtype = torch.float32):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g = Geometry.make(q, v, block_size)
         B, H, NB, D, Dv = g.B, g.H, g.NB, g.D, g.Dv
         mix = mixing_3d(mixing)  # [1 or H, M, M]
-        S, Z, _, _ = fwd_block_summaries(k, v, g, has_r=False, store_z=normalize)
+        S, Z, _, _ = fwd_block_summaries(k, v, g, has_r=False, store_z=normalize, s_dtype=s_dtype)
         S = S.view(B, H, NB, D, Dv)
         Z = Z.view(B, H, NB, D) if normalize else None
-        P, Pz = mix_summaries(mix, S, Z, precision=dot_precision(q.dtype))
+        P, Pz = mix_summaries(mix, S, Z, precision=dot_precision(q.dtype), p_dtype=s_dtype)
         o, den = fwd_output(q, k, v, P, Pz, None, None, None, g, causal=False, normalize=normalize,
                             eps=eps, out_dtype=v.dtype)
         ctx.save_for_backward(q, k, v, o, mix, S, Z, P, Pz, den)
@@ -76,12 +78,15 @@ class MHLANonCausalFunction(torch.autograd.Function):
         dq, dk, _ = bwd_dqk(q, k, v, do, den, delta, P, Pz, None, None, dS, dZ, None, None, None, g,
                             causal=False, normalize=normalize, out_dtype=q.dtype)
         dmixing = mixing_grad_like(dmix, *ctx.mixing_meta) if need_dmix else None
-        return dq, dk, dv, dmixing, None, None, None
+        return dq, dk, dv, dmixing, None, None, None, None
 
 
 def mhla_noncausal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = True, eps: float = 1e-6):
-    """Non-causal MHLA on the Triton kernels (no input checks; see :func:`mhla.ops.mhla_attention`)."""
-    return MHLANonCausalFunction.apply(q, k, v, mixing, block_size, bool(normalize), float(eps))
+    """Non-causal MHLA on the Triton kernels (no input checks; see :func:`mhla.ops.mhla_attention`). The
+    summaries ``S``, ``z``, ``P``, ``p`` are fp32, or in the input dtype with ``MHLA_SUMMARY_DTYPE=input``
+    (:func:`.utils.summary_dtype`)."""
+    return MHLANonCausalFunction.apply(q, k, v, mixing, block_size, bool(normalize), float(eps),
+                                       summary_dtype(q.dtype))
 
 
 __all__ = ["MHLANonCausalFunction", "mhla_noncausal_triton"]

@@ -20,11 +20,14 @@ What "bytes" means:
 Launches: a Triton kernel launch or a torch op that runs a kernel (views, ``empty`` and ops on empty tensors
 launch nothing). Host-device synchronisations are not launches; the Triton path has none (see the test).
 
-Scope: inputs contiguous in ``[B, T, H, D]``, ``output_final_state=False`` and no ``initial_state`` (causal),
-a dense mixing matrix (``[M, M]`` shared or ``[H, M, M]`` per head) of exactly ``M = ceil(T / block_size)``
-blocks that requires a gradient (the backward computes it), the normalizer on or off; not modelled: compact
-:class:`~mhla.ops.mhla.state.MixingRows`, states, ``normalize="official"`` (torch path), the CPU
-interpreter's own fp32 casts of bf16 inputs.
+Scope: inputs contiguous in ``[B, T, H, D]``, no ``initial_state`` (causal), a dense mixing matrix (``[M, M]``
+shared or ``[H, M, M]`` per head) of exactly ``M = ceil(T / block_size)`` blocks that requires a gradient (the
+backward computes it), or (causal) compact :class:`~mhla.ops.mhla.state.MixingRows` of ``M`` rows, shared or
+per head, whose tensors all require a gradient (``window``: the LM's bounded rows, mixed by
+:class:`~.mix.BandedMix` in torch ops; :func:`banded_mix_ops` counts those by running ``BandedMix`` on meta
+tensors), the normalizer on or off, the final state returned or not (``output_final_state``: its torch ops,
+forward; a loss that does not use it). Not modelled: ``initial_state`` (a continued state), a state in the
+loss, ``normalize="official"`` (torch path), the CPU interpreter's own fp32 casts of bf16 inputs.
 
 The floors (the bytes no implementation can avoid, in the input dtype):
 
@@ -176,9 +179,84 @@ def _geometry(T: int, D: int, Dv: int, block_size: int, causal: bool, wide: bool
     return dict(C=C, NB=NB, NC=NC, NT=NB * NC, BT=BT, BV=BV, NK=math.ceil(D / BK), NV=math.ceil(Dv / BV))
 
 
+#: ops that allocate or re-describe memory without running a kernel (as the test's recorder)
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+              "alias", "lift_fresh", "detach", "set_"}
+#: factory ops whose tensor argument only gives the dtype and device
+_NO_READ = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}
+
+
+def _addressed_bytes(t) -> int:
+    """Bytes of the elements a tensor view addresses (a broadcast dim, stride 0, counts once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size() if t.numel() else 0
+
+
+def _torch_ops(fn) -> list[tuple[str, int, int]]:
+    """``(aten name, bytes read, bytes written)`` of every torch op that runs a kernel while ``fn()`` runs
+    (the module docstring's convention: each distinct tensor operand read once over its addressed elements,
+    the output written once; views, allocations and ops with empty outputs launch nothing)."""
+    import torch  # noqa: PLC0415
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+    from torch.utils._pytree import tree_flatten  # noqa: PLC0415
+
+    ops = []
+
+    class _Rec(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.overloadpacket.__name__
+            if func.is_view or name in _NO_KERNEL:
+                return out
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if not any(t.numel() for t in outs):
+                return out
+            ins = {id(t): t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            read = 0 if name in _NO_READ else sum(_addressed_bytes(t) for t in ins.values())
+            if func._schema.is_mutable:
+                raise AssertionError(f"in-place op {func} in the banded mix: extend the byte convention")
+            ops.append((f"aten.{name}", read, sum(t.numel() * t.element_size() for t in outs)))
+            return out
+
+    with _Rec():
+        fn()
+    return ops
+
+
+def banded_mix_ops(B: int, H: int, G: int, NB: int, D: int, Dv: int, window: tuple[int, int],
+                   normalize: bool) -> tuple[list, list]:
+    """The torch ops of :class:`~.mix.BandedMix` (compact :class:`~mhla.ops.mhla.state.MixingRows`, no state):
+    ``(forward, backward)`` lists of ``(aten name, bytes read, bytes written)``, forward ``mix`` of the
+    summaries ``S [B, H, NB, D, Dv]`` (and the key sums ``Z [B, H, NB, D]`` with the normalizer) and its
+    ``backward`` (the banded mix again under autograd, then its gradients).
+
+    ``BandedMix`` is some 50 torch ops per part whose shapes follow from ``NB``, ``window`` and its band tile;
+    rather than a second copy of them here, its own code runs on ``meta`` tensors (shapes only, no data, no
+    time) under the byte convention of the module docstring. tests/ops/test_kernel_traffic.py checks that the
+    real op issues exactly these."""
+    import torch  # noqa: PLC0415
+
+    from .mix import BandedMix  # noqa: PLC0415
+
+    mixer = BandedMix(window, 0, 0, False, 0, NB)
+    m = dict(device="meta", dtype=torch.float32)
+    coeffs = (torch.empty(G, NB, window[0], **m), torch.empty(G, NB, window[1], **m), torch.empty(G, NB, **m))
+    xs = [torch.empty(B, H, NB, D, Dv, **m), torch.empty(B, H, NB, D, **m) if normalize else None]
+    dps = [torch.empty(B, H, NB, D, Dv, **m), torch.empty(B, H, NB, D, **m) if normalize else None]
+    with torch.no_grad():
+        fwd = _torch_ops(lambda: mixer.mix(coeffs, xs))
+    bwd = _torch_ops(lambda: mixer.backward(coeffs, xs, dps, True))
+    return fwd, bwd
+
+
 def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block_size: int,
                  dtype_bytes: int = 2, causal: bool = False, mixing: str = "shared", mixing_bytes: int = 4,
-                 normalize: bool = True) -> Traffic:
+                 normalize: bool = True, window: tuple[int, int] | None = None,
+                 output_final_state: bool = False, summary_bytes: int = F32) -> Traffic:
     """Model of one ``mhla_attention(q, k, v, mixing, block_size, causal=causal, backend="triton")`` call.
 
     Args:
@@ -188,12 +266,22 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         mixing: ``"shared"`` (``[M, M]``) or ``"per_head"`` (``[H, M, M]``).
         mixing_bytes: bytes per element of the mixing matrix (4: fp32; 2: bf16, cast to fp32 and back).
         normalize: the paper's normalizer (True) or none.
+        window: None (a dense mixing matrix), or ``(head, recent)``: compact causal
+            :class:`~mhla.ops.mhla.state.MixingRows` of ``M`` rows with that window (``mixing`` then says whether
+            they are shared or per head, ``mixing_bytes`` their dtype), mixed by :class:`~.mix.BandedMix`.
+        output_final_state: causal: the call also returns its final :class:`~mhla.ops.MHLAState`.
+        summary_bytes: bytes per element of the block summaries ``S``, ``z`` and their mix ``P``, ``p``: 4
+            (fp32, the default), or the input's with ``MHLA_SUMMARY_DTYPE=input`` (:func:`.utils.summary_dtype`;
+            dense mixing without a state only: compact rows and a returned state keep fp32). Running sums and
+            gradients stay fp32.
     Returns:
         :class:`Traffic`, its ``kernels`` in launch order (forward, then backward).
     """
     if mixing not in ("shared", "per_head"):
         raise ValueError(f"mixing must be 'shared' or 'per_head', got {mixing!r}")
     Dv = D if Dv is None else Dv
+    if not causal and (window is not None or output_final_state):
+        raise ValueError("window (MixingRows) and output_final_state are for causal=True only")
     if not causal and T % block_size:
         raise ValueError(f"non-causal MHLA needs T ({T}) to be a multiple of block_size ({block_size})")
     g = _geometry(T, D, Dv, block_size, causal)
@@ -204,13 +292,22 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
     Hm = H if mixing == "per_head" else 1
     M = NB
     n_qk, n_v, n_tok = B * T * H * D, B * T * H * Dv, B * T * H  # elements
-    summ = BH * NB * D * Dv * F32  # S, P, dP, dS: [B*H, NB, D, Dv]
+    summ = BH * NB * D * Dv * F32  # dP, dS (and S, P in fp32): [B*H, NB, D, Dv]
     zsum = BH * NB * D * F32  # Z, Pz, dPz, dZ: [B*H, NB, D]
     per_chunk = BH * NT * D * Dv * F32  # R (and one read of a block summary per chunk)
+    sb = F32 if window is not None or output_final_state else summary_bytes  # S, P (opt-in: the input dtype)
+    summ_s = BH * NB * D * Dv * sb  # S, P
+    per_chunk_s = BH * NT * D * Dv * sb  # P read once per chunk
+    zsum_s, per_chunk_z_s = BH * NB * D * sb, BH * NT * D * sb  # Z, Pz (and Pz per chunk)
     per_chunk_z = BH * NT * D * F32
     den = BH * T * F32  # d, delta: [B*H, T]
     has_r = causal and g["NC"] > 1  # running in-block sums (causal, several chunks per block)
     mix3 = Hm * M * M * F32  # the fp32 mixing, [1 or H, M, M]
+    compact = window is not None
+    # the kernels read the mixing's diagonal in its dtype; compact rows are cast to fp32 first (the backend)
+    md = F32 if compact else mb
+    # compact rows [1 or H, M, k] in the order the backend casts them: diag, head, recent, far (k = 1, h, r, 1)
+    row_sizes = [Hm * M * w for w in ((1, window[0], window[1], 1) if compact else ())]
     coeff = Hm * NB * NB * F32  # coefficients of this call's blocks, [1 or H, NB, NB]
     out = Traffic(B, T, H, D, Dv, g["C"], e, causal, mixing)
     phase = "forward"
@@ -234,7 +331,7 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
             for r in range(i_m * BM, min(NB, i_m * BM + BM)):
                 w_pairs += min(M, r) if causal else loaded
         w_loads = math.ceil(NF / FT) if once else NF
-        add("_mix_fwd_kernel", BH * (w_loads * w_pairs * mb + x_cols * (F1 + F2) * F32), BH * NB * (F1 + F2) * F32,
+        add("_mix_fwd_kernel", BH * (w_loads * w_pairs * mb + x_cols * (F1 + F2) * sb), BH * NB * (F1 + F2) * sb,
             step, "mix GEMMs")
 
     def mix_bwd(F1: int, F2: int, step: str):
@@ -264,7 +361,7 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
                 if causal and i_k * BK >= i_m * BM + BM - 1:  # a tile above the diagonal reads nothing
                     continue
                 rows, cols = min(NB, i_m * BM + BM) - i_m * BM, min(M, i_k * BK + BK) - i_k * BK
-                read += Hm * members * (rows + cols) * (F1 + F2) * F32
+                read += Hm * members * (rows * F32 + cols * sb) * (F1 + F2)  # dP; S (and Z)
         add("_mix_bwd_dw_kernel", read, split * Hm * NB * M * F32, step + ": d coefficients (partial sums)",
             "mix GEMMs")
         add("aten.sum", split * Hm * NB * M * F32, Hm * NB * M * F32, step + ": d coefficients, partial sums",
@@ -273,26 +370,60 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
     # ------------------------------------------------------------------------------------------- forward
     # No torch op: the kernels read the mixing (the coefficients and, causal, its diagonal) in its own dtype
     # through its strides (no fp32 cast, no copy of the diagonal).
-    store_z = normalize
+    store_z = normalize or output_final_state  # a returned state keeps the key sums
+    if compact and mb != F32:
+        for n in row_sizes:
+            if n:
+                add("aten._to_copy", n * mb, n * F32, "MixingRows to fp32", "mixing casts (torch)")
     NK, NV = (g["NK"], g["NV"]) if has_r else (gw["NK"], gw["NV"])  # wide tiles without running sums
     add("_fwd_block_summaries_kernel",
         NV * n_qk * e + NK * n_v * e,  # k once per V tile, v once per K tile
-        summ + (zsum if store_z else 0) + (per_chunk if has_r else 0)
+        summ_s + (zsum_s if store_z else 0) + (per_chunk if has_r else 0)
         + (per_chunk_z if has_r and store_z else 0),
         "S_b, z_b per block (fp32)" + ("; running sums R_j, r_j per chunk" if has_r else ""),
         "fwd_block_summaries")
-    mix_fwd(D * Dv, D if normalize else 0, "P = coeff @ S" + (", Pz = coeff @ Z" if normalize else ""))
+    if compact:
+        banded_fwd, banded_bwd = banded_mix_ops(B, H, Hm, NB, D, Dv, window, normalize)
+        for name, r, w in banded_fwd:
+            add(name, r, w, "BandedMix: P (and Pz) from the compact rows", "banded mix (torch)")
+    else:
+        mix_fwd(D * Dv, D if normalize else 0, "P = coeff @ S" + (", Pz = coeff @ Z" if normalize else ""))
     # q once per V tile. A program walks the chunks of one block: with one K tile and no running sums it reads
     # the block's P (and Pz, per V tile) once, otherwise once per chunk. Non-causal: the wide tiles.
     NK, NV = (g["NK"], g["NV"]) if causal else (gw["NK"], gw["NV"])
     one_k = NK == 1 and not has_r
-    read = NV * n_qk * e + (summ if one_k else per_chunk)
-    read += (NV * (zsum if one_k else per_chunk_z) if normalize else 0)
+    read = NV * n_qk * e + (summ_s if one_k else per_chunk_s)
+    read += (NV * (zsum_s if one_k else per_chunk_z_s) if normalize else 0)
     if has_r:
         read += per_chunk + (NV * per_chunk_z if normalize else 0)  # R, Rz
     if causal:
-        read += NV * n_qk * e + n_v * e + NV * BH * (NB if one_k else NT) * mb  # k per V tile, v, m_i per program
+        read += NV * n_qk * e + n_v * e + NV * BH * (NB if one_k else NT) * md  # k per V tile, v, m_i per program
     add("_fwd_output_kernel", read, n_v * e + (den if normalize else 0), "o (and d)", "fwd_output")
+
+    if output_final_state:  # backend.mhla_triton: init_state, then state_after_chunk (fold_blocks)
+        grp = "final state (torch)"
+        s1, z1 = B * H * D * Dv * F32, B * H * D * F32  # one block's summary, key sum
+        for _ in range(2 if compact else 1):  # current (and, compact, far) summary and key sum
+            add("aten.zeros", 0, s1, "init_state", grp)
+            add("aten.zeros", 0, z1, "init_state", grp)
+        finished = T // block_size  # the call's finished blocks (it starts at token 0)
+        if finished == NB:  # the call ends on a block boundary: the running sums restart at zero
+            add("aten.zeros_like", 0, s1, "state: running summary", grp)
+            add("aten.zeros_like", 0, z1, "state: running key sum", grp)
+        if finished:
+            add("aten.cat", finished * s1, finished * s1, "state: the finished blocks", grp)
+            add("aten.cat", finished * z1, finished * z1, "state: their key sums", grp)
+        if compact:
+            kh = min(finished, window[0])
+            kr = min(finished - kh, window[1])
+            nf = finished - kh - kr
+            if nf > 0:  # the folded blocks: summed into the far sums, the kept ones gathered
+                add("aten.sum", nf * s1, s1, "state: far summary", grp)
+                add("aten.add", 2 * s1, s1, "state: far summary", grp)
+                add("aten.sum", nf * z1, z1, "state: far key sum", grp)
+                add("aten.add", 2 * z1, z1, "state: far key sum", grp)
+                add("aten.cat", (kh + kr) * s1, (kh + kr) * s1, "state: kept blocks", grp)
+                add("aten.cat", (kh + kr) * z1, (kh + kr) * z1, "state: kept key sums", grp)
 
     # ------------------------------------------------------------------------------------------ backward
     phase = "backward"
@@ -314,24 +445,29 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         add("aten.sum", NK * NV * BH * NB * F32, BH * NB * F32, "dm_r: sum over tiles",
             "small reductions (torch)")
 
-    mix_bwd(D * Dv, D if normalize else 0, "dS = coeff^T @ dP" + (", dZ = coeff^T @ dPz" if normalize else ""))
+    if compact:
+        for name, r, w in banded_bwd:
+            add(name, r, w, "BandedMix backward: dS (dZ), d rows (recomputed under autograd)",
+                "banded mix (torch)")
+    else:
+        mix_bwd(D * Dv, D if normalize else 0, "dS = coeff^T @ dP" + (", dZ = coeff^T @ dPz" if normalize else ""))
 
     NK, NV = (g["NK"], g["NV"]) if causal else (gw["NK"], gw["NV"])  # non-causal: the wide tiles
     read = NV * n_qk * e + per_chunk  # k per V tile; every chunk reads its block's dS
     if has_r:
         read += per_chunk
     if causal:
-        read += NV * n_qk * e + n_v * e + (NV * den if normalize else 0) + NV * BH * NT * mb
+        read += NV * n_qk * e + n_v * e + (NV * den if normalize else 0) + NV * BH * NT * md
     add("_bwd_dv_kernel", read, n_v * e, "dv", "bwd_dv")
 
     NK, NV = g["NK"], g["NV"]  # tiles of at most 64
-    read = 2 * n_qk * e + 2 * NK * n_v * e + 2 * per_chunk  # q, k; do, v per K tile; P, dS per chunk
-    read += (2 * NK * den + 2 * per_chunk_z if normalize else 0)  # d, delta once per program; Pz, dSz
+    read = 2 * n_qk * e + 2 * NK * n_v * e + per_chunk_s + per_chunk  # q, k; do, v per K tile; P, dS per chunk
+    read += (2 * NK * den + per_chunk_z_s + per_chunk_z if normalize else 0)  # d, delta once per program; Pz, dSz
     if has_r:
         read += 2 * per_chunk + (2 * per_chunk_z if normalize else 0)  # R, dR (Rz, dRz)
     written = 2 * n_qk * e
     if causal:
-        read += NK * BH * NT * mb  # m_i
+        read += NK * BH * NT * md  # m_i
         written += NK * BH * NT * F32
     add("_bwd_dqk_kernel", read, written, "dq, dk" + (", the intra-chunk part of dm_i" if causal else ""),
         "bwd_dqk")
@@ -345,13 +481,19 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         add("aten.sum", BH * NB * F32, H * NB * F32, "dmdiag: sum over the batch", grp)
         if mixing == "shared":
             add("aten.sum", H * NB * F32, NB * F32, "dmdiag: sum over the heads", grp)
+    if causal and compact:  # the rows' gradients back to their dtype
+        if mb != F32:
+            for n in row_sizes:
+                if n:
+                    add("aten._to_copy", n * F32, n * mb, "d rows in their dtype", "mixing casts (torch)")
+    elif causal:
         grp = "causal coefficients (torch)"  # autograd of _causal_coefficients' views, in the mixing's dtype
         if mb != F32:
             add("aten._to_copy", Hm * NB * F32, Hm * NB * mb, "d diagonal in the mixing's dtype",
                 "mixing casts (torch)")
         add("aten.diagonal_backward", Hm * NB * mb, Hm * M * M * mb, "backward of diagonal(mix)", grp)
         add("aten.add", 2 * Hm * M * M * mb, Hm * M * M * mb, "d mixing: the rows and the diagonal", grp)
-    if mb != F32:
+    if mb != F32 and not compact:
         add("aten._to_copy", mix3, Hm * M * M * mb, "d mixing in the mixing's dtype", "mixing casts (torch)")
     return out
 
@@ -385,6 +527,18 @@ def bench_traffic(T: int, D: int, causal: bool) -> Traffic:
                         causal=causal, mixing="shared", mixing_bytes=BENCH["mixing_bytes"])
 
 
+#: The LM setting (``scripts/bench_ops.py``'s op ``mhla_window``): 32 learned causal rows extended by
+#: ``uniform_far`` (:meth:`mhla.mixing.MixingMatrix.causal_rows`): compact rows with window (0, 31), shared,
+#: bf16, blocks of 64 tokens; the benchmark's B 8, H 16.
+LM_WINDOW = (0, 31)
+
+
+def lm_traffic(T: int, D: int) -> Traffic:
+    return mhla_traffic(BENCH["B"], T, BENCH["H"], D, block_size=BENCH["causal_block"],
+                        dtype_bytes=BENCH["dtype_bytes"], causal=True, mixing="shared",
+                        mixing_bytes=BENCH["mixing_bytes"], window=LM_WINDOW)
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -405,21 +559,40 @@ def markdown() -> str:
                     f"| {_gb(t.bytes('forward'))} | {t.ratio_forward:.2f} | {t.launches('forward')} "
                     f"| {_gb(t.bytes())} | {t.ratio_total:.2f} | {t.launches('backward')} "
                     f"| {', '.join('yes' if ok else 'no' for ok in t.targets_met().values())} |")
+    lines += ["", "The LM setting: causal, compact `MixingRows` with window (0, 31) (32 learned rows, `uniform_far`; "
+              "`BandedMix`), shared, bf16, B 8, H 16, blocks of 64; growth: bytes against T 4096 (linear: T / 4096).",
+              "",
+              "| D | T | M | fwd GB | fwd x floor | fwd launches | fwd+bwd GB | fwd+bwd x floor | bwd launches "
+              "| fwd growth | fwd+bwd growth |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for D in BENCH_DIMS:
+        base = lm_traffic(4096, D)
+        for T in BENCH_LENGTHS:
+            t = lm_traffic(T, D)
+            lines.append(
+                f"| {D} | {T} | {math.ceil(T / t.block_size)} | {_gb(t.bytes('forward'))} | {t.ratio_forward:.2f} "
+                f"| {t.launches('forward')} | {_gb(t.bytes())} | {t.ratio_total:.2f} | {t.launches('backward')} "
+                f"| {t.bytes('forward') / base.bytes('forward'):.2f} | {t.bytes() / base.bytes():.2f} |")
     head = " | ".join(f"T {T}" for T in BENCH_LENGTHS)
-    for causal in (False, True):
-        for D in BENCH_DIMS:
-            ts = [bench_traffic(T, D, causal) for T in BENCH_LENGTHS]
-            lines += ["", f"{'Causal' if causal else 'Non-causal'}, D {D}: bytes per kernel in tensors (one "
-                      "tensor: B T H D in bf16; the floors are 4 and 11), launches per call:", "",
-                      f"| phase | kernel or torch ops | launches | {head} |",
-                      "|---|---|---|" + "---|" * len(ts)]
-            for phase in ("forward", "backward"):
-                rows = {}
-                for t in ts:
-                    for group, n, b in t.groups(phase):
-                        rows.setdefault(group, (n, []))[1].append(f"{b / t.tensor_bytes:.2f}")
-                for group, (n, vals) in rows.items():
-                    lines.append(f"| {phase} | {group} | {n} | " + " | ".join(vals) + " |")
+    tables = [(f"{'Causal' if causal else 'Non-causal'}, D {D}", [bench_traffic(T, D, causal) for T in BENCH_LENGTHS])
+              for causal in (False, True) for D in BENCH_DIMS]
+    tables += [(f"The LM setting (compact rows), D {D}", [lm_traffic(T, D) for T in BENCH_LENGTHS])
+               for D in BENCH_DIMS]
+    for title, ts in tables:
+        lines += ["", f"{title}: bytes per kernel in tensors (one tensor: B T H D in bf16; the floors are 4 and "
+                  "11), launches per call:", "",
+                  f"| phase | kernel or torch ops | launches | {head} |",
+                  "|---|---|---|" + "---|" * len(ts)]
+        for phase in ("forward", "backward"):
+            rows = {}
+            for t in ts:
+                for group, n, b in t.groups(phase):
+                    ns, vals = rows.setdefault(group, ([], []))
+                    ns.append(n)
+                    vals.append(f"{b / t.tensor_bytes:.2f}")
+            for group, (ns, vals) in rows.items():
+                n = str(ns[0]) if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
+                lines.append(f"| {phase} | {group} | {n} | " + " | ".join(vals) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -434,12 +607,14 @@ def main(argv=None) -> None:
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--per-head", action="store_true")
+    p.add_argument("--summary-bytes", type=int, default=F32, help="bytes of S and P (2: MHLA_SUMMARY_DTYPE=input)")
     args = p.parse_args(argv)
     if args.markdown:
         print(markdown(), end="")
         return
     t = mhla_traffic(args.B, args.T, args.H, args.D, block_size=args.block_size, dtype_bytes=args.dtype_bytes,
-                     causal=args.causal, mixing="per_head" if args.per_head else "shared")
+                     causal=args.causal, mixing="per_head" if args.per_head else "shared",
+                     summary_bytes=args.summary_bytes)
     for k in t.kernels:
         print(f"{k.phase:8s} {k.name:30s} x{k.launches} read {k.bytes_read:>14,d} "
               f"written {k.bytes_written:>14,d}  {k.step}")

@@ -117,3 +117,22 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: Opt-in: ``MHLA_SUMMARY_DTYPE=input`` stores the block summaries ``S``, key sums ``z`` and their mix ``P``, ``p``
+#: in the input dtype (bf16 / fp16; flash-linear-attention's default for its chunk states) instead of fp32 (the
+#: default, also ``fp32``). Half the bytes of the summary passes, at the cost of rounding them to 8 (bf16) or 11
+#: (fp16) significant bits; accumulation stays fp32, and the running sums and every gradient stay fp32. Dense
+#: mixing without a state only (compact ``MixingRows`` and state calls keep fp32 summaries). Meant for bf16: fp16
+#: summaries overflow above 65504 (a block's sum of ``k_s v_s^T``, and its mix over the blocks).
+SUMMARY_DTYPE_ENV = "MHLA_SUMMARY_DTYPE"
+
+
+def summary_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the block summaries for inputs of ``dtype`` (read from :data:`SUMMARY_DTYPE_ENV` at each
+    call): fp32 unless it says ``input``."""
+    mode = os.environ.get(SUMMARY_DTYPE_ENV, "fp32").strip().lower()
+    if mode in ("", "fp32", "float32"):
+        return torch.float32
+    if mode == "input":
+        return dtype
+    raise ValueError(f"{SUMMARY_DTYPE_ENV} must be 'fp32' or 'input', got {mode!r}")
