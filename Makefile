@@ -25,6 +25,7 @@ help:
 	@echo "make plots     - redraw the committed benchmark and table plots (<stem>.png) from their .json; runs nothing"
 	@echo "make auto-m    - the num_blocks=auto rule vs an M sweep and Table 14's CPU latency -> results/auto_m.md (~1 h)"
 	@echo "make seed-grid GRID=mqar_n256 [JOBS=2] - a seed grid of configs/grid/<GRID>.yaml: trains what is missing, writes its table"
+	@echo "make long-context [LC_DIR=... LC_SEEDS='0 1 2'] - passkey / spread-MQAR recall from 1x to 1M tokens (trains missing runs) -> results/language/long_context.*"
 	@echo "make params    - parameters and GMACs of every table cell beside the paper's -> results/params.md (~10 min, CPU)"
 	@echo "make clean     - remove .venv and build files"
 	@echo "make help      - this list"
@@ -144,6 +145,20 @@ seed-grid: $(VENV)/.installed
 .PHONY: params
 params: $(VENV)/.installed
 	$(PY) scripts/count_params.py
+
+# Recall at any length (issue 50, docs/long_context.md): trains what is missing of LC_DIR/<test>_<attn>_s<seed>
+# (train.py experiment=long_context/passkey | long_context/spread_mqar, one thread per run, 2 at a time; ~31 min
+# per passkey run on a loaded 2-core CPU), then evaluates every run from its training length to 1M tokens by
+# chunked prefill (MHLA under every extension rule) -> results/language/long_context.{md,json,png}.
+# EXTRA='--max-len 65536 --examples 2' etc. passes options to scripts/long_context.py.
+.PHONY: long-context
+LC_DIR ?= outputs/long_context
+LC_SEEDS ?= 0 1 2
+LC_TESTS ?= passkey
+LC_ATTNS ?= mhla linear softmax
+long-context: $(VENV)/.installed
+	$(PY) scripts/long_context.py --train $(LC_DIR) --seeds $(LC_SEEDS) --tests $(LC_TESTS) --attns $(LC_ATTNS) \
+		--allow-busy $(EXTRA)
 
 # Every writer draws its plot with its table; --plot-only redraws one from the committed .json alone.
 .PHONY: plots

@@ -205,6 +205,12 @@ class MixingMatrix(nn.Module):
             (:func:`extend_causal_mixing`; default ``"uniform_far"``, chosen on measurements). A plain attribute:
             it can be changed on a trained model (``scripts/length_extrapolation.py`` compares the rules on one
             checkpoint).
+        tie: causal only. ``None`` (default): every entry of the ``[M, M]`` matrix is its own parameter.
+            ``"distance"``: the rows are one learned function of the block distance, ``W[i, b] = c[i - b]``
+            (a lower-triangular Toeplitz matrix of ``M`` stored values ``c[0 .. M-1]``, per head with
+            ``num_heads``), initialised from the init's last row (``c[d] = init[M-1, M-1-d]``), so a row means
+            the same at any position and the ``relative`` / ``uniform_far`` extensions continue what was
+            trained (issue 50). :meth:`tie_by_distance_` converts a built module in place.
     """
 
     def __init__(
@@ -220,8 +226,14 @@ class MixingMatrix(nn.Module):
         max_value: float = 1.0,
         init_kwargs: dict | None = None,
         extension: str = "uniform_far",
+        tie: str | None = None,
     ):
         super().__init__()
+        if tie not in (None, "distance"):
+            raise ValueError(f"tie must be None or 'distance', got {tie!r}")
+        if tie is not None and not causal:
+            raise ValueError("tie='distance' is for causal mixing (a row per block distance)")
+        self.tied = tie
         if extension not in EXTENSION_RULES:
             raise ValueError(f"extension must be one of {', '.join(EXTENSION_RULES)}, got {extension!r}")
         self.extension = extension
@@ -264,13 +276,15 @@ class MixingMatrix(nn.Module):
         """
         with torch.device("cpu"):
             w = mixing_init(self.init, self._distances, causal=self.causal, **self._init_kwargs)
+            if getattr(self, "tied", None) == "distance":  # c[d] = init[M-1, M-1-d]
+                w = w[-1].flip(-1)
             return self._raw_from_init(w)
 
     def _raw_from_init(self, w: torch.Tensor) -> torch.Tensor:
         """The stored values of an init matrix ``w`` (``[M, M]`` / ``[Mq, Mk]``): repeated per head when the
         matrix is per-head, then mapped through the inverse of :attr:`parameterization`."""
         if self.num_heads is not None:
-            w = w.unsqueeze(0).repeat(self.num_heads, 1, 1)
+            w = w.unsqueeze(0).repeat(self.num_heads, *([1] * w.dim()))
         if self.parameterization == "softplus":
             return _inverse_softplus(w.clamp_min(1e-4))
         if self.parameterization == "log":
@@ -314,7 +328,27 @@ class MixingMatrix(nn.Module):
             w = F.softplus(raw)
         else:
             w = raw.exp()
+        if getattr(self, "tied", None) == "distance":
+            return _toeplitz_lower(w)
         return w.tril() if self.causal else w
+
+    @torch.no_grad()
+    def tie_by_distance_(self) -> "MixingMatrix":
+        """Make this causal matrix a learned function of the block distance (``tie="distance"``) in place: the
+        stored values become ``c[d]``, taken from the current last row (``c[d] = W[M-1, M-1-d]``, through the
+        parameterization's stored form). Call before the optimizer is built. Returns ``self``."""
+        if not self.causal:
+            raise ValueError("tie='distance' is for causal mixing (a row per block distance)")
+        if self.tied == "distance":
+            return self
+        raw = self.raw.detach()[..., -1, :].flip(-1).clone()
+        self.tied = "distance"
+        if self.learnable:
+            self.raw = nn.Parameter(raw)
+        else:
+            del self.raw
+            self.register_buffer("raw", raw)
+        return self
 
     @torch.no_grad()
     def project_(self) -> None:
@@ -339,7 +373,9 @@ class MixingMatrix(nn.Module):
     def logged_matrices(self) -> dict[str, torch.Tensor]:
         """Training hook: ``{"mixing": the effective learned matrix [M, M] / [H, M, M], float32 on the CPU}`` for
         the heatmaps logged at each evaluation; empty when frozen, or when the matrix is not whole here (sharded)."""
-        if not self.learnable or self.raw.dim() not in (2, 3) or tuple(self.raw.shape[-2:]) != (self.num_blocks,) * 2:
+        whole = (self.raw.shape[-1] == self.num_blocks if getattr(self, "tied", None) == "distance" else
+                 self.raw.dim() in (2, 3) and tuple(self.raw.shape[-2:]) == (self.num_blocks,) * 2)
+        if not self.learnable or not whole:
             return {}
         return {"mixing": self().detach().float().cpu()}
 
@@ -389,7 +425,16 @@ class MixingMatrix(nn.Module):
     def extra_repr(self) -> str:
         heads = "shared" if self.num_heads is None else f"per_head={self.num_heads}"
         return (f"M={self.num_blocks}, init={self.init}, causal={self.causal}, learnable={self.learnable}, "
-                f"{heads}, param={self.parameterization}")
+                f"{heads}, param={self.parameterization}" + (f", tie={self.tied}" if getattr(self, "tied", None) else ""))
+
+
+def _toeplitz_lower(c: torch.Tensor) -> torch.Tensor:
+    """``[..., M]`` values per block distance -> ``[..., M, M]`` with ``W[i, b] = c[i - b]`` for ``b <= i``, else 0
+    (differentiable; an index gather)."""
+    M = c.shape[-1]
+    i = torch.arange(M, device=c.device)
+    d = i[:, None] - i[None, :]
+    return c[..., d.clamp_min(0)] * (d >= 0).to(c.dtype)
 
 
 def _is_int(x) -> bool:

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from scripts import run_seed_grid as rsg
 from scripts.summarize_runs import _flat
 from scripts.tables.config import compose
-from tasks.common.config import upgrade_config
+from tasks.common.config import resolve_accumulation, upgrade_config
 from tasks.common.records import RECORD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,6 +44,12 @@ ADDED_SINCE = {
                                 "init, what every run did before it"),
     "attn_cross.name": ("native", "the cross-attention group (Wan, SANA), added later; tasks.common.config reads a "
                                   "config without it as native, and MQAR's language model has no cross-attention"),
+    "trainer.accumulate": (1, "gradient accumulation, added later; these grids' recipes state no global batch, so "
+                              "auto resolves to 1 micro-batch per optimizer step (composed() resolves it as a "
+                              "1-process train.py run does), what every run did before it"),
+    **{f"attn.{key}": (None, "an option added later to express the authors' release (in_norm, gate_bias, "
+                             "feature_map_eps, q_scale); null is the layer's default, its behaviour before the key")
+       for key in ("in_norm", "gate_bias", "feature_map_eps", "q_scale")},
 }
 
 
@@ -63,9 +69,12 @@ def moved_keys(stored: dict, today: dict) -> list[str]:
 
 
 def composed(grid: dict, variant: str, seed: int) -> dict:
-    """Today's resolved ``train.py`` config of the grid's run ``<variant>_s<seed>``."""
+    """Today's resolved ``train.py`` config of the grid's run ``<variant>_s<seed>``, with ``trainer.accumulate``
+    resolved for one process as the trainer resolves it and stores it in the run's record."""
     cfg, _ = compose(rsg.run_overrides(grid, variant, seed, "unused"))
-    return OmegaConf.to_container(cfg, resolve=True)
+    today = OmegaConf.to_container(cfg, resolve=True)
+    today["trainer"]["accumulate"] = resolve_accumulation(cfg, world_size=1)
+    return today
 
 
 def committed_runs(grid: dict) -> list[str]:

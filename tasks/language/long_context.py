@@ -1,0 +1,405 @@
+"""Recall at any length (issue 50): passkey retrieval in filler text and multi-query recall spread over the whole
+context, generated; their evaluation by chunked prefill with the time and peak memory of every evaluation; and
+two training tasks for the shared trainer (:class:`PasskeyLMTask`, :class:`SpreadMQARTask`).
+
+**Passkey** (one document per example; the model's state starts empty, so nothing but the filler and the fact
+is in the context). Filler: the language-model corpus's own tokens (the gensim prose of ``data=text_gensim``,
+:func:`tasks.language.data.build_lm_datasets`) with the EOS separators removed, read from a seeded offset and
+cycled when the length asks for more text than the split holds. The fact (the *needle*) is
+``" The pass key is:" d1 .. dP ". Remember it."`` placed so that it starts at ``depth x (L - needle - tail)``
+tokens; the last ``tail`` tokens are the question ``" What is the pass key? The pass key is:" d1 .. dP``. The
+digits are the tokenizer's single-character tokens ``"0" .. "9"`` (byte-level BPE has them all), written as
+tokens so that no merge hides them. An example is *recalled* when the model's argmax predicts all ``P`` answer
+digits (teacher-forced, which is what greedy decoding gives whenever the digits before are right); the digit
+accuracy is reported beside it (chance: 10%).
+
+**Spread MQAR** (the MQAR model's vocabulary: keys in ``[1, V/2)``, values in ``[V/2, V)``,
+:mod:`tasks.language.mqar`): the K key-value pairs sit at K distinct even positions drawn uniformly over the
+whole context before the query region (so their depths cover ``[0, 1)``), the K queries are the last ``2K``
+tokens (key ``k_j`` at ``L - 2K + 2 j``, label ``v_j`` there, as MQAR labels the query position), every other
+token is random filler from ``[0, V)`` with the example's own keys replaced by 0 (a stray copy of a key would
+be a second, wrong pair). Depth = the pair's position / L; distance = query position - pair position.
+
+**Evaluation** (:func:`evaluate_passkey`, :func:`evaluate_spread_mqar`): ``B`` examples at a time; the context
+before the question runs through the model in chunks of ``prefill_chunk`` tokens into one
+:class:`models.lm.MHLALMCache` (MHLA and linear attention: a state of constant size; softmax: the KV cache, which
+grows), then the question (or the query region) in one call whose logits are read. :class:`PeakRSS` records the
+process's resident memory before and its peak during each evaluation (Linux: the peak is reset through
+``/proc/self/clear_refs`` so that it is this evaluation's own; elsewhere the process's peak so far), and the wall
+time. Accuracy by depth and by distance: :func:`accuracy_table`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from .mqar import MQARTask
+from .task import LanguageModelingTask
+
+PASSKEY_DIGITS = 5
+NEEDLE_PREFIX = " The pass key is:"
+NEEDLE_SUFFIX = ". Remember it."
+QUESTION = " What is the pass key? The pass key is:"
+
+
+# ------------------------------------------------------------------------------------------ memory
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakRSS:
+    """Resident memory of this process around a block: ``rss_mib`` (before), ``peak_mib`` (the peak during it)
+    and ``seconds`` (wall). On Linux the kernel's high-water mark is reset at the start (``echo 5 >
+    /proc/self/clear_refs``), so the peak is this block's own (``peak_scope = "block"``); where that fails, the
+    process's peak so far (``peak_scope = "process"``, an upper bound)."""
+
+    def __enter__(self) -> "PeakRSS":
+        self.scope = "process"
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.scope = "block"
+        except OSError:
+            pass
+        rss = _status_kib("VmRSS")
+        self.rss_mib = rss / 1024 if rss is not None else None
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.seconds = time.perf_counter() - self._t0
+        hwm = _status_kib("VmHWM") if self.scope == "block" else None
+        if hwm is None:  # ru_maxrss: KiB on Linux, bytes on macOS
+            ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            hwm = ru // 1024 if os.uname().sysname == "Darwin" else ru
+            self.scope = "process"
+        self.peak_mib = hwm / 1024
+        return False
+
+    @property
+    def record(self) -> dict:
+        rss = None if self.rss_mib is None else round(self.rss_mib, 1)
+        return {"seconds": round(self.seconds, 3), "rss_mib": rss, "peak_rss_mib": round(self.peak_mib, 1),
+                "peak_scope": self.scope}
+
+
+# ------------------------------------------------------------------------------------------ passkey data
+def filler_tokens(tokens, eos_id: int | None) -> np.ndarray:
+    """The corpus tokens with the document separators (EOS) removed: one long stretch of prose (int64)."""
+    arr = np.asarray(tokens).astype(np.int64)
+    return arr[arr != eos_id] if eos_id is not None else arr
+
+
+class PasskeyFormat:
+    """The token pieces of a passkey example for ``tokenizer`` (a ``PreTrainedTokenizerFast`` with the single
+    characters ``"0" .. "9"`` in its vocabulary)."""
+
+    def __init__(self, tokenizer, digits: int = PASSKEY_DIGITS):
+        def enc(text):
+            return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        self.prefix, self.suffix, self.question = enc(NEEDLE_PREFIX), enc(NEEDLE_SUFFIX), enc(QUESTION)
+        vocab = tokenizer.get_vocab()
+        missing = [d for d in "0123456789" if d not in vocab]
+        if missing:
+            raise ValueError(f"the tokenizer has no single-character token for the digits {missing}")
+        self.digit_ids = np.asarray([vocab[d] for d in "0123456789"], dtype=np.int64)
+        self.digits = int(digits)
+
+    @property
+    def needle_len(self) -> int:
+        return len(self.prefix) + self.digits + len(self.suffix)
+
+    @property
+    def tail_len(self) -> int:
+        """The question and its answer: the last tokens of an example."""
+        return len(self.question) + self.digits
+
+    def min_length(self) -> int:
+        return self.needle_len + self.tail_len + 1
+
+
+def passkey_batch(filler: np.ndarray, fmt: PasskeyFormat, length: int, depths,
+                  rng: np.random.Generator) -> dict:
+    """``len(depths)`` passkey examples of ``length`` tokens (module docstring): ``input_ids [B, L]``,
+    ``answer [B, P]`` (the digit tokens), ``needle_pos [B]`` (the needle's first token) and ``targets_at [P]``
+    (the positions whose logits predict the answer digits: the same in every row). ``depths`` in ``[0, 1]``."""
+    L, P = int(length), fmt.digits
+    if L < fmt.min_length():
+        raise ValueError(f"a passkey example needs at least {fmt.min_length()} tokens, got {L}")
+    room = L - fmt.needle_len - fmt.tail_len  # filler tokens
+    B = len(depths)
+    x = np.empty((B, L), dtype=np.int64)
+    answers = rng.integers(0, 10, size=(B, P))
+    needle_pos = np.empty(B, dtype=np.int64)
+    for b, depth in enumerate(depths):
+        start = int(rng.integers(0, len(filler)))
+        idx = (start + np.arange(room)) % len(filler)
+        fill = filler[idx]
+        pos = int(round(float(depth) * room))
+        digits = fmt.digit_ids[answers[b]]
+        needle = np.concatenate([fmt.prefix, digits, fmt.suffix])
+        x[b] = np.concatenate([fill[:pos], needle, fill[pos:], fmt.question, digits])
+        needle_pos[b] = pos
+    targets_at = np.arange(L - P - 1, L - 1)
+    return {"input_ids": torch.from_numpy(x), "answer": torch.from_numpy(fmt.digit_ids[answers]),
+            "needle_pos": torch.from_numpy(needle_pos), "targets_at": torch.from_numpy(targets_at)}
+
+
+class PasskeyDataset(Dataset):
+    """Training / validation passkey sequences of ``seq_len`` tokens at uniform random depths: item ``i`` is
+    ``(input_ids [L], answer_mask [L])`` (``answer_mask[t]``: token ``t`` is an answer digit), the same for a
+    given ``(seed, i)``."""
+
+    def __init__(self, filler: np.ndarray, fmt: PasskeyFormat, seq_len: int, num_examples: int, seed: int = 0):
+        self.filler, self.fmt, self.seq_len = filler, fmt, int(seq_len)
+        self.n, self.seed = int(num_examples), seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        rng = np.random.default_rng([self.seed, i])
+        batch = passkey_batch(self.filler, self.fmt, self.seq_len, [rng.random()], rng)
+        mask = torch.zeros(self.seq_len, dtype=torch.bool)
+        mask[batch["targets_at"] + 1] = True
+        return batch["input_ids"][0], mask
+
+
+# ------------------------------------------------------------------------------------------ spread MQAR
+def spread_mqar(num_examples: int, length: int, vocab_size: int, num_kv_pairs: int, seed: int = 0) -> dict:
+    """Spread-MQAR examples (module docstring): ``input_ids [n, L]``, ``labels [n, L]`` (-100 except the K query
+    positions), ``pair_pos [n, K]`` (position of pair ``j``'s key) and ``query_pos [K]`` (query ``j``'s position,
+    the same in every row)."""
+    n, L, V, K = int(num_examples), int(length), int(vocab_size), int(num_kv_pairs)
+    half = V // 2
+    if L % 2 or L < 4 * K:
+        raise ValueError(f"spread MQAR needs an even length >= 4 K = {4 * K}, got {L}")
+    if K > half - 1:
+        raise ValueError(f"{K} distinct keys do not fit in the key vocabulary [1, {half})")
+    rng = np.random.default_rng(seed)
+    keys = rng.random((n, half - 1)).argsort(axis=1)[:, :K] + 1
+    values = rng.random((n, V - half)).argsort(axis=1)[:, :K] + half
+    slots = (L - 2 * K) // 2
+    pair_pos = 2 * np.sort(rng.random((n, slots)).argsort(axis=1)[:, :K], axis=1)  # K distinct even positions
+    order = rng.random((n, K)).argsort(axis=1)  # which pair sits at which slot
+    x = rng.integers(0, V, size=(n, L))
+    for j in range(K):  # stray copies of the example's keys -> 0
+        x[x == keys[:, j:j + 1]] = 0
+    rows = np.arange(n)[:, None]
+    x[rows, pair_pos] = np.take_along_axis(keys, order, 1)
+    x[rows, pair_pos + 1] = np.take_along_axis(values, order, 1)
+    query_pos = L - 2 * K + 2 * np.arange(K)
+    x[:, query_pos] = keys
+    labels = np.full((n, L), -100, dtype=np.int64)
+    labels[:, query_pos] = values
+    # pair_pos in query order: where key j sits
+    where = np.empty((n, K), dtype=np.int64)
+    np.put_along_axis(where, order, pair_pos, axis=1)
+    return {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(labels),
+            "pair_pos": torch.from_numpy(where), "query_pos": torch.from_numpy(query_pos)}
+
+
+class SpreadMQARDataset(Dataset):
+    """A fixed set of spread-MQAR examples; items are ``(inputs [L], labels [L])`` as MQAR's."""
+
+    def __init__(self, num_examples: int, seq_len: int, vocab_size: int, num_kv_pairs: int, seed: int = 0):
+        d = spread_mqar(num_examples, seq_len, vocab_size, num_kv_pairs, seed)
+        self.inputs, self.labels = d["input_ids"], d["labels"]
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def __getitem__(self, i: int):
+        return self.inputs[i], self.labels[i]
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def _cache(model):
+    from models.lm import MHLALMCache  # noqa: PLC0415
+
+    return MHLALMCache(model.config)
+
+
+@torch.no_grad()
+def prefill(model, x: torch.Tensor, chunk: int):
+    """Run ``x [B, T]`` through ``model`` in chunks of ``chunk`` tokens into a fresh cache; returns the cache."""
+    cache = _cache(model)
+    for a in range(0, x.shape[1], chunk):
+        model(x[:, a:a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+@torch.no_grad()
+def evaluate_passkey(model, filler: np.ndarray, fmt: PasskeyFormat, length: int, depths, *,
+                     examples_per_depth: int = 4, batch_size: int = 4, prefill_chunk: int = 2048,
+                     seed: int = 0) -> dict:
+    """Passkey recall of ``model`` at ``length`` tokens for every depth of ``depths``: ``{"length", "depths": [
+    {"depth", "acc", "digit_acc", "n", "distance"}], "acc", "digit_acc", "n", "cache_bytes", **PeakRSS.record}``
+    (``distance``: mean tokens from the needle's first token to the question's end)."""
+    device = next(model.parameters()).device
+    rows, cache_bytes = [], 0
+    with PeakRSS() as mem:
+        for di, depth in enumerate(depths):
+            rng = np.random.default_rng([seed, int(length), di])
+            ok, digit_ok, dist_sum = 0, 0, 0.0
+            for s in range(0, examples_per_depth, batch_size):
+                b = min(batch_size, examples_per_depth - s)
+                batch = passkey_batch(filler, fmt, length, [depth] * b, rng)
+                x = batch["input_ids"].to(device)
+                cut = length - fmt.tail_len  # the question and the answer run in one last call
+                cache = prefill(model, x[:, :cut], prefill_chunk)
+                logits = model(x[:, cut:], past_key_values=cache, use_cache=True).logits
+                cache_bytes = max(cache_bytes, cache.nbytes())
+                pred = logits[:, batch["targets_at"] - cut].argmax(-1).cpu()
+                hit = pred == batch["answer"]
+                ok += int(hit.all(1).sum())
+                digit_ok += int(hit.sum())
+                dist_sum += float((length - batch["needle_pos"]).double().sum())
+                del cache, logits
+            rows.append({"depth": float(depth), "acc": ok / examples_per_depth,
+                         "digit_acc": digit_ok / (examples_per_depth * fmt.digits), "n": examples_per_depth,
+                         "distance": dist_sum / examples_per_depth})
+    n = sum(r["n"] for r in rows)
+    return {"length": int(length), "depths": rows, "n": n,
+            "acc": sum(r["acc"] * r["n"] for r in rows) / n,
+            "digit_acc": sum(r["digit_acc"] * r["n"] for r in rows) / n,
+            "cache_bytes": cache_bytes, **mem.record}
+
+
+@torch.no_grad()
+def evaluate_spread_mqar(model, length: int, *, vocab_size: int, num_kv_pairs: int, num_examples: int = 16,
+                         batch_size: int = 4, prefill_chunk: int = 2048, seed: int = 0,
+                         depth_bins: int = 5) -> dict:
+    """Spread-MQAR recall at ``length``: ``{"length", "acc", "n", "by_depth": [{"lo", "hi", "acc", "n"}],
+    "by_distance": [{"lo", "hi", "acc", "n"}] (powers of two), "cache_bytes", **PeakRSS.record}``."""
+    device = next(model.parameters()).device
+    K = int(num_kv_pairs)
+    d = spread_mqar(num_examples, length, vocab_size, K, seed)
+    correct, depth, distance, cache_bytes = [], [], [], 0
+    with PeakRSS() as mem:
+        for s in range(0, num_examples, batch_size):
+            x = d["input_ids"][s:s + batch_size].to(device)
+            cut = length - 2 * K
+            cache = prefill(model, x[:, :cut], prefill_chunk)
+            logits = model(x[:, cut:], past_key_values=cache, use_cache=True).logits
+            cache_bytes = max(cache_bytes, cache.nbytes())
+            pred = logits[:, d["query_pos"] - cut].argmax(-1).cpu()                # [b, K]
+            target = d["labels"][s:s + batch_size][:, d["query_pos"]]
+            correct.append((pred == target).flatten())
+            pp = d["pair_pos"][s:s + batch_size]
+            depth.append((pp.double() / length).flatten())
+            distance.append((d["query_pos"][None] - pp).flatten())
+            del cache, logits
+    correct, depth, distance = torch.cat(correct), torch.cat(depth), torch.cat(distance)
+    by_depth = [_bucket(correct, (depth >= i / depth_bins) & (depth < (i + 1) / depth_bins),
+                        i / depth_bins, (i + 1) / depth_bins) for i in range(depth_bins)]
+    edges = [0] + [2 ** k for k in range(4, int(math.log2(max(length, 16))) + 1)]
+    by_distance = [_bucket(correct, (distance >= lo) & (distance < hi), lo, hi)
+                   for lo, hi in zip(edges[:-1], edges[1:])]
+    return {"length": int(length), "acc": correct.float().mean().item(), "n": int(correct.numel()),
+            "by_depth": [b for b in by_depth if b["n"]], "by_distance": [b for b in by_distance if b["n"]],
+            "cache_bytes": cache_bytes, **mem.record}
+
+
+def _bucket(correct: torch.Tensor, sel: torch.Tensor, lo, hi) -> dict:
+    n = int(sel.sum())
+    return {"lo": lo, "hi": hi, "acc": correct[sel].float().mean().item() if n else None, "n": n}
+
+
+# ------------------------------------------------------------------------------------------ training tasks
+class PasskeyLMTask(LanguageModelingTask):
+    """The LM task on passkey sequences (``task=lm_mini`` data, model and recipe; every training window is one
+    passkey example of ``data.seq_len`` tokens in the corpus's filler, ``data.num_train`` of them drawn afresh
+    per index): loss = next-token loss on every token + ``task.answer_weight`` x the loss on the answer digits.
+    Evaluation: validation perplexity (on the same sequences), passkey accuracy at the training length."""
+
+    monitor = "val_loss"
+    monitor_mode = "min"
+
+    def build_model(self):
+        """The LM of ``task=lm_mini`` (:meth:`LanguageModelingTask.build_model`); ``task.mixing_tie=distance``
+        makes every MHLA mixing matrix a learned function of the block distance
+        (:meth:`mhla.mixing.MixingMatrix.tie_by_distance_`), so its rows mean the same at any length."""
+        model = super().build_model()
+        tie = self.cfg.task.get("mixing_tie")
+        if tie:
+            from mhla.mixing import mixing_matrices  # noqa: PLC0415
+
+            if tie != "distance":
+                raise ValueError(f"task.mixing_tie must be null or distance, got {tie!r}")
+            for m in mixing_matrices(model).values():
+                m.tie_by_distance_()
+        return model
+
+    def fmt(self) -> PasskeyFormat:
+        return PasskeyFormat(self.data()[2], int(self.cfg.task.get("digits", PASSKEY_DIGITS)))
+
+    def build_datasets(self):
+        train, val, tok, _ = self.data()
+        d, fmt, seed = self.cfg.data, self.fmt(), int(self.cfg.get("seed", 0))
+        return (PasskeyDataset(filler_tokens(train.tokens, tok.eos_token_id), fmt, self.seq_len,
+                               int(d.get("num_train", 100_000)), seed=2 * seed + 1),
+                PasskeyDataset(filler_tokens(val.tokens, tok.eos_token_id), fmt, self.seq_len,
+                               int(d.get("num_val", 128)), seed=10_000))
+
+    def on_batch(self, batch, device):
+        return tuple(t.to(device, non_blocking=True) for t in batch)
+
+    def _losses(self, model, batch):
+        x, mask = batch
+        logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
+        target, m = x[:, 1:], mask[:, 1:]
+        lm = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        ans_logits = logits[m]
+        ans = F.cross_entropy(ans_logits, target[m])
+        hit = (ans_logits.argmax(-1) == target[m]).view(x.shape[0], -1)
+        return lm, ans, hit
+
+    def training_loss(self, model, batch):
+        lm, ans, hit = self._losses(model, batch)
+        w = float(self.cfg.task.get("answer_weight", 1.0))
+        return lm + w * ans, {"lm_loss": lm.item(), "answer_loss": ans.item(),
+                              "passkey_acc": hit.all(1).float().mean().item()}
+
+    @torch.no_grad()
+    def evaluate(self, model, loader, device, dist_info) -> dict:
+        tot = torch.zeros(4, device=device, dtype=torch.float64)  # lm loss sum, windows, recalled, digit hits
+        for batch in loader:
+            batch = self.on_batch(batch, device)
+            lm, _, hit = self._losses(model, batch)
+            tot += torch.tensor([lm.item() * len(hit), len(hit), hit.all(1).sum().item(),
+                                 hit.float().mean(1).sum().item()], device=device, dtype=torch.float64)
+        if dist_info.enabled:
+            dist.all_reduce(tot)
+        loss = (tot[0] / tot[1]).item()
+        return {"val_loss": loss, "val_ppl": math.exp(loss), "passkey_acc": (tot[2] / tot[1]).item(),
+                "digit_acc": (tot[3] / tot[1]).item()}
+
+    def after_fit(self, trainer, metrics: dict) -> dict:
+        return {}
+
+
+class SpreadMQARTask(MQARTask):
+    """MQAR (``task=mqar``'s model and recipe) on spread-MQAR examples (:func:`spread_mqar`) of ``data.seq_len``."""
+
+    def build_datasets(self):
+        d, seed = self.cfg.data, int(self.cfg.get("seed", 0))
+        common = dict(seq_len=int(d.seq_len), vocab_size=int(d.vocab_size), num_kv_pairs=int(d.num_kv_pairs))
+        return (SpreadMQARDataset(int(d.num_train), seed=2 * seed + 1, **common),
+                SpreadMQARDataset(int(d.num_test), seed=2 * seed + 2, **common))
