@@ -110,6 +110,7 @@ class MHLACausalFunction(torch.autograd.Function):
                             normalize=normalize, eps=eps, out_dtype=v.dtype)
         ctx.save_for_backward(q, k, v, o, mdiag, S_all, Z_all, P, Pz, R, Rz, den, *coefficients)
         ctx.g, ctx.normalize, ctx.first, ctx.has_init, ctx.mixer = g, normalize, first, has_init, mixer
+        ctx.eps = eps
         Z_out = Z if store_z else S.new_zeros(0)
         return o, S, Z_out
 
@@ -123,7 +124,9 @@ class MHLACausalFunction(torch.autograd.Function):
         do = do.contiguous()
         if not normalize:
             Rz = None
-        dP, dPz, dR, dRz, dm_r, delta = bwd_block_grads(q, do, o, den, R, Rz, g, normalize=normalize)
+        # eps0 >= 0: block 0 has no mixed prefix (no state columns), its m_0 gradient in closed form (chunk.py)
+        eps0 = ctx.eps if normalize and first == 0 else -1.0
+        dP, dPz, dR, dRz, dm_r, delta = bwd_block_grads(q, do, o, den, R, Rz, g, normalize=normalize, eps0=eps0)
         need_dcoeff = any(ctx.needs_input_grad[_N_ARGS:])
         (dS_all, dZ_all), dcoeffs = ctx.mixer.backward(
             coefficients, [S_all, Z_all if normalize else None],
@@ -143,7 +146,7 @@ class MHLACausalFunction(torch.autograd.Function):
         dS_k = dS.view(g.BH, NB, D, Dv)
         dv = bwd_dv(q, k, do, den, dS_k, dR, mdiag, g, causal=True, normalize=normalize, out_dtype=v.dtype)
         dq, dk, dm_i = bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS_k, dZ_kernel, dR, dRz, mdiag, g,
-                               causal=True, normalize=normalize, out_dtype=q.dtype)
+                               causal=True, normalize=normalize, out_dtype=q.dtype, eps0=eps0)
         if not normalize and dZ is not None:
             blk = (torch.arange(g.T, device=q.device) + g.OFFSET) // g.C  # block of each token
             dk = (dk.float() + dZ.permute(0, 2, 1, 3)[:, blk]).to(q.dtype)

@@ -374,7 +374,7 @@ def _output_delta(do0, do_base, o_base, t, valid, stride_v, Dv, BV: tl.constexpr
 @triton.autotune(configs=autotune_configs(warps=(8,)), key=_KEY + ["HAS_R", "NORMALIZE"])
 @triton.jit
 def _bwd_block_grads_kernel(
-    q, do, o, den, delta, R, Rz, dP, dPz, dR, dRz, dmr,
+    q, do, o, den, delta, R, Rz, dP, dPz, dR, dRz, dmr, eps0,
     T, H, D, Dv, OFFSET, C, NC, NB,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
@@ -402,6 +402,8 @@ def _bwd_block_grads_kernel(
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     acc_z = tl.zeros([BK], dtype=tl.float32)
     dm = tl.zeros([BK], dtype=tl.float32)  # partial gradient of m_i, per feature row
+    exact0 = (i_blk == 0) & (eps0 >= 0)  # block 0 without a mixed prefix: m_0's gradient in closed form
+    keep_dd = tl.where(exact0, 0.0, 1.0)
     for i_rev in range(NC):
         i_c = NC - 1 - i_rev
         j = i_bh * NB * NC + i_blk * NC + i_c
@@ -426,16 +428,19 @@ def _bwd_block_grads_kernel(
             dn = dn / d[:, None]
         qt = _load_tokens(q_base, t, valid, stride_k, i_k, D, BK).to(tl.float32)
         G = tl.dot(tl.trans(qt), dn, input_precision=PREC)  # [BK, BV]
+        acc += G
         if HAS_R:
+            if NORMALIZE:
+                if exact0:  # no prefix: sum_t (q_t^T dn_t eps / d_t) . R_j, no dd term (see _bwd_dqk_kernel)
+                    G = tl.dot(tl.trans(qt), dn * (eps0 / d)[:, None], input_precision=PREC)
             p, msk = _summary_ptrs(R, j, i_k, i_v, D, Dv, BK, BV)
             dm += tl.sum(G * tl.load(p, mask=msk, other=0.0), axis=1)
-        acc += G
         if NORMALIZE:
             if i_v == 0:
                 gz = tl.sum(qt * dd[:, None], axis=0)  # [BK]
                 if HAS_R:
                     pz, mz = _vector_ptrs(Rz, j, i_k, D, BK)
-                    dm += gz * tl.load(pz, mask=mz, other=0.0)
+                    dm += gz * tl.load(pz, mask=mz, other=0.0) * keep_dd
                 acc_z += gz
     p, msk = _summary_ptrs(dP, i_bh * NB + i_blk, i_k, i_v, D, Dv, BK, BV)
     tl.store(p, acc, mask=msk)
@@ -499,7 +504,7 @@ def _bwd_dv_kernel(
 @triton.autotune(configs=autotune_configs(warps=(8,), stages=(2,)), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
 @triton.jit
 def _bwd_dqk_kernel(
-    q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, dq, dk, dmi,
+    q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, dq, dk, dmi, eps0,
     T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, stride_mb,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
@@ -569,7 +574,15 @@ def _bwd_dqk_kernel(
         dq_acc += m * tl.dot(dA, kf, input_precision=PREC)
         dk_acc += m * tl.dot(tl.trans(dA), qf, input_precision=PREC)
         A = tl.dot(qt, tl.trans(kt), input_precision=PREC)  # this K tile's part of q_t . k_s
-        tl.store(dmi + (i_k * tl.num_programs(2) + i_bh) * NB * NC + j, tl.sum(A * dA))
+        dm = tl.sum(A * dA)
+        if NORMALIZE:
+            # Block 0 without a mixed prefix (eps0 >= 0: no state columns): o_t = m V_t / (m a_t + eps), and
+            # d o_t / d m = eps V_t / d_t^2, i.e. dn_t . V_t * eps / d_t. The general form dn . V + dd a
+            # cancels to it from terms ~1/m times larger, through delta = do . o of the *rounded* output
+            # (fp16 / bf16): 1/m-amplified error when m_0 is small. So no dd term here.
+            if (i_blk == 0) & (eps0 >= 0):
+                dm = tl.sum(A * tl.where(causal_mask, (dA - dd[:, None]) * (eps0 / d)[:, None], 0.0))
+        tl.store(dmi + (i_k * tl.num_programs(2) + i_bh) * NB * NC + j, dm)
     _store_tokens(dq + qk_off, dq_acc, t, valid, stride_k, i_k, D, BK)
     _store_tokens(dk + qk_off, dk_acc, t, valid, stride_k, i_k, D, BK)
 
@@ -641,7 +654,7 @@ def fwd_output(q, k, v, P, Pz, R, Rz, mdiag, g: Geometry, *, causal: bool, norma
     return o, (den if normalize else None)
 
 
-def bwd_block_grads(q, do, o, den, R, Rz, g: Geometry, *, normalize: bool):
+def bwd_block_grads(q, do, o, den, R, Rz, g: Geometry, *, normalize: bool, eps0: float = -1.0):
     """Run ``_bwd_block_grads_kernel``. Returns ``dP, dPz, dR, dRz`` (fp32, shapes of ``P, Pz, R, Rz``;
     None where not used), ``dm_r [B*H, NB]``, the R part of the gradient of ``m_i`` (None without R), and
     ``delta [B*H, T]`` fp32, ``do_t . o_t`` (the normalizer's; None without it) for :func:`bwd_dqk`."""
@@ -657,7 +670,7 @@ def bwd_block_grads(q, do, o, den, R, Rz, g: Geometry, *, normalize: bool):
     _bwd_block_grads_kernel[(g.NK * g.NV, g.NB, g.BH)](
         q, do, o, den if normalize else _dummy(q), delta,
         R if has_r else _dummy(q), Rz if has_r and normalize else _dummy(q), dP, dPz, dR, dRz, dmr,
-        HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
+        float(eps0), HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
     )
     return (dP, dPz if normalize else None, dR if has_r else None, dRz if has_r and normalize else None,
             dmr.sum(0) if has_r else None, delta if normalize else None)
@@ -678,7 +691,7 @@ def bwd_dv(q, k, do, den, dS, dR, mdiag, g: Geometry, *, causal: bool, normalize
 
 
 def bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, g: Geometry, *,
-            causal: bool, normalize: bool, out_dtype):
+            causal: bool, normalize: bool, out_dtype, eps0: float = -1.0):
     """Run ``_bwd_dqk_kernel``. Returns ``dq, dk [B, T, H, D]`` and ``dm_intra [B*H, NB]`` (the
     intra-chunk part of the gradient of ``m_i``; None when not causal)."""
     dq = torch.empty(g.B, g.T, g.H, g.D, device=q.device, dtype=out_dtype)
@@ -689,7 +702,7 @@ def bwd_dqk(q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, g: G
     _bwd_dqk_kernel[(g.NK, g.NT, g.BH)](
         q, k, v, do, den if normalize else d, delta if normalize else d, P, Pz if normalize else d,
         R if has_r else d, Rz if has_r and normalize else d, dS, dSz if normalize else d,
-        dR if has_r else d, dRz if has_r and normalize else d, mdiag if causal else d, dq, dk, dmi,
+        dR if has_r else d, dRz if has_r and normalize else d, mdiag if causal else d, dq, dk, dmi, float(eps0),
         **_diag_strides(mdiag if causal else None),
         CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
     )
