@@ -334,9 +334,11 @@ def matmul_tflops(device: str, n: int, repeats: int = 10) -> float:
 
 def modelled_traffic(op: str, causal: bool, kind: str, o: dict, D: int, T: int, block_size: int) -> dict | None:
     """What the traffic model (``mhla.ops.mhla.triton.traffic.mhla_traffic``, optional) predicts for a case of
-    the ``mhla`` op (dense mixing, as the benchmark's): bytes and launches of the forward (``fwd``) or of the
-    forward and backward (``fwdbwd``); None for other ops or without the module, ``{"error"}`` if it fails."""
-    if op != "mhla":
+    the ``mhla`` op (dense mixing, as the benchmark's) or of ``mhla_window`` (the LM's compact rows: their
+    ``(head, recent)`` window taken from the rows the benchmark builds): bytes and launches of the forward
+    (``fwd``) or of the forward and backward (``fwdbwd``); None for other ops or without the module, ``{"error"}``
+    if it fails."""
+    if op not in ("mhla", "mhla_window"):
         return None
     try:
         from mhla.ops.mhla.triton.traffic import mhla_traffic  # noqa: PLC0415  (optional: the kernels' model)
@@ -344,8 +346,16 @@ def modelled_traffic(op: str, causal: bool, kind: str, o: dict, D: int, T: int, 
         return None
     elem = {"fp32": 4, "bf16": 2, "fp16": 2}[o["dtype"]]
     try:
+        window = None
+        if op == "mhla_window":
+            import torch  # noqa: PLC0415
+
+            from scripts.bench_ops import window_mixing_rows  # noqa: PLC0415
+
+            rows = window_mixing_rows(-(-T // block_size), "meta", torch.float32)
+            window = (rows.head.shape[-1], rows.recent.shape[-1])
         t = mhla_traffic(o["batch"], T, o["heads"], D, block_size=block_size, dtype_bytes=elem, causal=causal,
-                         mixing="shared", mixing_bytes=elem)
+                         mixing="shared", mixing_bytes=elem, window=window)
     except Exception as e:  # noqa: BLE001  (a model whose signature moved must not stop the benchmark)
         return {"error": f"{type(e).__name__}: {str(e)[:120]}"}
     phase = "forward" if kind == "fwd" else None

@@ -226,3 +226,7 @@ def test_the_traffic_model_is_read_for_the_mhla_op():
     assert fwd["bytes"] >= gc.floor_bytes(o, 64, 4096, "fwd") and both["bytes"] > fwd["bytes"]
     assert both["launches"] > fwd["launches"] >= 1
     assert gc.modelled_traffic("sdpa", False, "fwd", o, 64, 4096, 64) is None
+    # the LM's compact rows: the window the benchmark's rows have, so bytes grow linearly in T past the window
+    win = [gc.modelled_traffic("mhla_window", True, "fwd", o, 64, T, 64)["bytes"] for T in (4096, 16384)]
+    dense = gc.modelled_traffic("mhla", True, "fwd", o, 64, 4096, 64)["bytes"]
+    assert 3.9 < win[1] / win[0] < 4.1 and win[0] > dense  # BandedMix in torch: today above the dense path
