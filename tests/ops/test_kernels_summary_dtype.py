@@ -33,34 +33,9 @@ if not triton_backend.available():
     pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)",
                 allow_module_level=True)
 
-from mhla.ops import mhla_attention  # noqa: E402
 from mhla.ops.mhla.triton.utils import SUMMARY_DTYPE_ENV, summary_dtype  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float16: 5e-3, torch.bfloat16: 1e-2}  # as tests/ops/test_kernels_triton.py
-
-
-def make_inputs(B, T, H, D, Dv, M, *, per_head, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.rand(B, T, H, D, generator=g)
-    k = torch.rand(B, T, H, D, generator=g)
-    v = torch.randn(B, T, H, Dv, generator=g)
-    mix = torch.rand(*((H, M, M) if per_head else (M, M)), generator=g)
-    w = torch.randn(B, T, H, Dv, generator=g)
-    return [x.to(device=DEVICE, dtype=dtype) for x in (q, k, v)] + [mix.to(DEVICE), w.to(DEVICE)]
-
-
-def run(backend, q, k, v, mix, w, block_size, **kw):
-    """Output and gradients (q, k, v, mixing) of ``sum(o * w)``."""
-    xs = [x.detach().clone().requires_grad_() for x in (q, k, v, mix)]
-    o = mhla_attention(*xs[:3], xs[3], block_size, backend=backend, **kw)
-    (o.float() * w).sum().backward()
-    return [o.detach()] + [x.grad for x in xs]
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+from helpers.kernel_cases import TOL, make_inputs, rel_err, run  # noqa: E402
 
 #: how much half summaries may add to the error of fp32 summaries (observed: 1.7e-4 in fp16)
 EXTRA = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
