@@ -53,6 +53,10 @@ ADDED_SINCE = {
 }
 
 
+#: flat-key prefixes that are not the recipe: the cell's ``paper:`` block (the paper's numbers it is compared with)
+QUOTES = ("paper.",)
+
+
 def moved_keys(stored: dict, today: dict) -> list[str]:
     """``["key: stored -> today", ...]`` for every flat key whose value differs between a run's stored resolved
     config and today's composition (``<absent>`` on the side that lacks it), the keys of :data:`ADDED_SINCE`
@@ -61,6 +65,8 @@ def moved_keys(stored: dict, today: dict) -> list[str]:
     now = _flat(today)
     moved = []
     for key in sorted(set(then) | set(now)):
+        if key.startswith(QUOTES):  # the paper's numbers quoted beside the recipe: a quote sourced later moves no run
+            continue
         a, b = then.get(key, ABSENT), now.get(key, ABSENT)
         if a == b or (a == ABSENT and key in ADDED_SINCE and b == ADDED_SINCE[key][0]):
             continue

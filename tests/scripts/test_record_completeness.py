@@ -87,7 +87,7 @@ LEGACY = {
                                              "changes (9a3ebe3, 120a3a8)"),
     "results/mqar/lr1e-3.json": ([CONFIG, COMMIT, CLEAN, LOAD], BEFORE_RECORDS),
     "results/mqar/no_conv.json": ([CONFIG, COMMIT, CLEAN, LOAD], BEFORE_RECORDS),
-    "results/mqar/seeds_n256.json": (["22 of 35 runs without the effective attention"],
+    "results/mqar/seeds_n256.json": (["22 of 36 runs without the effective attention"],
                                      "the five-seed rows of mhla_lm, linear, frozen_loc, frozen_unif and the two "
                                      "softmax seeds (4014e62) " + BEFORE_ATTENTION),
     "results/mqar_mini.json": (NOTHING, BEFORE_RECORDS),
