@@ -141,9 +141,8 @@ def reproduce_table6(args) -> str:
         records.append({"cell": cell, "paper": paper, "ours": ours, "status": status, **model_run(path)})
     notes = ["340M language models (docs/paper_tables.md#table-6). Accuracies in %, `avg` = mean of the six commonsense columns "
              "(Wino, PIQA, ARC-c, OBQA, ARC-e, BoolQ); Wiki ppl = lm-eval `wikitext` word perplexity; LAMBADA ppl "
-             "= `lambada_openai` perplexity. Paper numbers: docs/paper_tables.md; the baselines' commonsense averages come from the authors' "
-             "project page (the `paper:` block of each config says so). The paper prints every column for every row; a "
-             "`paper` value is blank where the project's sources do not give it (not guessed).",
+             "= `lambada_openai` perplexity. Paper numbers: the paper's Table 6, every column of every row "
+             "(docs/paper_tables.md; the baselines' commonsense averages are also on the authors' project page).",
              "", f"Command: `make reproduce-table6 CKPT_DIR={args.ckpt_dir}"
              + (f" LM_EVAL_DATA={args.lm_eval_data}" if args.lm_eval_data else "") + "`"
              + (f" (lm-evaluation-harness {evaluate.lm_eval_version()}, zero-shot"
@@ -159,9 +158,11 @@ def reproduce_table6(args) -> str:
 
 
 def reproduce_table8(args) -> str:
-    header = ["cell", "model", "paper avg (14 tasks)", "ours avg", "status"] + list(TABLE8_TASKS)
+    header = ["cell", "model", "source", "avg (14 tasks)"] + list(TABLE8_TASKS)
     rows, records = [], []
-    for cell, paper in table_cells("8"):
+    for cell, paper in table_cells("8"):  # the paper's per-task keys: the task names with '-' as '_'
+        rows.append([cell, paper.get("row", ""), "paper", _fmt(paper.get("longbench_avg"))]
+                    + [_fmt(paper.get(t.replace("-", "_"))) for t in TABLE8_TASKS])
         path = os.path.join(args.ckpt_dir, cell) if args.ckpt_dir else None
         scores, status = {}, "ok"
         if not path or not os.path.exists(path):
@@ -176,16 +177,15 @@ def reproduce_table8(args) -> str:
                                        batch_size=args.batch_size)
             except Exception as e:  # noqa: BLE001
                 status = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        rows.append([cell, paper.get("row", ""), _fmt(paper.get("longbench_avg")), _fmt(scores.get("average")),
-                     status] + [_fmt(scores.get(t)) for t in TABLE8_TASKS])
+        rows.append([cell, paper.get("row", ""), "ours" if scores else status, _fmt(scores.get("average"))]
+                    + [_fmt(scores.get(t)) for t in TABLE8_TASKS])
         records.append({"cell": cell, "paper": paper, "ours": scores, "status": status, **model_run(path)})
     groups = "; ".join(f"{g}: " + ", ".join(f"{abbr} = {name}" for abbr, name in tasks)
                        for g, tasks in TABLE8_GROUPS.items())
     notes = [f"LongBench (docs/paper_tables.md#table-8), the paper's 14 tasks in its column order ({groups}), "
              "official prompts, greedy decoding, middle truncation to "
-             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). Paper averages: the paper's Table 8 (docs/paper_tables.md). "
-             "The paper also prints the 14 per-task scores of every row; the project's sources do not give them, so this "
-             "file quotes only the averages (not guessed).", "",
+             f"{args.max_length} tokens (prompt + generation), official metrics (LongBench's packages: rouge, fuzzywuzzy, jieba). Paper numbers: the paper's Table 8, its 14 per-task "
+             "scores and its average of every row (docs/paper_tables.md).", "",
              f"Command: `make reproduce-table8 CKPT_DIR={args.ckpt_dir}"
              + (f" LONGBENCH={args.longbench}`" if args.longbench else "` (no LONGBENCH data given)")
              + (f" (limit {args.limit} examples per task)" if args.limit else "")]

@@ -77,7 +77,7 @@ def all_cells(tables=None) -> list[tuple[str, Cell]]:
 def shape_only_mixing_checks():
     """On the meta device MHLA's op cannot check its mixing matrix's values (finite, nonnegative): meta tensors
     hold none. Its shape checks stay; restored on exit."""
-    from mhla.ops import api  # noqa: PLC0415
+    from mhla.ops.mhla import api  # noqa: PLC0415  (the non-causal entry point's check)
 
     check = api.check_mixing
 
@@ -163,9 +163,10 @@ def count_model(cfg) -> dict:
             macs = count["macs_per_token"] * ctx / 1e9
             return {"params": count["params"], "gmacs": {"all": None, "no_attention": macs}, "analytic": True,
                     "at": f"one {ctx}-token sequence (analytic: projections, MLPs, convs, head)"}
+        from tasks.common.config import model_attention  # noqa: PLC0415
         from tasks.language.task import build_lm  # noqa: PLC0415
 
-        model = build_lm(cfg.model, cfg.attn.name, vocab)  # on the CPU (~30 s): its forward reads tensor values
+        model = build_lm(cfg.model, model_attention(cfg), vocab)  # on the CPU (~30 s): its forward reads tensor values
         counts = count_flops_split(model, input_ids=torch.zeros(1, ctx, dtype=torch.long), use_cache=False)
         return {"params": count_parameters(model), "gmacs": gmacs(counts), "at": f"one {ctx}-token sequence"}
     raise ValueError(f"no parameter / FLOP count for model.kind={kind!r}")

@@ -134,6 +134,7 @@ BENCH = {
 LABELS = {"top1": "top-1", "ema_top1": "top-1 of the EMA", "top5": "top-5", "fid": "FID", "fid_cfg": "FID (cfg 1.5)", "is": "IS",
           "inception_score": "IS", "inception_score_cfg": "IS (cfg 1.5)", "sfid": "sFID", "sfid_cfg": "sFID (cfg 1.5)",
           "precision": "precision", "recall": "recall", "clip": "CLIP", "geneval": "GenEval",
+          "is_cfg": "IS (cfg 1.5)", "precision_cfg": "precision (cfg 1.5)", "recall_cfg": "recall (cfg 1.5)",
           "throughput": "throughput (img/s)", "loss": "held-out loss (proxy)", "mse": "eps-MSE",
           "latency_s": "latency (s)", "lit_fid": "LiT FID (quoted)", "params_M": "params (M)",
           "gflops": "GFLOPs (MACs)"}
@@ -188,7 +189,9 @@ def extra_cells(table: str) -> list[Cell]:
     return [Cell("dit_xl2_256_softmax_pretrained",
                  ["experiment=table3b/dit_xl2_256_mhla_finetune", "attn=softmax"],
                  {"table": "3b", "row": "DiT-XL/2 256 self-attention (released weights, not fine-tuned)",
-                  "fid": 9.62, "fid_cfg": 2.27},  # the paper also prints this row's IS / sFID: not in our sources
+                  # the paper's Tables 3b and 9, row "Self Attention" of DiT-XL/2 and of DiT-XL/2(G) (guided: *_cfg)
+                  "fid": 9.62, "fid_cfg": 2.27, "is": 121.50, "sfid": 6.85, "is_cfg": 278.24, "sfid_cfg": 4.60,
+                  "precision": 0.67, "recall": 0.67, "precision_cfg": 0.83, "recall_cfg": 0.57},
                  "table3b/dit_xl2_256_mhla_finetune with attn=softmax, evaluated without training", eval_only=True,
                  notes=["`dit_xl2_256_softmax_pretrained` trains nothing: the `model.pretrained` weights are loaded "
                         "into the softmax DiT-XL/2, saved as a checkpoint and sampled like the other cells."])]
