@@ -1,9 +1,11 @@
 """Static resources of the Triton kernels, without a GPU (:mod:`mhla.ops.mhla.triton.compile_check`).
 
 Every kernel of the ``mhla.ops.*.triton`` packages, in every variant the ops launch in the ``default`` set (bf16,
-D 64 and 128, blocks of 128 tokens, cross-attention's query side) and every autotune config, is compiled for sm_90
-and sm_80 with Triton's real pipeline, and ``ptxas -v`` is read. The tests require that every kernel is launched
-by some case, that every compile succeeds without spilling, and that the figures equal the committed table
+D 64 and 128, blocks of 128 tokens, cross-attention's query side) and every autotune config of each arch's list
+(``utils.autotune``: a kernel may keep its own sm_80 list), is compiled for sm_90 and sm_80 with Triton's real
+pipeline, and ``ptxas -v`` is read. The tests require that every kernel is launched by some case, that each arch
+compiles exactly the configs a device of that arch autotunes over, that every compile succeeds without spilling and
+fits its arch's shared memory, and that the figures equal the committed table
 ``results/bench/kernel_resources.json`` (so a change that adds registers, spills or shared memory shows in review).
 
 One subprocess compiles everything (the test process has ``TRITON_INTERPRET=1``, which does not compile); its
@@ -29,25 +31,12 @@ REGENERATE = ("python -m mhla.ops.mhla.triton.compile_check --set default --tabl
 IDENTITY = ("kernel", "set", "dtype", "flags", "tiles", "PREC", "spec", "num_warps", "num_stages", "arch")
 FIGURES = ("registers", "spill_stores", "spill_loads", "stack", "shared")
 
-#: sm_80 (A100) variants that spill today (kernel, flags, num_warps, num_stages, arch); their bytes are in
-#: results/bench/kernel_resources.md. sm_90 (H100 / H200, what the kernels are tuned for) has none: each kernel's
-#: autotune list keeps only the configs that do not spill there (chunk.py, mix.py), and an sm_90 entry here fails
-#: the test. The test fails when any other variant spills, and warns when one of these stops spilling (delete it
-#: here then): the list is meant to shrink to nothing.
-KNOWN_SPILLS = {
-    ("_bwd_block_grads_kernel", "HAS_R", 8, 3, "sm_80"),
-    ("_bwd_block_grads_kernel", "NORMALIZE", 8, 2, "sm_80"),
-    ("_bwd_block_grads_kernel", "NORMALIZE", 8, 3, "sm_80"),  # D 128 with the wide tiles (128): 8 B
-    ("_bwd_dqk_kernel", "CAUSAL,HAS_R", 8, 2, "sm_80"),
-    ("_bwd_dqk_kernel", "CAUSAL,HAS_R,NORMALIZE", 8, 2, "sm_80"),
-    ("_fwd_block_summaries_kernel", "-", 4, 2, "sm_80"),
-    ("_fwd_block_summaries_kernel", "-", 4, 3, "sm_80"),  # D 128 with the wide tiles (128): 20 B
-    ("_fwd_block_summaries_kernel", "HAS_R,HAS_INIT,STORE_Z", 8, 2, "sm_80"),
-    ("_fwd_block_summaries_kernel", "HAS_R,STORE_Z", 8, 2, "sm_80"),
-    ("_fwd_output_kernel", "CAUSAL,HAS_R,NORMALIZE", 4, 2, "sm_80"),
-    ("_fwd_output_kernel", "CAUSAL,HAS_R,NORMALIZE", 4, 3, "sm_80"),
-    ("_mix_bwd_dw_kernel", "CAUSAL", 4, 3, "sm_80"),  # both parts (S and z) in one launch: 20 B
-}
+#: Variants that spill (kernel, flags, num_warps, num_stages, arch); their bytes are in
+#: results/bench/kernel_resources.md. None today on sm_90 (H100 / H200, what the kernels are tuned for) or sm_80
+#: (A100): each kernel's autotune lists keep only the configs that do not spill on their arch (``utils.autotune``,
+#: with an sm_80 list of its own where the sm_90 configs spill there), and an sm_90 entry here fails the test. The
+#: test fails when any other variant spills, and warns when one of these stops spilling (delete it here then).
+KNOWN_SPILLS: set = set()
 
 
 def test_no_sm90_spill_is_allowed():
@@ -80,18 +69,51 @@ def test_every_kernel_is_launched_by_a_case(compiled):
         "wire them into an op or add a case")
 
 
-def test_every_default_variant_and_config_compiles_for_sm90_and_sm80(compiled):
+@pytest.fixture(scope="module")
+def autotune_lists():
+    """``{kernel: {arch: [[num_warps, num_stages, {constexpr: value}], ...]}}``: each autotuned kernel's configs
+    for each arch, as a device of that arch autotunes over them (``utils.configs_for_arch``; read in a process
+    without the interpreter, which keeps one plain config)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    code = ("import json\n"
+            "from mhla.ops.mhla.triton import compile_check as cc, utils\n"
+            "print(json.dumps({name.split(':')[1]: {f'sm_{a}': [[c.num_warps, c.num_stages, c.kwargs]\n"
+            "    for c in utils.configs_for_arch(k.configs, a)] for a in cc.ARCHS}\n"
+            "    for name, k in cc.discover_kernels().items() if hasattr(k, 'configs')}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_default_variant_and_config_compiles_for_sm90_and_sm80(compiled, autotune_lists):
     assert not compiled["failures"], "\n".join(compiled["failures"])
     rows = compiled["rows"]
     assert {r["arch"] for r in rows} == {"sm_90", "sm_80"}
     kernels = {r["kernel"] for r in rows}
     assert {"_fwd_block_summaries_kernel", "_fwd_output_kernel", "_bwd_dqk_kernel", "_cross_query_kernel"} <= kernels
-    for kernel in kernels:  # every autotune config of each kernel, on both archs
-        configs = {(r["num_warps"], r["num_stages"], r["arch"]) for r in rows if r["kernel"] == kernel}
-        # each kernel's own autotune list (one config where the others spill), the same on both archs
-        assert {arch for _, _, arch in configs} == {"sm_90", "sm_80"}, (kernel, configs)
-        assert ({(w, st) for w, st, arch in configs if arch == "sm_90"}
-                == {(w, st) for w, st, arch in configs if arch == "sm_80"}), (kernel, configs)
+    assert set(autotune_lists) <= kernels, set(autotune_lists) - kernels
+    for kernel, lists in autotune_lists.items():
+        for arch, configs in lists.items():
+            # exactly the configs a device of this arch autotunes over: no hidden ones, none compiled for nothing
+            compiled_here = [r for r in rows if r["kernel"] == kernel and r["arch"] == arch]
+            assert ({(r["num_warps"], r["num_stages"]) for r in compiled_here}
+                    == {(w, st) for w, st, _ in configs}), (kernel, arch, configs)
+            assert len({(w, st) for w, st, _ in configs}) == len(configs), (kernel, arch, configs)
+            for w, st, kwargs in configs:  # the config's flags (constexprs set True) are in its rows' flags
+                on = {name for name, value in kwargs.items() if value is True}
+                for r in compiled_here:
+                    if (r["num_warps"], r["num_stages"]) == (w, st):
+                        assert on <= set(r["flags"].split(",")), (kernel, arch, kwargs, r["flags"])
+
+
+def test_every_config_fits_its_arch_shared_memory(compiled):
+    from mhla.ops.mhla.triton.compile_check import over_shared_limit
+
+    big = over_shared_limit(compiled["rows"])
+    assert not big, "configs a device would skip (more shared memory than it has):\n" + "\n".join(
+        f"{_label(r)}: {r['shared']} B" for r in big)
 
 
 def test_no_default_variant_spills(compiled):

@@ -217,6 +217,8 @@ STATE_CASES = [  # B, T, H, D, C, window (None: dense), per_head, dtype, rows dt
     (2, 100, 2, 40, 80, (2, 3), True, torch.float16, torch.float16, True, True),  # running sums, per-head rows
     (1, 70, 2, 32, 16, (3, 0), True, torch.float32, torch.float32, False, True),  # last_row's window, key sums kept
     (2, 64, 2, 16, 4, (1, 5), False, torch.float32, torch.float32, False, False),
+    (1, 80, 2, 16, 2, (0, 33), False, torch.float32, torch.float32, True, False),  # recent > 32: BandedMix's torch
+    # reference (traffic.banded_mix_ops)
     (1, 50, 2, 32, 64, (0, 3), False, torch.float32, torch.float16, True, True),  # one block: no finished block
     (1, 96, 2, 16, 16, None, False, torch.float32, torch.float32, True, True),  # dense, ends on a block boundary
     (1, 70, 2, 32, 16, None, True, torch.float16, torch.float16, False, True),  # dense, partial last block
@@ -364,9 +366,13 @@ def test_lm_setting_is_linear_and_half_summaries_halve_the_summary_passes():
     base = traffic.lm_traffic(4096, 64)
     for T in (16384, 65536):
         t = traffic.lm_traffic(T, 64)
-        assert t.bytes() / base.bytes() <= T / 4096 * 1.001
+        assert t.bytes("forward") / base.bytes("forward") <= T / 4096 * 1.001
         assert t.launches() == base.launches()
-    assert traffic.lm_traffic(65536, 64).bytes() / base.bytes() <= 17
+    # forward + backward affine in T past the first band tile (the backward's scan reads every band tile but the
+    # first twice): equal increments per 4x, and at most 17x at T 64k
+    b4, b16, b64 = (traffic.lm_traffic(T, 64).bytes() for T in (4096, 16384, 65536))
+    assert b64 - b16 == pytest.approx(4 * (b16 - b4), rel=1e-9)
+    assert b64 / b4 <= 17
     full = traffic.mhla_traffic(8, 4096, 16, 64, block_size=64, dtype_bytes=2, mixing_bytes=2)
     half = traffic.mhla_traffic(8, 4096, 16, 64, block_size=64, dtype_bytes=2, mixing_bytes=2, summary_bytes=2)
     assert round(full.ratio_forward, 2) == 3.07 and round(half.ratio_forward, 2) == 2.06
@@ -375,6 +381,61 @@ def test_lm_setting_is_linear_and_half_summaries_halve_the_summary_passes():
     kw = dict(block_size=64, dtype_bytes=2, causal=True)
     assert (traffic.mhla_traffic(1, 256, 2, 64, window=(0, 3), summary_bytes=2, **kw).bytes()
             == traffic.mhla_traffic(1, 256, 2, 64, window=(0, 3), **kw).bytes())
+
+
+def test_lm_setting_mixes_the_rows_in_fused_kernels():
+    """The LM setting's compact rows go through the banded kernels (one launch forward; the scan, dx and the sum
+    of the partial coefficient gradients backward), which read the fp32 summaries about once per pass: forward
+    within 1.3x of reading ``S`` (and ``z``) and writing ``P`` (and ``p``) once, at D 64 and 128."""
+    for D in (64, 128):
+        for T in (4096, 65536):
+            t = traffic.lm_traffic(T, D)
+            fwd = [k for k in t.phase("forward") if k.group == "banded mix"]
+            bwd = [k for k in t.phase("backward") if k.group == "banded mix"]
+            assert [k.name for k in fwd] == ["_banded_fwd_kernel"]
+            assert [k.name for k in bwd] == ["_banded_bwd_scan_kernel", "_banded_bwd_dx_kernel", "aten.sum"]
+            NB = T // 64
+            once = 2 * 8 * 16 * NB * (D * D + D) * 4  # S and z read, P and p written, fp32
+            assert once <= fwd[0].bytes <= 1.3 * once
+            assert not any(k.group == "banded mix (torch)" for k in t.kernels)
+
+
+BANDED_LAYOUTS = [  # window, first (state's finished blocks), rows, G, features of the two parts, need_dcoeff
+    ((2, 5), 9, 30, 1, (20, 6), True),  # kept head, folded, kept recent
+    ((2, 5), 3, 30, 2, (20, 6), True),  # a state shorter than head + recent
+    ((4, 3), 2, 31, 1, (136, 0), True),  # the call's first blocks are head blocks; 2 feature tiles, one part
+    ((0, 31), 40, 70, 2, (20, 6), False),  # frozen rows: no coefficient gradients
+    ((1, 0), 6, 17, 1, (20, 6), True),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", BANDED_LAYOUTS, ids=lambda c: f"w{c[0][0]},{c[0][1]}-first{c[1]}-dw{int(c[5])}")
+def test_banded_model_of_the_state_layouts(recorder, case):
+    """:func:`traffic.banded_kernel_traffic` for the layouts the op-level cases do not reach (a continued state's
+    kept head / folded / kept recent columns, frozen rows, one part), against :class:`BandedMix` called directly."""
+    from mhla.ops.mhla.state import kept_blocks
+    from mhla.ops.mhla.triton.mix import BandedMix
+
+    window, first, NB, G, (F1, F2), need = case
+    kh, kr = kept_blocks(first, window)
+    folded = first > kh + kr
+    mixer = BandedMix(window, first, kh, folded, kr, NB)
+    B, H, N = 2, 2, mixer.state_columns + NB
+    g = torch.Generator().manual_seed(0)
+    coefficients = [torch.rand(G, NB, *s, generator=g) for s in ((window[0],), (window[1],), ())]
+    xs = [torch.randn(B, H, N, F1, generator=g), torch.randn(B, H, N, F2, generator=g) if F2 else None]
+    dps = [torch.randn(B, H, NB, F1, generator=g), torch.randn(B, H, NB, F2, generator=g) if F2 else None]
+    with recorder:
+        mixer.mix(coefficients, xs)
+        recorder.phase = "backward"
+        mixer.backward(coefficients, xs, dps, need)
+    fwd, bwd = traffic.banded_kernel_traffic(B, H, G, NB, F1, F2, window, first=first, kept_head=kh, folded=folded,
+                                             kept_recent=kr, need_dcoeff=need)
+    model = traffic.Traffic(B, 0, H, 1, 1, 1, 4, True, "shared")
+    model.kernels = [traffic.KernelTraffic(name, 1, r, w, phase, "", "")
+                     for phase, ops in (("forward", fwd), ("backward", bwd)) for name, r, w in ops]
+    assert_model_matches(recorder, model)
 
 
 def test_docs_table_is_the_cli_output():

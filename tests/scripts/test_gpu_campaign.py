@@ -229,4 +229,4 @@ def test_the_traffic_model_is_read_for_the_mhla_op():
     # the LM's compact rows: the window the benchmark's rows have, so bytes grow linearly in T past the window
     win = [gc.modelled_traffic("mhla_window", True, "fwd", o, 64, T, 64)["bytes"] for T in (4096, 16384)]
     dense = gc.modelled_traffic("mhla", True, "fwd", o, 64, 4096, 64)["bytes"]
-    assert 3.9 < win[1] / win[0] < 4.1 and win[0] > dense  # BandedMix in torch: today above the dense path
+    assert 3.9 < win[1] / win[0] < 4.1 and win[0] < 1.5 * dense  # the fused banded mix: at the dense causal path's level

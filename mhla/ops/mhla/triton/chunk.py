@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .mix import mix_gemm_parts, mix_gemm_parts_backward
-from .utils import autotune_configs, chunk_tile, device_helper, dot_precision, feature_tile
+from .utils import autotune, chunk_tile, device_helper, dot_precision, feature_tile
 from .utils import feature_tile as _feature_tile_any_cap
 
 _KEY = ["D", "Dv", "BT", "BK", "BV"]  # autotune key; each kernel adds its flags
@@ -188,7 +188,8 @@ def _vector_ptrs(ptr, n, i_k, D, BK: tl.constexpr):
 # ------------------------------------------------------------------------------------------ forward
 
 
-@triton.autotune(configs=autotune_configs(), key=_KEY + ["HAS_R", "HAS_INIT", "STORE_Z"])
+# sm_80: 8 warps x 3 stages only (the others spill there, results/bench/kernel_resources.md)
+@autotune(key=_KEY + ["HAS_R", "HAS_INIT", "STORE_Z"], sm80=[(8, 3)])
 @triton.jit
 def _fwd_block_summaries_kernel(
     k, v, cur_s, cur_z, S, Z, R, Rz,
@@ -299,7 +300,8 @@ def _output_chunk(q_base, k_base, v_base, o_base, P, Pz, R, Rz, den, h_blk, g_bl
     _store_tokens(o_base, acc, t, valid, stride_v, i_v, Dv, BV)
 
 
-@triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE", "ONE_K"])
+# sm_80: 8 warps only (the causal variant with running sums and the normalizer spills at 4 warps there)
+@autotune(key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE", "ONE_K"], sm80=[(8, 2), (8, 3)])
 @triton.jit
 def _fwd_output_kernel(
     q, k, v, P, Pz, R, Rz, mdiag, o, den,
@@ -369,9 +371,9 @@ def _output_delta(do0, do_base, o_base, t, valid, stride_v, Dv, BV: tl.constexpr
     return delta
 
 
-# 8 warps only: with the fused delta the HAS_R + NORMALIZE variant spills at 4 warps on sm_90
-# (results/bench/kernel_resources.md)
-@triton.autotune(configs=autotune_configs(warps=(8,)), key=_KEY + ["HAS_R", "NORMALIZE"])
+# 8 warps only: with the fused delta the HAS_R + NORMALIZE variant spills at 4 warps on sm_90; sm_80: 1 stage (at
+# 2 and 3 the normalizer variants spill there, results/bench/kernel_resources.md)
+@autotune(key=_KEY + ["HAS_R", "NORMALIZE"], warps=(8,), sm80=[(8, 1)])
 @triton.jit
 def _bwd_block_grads_kernel(
     q, do, o, den, delta, R, Rz, dP, dPz, dR, dRz, dmr, eps0,
@@ -452,7 +454,7 @@ def _bwd_block_grads_kernel(
         tl.store(dmr + (i_kv * tl.num_programs(2) + i_bh) * NB + i_blk, tl.sum(dm, axis=0))
 
 
-@triton.autotune(configs=autotune_configs(), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
+@autotune(key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
 @triton.jit
 def _bwd_dv_kernel(
     q, k, do, den, dS, dR, mdiag, dv,
@@ -500,20 +502,26 @@ def _bwd_dv_kernel(
 
 
 # 8 warps x 2 stages only: the causal variants spill at 4 warps on sm_90, and 3 stages need more shared memory
-# than an H100 has (results/bench/kernel_resources.md)
-@triton.autotune(configs=autotune_configs(warps=(8,), stages=(2,)), key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"])
+# than an H100 has; sm_80 steps the V loop by half tiles (HALF_V: the causal variants spill at full ones there,
+# results/bench/kernel_resources.md)
+@autotune(key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"], warps=(8,), stages=(2,),
+          sm80=[(8, 2, {"HALF_V": True}), (8, 3, {"HALF_V": True})])
 @triton.jit
 def _bwd_dqk_kernel(
     q, k, v, do, den, delta, P, Pz, R, Rz, dS, dSz, dR, dRz, mdiag, dq, dk, dmi, eps0,
     T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, stride_mb,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+    HALF_V: tl.constexpr = False,
 ):
     """``dq`` and ``dk`` of one chunk, one K tile (module docstring). Reduces over V tiles.
 
     With ``CAUSAL`` it also stores the intra-chunk part of the gradient of ``m_i`` restricted to this K
     tile, ``sum_{s <= t} (q_t . k_s)|_{K tile} dA[t, s]``, at ``dmi[i_k, i_bh, j]`` (the K tiles add up).
+    ``HALF_V`` (an autotune config's, not the host's): the V loop steps by ``BV / 2`` (when that is at least 16),
+    half the loop's live tiles; the same loads and sums.
     """
+    BVL: tl.constexpr = BV // 2 if HALF_V and BV >= 32 else BV  # the V loop's step
     i_k, j, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_blk, i_c = j // NC, j % NC
     i_b, i_h = i_bh // H, i_bh % H
@@ -527,35 +535,33 @@ def _bwd_dqk_kernel(
     n_p = i_bh * NB + i_blk
     n_r = i_bh * NB * NC + j
 
-    qt = _load_tokens(q + qk_off, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
-    kt = _load_tokens(k + qk_off, t, valid, stride_k, i_k, D, BK)
     dq_acc = tl.zeros([BT, BK], dtype=tl.float32)
     dk_acc = tl.zeros([BT, BK], dtype=tl.float32)
-    dA = tl.zeros([BT, BT], dtype=tl.float32)
+    dnv = tl.zeros([BT, BT], dtype=tl.float32)  # do_t . v_s (dn_t . v_s = do_t . v_s / d_t)
     dd = tl.zeros([BT], dtype=tl.float32)
     d = tl.full([BT], 1.0, dtype=tl.float32)
     if NORMALIZE:  # dn = do / d, dd = -(do . o) / d; delta = do . o from _bwd_block_grads_kernel
         d = _load_den(den, i_bh, t, valid, T)
         dd = -tl.load(delta + i_bh.to(tl.int64) * T + t, mask=valid, other=0.0) / d
-    for i_v in range(tl.cdiv(Dv, BV)):
-        dn = _load_tokens(do + v_off, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
-        if NORMALIZE:
-            dn = dn / d[:, None]
-        vt = _load_tokens(v + v_off, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
-        p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BV)
+    for i_v in range(tl.cdiv(Dv, BVL)):
+        do_t = _load_tokens(do + v_off, t, valid, stride_v, i_v, Dv, BVL)  # [BT, BVL], input dtype
+        v_t = _load_tokens(v + v_off, t, valid, stride_v, i_v, Dv, BVL)
+        vt = v_t.to(tl.float32)
+        p, msk = _summary_ptrs(P, n_p, i_k, i_v, D, Dv, BK, BVL)
         h = tl.load(p, mask=msk, other=0.0).to(tl.float32)
-        p, msk = _summary_ptrs(dS, n_p, i_k, i_v, D, Dv, BK, BV)
+        p, msk = _summary_ptrs(dS, n_p, i_k, i_v, D, Dv, BK, BVL)
         dH = tl.load(p, mask=msk, other=0.0)
         if HAS_R:
-            p, msk = _summary_ptrs(R, n_r, i_k, i_v, D, Dv, BK, BV)
+            p, msk = _summary_ptrs(R, n_r, i_k, i_v, D, Dv, BK, BVL)
             h += m * tl.load(p, mask=msk, other=0.0)
-            p, msk = _summary_ptrs(dR, n_r, i_k, i_v, D, Dv, BK, BV)
+            p, msk = _summary_ptrs(dR, n_r, i_k, i_v, D, Dv, BK, BVL)
             dH += m * tl.load(p, mask=msk, other=0.0)
-        dq_acc += tl.dot(dn, tl.trans(h), input_precision=PREC)
+        dq_acc += tl.dot(do_t.to(tl.float32), tl.trans(h), input_precision=PREC)  # rows times 1 / d_t below
         dk_acc += tl.dot(vt, tl.trans(dH), input_precision=PREC)
         if CAUSAL:
-            dA += tl.dot(dn, tl.trans(vt), input_precision=PREC)  # dn_t . v_s
+            dnv += tl.dot(do_t, tl.trans(v_t), input_precision=PREC)  # input dtype: exact products
     if NORMALIZE:
+        dq_acc = dq_acc / d[:, None]  # dn_t = do_t / d_t
         pz, mz = _vector_ptrs(Pz, n_p, i_k, D, BK)
         g = tl.load(pz, mask=mz, other=0.0).to(tl.float32)
         pz, mz = _vector_ptrs(dSz, n_p, i_k, D, BK)
@@ -567,23 +573,42 @@ def _bwd_dqk_kernel(
             dh += m * tl.load(pz, mask=mz, other=0.0)
         dq_acc += dd[:, None] * g[None, :]
         dk_acc += dh[None, :]
+    # q and k loaded after the loop (nothing of them is live across it); only the causal part reads them (the
+    # compiler drops the loads without it; the interpreter, as traffic.py, counts them)
+    qt = _load_tokens(q + qk_off, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
+    kt = _load_tokens(k + qk_off, t, valid, stride_k, i_k, D, BK)
     if CAUSAL:
         causal_mask = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
-        dA = tl.where(causal_mask, dA + dd[:, None], 0.0)  # dA[t, s] = dn_t . v_s + dd_t, s <= t
-        qf, kf = qt.to(tl.float32), kt.to(tl.float32)
-        dq_acc += m * tl.dot(dA, kf, input_precision=PREC)
-        dk_acc += m * tl.dot(tl.trans(dA), qf, input_precision=PREC)
-        A = tl.dot(qt, tl.trans(kt), input_precision=PREC)  # this K tile's part of q_t . k_s
-        dm = tl.sum(A * dA)
+        # this K tile's part of a_ts = q_t . k_s (s <= t), reduced to row sums first, so that the [BT, BT] A is
+        # dead before dA's dots: dm = sum_ts a_ts dA[t, s] = sum_t (sum_s a_ts dnv_ts) / d_t + dd_t sum_s a_ts
+        A = tl.where(causal_mask, tl.dot(qt, tl.trans(kt), input_precision=PREC), 0.0)
+        a_dnv = tl.sum(A * dnv, axis=1) / d
         if NORMALIZE:
+            dm = tl.sum(a_dnv + dd * tl.sum(A, axis=1))
             # Block 0 without a mixed prefix (eps0 >= 0: no state columns): o_t = m V_t / (m a_t + eps), and
             # d o_t / d m = eps V_t / d_t^2, i.e. dn_t . V_t * eps / d_t. The general form dn . V + dd a
             # cancels to it from terms ~1/m times larger, through delta = do . o of the *rounded* output
             # (fp16 / bf16): 1/m-amplified error when m_0 is small. So no dd term here.
             if (i_blk == 0) & (eps0 >= 0):
-                dm = tl.sum(A * tl.where(causal_mask, (dA - dd[:, None]) * (eps0 / d)[:, None], 0.0))
+                dm = tl.sum(a_dnv * (eps0 / d))
+        else:
+            dm = tl.sum(a_dnv)
         tl.store(dmi + (i_k * tl.num_programs(2) + i_bh) * NB * NC + j, dm)
-    _store_tokens(dq + qk_off, dq_acc, t, valid, stride_k, i_k, D, BK)
+        dA = tl.where(causal_mask, dnv / d[:, None] + dd[:, None], 0.0)  # dA[t, s] = dn_t . v_s + dd_t, s <= t
+        if kt.dtype == tl.bfloat16:
+            # dA as two bf16 terms (hi + lo: 16 significant bits, more than TF32's 11) times the bf16 q / k: bf16
+            # operands, half the registers of fp32 ones (sm_80 holds a whole operand tile per warp here)
+            dA_hi = dA.to(tl.bfloat16)
+            dA_lo = (dA - dA_hi.to(tl.float32)).to(tl.bfloat16)
+            dq_acc += m * (tl.dot(dA_hi, kt) + tl.dot(dA_lo, kt))
+            _store_tokens(dq + qk_off, dq_acc, t, valid, stride_k, i_k, D, BK)  # dq_acc is dead before dk's dots
+            dk_acc += m * (tl.dot(tl.trans(dA_hi), qt) + tl.dot(tl.trans(dA_lo), qt))
+        else:  # fp16 (whose range a gradient may leave) and fp32: TF32 / exact fp32 products
+            dq_acc += m * tl.dot(dA, kt.to(tl.float32), input_precision=PREC)
+            _store_tokens(dq + qk_off, dq_acc, t, valid, stride_k, i_k, D, BK)
+            dk_acc += m * tl.dot(tl.trans(dA), qt.to(tl.float32), input_precision=PREC)
+    else:
+        _store_tokens(dq + qk_off, dq_acc, t, valid, stride_k, i_k, D, BK)
     _store_tokens(dk + qk_off, dk_acc, t, valid, stride_k, i_k, D, BK)
 
 

@@ -15,7 +15,8 @@ shapes, shared memory) nor what they cost in registers. This module
    signature, constexprs (flags, ``BT`` / ``BK`` / ``BV``, ``PREC``) and argument specialisations (16-byte
    alignment, divisibility by 16) that the JIT would give it on a GPU;
 3. compiles each variant for each autotune config (``num_warps`` x ``num_stages`` of the kernel's
-   ``triton.autotune``) and each ``--arch`` with Triton's real pipeline (TTIR -> PTX -> cubin with the bundled
+   ``triton.autotune``; on each ``--arch`` the configs of that arch's list, :func:`.utils.configs_for_arch`) and
+   each ``--arch`` with Triton's real pipeline (TTIR -> PTX -> cubin with the bundled
    ``ptxas``), and runs the bundled ``ptxas -v`` (Triton's flags) on the PTX for registers per thread, spill
    stores / loads and stack frame bytes; shared memory is Triton's (``metadata.shared``, dynamic shared memory).
 
@@ -73,6 +74,11 @@ NUM_BLOCKS = 64  # blocks per call (MHLA) and query blocks (cross-attention)
 #: their general tiles (rows of 128, ``dx`` columns of 64), bf16, D 64, blocks of 128 tokens (the chunk kernels'
 #: variants are the default ones), normalizer on
 MANY_BLOCKS = 256
+#: the default set's causal calls with compact ``MixingRows`` (``window``, path, rows require a gradient), bf16, D 64,
+#: blocks of 128 tokens: the banded mix kernels (:mod:`.banded`) of the LM's window (0, 31) (band tiles of 32 rows),
+#: and of a window with head blocks (band tiles of 16) without and with a state (kept head, folded and kept recent
+#: columns; frozen rows: no coefficient gradient)
+ROWS_CASES = (((0, 31), "causal", True), ((2, 5), "causal", True), ((2, 5), "causal+state", False))
 ROW_FIELDS = ("kernel", "set", "dtype", "flags", "tiles", "PREC", "spec", "num_warps", "num_stages",
               "arch", "registers", "spill_stores", "spill_loads", "stack", "shared")
 FIGURES = ("registers", "spill_stores", "spill_loads", "stack", "shared")
@@ -135,7 +141,10 @@ def discover_kernels() -> dict:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One op call the capture drives. ``op``: "mhla" or "mhla_cross"; ``path``: "noncausal", "causal",
-    "causal+state" (a call that returns a state, then one that continues it mid-block) or "query"."""
+    "causal+state" (a call that returns a state, then one that continues it mid-block) or "query". ``window``:
+    compact causal :class:`~mhla.ops.MixingRows` with that ``(head, recent)`` instead of a dense mixing (the banded
+    kernels, :mod:`.banded`); ``rows_grad``: whether the rows require a gradient (else the backward skips the
+    coefficient gradients)."""
 
     op: str
     path: str
@@ -145,6 +154,8 @@ class Case:
     normalize: bool
     set: str = "default"
     blocks: int = NUM_BLOCKS
+    window: tuple | None = None
+    rows_grad: bool = True
 
 
 @dataclasses.dataclass
@@ -174,6 +185,9 @@ def cases(sets: tuple = SETS) -> Iterator[Case]:
         if set_name == "default":
             for path in ("noncausal", "causal"):
                 yield Case("mhla", path, "bf16", 64, 128, True, set_name, blocks=MANY_BLOCKS)
+            for window, path, grad in ROWS_CASES:
+                for normalize in (True, False):
+                    yield Case("mhla", path, "bf16", 64, 128, normalize, set_name, window=window, rows_grad=grad)
 
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -235,6 +249,11 @@ def _run_mhla(case: Case, rand, gen, B: int, H: int, T: int, D: int) -> None:
     mixing = torch.rand(H, T // C, T // C, generator=gen).requires_grad_()
     q, k, v = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)
     with mock.patch.object(backend, "_check_device", lambda q: None):  # CPU tensors: nothing runs
+        if case.window is not None:  # compact rows: the banded mix kernels
+            from mhla.ops import MixingRows
+
+            mixing = MixingRows(0, *(torch.rand(H, T // C, *shape, generator=gen).requires_grad_(case.rows_grad)
+                                     for shape in ((), (case.window[0],), (case.window[1],), ())))
         if case.path == "causal+state":
             split = T // 2 + 16  # the second call starts 16 tokens into a block
             o1, state = backend.mhla_triton(q[:, :split], k[:, :split], v[:, :split], mixing, C, causal=True,
@@ -376,11 +395,16 @@ def bind(launch: Launch, config, arch: int) -> Variant:
 
 def variants(launches: list, archs=ARCHS, configs=None) -> list:
     """The distinct :class:`Variant` s of ``launches`` x configs (each kernel's own, or ``configs``) x ``archs``.
+    A kernel's own configs are compiled for the archs whose autotune list holds them (:func:`.utils.configs_for_arch`).
     A variant already in an earlier set (e.g. a cap-128 one equal to a default one) is kept there only."""
+    from .utils import configs_for_arch
+
     seen, out = set(), []
     for launch in sorted(launches, key=lambda ln: SETS.index(ln.case.set)):
         for config in configs or launch.configs:
             for arch in archs:
+                if configs is None and not configs_for_arch([config], arch):
+                    continue
                 v = bind(launch, config, arch)
                 if v.key() not in seen:
                     seen.add(v.key())
@@ -677,7 +701,9 @@ def describe_cases(sets: tuple) -> str:
             "and backward; normalizer paper and none); cross-attention's query side with "
             f"{' and '.join(map(str, QUERIES_PER_BLOCK))} queries per block"
             + (f"; default set: also non-causal and causal calls of {MANY_BLOCKS} blocks of 128 tokens (D 64, the "
-               "mix kernels' general tiles)" if "default" in sets else ""))
+               "mix kernels' general tiles), and causal calls with compact MixingRows of windows "
+               f"{', '.join(f'{w} ({p})' for w, p, _ in ROWS_CASES)} (the banded mix kernels; with a state, rows "
+               "frozen)" if "default" in sets else ""))
 
 
 def run(archs=ARCHS, sets=SETS, configs=None, jobs=1, log=None) -> tuple[list, list, list]:

@@ -17,16 +17,18 @@ Between the kernels of :mod:`.chunk` every form mixes the block summaries ``S_b 
       P_i = sum_{b < head} head[i, b] S_b + sum_{d < recent} recent[i, d] S_{i-1-d} + far[i] F_i,
       F_i = sum_{head <= b < i - recent} S_b                 (an exclusive prefix sum over the blocks)
 
-  (the ``recent`` terms for blocks ``>= head`` only). Torch ops: the head part is one batched GEMM, the recent
-  part a banded GEMM on row tiles of ``Tr >= recent`` blocks (each tile reads its own and the previous tile
-  of blocks), the far part one ``cumsum``. Cost ``O(NB * (head + recent) * D * Dv)`` per head: linear in
+  (the ``recent`` terms for blocks ``>= head`` only). Fused kernels (:mod:`.banded`): one walk over row tiles
+  of ``Tr >= recent`` blocks, each tile's band a GEMM on its own and the previous tile of blocks, the far part
+  a running sum; its torch reference: the head part one batched GEMM, the recent part a banded GEMM on the
+  same tiles, the far part one ``cumsum``. Cost ``O(NB * (head + recent) * D * Dv)`` per head: linear in
   ``T``. A state's columns join in block order: its kept head blocks, its folded sum (one column that is part
   of every row's ``F_i``), its kept recent blocks.
 
 Both mixers keep a causal sum causal whatever the values: a NaN or inf in column ``b`` reaches the rows
 after it only. Backward: :meth:`DenseMix.backward` runs two more GEMM kernels (``dx = coeff^T dP``,
-``dcoeff = dP x^T`` summed over the batch, and over the heads when shared); :meth:`BandedMix.backward`
-recomputes the (linear) banded forward under autograd.
+``dcoeff = dP x^T`` summed over the batch, and over the heads when shared); :meth:`BandedMix.backward` runs
+two more kernels (:mod:`.banded`: the coefficient gradients, then ``dx``; its reference recomputes the forward
+under autograd).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import triton
 import triton.language as tl
 
 from ...utils import causal_product
-from .utils import autotune_configs, device_helper, next_pow2
+from .banded import banded_mix, banded_mix_backward, fused_supported
+from .utils import autotune, autotune_configs, device_helper, next_pow2
 
 # ------------------------------------------------------------------------------------------- GEMM kernels
 
@@ -176,8 +179,9 @@ def _mix_bwd_dx_kernel(
                      mask=(cols < N)[:, None] & (feats < F)[None, :])
 
 
-# 4 warps only: the causal variant spills 8 bytes at 8 warps x 2 stages on sm_90 (results/bench/kernel_resources.md)
-@triton.autotune(configs=autotune_configs(warps=(4,)), key=["F1", "F2", "CAUSAL", "BM", "BK", "BN"])
+# 4 warps only: the causal variant spills 8 bytes at 8 warps x 2 stages on sm_90; sm_80: 2 stages only (with both
+# parts it spills at 3 there, results/bench/kernel_resources.md)
+@autotune(key=["F1", "F2", "CAUSAL", "BM", "BK", "BN"], warps=(4,), sm80=[(4, 2)])
 @triton.jit
 def _mix_bwd_dw_kernel(
     X1, dP1, X2, dP2, dW, NB, N, F1, F2, H, MEMBERS, STEP, SPLIT, COL0,
@@ -427,6 +431,13 @@ class BandedMix:
     ``kept_head`` first blocks, its folded far sum when ``folded``, its ``kept_recent`` latest finished blocks
     (:func:`mhla.ops.mhla.state.kept_blocks`), then the call's ``rows`` blocks (``first`` = the state's
     finished blocks).
+
+    :meth:`mix` and :meth:`backward` run the fused kernels of :mod:`.banded` (one launch forward; one backward,
+    and a torch sum of its partial coefficient gradients) when :meth:`fused` says they cover the call (summaries
+    in fp32 / fp16 / bf16, ``window`` within :data:`.banded.MAX_HEAD` / :data:`.banded.MAX_RECENT`); otherwise, and
+    in :meth:`mix_reference` / :meth:`backward_reference`, the torch reference (``_mix_finite`` under
+    :func:`~mhla.ops.utils.causal_product`). ``precision``: ``tl.dot``'s input precision in the forward and dx
+    kernels (``tf32x3``: about fp32 accuracy on the tensor cores; :mod:`.banded`).
     """
 
     window: tuple[int, int]
@@ -435,6 +446,7 @@ class BandedMix:
     folded: bool = False
     kept_recent: int = 0
     rows: int = 1
+    precision: str = "tf32x3"
 
     @property
     def state_columns(self) -> int:
@@ -493,13 +505,47 @@ class BandedMix:
         P = causal_product(lambda y: self._mix_finite(head, recent, far, y), flat, 2, strict=True, lazy=False)
         return P.view(*x.shape[:2], self.rows, *x.shape[3:])
 
+    def fused(self, xs) -> bool:
+        """Whether :meth:`mix` / :meth:`backward` run the kernels of :mod:`.banded`
+        (:func:`.banded.fused_supported`: the summaries' dtype and the window), not the torch reference."""
+        dtypes = {x.dtype for x in xs if x is not None}
+        return len(dtypes) == 1 and fused_supported(self.window, dtypes.pop())
+
+    def _kernel_layout(self) -> dict:
+        return dict(window=self.window, first=self.first, kept_head=self.kept_head, folded=self.folded,
+                    kept_recent=self.kept_recent, rows=self.rows, precision=self.precision)
+
     def mix(self, coefficients, xs):
         """``xs``: summaries ``[B, H, N, *feat]`` (``N = state_columns + rows``, or None) -> mixed
-        ``[B, H, rows, *feat]`` (or None)."""
-        return [None if x is None else self._mix_one(coefficients, x) for x in xs]
+        ``[B, H, rows, *feat]`` (or None); both parts in one kernel launch (:func:`.banded.banded_mix`)."""
+        if all(x is None for x in xs):
+            return [None] * len(xs)
+        if not self.fused(xs):
+            return self.mix_reference(coefficients, xs)
+        ps = banded_mix(coefficients, [_flat(x) for x in xs], **self._kernel_layout())
+        return [None if x is None else p.view(*x.shape[:2], self.rows, *x.shape[3:]) for x, p in zip(xs, ps)]
 
     def backward(self, coefficients, xs, dps, need_dcoeff: bool):
-        """Gradients of :meth:`mix`, by running it again under autograd (it is linear in the blocks)."""
+        """Gradients of :meth:`mix`: ``(dxs, dcoefficients)`` (``dcoefficients = (dhead, drecent, dfar)`` in the
+        coefficients' dtypes, None unless ``need_dcoeff``), by :func:`.banded.banded_mix_backward`."""
+        if all(x is None for x in xs):
+            return [None] * len(xs), None
+        if not self.fused(xs):
+            return self.backward_reference(coefficients, xs, dps, need_dcoeff)
+        dxs, dcs = banded_mix_backward(coefficients, [_flat(x) for x in xs],
+                                       [None if dp is None else _flat(dp) for dp in dps],
+                                       need_dcoeff=need_dcoeff, **self._kernel_layout())
+        dxs = [None if x is None else dx.view(x.shape) for x, dx in zip(xs, dxs)]
+        if dcs is not None:
+            dcs = tuple(d.to(c.dtype) for d, c in zip(dcs, coefficients))
+        return dxs, dcs
+
+    def mix_reference(self, coefficients, xs):
+        """:meth:`mix` in torch ops (``_mix_finite`` under :func:`~mhla.ops.utils.causal_product`)."""
+        return [None if x is None else self._mix_one(coefficients, x) for x in xs]
+
+    def backward_reference(self, coefficients, xs, dps, need_dcoeff: bool):
+        """Gradients of :meth:`mix_reference`, by running it again under autograd (it is linear in the blocks)."""
         keep = [n for n, x in enumerate(xs) if x is not None]
         with torch.enable_grad():
             xs_ = [xs[n].detach().requires_grad_() for n in keep]

@@ -24,8 +24,8 @@ Scope: inputs contiguous in ``[B, T, H, D]``, no ``initial_state`` (causal), a d
 shared or ``[H, M, M]`` per head) of exactly ``M = ceil(T / block_size)`` blocks that requires a gradient (the
 backward computes it), or (causal) compact :class:`~mhla.ops.mhla.state.MixingRows` of ``M`` rows, shared or
 per head, whose tensors all require a gradient (``window``: the LM's bounded rows, mixed by
-:class:`~.mix.BandedMix` in torch ops; :func:`banded_mix_ops` counts those by running ``BandedMix`` on meta
-tensors), the normalizer on or off, the final state returned or not (``output_final_state``: its torch ops,
+:class:`~.mix.BandedMix`: its fused kernels, :func:`banded_kernel_traffic`, for the windows they take, else its
+torch reference, whose ops :func:`banded_mix_ops` counts by running it on meta tensors), the normalizer on or off, the final state returned or not (``output_final_state``: its torch ops,
 forward; a loss that does not use it). Not modelled: ``initial_state`` (a continued state), a state in the
 loss, ``normalize="official"`` (torch path), the CPU interpreter's own fp32 casts of bf16 inputs.
 
@@ -229,15 +229,15 @@ def _torch_ops(fn) -> list[tuple[str, int, int]]:
 
 def banded_mix_ops(B: int, H: int, G: int, NB: int, D: int, Dv: int, window: tuple[int, int],
                    normalize: bool) -> tuple[list, list]:
-    """The torch ops of :class:`~.mix.BandedMix` (compact :class:`~mhla.ops.mhla.state.MixingRows`, no state):
-    ``(forward, backward)`` lists of ``(aten name, bytes read, bytes written)``, forward ``mix`` of the
-    summaries ``S [B, H, NB, D, Dv]`` (and the key sums ``Z [B, H, NB, D]`` with the normalizer) and its
-    ``backward`` (the banded mix again under autograd, then its gradients).
+    """The torch ops of :class:`~.mix.BandedMix`'s reference (compact :class:`~mhla.ops.mhla.state.MixingRows`, no
+    state; what runs for a window its kernels do not take, :func:`banded_fused`): ``(forward, backward)`` lists of
+    ``(aten name, bytes read, bytes written)``, forward ``mix_reference`` of the summaries ``S [B, H, NB, D, Dv]``
+    (and the key sums ``Z [B, H, NB, D]`` with the normalizer) and its ``backward_reference`` (the banded mix
+    again under autograd, then its gradients).
 
-    ``BandedMix`` is some 50 torch ops per part whose shapes follow from ``NB``, ``window`` and its band tile;
+    The reference is some 50 torch ops per part whose shapes follow from ``NB``, ``window`` and its band tile;
     rather than a second copy of them here, its own code runs on ``meta`` tensors (shapes only, no data, no
-    time) under the byte convention of the module docstring. tests/ops/test_kernel_traffic.py checks that the
-    real op issues exactly these."""
+    time) under the byte convention of the module docstring."""
     import torch  # noqa: PLC0415
 
     from .mix import BandedMix  # noqa: PLC0415
@@ -248,9 +248,66 @@ def banded_mix_ops(B: int, H: int, G: int, NB: int, D: int, Dv: int, window: tup
     xs = [torch.empty(B, H, NB, D, Dv, **m), torch.empty(B, H, NB, D, **m) if normalize else None]
     dps = [torch.empty(B, H, NB, D, Dv, **m), torch.empty(B, H, NB, D, **m) if normalize else None]
     with torch.no_grad():
-        fwd = _torch_ops(lambda: mixer.mix(coeffs, xs))
-    bwd = _torch_ops(lambda: mixer.backward(coeffs, xs, dps, True))
+        fwd = _torch_ops(lambda: mixer.mix_reference(coeffs, xs))
+    bwd = _torch_ops(lambda: mixer.backward_reference(coeffs, xs, dps, True))
     return fwd, bwd
+
+
+def banded_kernel_traffic(B: int, H: int, G: int, NB: int, F1: int, F2: int, window: tuple[int, int], *,
+                          first: int = 0, kept_head: int = 0, folded: bool = False, kept_recent: int = 0,
+                          x_bytes: int = F32, coeff_bytes: int = F32, need_dcoeff: bool = True) -> tuple[list, list]:
+    """The launches of :mod:`.banded`'s kernels (the fused :class:`~.mix.BandedMix`): ``(forward, backward)`` lists
+    of ``(name, bytes read, bytes written)`` for summaries ``x [B, H, SC + NB, F1]`` (and ``[.., F2]``, 0 for none;
+    ``SC`` the state's columns) in ``x_bytes`` (``P``, ``dP``, ``dx`` alike), coefficients ``[G, NB, ..]`` in
+    ``coeff_bytes``.
+
+    Per program (one feature tile of one batch x head; ``nf`` features, both parts' tiles end to end), as the
+    kernels' loads and stores address them. Forward: the state's columns once (first non-finite column, folded
+    sum), the head blocks (``X_head``) and the kept recent ones (Z tile 0), every call block once, ``P`` once; per
+    row its ``far``, ``n_recent`` recent and ``min(n_head, first + r)`` head coefficients. Backward, the scan
+    kernel: the state's columns and every call block (non-finite columns; ``FB`` written, ``nf`` int32), and with
+    ``need_dcoeff`` ``dP``, every Z tile again as the previous tile of the next row tile (the Gram matrices reduce
+    over chunks of features loaded from memory), the head blocks once per row tile, and the partial gradients
+    (``NB * (n_head + n_recent + 1)`` fp32); the dx kernel: ``FB``, ``dP``, the coefficients as the forward,
+    ``dx`` of every column once. Then (``need_dcoeff``) one ``aten.sum`` of the partials over the programs of each
+    coefficient group."""
+    from .banded import banded_tiles  # noqa: PLC0415  (imports triton)
+
+    n_head, n_recent = window
+    sc = kept_head + int(folded) + kept_recent
+    TR, NHP, BN = banded_tiles(window, max(F1, F2))
+    NT = math.ceil(NB / TR)
+    tiles = [min(BN, F - f0) for F in (F1, F2) for f0 in range(0, F, BN)]  # features of each feature tile
+    progs = B * H * len(tiles)
+    feats = B * H * sum(tiles)  # features summed over the programs
+    head_blocks = min(n_head, first + NB) if n_head else 0  # X_head: the head blocks that exist
+    coeff = (NB + NB * n_recent + sum(min(n_head, first + r) for r in range(NB))) * coeff_bytes  # one walk
+    K = n_head + n_recent + 1
+    fwd_read = feats * (sc + head_blocks + kept_recent + NB) * x_bytes + progs * coeff
+    fwd = [("_banded_fwd_kernel", fwd_read, feats * NB * x_bytes)]
+    read = feats * (sc + NB) * x_bytes  # the state's columns, the call's blocks
+    written = feats * 4  # FB
+    if need_dcoeff:
+        prev = min(NT * TR, TR + NB) - (TR - kept_recent)  # Z positions read as a previous tile
+        read += feats * (prev + NT * head_blocks + NB) * x_bytes  # previous tiles, X_head per row tile, dP
+        written += progs * NB * K * F32
+    bwd = [("_banded_bwd_scan_kernel", read, written)]
+    read = feats * 4 + feats * NB * x_bytes + progs * coeff  # FB, dP, the coefficients
+    written = feats * (NB + kept_recent + int(folded) + (kept_head if n_head else 0)) * x_bytes  # dx
+    bwd.append(("_banded_bwd_dx_kernel", read, written))
+    if need_dcoeff:
+        bwd.append(("aten.sum", progs * NB * K * F32, G * NB * K * F32))
+    return fwd, bwd
+
+
+def banded_fused(window: tuple[int, int]) -> bool:
+    """Whether :class:`~.mix.BandedMix` runs the kernels of :mod:`.banded` for compact rows of ``window`` (fp32
+    summaries, as the causal path keeps them), or its torch reference."""
+    from .banded import fused_supported  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    return fused_supported(window, torch.float32)
 
 
 def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block_size: int,
@@ -382,7 +439,11 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         + (per_chunk_z if has_r and store_z else 0),
         "S_b, z_b per block (fp32)" + ("; running sums R_j, r_j per chunk" if has_r else ""),
         "fwd_block_summaries")
-    if compact:
+    if compact and banded_fused(window):
+        banded_fwd, banded_bwd = banded_kernel_traffic(B, H, Hm, NB, D * Dv, D if normalize else 0, window)
+        for name, r, w in banded_fwd:
+            add(name, r, w, "BandedMix: P (and Pz) from the compact rows, one walk over the blocks", "banded mix")
+    elif compact:
         banded_fwd, banded_bwd = banded_mix_ops(B, H, Hm, NB, D, Dv, window, normalize)
         for name, r, w in banded_fwd:
             add(name, r, w, "BandedMix: P (and Pz) from the compact rows", "banded mix (torch)")
@@ -445,7 +506,12 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         add("aten.sum", NK * NV * BH * NB * F32, BH * NB * F32, "dm_r: sum over tiles",
             "small reductions (torch)")
 
-    if compact:
+    if compact and banded_fused(window):
+        for name, r, w in banded_bwd:
+            add(name, r, w, "BandedMix backward: dS (dZ), d rows" + (" (partial sums)" if name.startswith("_")
+                                                                      else ": sum of the partial sums"),
+                "banded mix")
+    elif compact:
         for name, r, w in banded_bwd:
             add(name, r, w, "BandedMix backward: dS (dZ), d rows (recomputed under autograd)",
                 "banded mix (torch)")

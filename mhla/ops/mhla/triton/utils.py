@@ -99,11 +99,78 @@ def chunk_tile(block_size: int, max_tile: int = MAX_TILE) -> int:
     return best
 
 
-def autotune_configs(warps=(4, 8), stages=(2, 3)) -> list:
-    """Autotune configurations; a single one under the interpreter (there is nothing to tune)."""
+#: The CUDA archs the autotune lists are written for (compute capability x 10): 90 (H100 / H200, what the kernels
+#: are tuned for) and 80 (A100). A device of capability 9.0 or more autotunes over a kernel's sm_90 list, an older
+#: one over its sm_80 list (:func:`config_arch`); :mod:`.compile_check` compiles each arch's list for that arch.
+CONFIG_ARCHS = (90, 80)
+
+
+def config_arch(capability: int) -> int:
+    """The autotune list (90 or 80) a device of compute capability ``capability`` (major * 10 + minor) uses."""
+    return 90 if capability >= 90 else 80
+
+
+def arch_configs(warps=(4, 8), stages=(2, 3), sm80=None) -> list:
+    """A kernel's declared autotune configs (also under the interpreter): ``warps x stages`` for sm_90 and, unless
+    ``sm80`` lists its own, for sm_80.
+
+    ``sm80``: ``(num_warps, num_stages)`` or ``(num_warps, num_stages, kwargs)`` entries, ``kwargs`` constexprs of
+    the kernel the config sets (an A100-only code shape, e.g. ``_bwd_dqk_kernel``'s ``HALF_V``). Each config's
+    ``archs`` attribute names the lists that hold it; a config in both lists is one config."""
+    sm90 = [(w, s, {}) for w in warps for s in stages]
+    lists = {90: sm90, 80: sm90 if sm80 is None else [(w, s, kw[0] if kw else {}) for w, s, *kw in sm80]}
+    out = {}
+    for arch, entries in lists.items():
+        assert entries, f"no autotune config for sm_{arch}"
+        for w, s, kwargs in entries:
+            key = (w, s, tuple(sorted(kwargs.items())))
+            if key not in out:
+                out[key] = triton.Config(dict(kwargs), num_warps=w, num_stages=s)
+                out[key].archs = ()
+            out[key].archs += (arch,)
+    return list(out.values())
+
+
+def configs_for_arch(configs, arch: int) -> list:
+    """The configs of ``configs`` in the list of compute capability ``arch`` (a config without ``archs``: every
+    arch's)."""
+    return [c for c in configs if config_arch(arch) in getattr(c, "archs", CONFIG_ARCHS)]
+
+
+def autotune_configs(warps=(4, 8), stages=(2, 3), sm80=None) -> list:
+    """Autotune configurations (:func:`arch_configs`); a single one under the interpreter (there is nothing to
+    tune)."""
     if INTERPRET_AT_IMPORT:
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in warps for s in stages]
+    return arch_configs(warps, stages, sm80)
+
+
+def current_target():
+    """The target Triton compiles a launch for now (the current device's)."""
+    return triton.runtime.driver.active.get_current_target()
+
+
+def device_configs(configs, named_args=None, **kwargs) -> list:
+    """``early_config_prune`` of :func:`autotune`: the configs of the current device's arch
+    (:func:`current_target`); all of them off CUDA."""
+    target = current_target()
+    if target.backend != "cuda":
+        return configs
+    return configs_for_arch(configs, target.arch)
+
+
+def autotune(key, warps=(4, 8), stages=(2, 3), sm80=None):
+    """``triton.autotune`` over :func:`autotune_configs`, pruned to the device's arch (:func:`device_configs`). The
+    declared configs of every arch, whatever the interpreter, are the kernel's ``declared_configs`` (tests run the
+    sm_80 kwargs under the interpreter with them)."""
+
+    def wrap(fn):
+        tuner = triton.autotune(configs=autotune_configs(warps, stages, sm80), key=key,
+                                prune_configs_by={"early_config_prune": device_configs})(fn)
+        tuner.declared_configs = arch_configs(warps, stages, sm80)
+        return tuner
+
+    return wrap
 
 
 def dot_precision(dtype: torch.dtype) -> str:
