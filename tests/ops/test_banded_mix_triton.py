@@ -314,3 +314,15 @@ def test_op_chained_state_on_the_kernels(launches):
     assert rel_err(grads[1][0], exact) <= 1e-5
     for name, a, b in zip(("ddiag", "dhead", "drecent", "dfar"), grads[1][1:], grads[0][1:]):
         assert rel_err(a, b) <= 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,first,NB,feats", [((0, 31), 0, 64, (64, 64)), ((0, 31), 0, 256, (64, 64)),
+                                                  ((2, 5), 9, 64, (128, 128))])
+def test_gpu_lm_shapes(window, first, NB, feats):
+    """On the GPU (the campaign's ``-m gpu`` stage): the LM's window at T 4k and 16k with blocks of 64 (summaries
+    D x Dv = 64 x 64, fp32 as the kernels store them; the tf32x3 dots on tensor cores), and a state at D 128."""
+    mixer = mixer_for(window, first, NB)
+    coefficients = [c.to(DEVICE) for c in random_coefficients(1, NB, window, seed=NB)]
+    xs, dps = summaries(mixer, 2, 4, feats, torch.float32, seed=NB)
+    check_against_references(mixer, coefficients, xs, dps, torch.float32)

@@ -165,3 +165,16 @@ def test_declared_config_fp16(monkeypatch, variant):
     device = "cpu" if utils.INTERPRET_AT_IMPORT else "cuda"
     q, k, v, mix_, w = make_inputs(1, 100, 2, 32, 64, 2, per_head=True, dtype=torch.float16, device=device)
     _check(q, k, v, mix_, w, 64, torch.float16, causal=True, normalize=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not VARIANTS, reason="no declared config sets constexprs")
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_declared_config_bf16(monkeypatch, variant, causal):
+    """On the GPU (the campaign's ``-m gpu`` stage): each declared config forced on this device in bf16, the
+    kernels' bf16-only branches included, at a longer sequence than the interpreter cases."""
+    name, config = variant
+    _forced(monkeypatch, _declared_kernels()[name], config)
+    q, k, v, mix_, w = make_inputs(2, 1024, 4, 64, 64, 16, per_head=True, dtype=torch.bfloat16, device="cuda")
+    _check(q, k, v, mix_, w, 64, torch.bfloat16, causal=causal, normalize=True)
