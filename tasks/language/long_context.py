@@ -164,21 +164,75 @@ def passkey_batch(filler: np.ndarray, fmt: PasskeyFormat, length: int, depths,
 class PasskeyDataset(Dataset):
     """Training / validation passkey sequences of ``seq_len`` tokens at uniform random depths: item ``i`` is
     ``(input_ids [L], answer_mask [L])`` (``answer_mask[t]``: token ``t`` is an answer digit), the same for a
-    given ``(seed, i)``."""
+    given ``(seed, i)``.
 
-    def __init__(self, filler: np.ndarray, fmt: PasskeyFormat, seq_len: int, num_examples: int, seed: int = 0):
+    ``curriculum`` (training): ``[(length, batches), ...]``: the first ``batches`` batches are made of
+    ``length``-token examples, then the next stage's, then ``seq_len``'s. A short batch holds ``seq_len //
+    length`` examples per item (``[B * seq_len // length, length]``: about the same tokens per step, more
+    answers), whose needle is never farther than ``length`` tokens from the question. Items are then the
+    indices and :meth:`collate` builds the batch: its number is the place of its first item in the epoch's order
+    of the trainer's sampler (:class:`tasks.common.data.ResumableSampler` with ``batch_size`` and
+    ``sampler_seed``, one process; the trainer tells the epoch through :meth:`set_epoch`), so a resumed run
+    (``trainer.resume``) and data-loader workers see the same stages."""
+
+    def __init__(self, filler: np.ndarray, fmt: PasskeyFormat, seq_len: int, num_examples: int, seed: int = 0,
+                 curriculum=None, batch_size: int = 1, sampler_seed: int = 0):
         self.filler, self.fmt, self.seq_len = filler, fmt, int(seq_len)
         self.n, self.seed = int(num_examples), seed
+        self.curriculum = [(int(length), int(batches)) for length, batches in (curriculum or [])]
+        for length, _ in self.curriculum:
+            if not fmt.min_length() <= length <= self.seq_len:
+                raise ValueError(f"curriculum lengths must be in [{fmt.min_length()}, {self.seq_len}], got {length}")
+        self.batch_size, self.sampler_seed, self.epoch, self._place = int(batch_size), int(sampler_seed), 0, {}
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int):
-        rng = np.random.default_rng([self.seed, i])
-        batch = passkey_batch(self.filler, self.fmt, self.seq_len, [rng.random()], rng)
-        mask = torch.zeros(self.seq_len, dtype=torch.bool)
+    def example(self, i: int, length: int, sub: int | None = None):
+        """Example ``i`` at ``length`` tokens (``sub``: the ``sub``-th short example of item ``i``)."""
+        rng = np.random.default_rng([self.seed, i] if sub is None else [self.seed, i, length, sub])
+        batch = passkey_batch(self.filler, self.fmt, length, [rng.random()], rng)
+        mask = torch.zeros(length, dtype=torch.bool)
         mask[batch["targets_at"] + 1] = True
         return batch["input_ids"][0], mask
+
+    def __getitem__(self, i: int):
+        return int(i) if self.curriculum else self.example(i, self.seq_len)
+
+    def length_at(self, batch: int) -> int:
+        """The example length of training batch ``batch`` (0-based) under the curriculum."""
+        end = 0
+        for length, batches in self.curriculum:
+            end += batches
+            if batch < end:
+                return length
+        return self.seq_len
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def batch_number(self, indices) -> int:
+        """The training batch (from the run's start) that holds these item indices."""
+        from tasks.common.data import ResumableSampler  # noqa: PLC0415
+
+        if self.epoch not in self._place:
+            sampler = ResumableSampler(self.n, self.batch_size, shuffle=True, seed=self.sampler_seed)
+            sampler.set_epoch(self.epoch)
+            order = np.asarray(sampler._order())
+            place = np.empty(self.n, dtype=np.int64)
+            place[order] = np.arange(len(order))
+            self._place = {self.epoch: (place, sampler.steps_per_epoch)}
+        place, per_epoch = self._place[self.epoch]
+        return self.epoch * per_epoch + int(place[int(indices[0])]) // self.batch_size
+
+    def collate(self, indices):
+        """``(input_ids [b, l], answer_mask [b, l])`` of a training batch: ``l = length_at(batch_number(indices))``."""
+        length = self.length_at(self.batch_number(indices))
+        if length == self.seq_len:
+            pairs = [self.example(i, length) for i in indices]
+        else:
+            pairs = [self.example(i, length, j) for i in indices for j in range(self.seq_len // length)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
 # ------------------------------------------------------------------------------------------ spread MQAR
@@ -326,10 +380,12 @@ def _bucket(correct: torch.Tensor, sel: torch.Tensor, lo, hi) -> dict:
 class PasskeyLMTask(LanguageModelingTask):
     """The LM task on passkey sequences (``task=lm_mini`` data, model and recipe; every training window is one
     passkey example of ``data.seq_len`` tokens in the corpus's filler, ``data.num_train`` of them drawn afresh
-    per index): loss = next-token loss on every token + ``task.answer_weight`` x the loss on the answer digits.
-    Evaluation: validation perplexity (on the same sequences), passkey accuracy at the training length."""
+    per index, under ``task.curriculum``'s lengths first: :class:`PasskeyDataset`): loss = ``task.lm_weight`` x
+    the next-token loss on every token + ``task.answer_weight`` x the loss on the answer digits. Evaluation at
+    the training length: the answer loss (the monitor), passkey and digit accuracy, and the validation
+    perplexity (on the same sequences)."""
 
-    monitor = "val_loss"
+    monitor = "answer_loss"  # the validation loss on the answer digits (best.pt): the recipe trains on them only
     monitor_mode = "min"
 
     def build_model(self):
@@ -353,10 +409,22 @@ class PasskeyLMTask(LanguageModelingTask):
     def build_datasets(self):
         train, val, tok, _ = self.data()
         d, fmt, seed = self.cfg.data, self.fmt(), int(self.cfg.get("seed", 0))
-        return (PasskeyDataset(filler_tokens(train.tokens, tok.eos_token_id), fmt, self.seq_len,
-                               int(d.get("num_train", 100_000)), seed=2 * seed + 1),
-                PasskeyDataset(filler_tokens(val.tokens, tok.eos_token_id), fmt, self.seq_len,
-                               int(d.get("num_val", 128)), seed=10_000))
+        curriculum = self.cfg.task.get("curriculum") or []
+        if curriculum and (str(self.cfg.trainer.get("accumulate", 1)) not in ("1", "auto", "None")
+                           or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            raise ValueError("task.curriculum finds a batch's number from one process's sampler order: it needs "
+                             "one process and trainer.accumulate=1")
+        self._train = PasskeyDataset(filler_tokens(train.tokens, tok.eos_token_id), fmt, self.seq_len,
+                                     int(d.get("num_train", 100_000)), seed=2 * seed + 1, curriculum=curriculum,
+                                     batch_size=int(d.batch_size), sampler_seed=seed)
+        return (self._train, PasskeyDataset(filler_tokens(val.tokens, tok.eos_token_id), fmt, self.seq_len,
+                                            int(d.get("num_val", 128)), seed=10_000))
+
+    def collate(self, samples):
+        """Training items under a curriculum are indices (:meth:`PasskeyDataset.collate` builds their batch)."""
+        if samples and isinstance(samples[0], int):
+            return self._train.collate(samples)
+        return super().collate(samples)
 
     def on_batch(self, batch, device):
         return tuple(t.to(device, non_blocking=True) for t in batch)
@@ -374,22 +442,23 @@ class PasskeyLMTask(LanguageModelingTask):
     def training_loss(self, model, batch):
         lm, ans, hit = self._losses(model, batch)
         w = float(self.cfg.task.get("answer_weight", 1.0))
-        return lm + w * ans, {"lm_loss": lm.item(), "answer_loss": ans.item(),
+        lm_w = float(self.cfg.task.get("lm_weight", 1.0))
+        return lm_w * lm + w * ans, {"lm_loss": lm.item(), "answer_loss": ans.item(),
                               "passkey_acc": hit.all(1).float().mean().item()}
 
     @torch.no_grad()
     def evaluate(self, model, loader, device, dist_info) -> dict:
-        tot = torch.zeros(4, device=device, dtype=torch.float64)  # lm loss sum, windows, recalled, digit hits
+        tot = torch.zeros(5, device=device, dtype=torch.float64)  # lm / answer loss sums, windows, recalled, digits
         for batch in loader:
             batch = self.on_batch(batch, device)
-            lm, _, hit = self._losses(model, batch)
-            tot += torch.tensor([lm.item() * len(hit), len(hit), hit.all(1).sum().item(),
+            lm, ans, hit = self._losses(model, batch)
+            tot += torch.tensor([lm.item() * len(hit), ans.item() * len(hit), len(hit), hit.all(1).sum().item(),
                                  hit.float().mean(1).sum().item()], device=device, dtype=torch.float64)
         if dist_info.enabled:
             dist.all_reduce(tot)
-        loss = (tot[0] / tot[1]).item()
-        return {"val_loss": loss, "val_ppl": math.exp(loss), "passkey_acc": (tot[2] / tot[1]).item(),
-                "digit_acc": (tot[3] / tot[1]).item()}
+        loss = (tot[0] / tot[2]).item()
+        return {"val_loss": loss, "val_ppl": math.exp(loss), "answer_loss": (tot[1] / tot[2]).item(),
+                "passkey_acc": (tot[3] / tot[2]).item(), "digit_acc": (tot[4] / tot[2]).item()}
 
     def after_fit(self, trainer, metrics: dict) -> dict:
         return {}

@@ -72,6 +72,45 @@ def test_passkey_dataset_is_deterministic_and_marks_the_answer():
     assert torch.equal(x, x2) and mask.sum() == 5 and mask[-5:].all()
 
 
+
+def test_passkey_curriculum_follows_the_trainers_batch_order_and_packs_short_batches():
+    from tasks.common.data import ResumableSampler
+
+    fmt = PasskeyFormat(DigitTokenizer(), digits=3)
+    filler = np.arange(100, 300)
+    n, bs = 60, 4                                                   # 15 batches per epoch
+    ds = PasskeyDataset(filler, fmt, 240, n, seed=1, curriculum=[(80, 3), (120, 2)], batch_size=bs,
+                        sampler_seed=5)
+    assert [ds.length_at(b) for b in range(7)] == [80, 80, 80, 120, 120, 240, 240]
+    for epoch in (0, 1):
+        sampler = ResumableSampler(n, bs, shuffle=True, seed=5)
+        sampler.set_epoch(epoch)
+        ds.set_epoch(epoch)
+        order = list(sampler)
+        for b in range(15):
+            idx = [ds[i] for i in order[b * bs:(b + 1) * bs]]
+            x, mask = ds.collate(idx)
+            assert x.shape[1] == (ds.length_at(b) if epoch == 0 else 240)   # the stage of the run's batch
+            assert x.numel() == bs * 240 and x.shape[0] == bs * 240 // x.shape[1]  # same tokens, more examples
+            assert (mask.sum(1) == 3).all() and mask[:, -3:].all()
+            for r in range(x.shape[0]):                             # each row: one needle, its digits the answer
+                row = x[r].tolist()
+                p = next(i for i in range(len(row)) if row[i:i + len(fmt.prefix)] == fmt.prefix.tolist())
+                assert row[p + len(fmt.prefix):p + len(fmt.prefix) + 3] == row[-3:]
+            assert torch.equal(ds.collate(idx)[0], x)               # the same batch again (a resumed run)
+    resumed = ResumableSampler(n, bs, shuffle=True, seed=5)
+    resumed.set_epoch(0, skip_batches=4)                            # a run resumed at batch 4: stage 2 (120)
+    ds.set_epoch(0)
+    assert ds.collate([ds[i] for i in list(resumed)[:bs]])[0].shape[1] == 120
+    plain = PasskeyDataset(filler, fmt, 240, n, seed=1)             # no curriculum: the items themselves
+    assert torch.equal(ds.example(0, 240)[0], plain[0][0])
+
+
+def test_passkey_curriculum_rejects_a_length_without_room():
+    fmt = PasskeyFormat(DigitTokenizer())
+    with pytest.raises(ValueError):
+        PasskeyDataset(np.arange(100, 300), fmt, 240, 10, curriculum=[(fmt.min_length() - 1, 5)])
+
 def test_spread_mqar_layout():
     n, L, V, K = 50, 128, 64, 4
     d = spread_mqar(n, L, V, K, seed=1)
@@ -235,3 +274,24 @@ def test_goal_lines_compare_mhla_with_its_registered_baseline():
     record["tests"]["passkey"]["groups"]["a"]["0"]["last_row"]["256"]["acc"] = 0.95
     text = "\n".join(goal_lines(record))
     assert ">= b at every length: met" in text and "95% at 16x (met)" in text
+
+
+def test_passkey_task_weights_its_losses_and_reports_the_answer_loss():
+    from omegaconf import OmegaConf
+
+    from tasks.language.long_context import PasskeyLMTask
+
+    task = PasskeyLMTask.__new__(PasskeyLMTask)  # the loss needs only the config, not the corpus
+    model = tiny_model("softmax")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 64, (3, 16), generator=g)
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[:, -4:] = True
+    for lm_w, ans_w in [(0.0, 1.0), (1.0, 3.0)]:
+        task.cfg = OmegaConf.create({"task": {"answer_weight": ans_w, "lm_weight": lm_w}})
+        loss, logs = task.training_loss(model, (x, mask))
+        assert loss.item() == pytest.approx(lm_w * logs["lm_loss"] + ans_w * logs["answer_loss"], rel=1e-5)
+    metrics = task.evaluate(model, [(x, mask)], torch.device("cpu"), SimpleNamespace(enabled=False))
+    assert metrics["answer_loss"] == pytest.approx(logs["answer_loss"], rel=1e-5)
+    assert metrics["val_loss"] == pytest.approx(logs["lm_loss"], rel=1e-5)
+    assert PasskeyLMTask.monitor == "answer_loss"
