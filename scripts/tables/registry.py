@@ -124,7 +124,9 @@ def delegate_path(module: str) -> str:
 BENCH = {
     "14": {"model": "DiT-S/2", "cpe_gate": False, "full": (1024, (4, 16, 64, 256, 1024)),
            "mini": (512, (4, 16, 64, 256)), "paper_key": "latency (ms)",
-           "paper": {4: 147, 16: 145, 64: 148, 256: 157, 1024: 219}},  # the paper's Table 14, one latency per M
+           # the paper's Table 14 (left half, DiT-S/2, column N = 4096): latency in ms and memory in GB per M
+           "paper": {4: 147, 16: 145, 64: 148, 256: 157, 1024: 219},
+           "paper_memory_gb": {4: 20.8, 16: 21.0, 64: 21.7, 256: 25.4, 1024: 40.0}},
     "7b": {"model": "DiT-S/2", "cpe_gate": True, "full": (512, (4, 16, 64)), "mini": (512, (4, 16, 64)),
            "paper_key": "throughput (img/s)", "paper": {4: 435, 16: 435, 64: 408}},
 }

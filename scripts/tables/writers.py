@@ -249,11 +249,14 @@ def bench_lines(table: str, bench: dict) -> list[str]:
              f"{h['batch']}, {h['precision']}, median of {h['repeats']} calls; device: {h.get('gpu') or h.get('cpu')}"
              + (f", load average {h['loadavg'][0]:.1f} on {h.get('cpu_count')} CPUs" if h.get("loadavg") else "")
              + ".", "",
-             f"| M | blocks | tokens per block | M^2 <= N | paper {b['paper_key']} | ours latency (ms) [p25-p75] | "
-             "ours img/s |", "|---|---|---|---|---|---|---|"]
+             f"| M | blocks | tokens per block | M^2 <= N | paper {b['paper_key']} | "
+             + ("paper memory (GB) | " if "paper_memory_gb" in b else "")
+             + "ours latency (ms) [p25-p75] | ours img/s |", "|---|---|---|---|---|---|---|"
+             + ("---|" if "paper_memory_gb" in b else "")]
     for r in bench["rows"]:
+        memory = f"{b['paper_memory_gb'].get(r['M'], '')} | " if "paper_memory_gb" in b else ""
         lines.append(f"| {r['M']} | {'x'.join(map(str, r['blocks']))} | {r['tokens_per_block']} | "
-                     f"{'yes' if r['M'] ** 2 <= r['n_tokens'] else 'no'} | {b['paper'].get(r['M'], '')} | "
+                     f"{'yes' if r['M'] ** 2 <= r['n_tokens'] else 'no'} | {b['paper'].get(r['M'], '')} | {memory}"
                      f"{r['ms']:.1f} [{r['p25_ms']:.1f}-{r['p75_ms']:.1f}] | {r['images_per_s']:.2f} |")
     m = bench.get("measurement") or {}
     return lines + ["", f"Timing: {bench['time_method']}"] + (

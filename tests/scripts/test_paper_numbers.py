@@ -93,7 +93,8 @@ def paper_blocks(table: str) -> dict[str, dict]:
         return {os.path.splitext(os.path.basename(p))[0]: config_paper(p)
                 for p in sorted(glob.glob(os.path.join(ROOT, "configs", "experiment", f"table{table}", "*.yaml")))}
     if table == "14":
-        return {f"m{m}": {"latency_ms": v} for m, v in registry.BENCH["14"]["paper"].items()}
+        b = registry.BENCH["14"]
+        return {f"m{m}": {"latency_ms": v, "memory_gb": b["paper_memory_gb"][m]} for m, v in b["paper"].items()}
     return {c.name: c.paper for c in registry.table_cells(table)}
 
 
