@@ -43,13 +43,9 @@ LEGACY = {
     "results/auto_m.json": (["2 from a dirty tree", "9 of 9 runs without the effective attention"],
                             "two of its records made at 693749a with uncommitted changes; its runs "
                             + BEFORE_ATTENTION),
-    "results/bench/causal_overhead_cpu.json": (["1 from a dirty tree"], DIRTY_BENCH),
     "results/bench/kernel_resources.json": (NOTHING, "a static compile table (registers, spills and shared memory "
                                             "of each kernel variant from ptxas), no run: "
                                             "tests/ops/test_kernel_resources.py checks it against today's compile"),
-    "results/bench/models_cpu.json": (["1 from a dirty tree"], DIRTY_BENCH),
-    "results/bench/varlen_cpu.json": (["1 from a dirty tree"], DIRTY_BENCH),
-    "results/bench/video_cpu.json": (["1 from a dirty tree"], DIRTY_BENCH),
     "results/bench/video_wan1.3b_3layers_cpu.json": (["1 from a dirty tree"], DIRTY_BENCH),
     "results/classification/table2_converged.json": (
         ["3 from a dirty tree", "7 of 21 runs without the effective attention"],
@@ -97,10 +93,6 @@ LEGACY = {
     "results/table2_mini.json": ([CONFIG, COMMIT, CLEAN, LOAD], BEFORE_RECORDS),
     "results/table3_mini.json": ([CONFIG, COMMIT, CLEAN, LOAD], BEFORE_RECORDS + " (the machine is the runs', kept "
                                                                                "when the table was rewritten)"),
-    "results/table5.json": (["1 from a dirty tree"],
-                            "the paper's rows beside CPU step times read from results/bench/video_cpu.json, whose "
-                            "measurement (copied here) was timed from a dirty tree at 8f206d2: re-time it on an idle "
-                            "machine at a clean commit, then rewrite the table"),
     "results/table5_mini.json": (["24 of 24 runs without the effective attention"],
                                  "trained at 34bab0c, after 31d41c7, but tasks.common.launch.run_training copies "
                                  "each run's commit, dirty, machine, load and config from its run.json, not its "
