@@ -33,7 +33,6 @@ BEFORE_ATTENTION = ("trained before run.json stored the effective attention (31d
                     "from their stored config resolved today (tasks.common.records.effective_attention)")
 ANALYSIS = ("an analysis of trained checkpoints: each entry's config is the checkpoint's own, and the analysis "
             "script stores no attention block")
-DIRTY_BENCH = "timed from a tree with uncommitted changes, before today's ops code: to be re-timed (issue 48, item 3)"
 
 # committed results file -> (what it lacks, why)
 LEGACY = {
@@ -46,7 +45,6 @@ LEGACY = {
     "results/bench/kernel_resources.json": (NOTHING, "a static compile table (registers, spills and shared memory "
                                             "of each kernel variant from ptxas), no run: "
                                             "tests/ops/test_kernel_resources.py checks it against today's compile"),
-    "results/bench/video_wan1.3b_3layers_cpu.json": (["1 from a dirty tree"], DIRTY_BENCH),
     "results/classification/table2_converged.json": (
         ["3 from a dirty tree", "7 of 21 runs without the effective attention"],
         "linear_s1, mhla_s2 and softmax_s1 trained at 34bab0c with uncommitted changes; the 5-epoch runs and "
