@@ -18,28 +18,18 @@ module again for a run of it alone), on a GPU with CUDA:
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+from helpers.triton_env import DEVICE  # noqa: E402  (first: sets TRITON_INTERPRET)
 
 from mhla.ops import MixingRows, init_state, mhla_attention  # noqa: E402
 from mhla.ops.mhla.state import kept_block_ids, kept_blocks, row_coefficients  # noqa: E402
 
-triton_backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
-if not triton_backend.available():
-    pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)",
-                allow_module_level=True)
-
 from mhla.ops.mhla.triton import banded  # noqa: E402
 from mhla.ops.mhla.triton.mix import BandedMix, band_tile  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
 #: max |error| / max(max |reference|, 1) against fp64, by the summaries' dtype (they are rounded to it; the
 #: kernels accumulate in fp32)
@@ -106,7 +96,8 @@ def check_against_references(mixer, coefficients, xs, dps, dtype):
             if b is None:
                 assert a is None
                 continue
-            assert a.dtype == dtype and a.shape == b.shape, (name, part)
+            want_dtype = dtype if name == "P" else torch.float32  # gradients in fp32
+            assert a.dtype == want_dtype and a.shape == b.shape, (name, part, a.dtype)
             assert rel_err(a, b) < tol, (name, part, rel_err(a, b))
     for name, a, b, c in zip(("dhead", "drecent", "dfar"), dcs, want_dcs, coefficients):
         assert a.shape == c.shape and a.dtype == c.dtype, name
@@ -154,8 +145,8 @@ def test_kernels_equal_the_torch_reference_and_the_dense_rows(case):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window,first,NB", [((0, 31), 0, 40), ((2, 5), 9, 23)])
 def test_half_summaries(dtype, window, first, NB):
-    """Summaries (and their gradients) in fp16 / bf16: loaded as fp32, accumulated in fp32, P and dx stored in
-    their dtype; the coefficient gradients fp32 (the coefficients' dtype)."""
+    """Summaries (and ``dP``) in fp16 / bf16: loaded as fp32, accumulated in fp32, P stored in their dtype; dx
+    fp32 (the causal path keeps gradients in fp32); the coefficient gradients fp32 (the coefficients' dtype)."""
     mixer = mixer_for(window, first, NB)
     coefficients = [c.to(DEVICE) for c in random_coefficients(1, NB, window, seed=1)]
     xs, dps = summaries(mixer, 2, 2, (5,), dtype, seed=2)
@@ -260,33 +251,71 @@ def launches(monkeypatch):
     return count
 
 
-# T, C, window, per-head rows, normalize, dtype
+# T, C, window, per-head rows, normalize, dtype, rows in the input dtype (as in a half model; else fp32)
 OP_CASES = [
-    (134, 2, (0, 31), False, True, torch.float32),  # the LM's window over 67 blocks: 3 band tiles of 32
-    (134, 2, (0, 31), False, True, torch.bfloat16),
-    (90, 4, (2, 8), True, False, torch.float16),  # head blocks, per-head rows, no normalizer
-    (63, 3, (1, 2), True, True, torch.bfloat16),
+    (134, 2, (0, 31), False, True, torch.float32, False),  # the LM's window over 67 blocks: 3 band tiles of 32
+    (134, 2, (0, 31), False, True, torch.bfloat16, False),
+    (134, 2, (0, 31), False, True, torch.float16, True),  # half rows, read in place
+    (90, 4, (2, 8), True, False, torch.float16, False),  # head blocks, per-head rows, no normalizer
+    (63, 3, (1, 2), True, True, torch.bfloat16, True),
 ]
 
 
-@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: f"T{c[0]}-C{c[1]}-w{c[2][0]},{c[2][1]}-{str(c[5])[6:]}")
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "T{}-C{}-w{},{}-{}{}".format(
+    c[0], c[1], *c[2], str(c[5])[6:], "-half-rows" if c[6] else ""))
 def test_op_with_compact_rows_matches_the_fp64_torch_path(case, launches):
-    T, C, window, per_head, normalize, dtype = case
+    T, C, window, per_head, normalize, dtype, half_rows = case
     B, H, D, Dv = 1, 2, 16, 8
     g = torch.Generator().manual_seed(T)
     q, k = (torch.rand(B, T, H, D, generator=g).to(DEVICE, dtype) for _ in range(2))
     v = torch.randn(B, T, H, Dv, generator=g).to(DEVICE, dtype)
     w = torch.randn(B, T, H, Dv, generator=g).to(DEVICE)
     rows = random_rows(H if per_head else 1, math.ceil(T / C), window, seed=1)
+    if half_rows:
+        rows = rows.to(dtype)
     norm = "paper" if normalize else "none"
     got = run_rows("triton", q, k, v, rows, w, C, normalize=norm)
     assert launches == {"fwd": 1, "bwd": 1}
+    grads = got[4:]  # the rows' gradients, in the rows' dtype
+    assert all(gr.dtype == rows.diag.dtype for gr in grads if gr is not None), [gr.dtype for gr in grads]
     exact = run_rows("torch", q.double(), k.double(), v.double(), rows.to(F64), w, C, normalize=norm)
     tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
     for name, a, b in zip(("o", "dq", "dk", "dv", "ddiag", "dhead", "drecent", "dfar"), got, exact):
         if b is None or b.numel() == 0:
             continue
         assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+
+
+def test_op_half_summaries_with_compact_rows(monkeypatch):
+    """``MHLA_SUMMARY_DTYPE=input`` with compact rows (the LM setting's opt-in): fp16 inputs, the summaries and
+    their mix stored in fp16 and mixed by the banded kernels; every output and gradient within the fp16 kernel
+    tolerance of fp64, and at most 1e-3 above the same call with fp32 summaries (as the dense path's test)."""
+    from mhla.ops.mhla.triton.utils import SUMMARY_DTYPE_ENV
+
+    T, C, window, B, H, D, Dv = 134, 2, (0, 31), 1, 2, 16, 8
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.rand(B, T, H, D, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    v = torch.randn(B, T, H, Dv, generator=g).to(DEVICE, torch.float16)
+    w = torch.randn(B, T, H, Dv, generator=g).to(DEVICE)
+    rows = random_rows(1, math.ceil(T / C), window, seed=3)
+    stored = []
+    real = banded.banded_mix
+
+    def spy(coefficients, xs, **kw):
+        stored.append({x.dtype for x in xs if x is not None})
+        return real(coefficients, xs, **kw)
+    monkeypatch.setattr("mhla.ops.mhla.triton.mix.banded_mix", spy)
+    got = {}
+    for mode in ("fp32", "input"):
+        monkeypatch.setenv(SUMMARY_DTYPE_ENV, mode)
+        got[mode] = run_rows("triton", q, k, v, rows, w, C)
+    assert stored == [{torch.float32}, {torch.float16}]
+    exact = run_rows("torch", q.double(), k.double(), v.double(), rows.to(F64), w, C)
+    for n, name in enumerate(("o", "dq", "dk", "dv", "ddiag", "dhead", "drecent", "dfar")):
+        if exact[n] is None or exact[n].numel() == 0:
+            continue
+        e32, e16 = rel_err(got["fp32"][n], exact[n]), rel_err(got["input"][n], exact[n])
+        assert e16 <= 5e-3 and e16 <= e32 + 1e-3, (name, e32, e16)
 
 
 def test_op_chained_state_on_the_kernels(launches):

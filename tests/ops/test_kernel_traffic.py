@@ -246,27 +246,34 @@ def test_model_lists_the_compact_rows_and_final_state(recorder, case):
     assert_model_matches(recorder, model)
 
 
-HALF_SUMMARY_CASES = [  # B, T, H, D, C, causal, per_head (fp16 inputs and mixing, the normalizer)
-    (2, 64, 2, 32, 16, False, False),
-    (2, 64, 2, 96, 16, False, True),  # 3 K x 3 V tiles
-    (2, 70, 2, 32, 16, True, False),  # partial last block
-    (2, 100, 2, 40, 80, True, True),  # running sums
-    (1, 134, 2, 16, 2, True, True),  # 67 blocks: the mix's general tiles
+HALF_SUMMARY_CASES = [  # B, T, H, D, C, causal, per_head, compact rows' window or None (fp16 inputs and
+    # mixing, the normalizer)
+    (2, 64, 2, 32, 16, False, False, None),
+    (2, 64, 2, 96, 16, False, True, None),  # 3 K x 3 V tiles
+    (2, 70, 2, 32, 16, True, False, None),  # partial last block
+    (2, 100, 2, 40, 80, True, True, None),  # running sums
+    (1, 134, 2, 16, 2, True, True, None),  # 67 blocks: the mix's general tiles
+    (2, 134, 2, 16, 2, True, False, (0, 31)),  # the LM's window on the banded kernels, 3 band tiles
+    (1, 70, 2, 32, 16, True, True, (2, 3)),  # head blocks, per-head rows
 ]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case", HALF_SUMMARY_CASES, ids=lambda c: f"{'causal' if c[5] else 'noncausal'}-T{c[1]}-D{c[3]}-C{c[4]}")
+@pytest.mark.parametrize("case", HALF_SUMMARY_CASES, ids=lambda c: "{}-T{}-D{}-C{}{}".format(
+    "causal" if c[5] else "noncausal", c[1], c[3], c[4], "" if c[7] is None else "-rows%d,%d" % c[7]))
 def test_model_of_half_summaries(recorder, monkeypatch, case):
     """``MHLA_SUMMARY_DTYPE=input``: ``S`` and ``P`` stored (and read) in the input dtype, fp16 here: the model's
-    ``summary_bytes=2``, launch for launch and byte for byte."""
+    ``summary_bytes=2``, launch for launch and byte for byte (dense mixing, and compact rows on the banded
+    kernels)."""
     from mhla.ops.mhla.triton.utils import SUMMARY_DTYPE_ENV
 
-    B, T, H, D, C, causal, per_head = case
+    B, T, H, D, C, causal, per_head, window = case
     monkeypatch.setenv(SUMMARY_DTYPE_ENV, "input")
-    run_op(recorder, B, T, H, D, C, causal=causal, per_head=per_head, dtype=torch.float16, mix_dtype=torch.float16)
+    run_op(recorder, B, T, H, D, C, causal=causal, per_head=per_head, dtype=torch.float16, mix_dtype=torch.float16,
+           window=window)
     model = traffic.mhla_traffic(B, T, H, D, block_size=C, dtype_bytes=2, causal=causal,
-                                 mixing="per_head" if per_head else "shared", mixing_bytes=2, summary_bytes=2)
+                                 mixing="per_head" if per_head else "shared", mixing_bytes=2, summary_bytes=2,
+                                 window=window)
     assert_model_matches(recorder, model)
 
 
@@ -377,10 +384,15 @@ def test_lm_setting_is_linear_and_half_summaries_halve_the_summary_passes():
     half = traffic.mhla_traffic(8, 4096, 16, 64, block_size=64, dtype_bytes=2, mixing_bytes=2, summary_bytes=2)
     assert round(full.ratio_forward, 2) == 3.07 and round(half.ratio_forward, 2) == 2.06
     assert half.launches() == full.launches()
-    # compact rows and a returned state keep fp32 summaries
+    # the banded kernels' compact rows take half summaries too; a returned state and the torch fallback's windows
+    # (recent > 32) keep fp32
     kw = dict(block_size=64, dtype_bytes=2, causal=True)
-    assert (traffic.mhla_traffic(1, 256, 2, 64, window=(0, 3), summary_bytes=2, **kw).bytes()
-            == traffic.mhla_traffic(1, 256, 2, 64, window=(0, 3), **kw).bytes())
+    for window, final, same in (((0, 3), False, False), ((0, 3), True, True), ((0, 40), False, True)):
+        a, b = (traffic.mhla_traffic(1, 256, 2, 64, window=window, output_final_state=final, summary_bytes=sb,
+                                     **kw).bytes() for sb in (2, 4))
+        assert (a == b) == same, (window, final)
+    lm, lm_half = traffic.lm_traffic(4096, 64), traffic.lm_traffic(4096, 64, summary_bytes=2)
+    assert lm_half.ratio_forward < lm.ratio_forward - 0.9 and lm_half.launches() == lm.launches()
 
 
 def test_lm_setting_mixes_the_rows_in_fused_kernels():

@@ -4,10 +4,11 @@
 calls it; ``cu_seqlens`` is handled there) and returns the same values as the torch path up to rounding:
 
 * layout ``[B, T, H, D]`` in and out (the kernels read it in place, strided by heads);
-* ``mixing`` ``[M, M]`` (shared) or ``[H, M, M]`` (per head), any float dtype (read as fp32);
+* ``mixing`` ``[M, M]`` (shared) or ``[H, M, M]`` (per head), or compact rows, any float dtype (read in place
+  as fp32: no cast);
 * fp16 / bf16 / fp32 inputs, fp32 accumulation and summaries, output in ``v``'s dtype (opt-in:
-  ``MHLA_SUMMARY_DTYPE=input`` stores the block summaries ``S`` and their mix ``P`` in the input dtype, dense
-  mixing without a state only: :func:`mhla.ops.mhla.triton.utils.summary_dtype`). Under the CPU
+  ``MHLA_SUMMARY_DTYPE=input`` stores the block summaries ``S`` and their mix ``P`` in the input dtype, without
+  a state only: :func:`mhla.ops.mhla.triton.utils.summary_dtype`). Under the CPU
   interpreter bf16 tensors are computed in fp32 (numpy has no bf16) and the output cast back;
 * causal calls may continue an :class:`~mhla.ops.MHLAState` and return the final one (fp32 summaries), with
   a dense mixing matrix or compact :class:`~mhla.ops.mhla.state.MixingRows` (the state then keeps the blocks
@@ -39,10 +40,11 @@ from ..state import (
     rewindow,
     state_after_chunk,
 )
+from .banded import fused_supported
 from .causal import mhla_causal_triton
 from .mix import BandedMix
 from .noncausal import mhla_noncausal_triton
-from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES
+from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES, summary_dtype
 
 
 def available() -> bool:
@@ -121,10 +123,16 @@ def mhla_triton(
     NB = ceil_div(P % C + T, C)
     mix = None
     if compact:  # linear in T: the rows' head, recent and far coefficients, never a dense [NB, first + NB]
-        diag, head, recent, far = mixing.to(torch.float32).rows(first, first + NB)
+        # the kernels read the rows in their own dtype (no cast; the interpreter has no bf16)
+        rows = mixing.to(torch.float32) if INTERPRET_AT_IMPORT and mixing.diag.dtype == torch.bfloat16 else mixing
+        diag, head, recent, far = rows.rows(first, first + NB)
         kh, kr = kept_blocks(first, window)
         folded = st is not None and st.num_folded_blocks > 0
-        mix = (BandedMix(window, first, kh, folded, kr, NB), diag, (head, recent, far))
+        # opt-in half summaries (MHLA_SUMMARY_DTYPE=input): without a state, on the banded kernels only
+        s_dtype = summary_dtype(q.dtype) if st is None and not output_final_state else torch.float32
+        if not fused_supported(window, s_dtype):
+            s_dtype = torch.float32
+        mix = (BandedMix(window, first, kh, folded, kr, NB, p_dtype=s_dtype), diag, (head, recent, far))
     state = None
     if st is not None:
         cols_s, cols_z = st.block_summaries, st.block_key_sums

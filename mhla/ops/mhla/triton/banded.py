@@ -450,7 +450,7 @@ def banded_mix(coefficients, xs: list, *, window, first: int, kept_head: int, fo
 
 def banded_mix_backward(coefficients, xs: list, dps: list, *, window, first: int, kept_head: int, folded: bool,
                         kept_recent: int, rows: int, need_dcoeff: bool, precision: str = "tf32x3"):
-    """Gradients of :func:`banded_mix`: ``(dxs, dcoefficients)``, ``dxs`` per ``x`` (None for None) in its dtype,
+    """Gradients of :func:`banded_mix`: ``(dxs, dcoefficients)``, ``dxs`` per ``x`` (None for None) in fp32,
     ``dcoefficients = (dhead, drecent, dfar)`` fp32 (summed over the batch, and the heads when shared) or None
     unless ``need_dcoeff``. Both parts in one launch of ``_banded_bwd_scan_kernel`` (non-finite columns, partial
     coefficient gradients) and one of ``_banded_bwd_dx_kernel``; with ``need_dcoeff`` one torch sum of the
@@ -476,8 +476,8 @@ def banded_mix_backward(coefficients, xs: list, dps: list, *, window, first: int
     kc = min(BN, SCAN_CHUNK) if need_dcoeff else BN  # without the Gram matrices: whole tiles
     _banded_bwd_scan_kernel[(NF, B * H)](x1, dp1, x2, dp2, fb, dw, *ints, K, NEED_DW=bool(need_dcoeff),
                                          PREC=SCAN_PRECISION, KC=kc, **meta)
-    dx1 = torch.empty_like(x1)
-    dx2 = torch.empty_like(x2) if two else dx1
+    dx1 = torch.empty_like(x1, dtype=torch.float32)  # gradients in fp32 (half summaries included)
+    dx2 = torch.empty_like(x2, dtype=torch.float32) if two else dx1
     _banded_bwd_dx_kernel[(NF, B * H)](dp1, dx1, dp2, dx2, fb, *_pointers(head, recent, far), *ints,
                                        *_coefficient_args(head, recent, far), PREC=precision, **meta)
     dxs = [None] * len(xs)

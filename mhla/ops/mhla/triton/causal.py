@@ -94,7 +94,7 @@ class MHLACausalFunction(torch.autograd.Function):
         if has_init:
             cur_s = cur_s.float().contiguous()
             cur_z = cur_z.float().contiguous()
-        s_dtype = getattr(mixer, "p_dtype", torch.float32)  # opt-in half summaries: DenseMix without a state
+        s_dtype = mixer.p_dtype  # opt-in half summaries (MHLA_SUMMARY_DTYPE=input), without a state
         S, Z, R, Rz = fwd_block_summaries(k, v, g, has_r=has_r, store_z=store_z, cur_s=cur_s, cur_z=cur_z,
                                           s_dtype=s_dtype)
         S = S.view(B, H, NB, D, Dv)

@@ -573,11 +573,9 @@ def _bwd_dqk_kernel(
             dh += m * tl.load(pz, mask=mz, other=0.0)
         dq_acc += dd[:, None] * g[None, :]
         dk_acc += dh[None, :]
-    # q and k loaded after the loop (nothing of them is live across it); only the causal part reads them (the
-    # compiler drops the loads without it; the interpreter, as traffic.py, counts them)
-    qt = _load_tokens(q + qk_off, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
-    kt = _load_tokens(k + qk_off, t, valid, stride_k, i_k, D, BK)
-    if CAUSAL:
+    if CAUSAL:  # only the causal part reads q and k, after the loop (nothing of them is live across it)
+        qt = _load_tokens(q + qk_off, t, valid, stride_k, i_k, D, BK)  # [BT, BK]
+        kt = _load_tokens(k + qk_off, t, valid, stride_k, i_k, D, BK)
         causal_mask = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
         # this K tile's part of a_ts = q_t . k_s (s <= t), reduced to row sums first, so that the [BT, BT] A is
         # dead before dA's dots: dm = sum_ts a_ts dA[t, s] = sum_t (sum_s a_ts dnv_ts) / d_t + dd_t sum_s a_ts

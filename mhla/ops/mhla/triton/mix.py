@@ -437,7 +437,9 @@ class BandedMix:
     in fp32 / fp16 / bf16, ``window`` within :data:`.banded.MAX_HEAD` / :data:`.banded.MAX_RECENT`); otherwise, and
     in :meth:`mix_reference` / :meth:`backward_reference`, the torch reference (``_mix_finite`` under
     :func:`~mhla.ops.utils.causal_product`). ``precision``: ``tl.dot``'s input precision in the forward and dx
-    kernels (``tf32x3``: about fp32 accuracy on the tensor cores; :mod:`.banded`).
+    kernels (``tf32x3``: about fp32 accuracy on the tensor cores; :mod:`.banded`). ``p_dtype``: the dtype the
+    causal Function stores the call's block summaries in (fp32, or the input's with the opt-in
+    ``MHLA_SUMMARY_DTYPE=input``; ``P`` follows them, the gradients stay fp32).
     """
 
     window: tuple[int, int]
@@ -447,6 +449,7 @@ class BandedMix:
     kept_recent: int = 0
     rows: int = 1
     precision: str = "tf32x3"
+    p_dtype: torch.dtype = torch.float32
 
     @property
     def state_columns(self) -> int:

@@ -258,8 +258,8 @@ def banded_kernel_traffic(B: int, H: int, G: int, NB: int, F1: int, F2: int, win
                           x_bytes: int = F32, coeff_bytes: int = F32, need_dcoeff: bool = True) -> tuple[list, list]:
     """The launches of :mod:`.banded`'s kernels (the fused :class:`~.mix.BandedMix`): ``(forward, backward)`` lists
     of ``(name, bytes read, bytes written)`` for summaries ``x [B, H, SC + NB, F1]`` (and ``[.., F2]``, 0 for none;
-    ``SC`` the state's columns) in ``x_bytes`` (``P``, ``dP``, ``dx`` alike), coefficients ``[G, NB, ..]`` in
-    ``coeff_bytes``.
+    ``SC`` the state's columns) in ``x_bytes`` (``P`` alike; ``dP`` and ``dx`` fp32, as the gradients are),
+    coefficients ``[G, NB, ..]`` in ``coeff_bytes``.
 
     Per program (one feature tile of one batch x head; ``nf`` features, both parts' tiles end to end), as the
     kernels' loads and stores address them. Forward: the state's columns once (first non-finite column, folded
@@ -289,11 +289,11 @@ def banded_kernel_traffic(B: int, H: int, G: int, NB: int, F1: int, F2: int, win
     written = feats * 4  # FB
     if need_dcoeff:
         prev = min(NT * TR, TR + NB) - (TR - kept_recent)  # Z positions read as a previous tile
-        read += feats * (prev + NT * head_blocks + NB) * x_bytes  # previous tiles, X_head per row tile, dP
+        read += feats * (prev + NT * head_blocks) * x_bytes + feats * NB * F32  # previous tiles, X_head, dP
         written += progs * NB * K * F32
     bwd = [("_banded_bwd_scan_kernel", read, written)]
-    read = feats * 4 + feats * NB * x_bytes + progs * coeff  # FB, dP, the coefficients
-    written = feats * (NB + kept_recent + int(folded) + (kept_head if n_head else 0)) * x_bytes  # dx
+    read = feats * 4 + feats * NB * F32 + progs * coeff  # FB, dP, the coefficients
+    written = feats * (NB + kept_recent + int(folded) + (kept_head if n_head else 0)) * F32  # dx
     bwd.append(("_banded_bwd_dx_kernel", read, written))
     if need_dcoeff:
         bwd.append(("aten.sum", progs * NB * K * F32, G * NB * K * F32))
@@ -301,8 +301,8 @@ def banded_kernel_traffic(B: int, H: int, G: int, NB: int, F1: int, F2: int, win
 
 
 def banded_fused(window: tuple[int, int]) -> bool:
-    """Whether :class:`~.mix.BandedMix` runs the kernels of :mod:`.banded` for compact rows of ``window`` (fp32
-    summaries, as the causal path keeps them), or its torch reference."""
+    """Whether :class:`~.mix.BandedMix` runs the kernels of :mod:`.banded` for compact rows of ``window``, or its
+    torch reference (the kernels take every dtype the causal path stores summaries in: fp32, and fp16 / bf16)."""
     from .banded import fused_supported  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -321,7 +321,8 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         block_size: ``C`` (non-causal: ``T % C == 0``, ``M = T / C``; causal: ``M = ceil(T / C)``).
         dtype_bytes: bytes per element of q, k, v (2 for fp16 / bf16, 4 for fp32).
         mixing: ``"shared"`` (``[M, M]``) or ``"per_head"`` (``[H, M, M]``).
-        mixing_bytes: bytes per element of the mixing matrix (4: fp32; 2: bf16, cast to fp32 and back).
+        mixing_bytes: bytes per element of the mixing matrix or rows (4: fp32; 2: bf16, read in place, their
+            gradients cast back).
         normalize: the paper's normalizer (True) or none.
         window: None (a dense mixing matrix), or ``(head, recent)``: compact causal
             :class:`~mhla.ops.mhla.state.MixingRows` of ``M`` rows with that window (``mixing`` then says whether
@@ -329,8 +330,8 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         output_final_state: causal: the call also returns its final :class:`~mhla.ops.MHLAState`.
         summary_bytes: bytes per element of the block summaries ``S``, ``z`` and their mix ``P``, ``p``: 4
             (fp32, the default), or the input's with ``MHLA_SUMMARY_DTYPE=input`` (:func:`.utils.summary_dtype`;
-            dense mixing without a state only: compact rows and a returned state keep fp32). Running sums and
-            gradients stay fp32.
+            without a state only: a returned state, and compact rows outside the banded kernels' windows, keep
+            fp32). Running sums and gradients stay fp32.
     Returns:
         :class:`Traffic`, its ``kernels`` in launch order (forward, then backward).
     """
@@ -352,7 +353,9 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
     summ = BH * NB * D * Dv * F32  # dP, dS (and S, P in fp32): [B*H, NB, D, Dv]
     zsum = BH * NB * D * F32  # Z, Pz, dPz, dZ: [B*H, NB, D]
     per_chunk = BH * NT * D * Dv * F32  # R (and one read of a block summary per chunk)
-    sb = F32 if window is not None or output_final_state else summary_bytes  # S, P (opt-in: the input dtype)
+    compact = window is not None
+    # S, P: fp32, or (opt-in) the input dtype without a state, with dense rows or the banded kernels' compact ones
+    sb = F32 if output_final_state or (compact and not banded_fused(window)) else summary_bytes
     summ_s = BH * NB * D * Dv * sb  # S, P
     per_chunk_s = BH * NT * D * Dv * sb  # P read once per chunk
     zsum_s, per_chunk_z_s = BH * NB * D * sb, BH * NT * D * sb  # Z, Pz (and Pz per chunk)
@@ -360,10 +363,8 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
     den = BH * T * F32  # d, delta: [B*H, T]
     has_r = causal and g["NC"] > 1  # running in-block sums (causal, several chunks per block)
     mix3 = Hm * M * M * F32  # the fp32 mixing, [1 or H, M, M]
-    compact = window is not None
-    # the kernels read the mixing's diagonal in its dtype; compact rows are cast to fp32 first (the backend)
-    md = F32 if compact else mb
-    # compact rows [1 or H, M, k] in the order the backend casts them: diag, head, recent, far (k = 1, h, r, 1)
+    md = mb  # the kernels read the mixing's diagonal (and compact rows) in its dtype, in place
+    # compact rows [1 or H, M, k]: diag, head, recent, far (k = 1, h, r, 1); their gradients are cast back
     row_sizes = [Hm * M * w for w in ((1, window[0], window[1], 1) if compact else ())]
     coeff = Hm * NB * NB * F32  # coefficients of this call's blocks, [1 or H, NB, NB]
     out = Traffic(B, T, H, D, Dv, g["C"], e, causal, mixing)
@@ -428,10 +429,6 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
     # No torch op: the kernels read the mixing (the coefficients and, causal, its diagonal) in its own dtype
     # through its strides (no fp32 cast, no copy of the diagonal).
     store_z = normalize or output_final_state  # a returned state keeps the key sums
-    if compact and mb != F32:
-        for n in row_sizes:
-            if n:
-                add("aten._to_copy", n * mb, n * F32, "MixingRows to fp32", "mixing casts (torch)")
     NK, NV = (g["NK"], g["NV"]) if has_r else (gw["NK"], gw["NV"])  # wide tiles without running sums
     add("_fwd_block_summaries_kernel",
         NV * n_qk * e + NK * n_v * e,  # k once per V tile, v once per K tile
@@ -440,7 +437,8 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
         "S_b, z_b per block (fp32)" + ("; running sums R_j, r_j per chunk" if has_r else ""),
         "fwd_block_summaries")
     if compact and banded_fused(window):
-        banded_fwd, banded_bwd = banded_kernel_traffic(B, H, Hm, NB, D * Dv, D if normalize else 0, window)
+        banded_fwd, banded_bwd = banded_kernel_traffic(B, H, Hm, NB, D * Dv, D if normalize else 0, window,
+                                                       x_bytes=sb, coeff_bytes=mb)
         for name, r, w in banded_fwd:
             add(name, r, w, "BandedMix: P (and Pz) from the compact rows, one walk over the blocks", "banded mix")
     elif compact:
@@ -527,13 +525,13 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
     add("_bwd_dv_kernel", read, n_v * e, "dv", "bwd_dv")
 
     NK, NV = g["NK"], g["NV"]  # tiles of at most 64
-    read = 2 * n_qk * e + 2 * NK * n_v * e + per_chunk_s + per_chunk  # q, k; do, v per K tile; P, dS per chunk
+    read = 2 * NK * n_v * e + per_chunk_s + per_chunk  # do, v per K tile; P, dS per chunk
     read += (2 * NK * den + per_chunk_z_s + per_chunk_z if normalize else 0)  # d, delta once per program; Pz, dSz
     if has_r:
         read += 2 * per_chunk + (2 * per_chunk_z if normalize else 0)  # R, dR (Rz, dRz)
     written = 2 * n_qk * e
     if causal:
-        read += NK * BH * NT * md  # m_i
+        read += 2 * n_qk * e + NK * BH * NT * md  # q, k (the intra-chunk part); m_i
         written += NK * BH * NT * F32
     add("_bwd_dqk_kernel", read, written, "dq, dk" + (", the intra-chunk part of dm_i" if causal else ""),
         "bwd_dqk")
@@ -599,10 +597,10 @@ def bench_traffic(T: int, D: int, causal: bool) -> Traffic:
 LM_WINDOW = (0, 31)
 
 
-def lm_traffic(T: int, D: int) -> Traffic:
+def lm_traffic(T: int, D: int, summary_bytes: int = F32) -> Traffic:
     return mhla_traffic(BENCH["B"], T, BENCH["H"], D, block_size=BENCH["causal_block"],
                         dtype_bytes=BENCH["dtype_bytes"], causal=True, mixing="shared",
-                        mixing_bytes=BENCH["mixing_bytes"], window=LM_WINDOW)
+                        mixing_bytes=BENCH["mixing_bytes"], window=LM_WINDOW, summary_bytes=summary_bytes)
 
 
 def _gb(n: int) -> str:
