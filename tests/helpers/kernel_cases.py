@@ -1,6 +1,6 @@
 """Inputs, a forward-and-backward driver and the error measure shared by the Triton kernel tests.
 
-Import it after the test module has set ``TRITON_INTERPRET`` (on a CPU), as ``mhla.ops`` is imported here."""
+Import it after :mod:`helpers.triton_env` (which sets ``TRITON_INTERPRET`` on a CPU), as ``mhla.ops`` is imported here."""
 
 from __future__ import annotations
 

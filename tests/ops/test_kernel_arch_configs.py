@@ -11,21 +11,14 @@ the bf16 checks force each arch's configs on whatever device runs them (bf16 is 
 interpreter, so the kernels' bf16-only branches run on a GPU only).
 """
 
-import os
 import types
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import helpers.triton_env  # noqa: E402, F401  (first: sets TRITON_INTERPRET)
 
-triton = pytest.importorskip("triton")
-
-triton_backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
-if not triton_backend.available():
-    pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)",
-                allow_module_level=True)
+import triton  # noqa: E402
 
 from helpers.kernel_cases import TOL, make_inputs, rel_err, run  # noqa: E402
 

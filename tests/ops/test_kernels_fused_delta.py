@@ -8,23 +8,14 @@ positions before token 0, which must not be stored), and a causal dense mixing w
 diagonal hold values the kernels must not read as "earlier" coefficients.
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+from helpers.triton_env import DEVICE  # noqa: E402  (first: sets TRITON_INTERPRET)
 
 from mhla.ops import mhla_attention  # noqa: E402
 
-triton_backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
-if not triton_backend.available():
-    pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)", allow_module_level=True)
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _inputs(B, T, H, D, Dv, M, *, seed=0, dtype=torch.float32):

@@ -18,27 +18,17 @@ module again for a run of it alone):
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+from helpers.triton_env import DEVICE  # noqa: E402  (first: sets TRITON_INTERPRET)
 
 from mhla.ops import MixingRows, init_state, mhla_attention
 from mhla.ops.mhla.state import kept_block_ids, kept_blocks, row_coefficients
 
-triton_backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
-if not triton_backend.available():
-    pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)",
-                allow_module_level=True)
-
 from mhla.ops.mhla.triton.mix import BandedMix, mix_gemm, mix_gemm_backward
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 

@@ -18,20 +18,11 @@ significant bits) are checked on a GPU only (``gpu`` test).
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
-triton_backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
-if not triton_backend.available():
-    pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)",
-                allow_module_level=True)
+import helpers.triton_env  # noqa: E402, F401  (first: sets TRITON_INTERPRET)
 
 from mhla.ops.mhla.triton.utils import SUMMARY_DTYPE_ENV, summary_dtype  # noqa: E402
 

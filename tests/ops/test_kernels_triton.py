@@ -28,17 +28,9 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+from helpers.triton_env import triton_backend  # noqa: E402  (first: sets TRITON_INTERPRET)
 
 from mhla.ops import mhla_attention
-
-triton_backend = pytest.importorskip("mhla.ops.mhla.triton.backend")
-if not triton_backend.available():  # e.g. the kernels were imported before TRITON_INTERPRET was set
-    pytest.skip("Triton kernels cannot run here (no CUDA and not built for the interpreter)",
-                allow_module_level=True)
 
 from helpers.kernel_cases import DEVICE, TOL, make_inputs, rel_err, run  # noqa: E402
 
