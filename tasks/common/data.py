@@ -72,7 +72,10 @@ class ResumableSampler(Sampler[int]):
         self.epoch = epoch
         self.skip_batches = skip_batches
 
-    def _order(self) -> list[int]:
+    def order(self) -> list[int]:
+        """This rank's sample indices for the current epoch, from its micro-batch ``skip_batches`` on (what
+        iterating the sampler yields; a dataset that builds its batches from their place in the epoch, such as
+        a length curriculum, reads it too)."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
             order = torch.randperm(self.n, generator=g)
@@ -93,7 +96,7 @@ class ResumableSampler(Sampler[int]):
         return mine
 
     def __iter__(self):
-        return iter(self._order())
+        return iter(self.order())
 
     def __len__(self) -> int:
         return (self.batches_per_epoch - self.skip_batches) * self.batch_size

@@ -218,7 +218,7 @@ class PasskeyDataset(Dataset):
         if self.epoch not in self._place:
             sampler = ResumableSampler(self.n, self.batch_size, shuffle=True, seed=self.sampler_seed)
             sampler.set_epoch(self.epoch)
-            order = np.asarray(sampler._order())
+            order = np.asarray(sampler.order())
             place = np.empty(self.n, dtype=np.int64)
             place[order] = np.arange(len(order))
             self._place = {self.epoch: (place, sampler.steps_per_epoch)}
