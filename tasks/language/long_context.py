@@ -169,7 +169,10 @@ class PasskeyDataset(Dataset):
     ``curriculum`` (training): ``[(length, batches), ...]``: the first ``batches`` batches are made of
     ``length``-token examples, then the next stage's, then ``seq_len``'s. A short batch holds ``seq_len //
     length`` examples per item (``[B * seq_len // length, length]``: about the same tokens per step, more
-    answers), whose needle is never farther than ``length`` tokens from the question. Items are then the
+    answers), whose needle is never farther than ``length`` tokens from the question. A long stage (``length``
+    a multiple of ``seq_len`` above it) holds one ``length``-token document per item (``[B, length]``), which
+    :class:`PasskeyLMTask` trains as windows of ``seq_len`` with the state passed: the earlier windows fill the
+    model's cache without gradient, the last one (the question, and the needle when it falls there) trains. Items are then the
     indices and :meth:`collate` builds the batch: its number is the place of its first item in the epoch's order
     of the trainer's sampler (:class:`tasks.common.data.ResumableSampler` with ``batch_size`` and
     ``sampler_seed``, one process; the trainer tells the epoch through :meth:`set_epoch`), so a resumed run
@@ -181,8 +184,9 @@ class PasskeyDataset(Dataset):
         self.n, self.seed = int(num_examples), seed
         self.curriculum = [(int(length), int(batches)) for length, batches in (curriculum or [])]
         for length, _ in self.curriculum:
-            if not fmt.min_length() <= length <= self.seq_len:
-                raise ValueError(f"curriculum lengths must be in [{fmt.min_length()}, {self.seq_len}], got {length}")
+            if not (fmt.min_length() <= length <= self.seq_len or length % self.seq_len == 0):
+                raise ValueError(f"curriculum lengths must be in [{fmt.min_length()}, {self.seq_len}] or multiples "
+                                 f"of seq_len {self.seq_len} (documents passed on in windows), got {length}")
         self.batch_size, self.sampler_seed, self.epoch, self._place = int(batch_size), int(sampler_seed), 0, {}
 
     def __len__(self) -> int:
@@ -230,6 +234,8 @@ class PasskeyDataset(Dataset):
         length = self.length_at(self.batch_number(indices))
         if length == self.seq_len:
             pairs = [self.example(i, length) for i in indices]
+        elif length > self.seq_len:  # one long document per item (its windows: PasskeyLMTask)
+            pairs = [self.example(i, length, 0) for i in indices]
         else:
             pairs = [self.example(i, length, j) for i in indices for j in range(self.seq_len // length)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
@@ -381,7 +387,11 @@ class PasskeyLMTask(LanguageModelingTask):
     """The LM task on passkey sequences (``task=lm_mini`` data, model and recipe; every training window is one
     passkey example of ``data.seq_len`` tokens in the corpus's filler, ``data.num_train`` of them drawn afresh
     per index, under ``task.curriculum``'s lengths first: :class:`PasskeyDataset`): loss = ``task.lm_weight`` x
-    the next-token loss on every token + ``task.answer_weight`` x the loss on the answer digits. Evaluation at
+    the next-token loss on every token + ``task.answer_weight`` x the loss on the answer digits. A curriculum
+    stage longer than ``data.seq_len`` passes the state: a document's windows before its last run through the
+    model into a cache without gradient (:func:`prefill`, as the evaluation reads long contexts), and the loss is
+    the last window's, read from that cache (truncated backpropagation through the context, as state-passing
+    training of recurrent models, Buitrago Ruiz and Gu 2025). Evaluation at
     the training length: the answer loss (the monitor), passkey and digit accuracy, and the validation
     perplexity (on the same sequences)."""
 
@@ -431,7 +441,11 @@ class PasskeyLMTask(LanguageModelingTask):
 
     def _losses(self, model, batch):
         x, mask = batch
-        logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
+        cache = None
+        if x.shape[1] > self.seq_len:  # a long document (curriculum): its earlier windows' state, no gradient
+            cache = prefill(model, x[:, :-self.seq_len], self.seq_len)
+            x, mask = x[:, -self.seq_len:], mask[:, -self.seq_len:]
+        logits = model(input_ids=x, past_key_values=cache, use_cache=cache is not None).logits[:, :-1].float()
         target, m = x[:, 1:], mask[:, 1:]
         lm = F.cross_entropy(logits.flatten(0, 1), target.flatten())
         ans_logits = logits[m]

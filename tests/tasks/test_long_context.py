@@ -107,6 +107,30 @@ def test_passkey_curriculum_follows_the_trainers_batch_order_and_packs_short_bat
     assert torch.equal(ds.example(0, 240)[0], plain[0][0])
 
 
+def test_passkey_curriculum_long_stage_holds_one_document_per_item():
+    """A stage longer than seq_len (a multiple of it): one document per item, its needle anywhere in it, the
+    question (the answer) at its end, in its last window."""
+    fmt = PasskeyFormat(DigitTokenizer(), digits=3)
+    filler = np.arange(100, 300)
+    ds = PasskeyDataset(filler, fmt, 120, 40, seed=2, curriculum=[(480, 3)], batch_size=4, sampler_seed=0)
+    assert [ds.length_at(b) for b in range(4)] == [480, 480, 480, 120]
+    from tasks.common.data import ResumableSampler
+
+    sampler = ResumableSampler(40, 4, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    x, mask = ds.collate(list(sampler)[:4])                         # batch 0 of epoch 0: the long stage
+    assert x.shape == (4, 480) and (mask.sum(1) == 3).all() and mask[:, -3:].all()
+    depths = []
+    for r in range(4):
+        row = x[r].tolist()
+        p = next(i for i in range(len(row)) if row[i:i + len(fmt.prefix)] == fmt.prefix.tolist())
+        assert row[p + len(fmt.prefix):p + len(fmt.prefix) + 3] == row[-3:]
+        depths.append(p)
+    assert min(depths) < 480 - 120                                  # some needle before the last window
+    with pytest.raises(ValueError):
+        PasskeyDataset(filler, fmt, 120, 10, curriculum=[(300, 2)])  # longer, not a multiple of seq_len
+
+
 def test_passkey_curriculum_rejects_a_length_without_room():
     fmt = PasskeyFormat(DigitTokenizer())
     with pytest.raises(ValueError):
@@ -290,10 +314,35 @@ def test_passkey_task_weights_its_losses_and_reports_the_answer_loss():
     mask = torch.zeros(3, 16, dtype=torch.bool)
     mask[:, -4:] = True
     for lm_w, ans_w in [(0.0, 1.0), (1.0, 3.0)]:
-        task.cfg = OmegaConf.create({"task": {"answer_weight": ans_w, "lm_weight": lm_w}})
+        task.cfg = OmegaConf.create({"task": {"answer_weight": ans_w, "lm_weight": lm_w}, "data": {"seq_len": 16}})
         loss, logs = task.training_loss(model, (x, mask))
         assert loss.item() == pytest.approx(lm_w * logs["lm_loss"] + ans_w * logs["answer_loss"], rel=1e-5)
     metrics = task.evaluate(model, [(x, mask)], torch.device("cpu"), SimpleNamespace(enabled=False))
     assert metrics["answer_loss"] == pytest.approx(logs["answer_loss"], rel=1e-5)
     assert metrics["val_loss"] == pytest.approx(logs["lm_loss"], rel=1e-5)
     assert PasskeyLMTask.monitor == "answer_loss"
+
+
+def test_passkey_task_passes_the_state_of_a_long_document():
+    """A batch longer than data.seq_len: the earlier windows fill the cache without gradient, the loss is the last
+    window's, equal to the loss read from one forward over the whole document (fp64)."""
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+
+    from tasks.language.long_context import PasskeyLMTask
+
+    task = PasskeyLMTask.__new__(PasskeyLMTask)
+    task.cfg = OmegaConf.create({"task": {"answer_weight": 1.0, "lm_weight": 0.5}, "data": {"seq_len": 16}})
+    for attn in ("mhla", "linear", "softmax"):
+        model = tiny_model(attn).double()
+        x = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))
+        mask = torch.zeros(2, 48, dtype=torch.bool)
+        mask[:, -4:] = True
+        loss, logs = task.training_loss(model, (x, mask))
+        full = model(x, use_cache=False).logits[:, 32:-1]           # the last window's predictions, one forward
+        target, m = x[:, 33:], mask[:, 33:]
+        assert logs["answer_loss"] == pytest.approx(F.cross_entropy(full[m], target[m]).item(), rel=1e-6)  # fp32 logits
+        assert logs["lm_loss"] == pytest.approx(F.cross_entropy(full.flatten(0, 1), target.flatten()).item(),
+                                                rel=1e-6)
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad), attn
