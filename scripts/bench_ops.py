@@ -87,9 +87,12 @@ OPS = {
 }
 # growth exponent in T for skip estimates
 COMPLEXITY = {"mhla": 1, "mhla_torch": 1, "linear": 1, "plain_linear": 1, "fla_linear": 1, "sdpa": 2,
-              "release_loop": 2, "mhla_window": 1, "fla_simple_gla": 1}
-# ops that only run on a GPU (fla's Triton kernels) or only make sense there (the torch path as a second MHLA)
-GPU_ONLY = {"fla_linear", "mhla_torch", "fla_simple_gla"}
+              "release_loop": 2, "mhla_window": 1, "fla_simple_gla": 1, "mhla_half": 1, "mhla_window_half": 1}
+# ops that only run on a GPU (fla's Triton kernels) or only make sense there (the torch path as a second MHLA;
+# the kernels' opt-in half summaries, which the torch path does not have)
+GPU_ONLY = {"fla_linear", "mhla_torch", "fla_simple_gla", "mhla_half", "mhla_window_half"}
+#: ``<op>_half``: ``mhla`` / ``mhla_window`` with the Triton kernels' opt-in half block summaries
+HALF_SUMMARY_OPS = ("mhla_half", "mhla_window_half")
 TIME_METHOD = ("each case in a fresh subprocess; one fwd+bwd at full size as warm-up, then the median (and "
                "p25-p75) over N runs, N = min(--repeats, --budget-s / first run), at least 3; CPU wall clock "
                "(time.perf_counter), GPU CUDA events. fwd runs under torch.no_grad(); fwd+bwd backpropagates "
@@ -214,7 +217,28 @@ def choose_num_blocks(T: int) -> int:
     return m
 
 
+def with_half_summaries(fn):
+    """``fn`` called with ``MHLA_SUMMARY_DTYPE=input`` (the Triton kernels' opt-in half block summaries; read at
+    each forward call, whose backward keeps the dtype it chose), the variable restored after."""
+    from mhla.ops.mhla.triton.utils import SUMMARY_DTYPE_ENV  # noqa: PLC0415
+
+    def call():
+        old = os.environ.get(SUMMARY_DTYPE_ENV)
+        os.environ[SUMMARY_DTYPE_ENV] = "input"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(SUMMARY_DTYPE_ENV, None)
+            else:
+                os.environ[SUMMARY_DTYPE_ENV] = old
+    return call
+
+
 def make_case(op: str, causal: bool, T: int, args, device):
+    if op in HALF_SUMMARY_OPS:  # the same case, its forward with the opt-in half summaries
+        fn, params, info = make_case(op.removesuffix("_half"), causal, T, args, device)
+        return with_half_summaries(fn), params, {**info, "summaries": "input dtype"}
     g = torch.Generator(device="cpu").manual_seed(0)
     B, H, D = args.batch, args.heads, args.dim
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

@@ -12,7 +12,8 @@ most valuable first, so a cut window loses the least):
 1. ``ops``: the op benchmark in ONE process (Triton autotuning once), :func:`scripts.bench_ops.run_case` per case:
    bf16, B 8, H 16, T 1k..64k; the forwards at D 64 (non-causal, then causal), then the forwards+backwards at
    D 64, then both at D 128. Ops: MHLA (Triton), MHLA in the LM's setting (``mhla_window``: 32 learned rows,
-   far blocks folded), MHLA (torch path), our linear attention, flash-linear-attention's ``chunk_linear_attn``
+   far blocks folded), both with the kernels' opt-in half block summaries (``mhla_half``, ``mhla_window_half``:
+   ``MHLA_SUMMARY_DTYPE=input``), MHLA (torch path), our linear attention, flash-linear-attention's ``chunk_linear_attn``
    and ``chunk_simple_gla`` (when ``fla`` imports), SDPA (FlashAttention). Each case: median of CUDA-event
    timings after a warm-up, its percent of the floor (4 bf16 tensors read or written once forward, 11 forward
    + backward) over the measured copy bandwidth and over the datasheet's, the largest relative difference of
@@ -293,8 +294,10 @@ def datasheet_gbps(gpu: str | None) -> float | None:
 # ======================================================================================= the stages
 # ---------------------------------------------------------------------------------------- ops
 PRIMARY_OPS = {False: ["mhla", "sdpa"], True: ["mhla_window", "fla_linear", "mhla"]}
-SECONDARY_OPS = {False: ["linear", "mhla_torch"], True: ["fla_simple_gla", "linear", "sdpa", "mhla_torch"]}
-TRITON_OPS = ("mhla", "mhla_window")  # checked against the torch path on the same inputs
+SECONDARY_OPS = {False: ["mhla_half", "linear", "mhla_torch"],
+                 True: ["mhla_window_half", "fla_simple_gla", "linear", "sdpa", "mhla_torch"]}
+# checked against the torch path on the same inputs (``_half``: the kernels' opt-in half block summaries)
+TRITON_OPS = ("mhla", "mhla_window", "mhla_half", "mhla_window_half")
 
 
 def op_case_id(D: int, kind: str, causal: bool, op: str, T: int) -> str:
@@ -338,6 +341,8 @@ def modelled_traffic(op: str, causal: bool, kind: str, o: dict, D: int, T: int, 
     ``(head, recent)`` window taken from the rows the benchmark builds): bytes and launches of the forward
     (``fwd``) or of the forward and backward (``fwdbwd``); None for other ops or without the module, ``{"error"}``
     if it fails."""
+    half = op.endswith("_half")  # the opt-in half summaries: S and P in the input dtype
+    op = op.removesuffix("_half")
     if op not in ("mhla", "mhla_window"):
         return None
     try:
@@ -354,8 +359,9 @@ def modelled_traffic(op: str, causal: bool, kind: str, o: dict, D: int, T: int, 
 
             rows = window_mixing_rows(-(-T // block_size), "meta", torch.float32)
             window = (rows.head.shape[-1], rows.recent.shape[-1])
+        kw = {"summary_bytes": elem} if half else {}
         t = mhla_traffic(o["batch"], T, o["heads"], D, block_size=block_size, dtype_bytes=elem, causal=causal,
-                         mixing="shared", mixing_bytes=elem, window=window)
+                         mixing="shared", mixing_bytes=elem, window=window, **kw)
     except Exception as e:  # noqa: BLE001  (a model whose signature moved must not stop the benchmark)
         return {"error": f"{type(e).__name__}: {str(e)[:120]}"}
     phase = "forward" if kind == "fwd" else None
@@ -1128,7 +1134,8 @@ def to_markdown(state: dict) -> str:
                   f"{info.get('copy_bandwidth_GBps')} GB/s (measured, read + write), datasheet "
                   f"{info.get('datasheet_GBps')} GB/s, matrix product {info.get('matmul_tflops')} TFLOP/s "
                   "(measured). Floor: 4 tensors forward, 11 forward+backward, read or written once. "
-                  "`mhla_window`: causal MHLA in the LM's setting (32 learned rows, uniform_far: far blocks folded).",
+                  "`mhla_window`: causal MHLA in the LM's setting (32 learned rows, uniform_far: far blocks folded); "
+                  "`_half`: with the opt-in half block summaries (MHLA_SUMMARY_DTYPE=input).",
                   "", "| D | pass | causal | op | T | M | ms | % floor (datasheet) | % floor (copy) | "
                   "max rel diff to torch | modelled bytes / floor | modelled launches | peak MB |",
                   "|---" * 13 + "|"]

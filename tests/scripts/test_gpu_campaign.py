@@ -230,3 +230,33 @@ def test_the_traffic_model_is_read_for_the_mhla_op():
     win = [gc.modelled_traffic("mhla_window", True, "fwd", o, 64, T, 64)["bytes"] for T in (4096, 16384)]
     dense = gc.modelled_traffic("mhla", True, "fwd", o, 64, 4096, 64)["bytes"]
     assert 3.9 < win[1] / win[0] < 4.1 and win[0] < 1.5 * dense  # the fused banded mix: at the dense causal path's level
+    # the opt-in half summaries: fewer bytes, the same launches
+    for op, causal in (("mhla", False), ("mhla_window", True)):
+        full, half = (gc.modelled_traffic(name, causal, "fwd", o, 64, 4096, 64) for name in (op, op + "_half"))
+        assert half["bytes"] < full["bytes"] and half["launches"] == full["launches"], op
+
+
+def test_half_summary_ops_run_the_same_case_with_the_option(monkeypatch):
+    """``mhla_half`` / ``mhla_window_half``: the case of ``mhla`` / ``mhla_window`` with MHLA_SUMMARY_DTYPE=input
+    set during the call only (on a CPU the torch path runs, which has no such option: the same output)."""
+    import argparse
+
+    import torch
+
+    from mhla.ops.mhla.triton.utils import SUMMARY_DTYPE_ENV as ENV
+    from scripts.bench_ops import make_case, with_half_summaries
+
+    monkeypatch.delenv(ENV, raising=False)
+    seen = []
+    call = with_half_summaries(lambda: seen.append(os.environ.get(ENV)) or 7)
+    assert call() == 7 and seen == ["input"] and ENV not in os.environ
+    monkeypatch.setenv(ENV, "fp32")
+    call()
+    assert seen == ["input", "input"] and os.environ[ENV] == "fp32"
+    cargs = argparse.Namespace(batch=1, heads=2, dim=16, dtype="fp32", block=16, backend="torch", threads=0,
+                               repeats=1, budget_s=0.01, device="cpu")
+    for op, causal in (("mhla", False), ("mhla_window", True)):
+        fn, _, info = make_case(op, causal, 64, cargs, "cpu")
+        half, _, half_info = make_case(op + "_half", causal, 64, cargs, "cpu")
+        assert half_info == {**info, "summaries": "input dtype"}
+        assert torch.equal(half(), fn())
