@@ -172,8 +172,8 @@ class PasskeyDataset(Dataset):
     answers), whose needle is never farther than ``length`` tokens from the question. A long stage (``length``
     a multiple of ``seq_len`` above it) holds one ``length``-token document per item (``[B, length]``), which
     :class:`PasskeyLMTask` trains as windows of ``seq_len`` with the state passed: the earlier windows fill the
-    model's cache without gradient, the last one (the question, and the needle when it falls there) trains. Items are then the
-    indices and :meth:`collate` builds the batch: its number is the place of its first item in the epoch's order
+    model's cache without gradient, the last one (the question, and the needle when it falls there) trains.
+    Items are then the indices and :meth:`collate` builds the batch: its number is the place of its first item in the epoch's order
     of the trainer's sampler (:class:`tasks.common.data.ResumableSampler` with ``batch_size`` and
     ``sampler_seed``, one process; the trainer tells the epoch through :meth:`set_epoch`), so a resumed run
     (``trainer.resume``) and data-loader workers see the same stages."""

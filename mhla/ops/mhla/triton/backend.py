@@ -40,11 +40,10 @@ from ..state import (
     rewindow,
     state_after_chunk,
 )
-from .banded import fused_supported
 from .causal import mhla_causal_triton
 from .mix import BandedMix
 from .noncausal import mhla_noncausal_triton
-from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES, summary_dtype
+from .utils import INTERPRET_AT_IMPORT, INTERPRETER_USABLE, SUPPORTED_DTYPES
 
 
 def available() -> bool:
@@ -96,8 +95,10 @@ def mhla_triton(
     out_dtype = v.dtype
     if INTERPRET_AT_IMPORT and q.dtype == torch.bfloat16:  # numpy has no bf16: compute in fp32
         q, k, v = q.float(), k.float(), v.float()
-    if INTERPRET_AT_IMPORT and isinstance(mixing, torch.Tensor) and mixing.dtype == torch.bfloat16:
-        mixing = mixing.float()  # the kernels read the mixing in its own dtype; the interpreter has no bf16
+    mixing_dtype = mixing.diag.dtype if isinstance(mixing, MixingRows) else mixing.dtype
+    if INTERPRET_AT_IMPORT and mixing_dtype == torch.bfloat16:
+        # the kernels read the mixing (matrix or compact rows) in its own dtype; the interpreter has no bf16
+        mixing = mixing.to(torch.float32)
     normalize_b = mode == "paper"
 
     if not causal:
@@ -123,16 +124,10 @@ def mhla_triton(
     NB = ceil_div(P % C + T, C)
     mix = None
     if compact:  # linear in T: the rows' head, recent and far coefficients, never a dense [NB, first + NB]
-        # the kernels read the rows in their own dtype (no cast; the interpreter has no bf16)
-        rows = mixing.to(torch.float32) if INTERPRET_AT_IMPORT and mixing.diag.dtype == torch.bfloat16 else mixing
-        diag, head, recent, far = rows.rows(first, first + NB)
+        diag, head, recent, far = mixing.rows(first, first + NB)  # read in place in their dtype: no cast
         kh, kr = kept_blocks(first, window)
         folded = st is not None and st.num_folded_blocks > 0
-        # opt-in half summaries (MHLA_SUMMARY_DTYPE=input): without a state, on the banded kernels only
-        s_dtype = summary_dtype(q.dtype) if st is None and not output_final_state else torch.float32
-        if not fused_supported(window, s_dtype):
-            s_dtype = torch.float32
-        mix = (BandedMix(window, first, kh, folded, kr, NB, p_dtype=s_dtype), diag, (head, recent, far))
+        mix = (BandedMix(window, first, kh, folded, kr, NB), diag, (head, recent, far))
     state = None
     if st is not None:
         cols_s, cols_z = st.block_summaries, st.block_key_sums

@@ -34,6 +34,8 @@ in linear time (:class:`~.mix.BandedMix`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
@@ -46,6 +48,7 @@ from .chunk import (
     fwd_output,
     mixing_3d,
 )
+from .banded import fused_supported
 from .mix import DenseMix
 from .utils import dot_precision, summary_dtype
 
@@ -201,14 +204,16 @@ def mhla_causal_triton(q, k, v, mixing, block_size: int, *, normalize: bool = Tr
         first, offset = divmod(num_tokens, block_size)
     NB = triton.cdiv(offset + q.shape[1], block_size)
     columns = 0 if state_s is None else state_s.shape[2]
+    # opt-in half summaries (MHLA_SUMMARY_DTYPE=input): without a state only (a state's summaries are fp32)
+    s_dtype = summary_dtype(q.dtype) if state is None and not keep_z else torch.float32
     if mix is None:
         coeff, mdiag = _causal_coefficients(mixing_3d(mixing), first, NB)
-        # opt-in half summaries (MHLA_SUMMARY_DTYPE=input): without a state only (a state's summaries are fp32)
-        s_dtype = summary_dtype(q.dtype) if state is None and not keep_z else torch.float32
         mixer = DenseMix(causal=True, first=columns, precision=dot_precision(q.dtype), p_dtype=s_dtype)
         coefficients = (coeff,)
     else:
         mixer, mdiag, coefficients = mix
+        if fused_supported(mixer.window, s_dtype):  # else fp32: the mixer's torch reference keeps them
+            mixer = dataclasses.replace(mixer, p_dtype=s_dtype)
     if offset + q.shape[1] <= block_size:  # one block: its earlier tokens are in cur_s, its later ones absent
         block_size, offset = q.shape[1], 0
     return MHLACausalFunction.apply(q, k, v, mdiag, state_s, state_z, cur_s, cur_z, mixer, block_size,

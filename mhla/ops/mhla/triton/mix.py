@@ -439,7 +439,8 @@ class BandedMix:
     :func:`~mhla.ops.utils.causal_product`). ``precision``: ``tl.dot``'s input precision in the forward and dx
     kernels (``tf32x3``: about fp32 accuracy on the tensor cores; :mod:`.banded`). ``p_dtype``: the dtype the
     causal Function stores the call's block summaries in (fp32, or the input's with the opt-in
-    ``MHLA_SUMMARY_DTYPE=input``; ``P`` follows them, the gradients stay fp32).
+    ``MHLA_SUMMARY_DTYPE=input``, which :func:`~.causal.mhla_causal_triton` sets; ``P`` follows them, the
+    gradients stay fp32).
     """
 
     window: tuple[int, int]
