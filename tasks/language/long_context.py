@@ -161,6 +161,14 @@ def passkey_batch(filler: np.ndarray, fmt: PasskeyFormat, length: int, depths,
             "needle_pos": torch.from_numpy(needle_pos), "targets_at": torch.from_numpy(targets_at)}
 
 
+def _lengths(length) -> tuple[int, ...]:
+    """A curriculum stage's lengths: one (an int), or a list taken in turn."""
+    lengths = tuple(int(n) for n in length) if hasattr(length, "__iter__") else (int(length),)
+    if not lengths:
+        raise ValueError("a curriculum stage needs at least one length")
+    return lengths
+
+
 class PasskeyDataset(Dataset):
     """Training / validation passkey sequences of ``seq_len`` tokens at uniform random depths: item ``i`` is
     ``(input_ids [L], answer_mask [L])`` (``answer_mask[t]``: token ``t`` is an answer digit), the same for a
@@ -173,6 +181,8 @@ class PasskeyDataset(Dataset):
     a multiple of ``seq_len`` above it) holds one ``length``-token document per item (``[B, length]``), which
     :class:`PasskeyLMTask` trains as windows of ``seq_len`` with the state passed: the earlier windows fill the
     model's cache without gradient, the last one (the question, and the needle when it falls there) trains.
+    A stage's length may be a list, whose lengths take the stage's batches in turn (``[[1024, 256], 300]``: 150
+    batches of 1,024-token documents interleaved with 150 of 256-token ones).
     Items are then the indices and :meth:`collate` builds the batch: its number is the place of its first item in the epoch's order
     of the trainer's sampler (:class:`tasks.common.data.ResumableSampler` with ``batch_size`` and
     ``sampler_seed``, one process; the trainer tells the epoch through :meth:`set_epoch`), so a resumed run
@@ -182,8 +192,8 @@ class PasskeyDataset(Dataset):
                  curriculum=None, batch_size: int = 1, sampler_seed: int = 0):
         self.filler, self.fmt, self.seq_len = filler, fmt, int(seq_len)
         self.n, self.seed = int(num_examples), seed
-        self.curriculum = [(int(length), int(batches)) for length, batches in (curriculum or [])]
-        for length, _ in self.curriculum:
+        self.curriculum = [(_lengths(length), int(batches)) for length, batches in (curriculum or [])]
+        for length in (n for lengths, _ in self.curriculum for n in lengths):
             if not (fmt.min_length() <= length <= self.seq_len or length % self.seq_len == 0):
                 raise ValueError(f"curriculum lengths must be in [{fmt.min_length()}, {self.seq_len}] or multiples "
                                  f"of seq_len {self.seq_len} (documents passed on in windows), got {length}")
@@ -206,10 +216,10 @@ class PasskeyDataset(Dataset):
     def length_at(self, batch: int) -> int:
         """The example length of training batch ``batch`` (0-based) under the curriculum."""
         end = 0
-        for length, batches in self.curriculum:
+        for lengths, batches in self.curriculum:
+            if batch < end + batches:
+                return lengths[(batch - end) % len(lengths)]
             end += batches
-            if batch < end:
-                return length
         return self.seq_len
 
     def set_epoch(self, epoch: int) -> None:

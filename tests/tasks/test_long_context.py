@@ -131,6 +131,25 @@ def test_passkey_curriculum_long_stage_holds_one_document_per_item():
         PasskeyDataset(filler, fmt, 120, 10, curriculum=[(300, 2)])  # longer, not a multiple of seq_len
 
 
+def test_passkey_curriculum_stage_of_several_lengths_takes_them_in_turn():
+    """``[[480, 120], 4]``: the stage's batches alternate between long documents and training-length examples."""
+    from tasks.common.data import ResumableSampler
+
+    fmt = PasskeyFormat(DigitTokenizer(), digits=3)
+    filler = np.arange(100, 300)
+    ds = PasskeyDataset(filler, fmt, 120, 40, seed=2, curriculum=[(80, 2), ([480, 120], 4)], batch_size=4,
+                        sampler_seed=0)
+    assert [ds.length_at(b) for b in range(8)] == [80, 80, 480, 120, 480, 120, 120, 120]
+    sampler = ResumableSampler(40, 4, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    shapes = [tuple(ds.collate(order[b * 4:(b + 1) * 4])[0].shape) for b in range(2, 6)]
+    assert shapes == [(4, 480), (4, 120), (4, 480), (4, 120)]
+    for bad in ([], [120, 300]):                                    # no length; 300 not a multiple of 120
+        with pytest.raises(ValueError):
+            PasskeyDataset(filler, fmt, 120, 10, curriculum=[(bad, 2)])
+
+
 def test_passkey_curriculum_rejects_a_length_without_room():
     fmt = PasskeyFormat(DigitTokenizer())
     with pytest.raises(ValueError):
