@@ -121,7 +121,7 @@ def markdown(record: dict) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("pairs", nargs="+", help="seed=BASE_RUN:TRAINED_RUN")
+    ap.add_argument("pairs", nargs="*", help="seed=BASE_RUN:TRAINED_RUN")
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--rule", default="uniform_far")
     ap.add_argument("--depths", type=float, nargs="+", default=list(DEPTHS))
@@ -149,6 +149,8 @@ def main(argv=None) -> int:
         write_result(args.out, markdown(record), record)
         print(f"rewrote {args.out}.md")
         return 0
+    if not args.pairs:
+        raise SystemExit("give seed=BASE_RUN:TRAINED_RUN pairs (or --plot-only)")
     torch.set_num_threads(args.threads)
     runs = {}
     for p in args.pairs:
