@@ -48,7 +48,7 @@ from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
 from tasks.common.launch import read_notes  # noqa: E402
 from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record  # noqa: E402
-from tasks.common.results import BusyMachine, load_summary, write_result  # noqa: E402
+from tasks.common.results import BusyMachine, load_summary, rewrite_result, write_result  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
 from tasks.language.long_context import (PasskeyLMTask, evaluate_passkey, evaluate_spread_mqar,  # noqa: E402
                                          filler_tokens)
@@ -407,11 +407,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot_only:
-        with open(args.out + ".json") as f:
-            record = json.load(f)
-        if args.notes:
-            record["notes"] = read_notes(args.notes)
-        write_result(args.out, markdown(record), record, lambda png: plot(record, png))
+        rewrite_result(args.out, markdown, plot, read_notes(args.notes) if args.notes else None)
         print(f"rewrote {args.out}.md / .png")
         return 0
     runs = dict(r.split("=", 1) for r in args.runs)

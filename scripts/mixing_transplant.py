@@ -41,7 +41,7 @@ from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
 from tasks.common.launch import read_notes  # noqa: E402
 from tasks.common.records import Measurement  # noqa: E402
-from tasks.common.results import write_result  # noqa: E402
+from tasks.common.results import rewrite_result, write_result  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
 from tasks.language.long_context import evaluate_passkey, filler_tokens  # noqa: E402
 
@@ -140,13 +140,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot_only:
-        import json  # noqa: PLC0415
-
-        with open(args.out + ".json") as f:
-            record = json.load(f)
-        if args.notes:
-            record["notes"] = read_notes(args.notes)
-        write_result(args.out, markdown(record), record)
+        rewrite_result(args.out, markdown, notes=read_notes(args.notes) if args.notes else None)
         print(f"rewrote {args.out}.md")
         return 0
     if not args.pairs:

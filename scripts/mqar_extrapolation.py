@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from mhla.mixing import EXTENSION_RULES, mixing_matrices  # noqa: E402
 from scripts.length_extrapolation import extension_rule  # noqa: E402
-from tasks.common.results import write_result  # noqa: E402
+from tasks.common.results import rewrite_result, write_result  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
 from tasks.common.launch import read_notes  # noqa: E402
@@ -203,11 +203,8 @@ def main(argv=None) -> int:
         args.num_examples, args.seed = previous["num_examples"], previous["seed"]
         args.rules = sorted({r for rules in previous["rules_of"].values() for r in rules if r != "-"}) or args.rules
     if args.plot_only:
-        with open(args.out + ".json") as f:
-            record = json.load(f)
-        if args.notes:
-            record["notes"] = read_notes(args.notes)
-        write_result(args.out, markdown(record, record["command"]), record, lambda png: plot(record, png))
+        rewrite_result(args.out, lambda record: markdown(record, record["command"]), plot,
+                       read_notes(args.notes) if args.notes else None)
         print(f"rewrote {args.out}.md / .json / .png")
         return 0
     if not args.runs:

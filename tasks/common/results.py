@@ -126,3 +126,16 @@ def write_result(stem: str, md: str | None, record: dict | list | None, plot: Ca
     if plot is not None:
         plot(stem + ".png")
     return stem
+
+
+def rewrite_result(stem: str, markdown: Callable[[dict], str], plot: Callable[[dict, str], object] | None = None,
+                   notes: str | None = None) -> dict:
+    """Rewrite ``<stem>.md`` (``markdown(record)``) and ``<stem>.png`` (``plot(record, png)``, when given) from
+    ``<stem>.json``, the scripts' ``--plot-only``: the record's reading is replaced by ``notes`` when given (and the
+    .json rewritten with it); its stored measurement still marks a busy record BUSY. Returns the record."""
+    with open(stem + ".json") as f:
+        record = json.load(f)
+    if notes:
+        record["notes"] = notes
+    write_result(stem, markdown(record), record, None if plot is None else lambda png: plot(record, png))
+    return record

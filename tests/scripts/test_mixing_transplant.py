@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.lm_configs import lm_config
 from mhla.mixing import MixingMatrix, mixing_matrices
-from models.lm import MHLALMConfig, MHLALMForCausalLM
+from models.lm import MHLALMForCausalLM
 from scripts import mixing_transplant as T
 
 
 def tiny(attn: str = "mhla", seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
-    spec = {"name": attn, "block_size": 4} if attn == "mhla" else attn
-    return MHLALMForCausalLM(MHLALMConfig(attn=spec, vocab_size=32, hidden_size=32, num_hidden_layers=layers,
-                                          num_heads=2, max_position_embeddings=16)).eval()
+    return MHLALMForCausalLM(lm_config(attn, block_size=4, vocab_size=32, hidden_size=32, num_hidden_layers=layers,
+                                       num_heads=2, max_position_embeddings=16)).eval()
 
 
 def test_swap_moves_the_mixing_and_nothing_else():
