@@ -7,7 +7,7 @@
 
 A grid file (``configs/grid/*.yaml``) names the table (``title``, ``out``), where the runs train (``runs_dir``),
 the overrides every run shares (``common``), each variant's own (``variants``), the seeds (``seeds``; per variant
-``seeds_of``) and the comparisons (``table``: ``metric``, ``baseline``, ``pairs``, optional ``digits``). Run
+``seeds_of``; ``{seed}`` in an override is the run's seed) and the comparisons (``table``: ``metric``, ``baseline``, ``pairs``, optional ``digits``). Run
 ``<variant>_s<seed>`` is
 
     python train.py <common> <variant's overrides> seed=<seed> trainer.resume=auto \\
@@ -73,9 +73,11 @@ def runs_of(grid: dict, variants: list[str] | None = None, seeds: list[int] | No
 
 
 def run_overrides(grid: dict, variant: str, seed: int, runs_dir: str, extra: list[str] = ()) -> list[str]:
-    """The ``train.py`` overrides of run ``<variant>_s<seed>`` (``extra`` last: e.g. ``trainer.device=cuda``)."""
-    return [*grid["common"], *grid["variants"][variant], f"seed={seed}", *RUN_TAIL, *extra,
-            f"hydra.run.dir={os.path.join(runs_dir, f'{variant}_s{seed}')}"]
+    """The ``train.py`` overrides of run ``<variant>_s<seed>`` (``extra`` last: e.g. ``trainer.device=cuda``).
+    ``{seed}`` in a grid override is the run's seed (e.g. ``trainer.init_from=<runs>/passkey_mhla_s{seed}``: each
+    seed continues the same seed of another grid)."""
+    own = [o.replace("{seed}", str(seed)) for o in (*grid["common"], *grid["variants"][variant])]
+    return [*own, f"seed={seed}", *RUN_TAIL, *extra, f"hydra.run.dir={os.path.join(runs_dir, f'{variant}_s{seed}')}"]
 
 
 def copy_record(run_dir: str, dest: str) -> None:

@@ -20,6 +20,13 @@ def test_seeds_of_and_filters():
         rsg.runs_of(grid, ["c"])
 
 
+def test_seed_placeholder_in_overrides():
+    """``{seed}`` in a grid override becomes each run's seed (a grid that continues another grid's runs)."""
+    grid = {"common": ["task=mqar"], "variants": {"a": ["trainer.init_from=runs/a_s{seed}"]}}
+    assert rsg.run_overrides(grid, "a", 2, "out")[:3] == ["task=mqar", "trainer.init_from=runs/a_s2", "seed=2"]
+    assert rsg.run_overrides(grid, "a", 0, "out")[1] == "trainer.init_from=runs/a_s0"
+
+
 def test_tiny_grid_runs_resumes_and_tabulates(tmp_path, capsys):
     grid = tmp_path / "tiny.yaml"
     out = tmp_path / "res" / "tiny"
