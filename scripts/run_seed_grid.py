@@ -6,9 +6,9 @@
     python scripts/run_seed_grid.py configs/grid/table2_converged.yaml --table-only --notes @reading.md
 
 A grid file (``configs/grid/*.yaml``) names the table (``title``, ``out``), where the runs train (``runs_dir``),
-the overrides every run shares (``common``), each variant's own (``variants``), the seeds (``seeds``; per variant
-``seeds_of``; ``{seed}`` in an override is the run's seed) and the comparisons (``table``: ``metric``, ``baseline``, ``pairs``, optional ``digits``). Run
-``<variant>_s<seed>`` is
+the overrides every run shares (``common``), each variant's own (``variants``; ``{seed}`` in an override is the
+run's seed), the seeds (``seeds``; per variant ``seeds_of``) and the comparisons (``table``: ``metric``,
+``baseline``, ``pairs``, optional ``digits``). Run ``<variant>_s<seed>`` is
 
     python train.py <common> <variant's overrides> seed=<seed> trainer.resume=auto \\
         trainer.checkpoint_every_steps=500 hydra.run.dir=<runs_dir>/<variant>_s<seed>
