@@ -393,14 +393,6 @@ def _bucket(correct: torch.Tensor, sel: torch.Tensor, lo, hi) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ training tasks
-def data_seed(cfg) -> int:
-    """The seed of the passkey training stream (its items and their order): ``task.data_seed``, or the run's
-    ``seed`` when that is null. Set apart from ``seed`` (the model's initialisation), it tells whether a seed that
-    fails to learn does so because of its data order or its initial weights."""
-    chosen = cfg.task.get("data_seed")
-    return int(cfg.get("seed", 0) if chosen is None else chosen)
-
-
 class PasskeyLMTask(LanguageModelingTask):
     """The LM task on passkey sequences (``task=lm_mini`` data, model and recipe; every training window is one
     passkey example of ``data.seq_len`` tokens in the corpus's filler, ``data.num_train`` of them drawn afresh
@@ -436,7 +428,7 @@ class PasskeyLMTask(LanguageModelingTask):
 
     def build_datasets(self):
         train, val, tok, _ = self.data()
-        d, fmt, seed = self.cfg.data, self.fmt(), data_seed(self.cfg)
+        d, fmt, seed = self.cfg.data, self.fmt(), int(self.cfg.get("seed", 0))
         curriculum = self.cfg.task.get("curriculum") or []
         if curriculum and (str(self.cfg.trainer.get("accumulate", 1)) not in ("1", "auto", "None")
                            or int(os.environ.get("WORLD_SIZE", "1")) > 1):

@@ -44,8 +44,6 @@ ADDED_SINCE = {
                                 "init, what every run did before it"),
     "attn_cross.name": ("native", "the cross-attention group (Wan, SANA), added later; tasks.common.config reads a "
                                   "config without it as native, and MQAR's language model has no cross-attention"),
-    "task.data_seed": (None, "the passkey training stream's own seed, added for the data-order control; null is the "
-                             "run's seed, the only stream before it (tasks/language/long_context.data_seed)"),
     "trainer.accumulate": (1, "gradient accumulation, added later; these grids' recipes state no global batch, so "
                               "auto resolves to 1 micro-batch per optimizer step (composed() resolves it as a "
                               "1-process train.py run does), what every run did before it"),

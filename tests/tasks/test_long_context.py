@@ -365,13 +365,3 @@ def test_passkey_task_passes_the_state_of_a_long_document():
                                                 rel=1e-6)
         loss.backward()
         assert all(p.grad is not None for p in model.parameters() if p.requires_grad), attn
-
-
-def test_data_seed_defaults_to_the_run_seed_and_can_be_set_apart():
-    from omegaconf import OmegaConf
-
-    from tasks.language.long_context import data_seed
-
-    assert data_seed(OmegaConf.create({"seed": 3, "task": {"data_seed": None}})) == 3
-    assert data_seed(OmegaConf.create({"seed": 3, "task": {}})) == 3
-    assert data_seed(OmegaConf.create({"seed": 3, "task": {"data_seed": 0}})) == 0
