@@ -492,8 +492,11 @@ class Trainer:
         cfg, tcfg = self.cfg, self.tcfg
         accumulate = self._resolve_accumulation()
         seed = int(cfg.get("seed", 0))
-        seed_everything(seed)
+        init_seed = tcfg.get("init_seed")  # the model's initial weights from their own seed (a control: weights vs data)
+        seed_everything(seed if init_seed is None else int(init_seed))
         model = self.task.build_model().to(self.device)
+        if init_seed is not None:
+            seed_everything(seed)  # everything after the weights (data order, loaders) follows the run's seed
         if tcfg.get("init_from"):  # another run's weights (docs/conversion.md); trainer.resume still wins
             from .init_from import init_model_from  # noqa: PLC0415
 

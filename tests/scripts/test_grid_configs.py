@@ -44,6 +44,8 @@ ADDED_SINCE = {
                                 "init, what every run did before it"),
     "attn_cross.name": ("native", "the cross-attention group (Wan, SANA), added later; tasks.common.config reads a "
                                   "config without it as native, and MQAR's language model has no cross-attention"),
+    "trainer.init_seed": (None, "the initial weights' own seed, added for the weights-vs-data control; null is the "
+                                "run's seed, the only one before it"),
     "trainer.accumulate": (1, "gradient accumulation, added later; these grids' recipes state no global batch, so "
                               "auto resolves to 1 micro-batch per optimizer step (composed() resolves it as a "
                               "1-process train.py run does), what every run did before it"),

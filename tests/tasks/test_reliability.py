@@ -333,3 +333,21 @@ def test_train_log_holds_the_run(tmp_path):
     for expected in ("model: ", "data: 512 train samples", "schedule: 3 steps", "step 2/3", "step 3: top1=",
                      "final: top1="):
         assert expected in text, (expected, text)
+
+
+# ------------------------------------------------------------------------------------------ init_seed
+def test_init_seed_draws_the_weights_and_leaves_the_data_to_the_run_seed(tmp_path):
+    """``trainer.init_seed``: the initial weights of seed 1 (lr 0 keeps them: equal to a seed-1 run's), and
+    everything else of seed 0 (set to the run's own seed, the loss lines equal a plain seed-0 run's)."""
+    still = TINY + ["trainer.max_steps=1", "optim.lr=0", "optim.weight_decay=0"]
+    run(still + ["seed=0", "trainer.init_seed=1"], tmp_path / "w1d0")
+    run(still + ["seed=1"], tmp_path / "s1")
+    run(still + ["seed=0"], tmp_path / "s0")
+    a, b, c = (load(tmp_path / n / "checkpoints" / "last.pt")["model"] for n in ("w1d0", "s1", "s0"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())
+    moving = TINY + ["trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every_steps=100", "seed=0"]
+    run(moving, tmp_path / "plain")
+    run(moving + ["trainer.init_seed=0"], tmp_path / "same")
+    assert losses(tmp_path / "same") == losses(tmp_path / "plain")
