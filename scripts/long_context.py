@@ -407,7 +407,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot_only:
-        rewrite_result(args.out, markdown, plot, read_notes(args.notes) if args.notes else None)
+        rewrite_result(args.out, markdown, plot, read_notes(args.notes))
         print(f"rewrote {args.out}.md / .png")
         return 0
     runs = dict(r.split("=", 1) for r in args.runs)

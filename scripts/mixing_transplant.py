@@ -140,7 +140,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot_only:
-        rewrite_result(args.out, markdown, notes=read_notes(args.notes) if args.notes else None)
+        rewrite_result(args.out, markdown, notes=read_notes(args.notes))
         print(f"rewrote {args.out}.md")
         return 0
     if not args.pairs:

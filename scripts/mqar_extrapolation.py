@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         args.rules = sorted({r for rules in previous["rules_of"].values() for r in rules if r != "-"}) or args.rules
     if args.plot_only:
         rewrite_result(args.out, lambda record: markdown(record, record["command"]), plot,
-                       read_notes(args.notes) if args.notes else None)
+                       read_notes(args.notes))
         print(f"rewrote {args.out}.md / .json / .png")
         return 0
     if not args.runs:
