@@ -51,7 +51,7 @@ from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record  
 from tasks.common.results import BusyMachine, load_summary, rewrite_result, write_result  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
 from tasks.language.long_context import (PasskeyLMTask, evaluate_passkey, evaluate_spread_mqar,  # noqa: E402
-                                         filler_tokens)
+                                         filler_tokens, spread_mqar_filler)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -104,7 +104,7 @@ def evaluate_model(model, test: str, lengths: list[int], rules: list[str], args,
                     rec = evaluate_spread_mqar(model, L, vocab_size=mqar["vocab_size"],
                                                num_kv_pairs=mqar["num_kv_pairs"], num_examples=args.examples,
                                                batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
-                                               seed=args.seed)
+                                               seed=args.seed, filler=mqar["filler"])
             per_len[str(L)] = rec
             log(f"  {test} {rule:>12} L={L:8d} acc={100 * rec['acc']:5.1f}% {rec['seconds']:7.1f} s "
                 f"peak RSS {rec['peak_rss_mib']:.0f} MiB cache {rec['cache_bytes'] / 2**20:.2f} MiB")
@@ -139,7 +139,7 @@ def evaluate_runs(runs: dict, args) -> dict:
                 kw = {"filler": filler_tokens(val.tokens, tok.eos_token_id), "fmt": task.fmt()}
             else:
                 kw = {"mqar": {"vocab_size": int(cfg.data.vocab_size),
-                               "num_kv_pairs": int(cfg.data.num_kv_pairs)}}
+                               "num_kv_pairs": int(cfg.data.num_kv_pairs), "filler": spread_mqar_filler(cfg)}}
             t = record["tests"].setdefault(test, {"train_len": train_len, "lengths": [str(L) for L in lengths],
                                                   "groups": {}, "rules_of": {}})
             if t["train_len"] != train_len:

@@ -17,8 +17,12 @@ accuracy is reported beside it (chance: 10%).
 :mod:`tasks.language.mqar`): the K key-value pairs sit at K distinct even positions drawn uniformly over the
 whole context before the query region (so their depths cover ``[0, 1)``), the K queries are the last ``2K``
 tokens (key ``k_j`` at ``L - 2K + 2 j``, label ``v_j`` there, as MQAR labels the query position), every other
-token is random filler from ``[0, V)`` with the example's own keys replaced by 0 (a stray copy of a key would
-be a second, wrong pair). Depth = the pair's position / L; distance = query position - pair position.
+token is random filler. ``filler="values"`` (the default) draws it from the value half ``[V/2, V)``, so the K keys
+are the only key tokens in the context and a model can store just their pairs; ``filler="any"`` draws it from
+``[0, V)`` with the example's own keys replaced by 0 (a stray copy of a key would be a second, wrong pair), so
+about half the context is key tokens, each followed by a random token: about L/2 associations that no token marks
+apart from the K real ones before a query arrives, far more than a fixed state of a few dozen dimensions holds
+(the control for that: docs/long_context.md). Depth = the pair's position / L; distance = query position - pair position.
 
 **Evaluation** (:func:`evaluate_passkey`, :func:`evaluate_spread_mqar`): ``B`` examples at a time; the context
 before the question runs through the model in chunks of ``prefill_chunk`` tokens into one
@@ -252,12 +256,18 @@ class PasskeyDataset(Dataset):
 
 
 # ------------------------------------------------------------------------------------------ spread MQAR
-def spread_mqar(num_examples: int, length: int, vocab_size: int, num_kv_pairs: int, seed: int = 0) -> dict:
-    """Spread-MQAR examples (module docstring): ``input_ids [n, L]``, ``labels [n, L]`` (-100 except the K query
-    positions), ``pair_pos [n, K]`` (position of pair ``j``'s key) and ``query_pos [K]`` (query ``j``'s position,
-    the same in every row)."""
+SPREAD_MQAR_FILLERS = ("values", "any")
+
+
+def spread_mqar(num_examples: int, length: int, vocab_size: int, num_kv_pairs: int, seed: int = 0,
+                filler: str = "values") -> dict:
+    """Spread-MQAR examples (module docstring; ``filler``: ``"values"`` or ``"any"``): ``input_ids [n, L]``,
+    ``labels [n, L]`` (-100 except the K query positions), ``pair_pos [n, K]`` (position of pair ``j``'s key) and
+    ``query_pos [K]`` (query ``j``'s position, the same in every row)."""
     n, L, V, K = int(num_examples), int(length), int(vocab_size), int(num_kv_pairs)
     half = V // 2
+    if filler not in SPREAD_MQAR_FILLERS:
+        raise ValueError(f"spread MQAR filler must be one of {SPREAD_MQAR_FILLERS}, got {filler!r}")
     if L % 2 or L < 4 * K:
         raise ValueError(f"spread MQAR needs an even length >= 4 K = {4 * K}, got {L}")
     if K > half - 1:
@@ -268,8 +278,8 @@ def spread_mqar(num_examples: int, length: int, vocab_size: int, num_kv_pairs: i
     slots = (L - 2 * K) // 2
     pair_pos = 2 * np.sort(rng.random((n, slots)).argsort(axis=1)[:, :K], axis=1)  # K distinct even positions
     order = rng.random((n, K)).argsort(axis=1)  # which pair sits at which slot
-    x = rng.integers(0, V, size=(n, L))
-    for j in range(K):  # stray copies of the example's keys -> 0
+    x = rng.integers(0 if filler == "any" else half, V, size=(n, L))
+    for j in range(K):  # stray copies of the example's keys -> 0 (filler="any" only: values are never keys)
         x[x == keys[:, j:j + 1]] = 0
     rows = np.arange(n)[:, None]
     x[rows, pair_pos] = np.take_along_axis(keys, order, 1)
@@ -288,8 +298,9 @@ def spread_mqar(num_examples: int, length: int, vocab_size: int, num_kv_pairs: i
 class SpreadMQARDataset(Dataset):
     """A fixed set of spread-MQAR examples; items are ``(inputs [L], labels [L])`` as MQAR's."""
 
-    def __init__(self, num_examples: int, seq_len: int, vocab_size: int, num_kv_pairs: int, seed: int = 0):
-        d = spread_mqar(num_examples, seq_len, vocab_size, num_kv_pairs, seed)
+    def __init__(self, num_examples: int, seq_len: int, vocab_size: int, num_kv_pairs: int, seed: int = 0,
+                 filler: str = "values"):
+        d = spread_mqar(num_examples, seq_len, vocab_size, num_kv_pairs, seed, filler)
         self.inputs, self.labels = d["input_ids"], d["labels"]
 
     def __len__(self) -> int:
@@ -355,12 +366,13 @@ def evaluate_passkey(model, filler: np.ndarray, fmt: PasskeyFormat, length: int,
 @torch.no_grad()
 def evaluate_spread_mqar(model, length: int, *, vocab_size: int, num_kv_pairs: int, num_examples: int = 16,
                          batch_size: int = 4, prefill_chunk: int = 2048, seed: int = 0,
-                         depth_bins: int = 5) -> dict:
-    """Spread-MQAR recall at ``length``: ``{"length", "acc", "n", "by_depth": [{"lo", "hi", "acc", "n"}],
-    "by_distance": [{"lo", "hi", "acc", "n"}] (powers of two), "cache_bytes", **PeakRSS.record}``."""
+                         depth_bins: int = 5, filler: str = "values") -> dict:
+    """Spread-MQAR recall at ``length`` (``filler``: the one the model trained on): ``{"length", "acc", "n",
+    "by_depth": [{"lo", "hi", "acc", "n"}], "by_distance": [{"lo", "hi", "acc", "n"}] (powers of two),
+    "cache_bytes", **PeakRSS.record}``."""
     device = next(model.parameters()).device
     K = int(num_kv_pairs)
-    d = spread_mqar(num_examples, length, vocab_size, K, seed)
+    d = spread_mqar(num_examples, length, vocab_size, K, seed, filler)
     correct, depth, distance, cache_bytes = [], [], [], 0
     with PeakRSS() as mem:
         for s in range(0, num_examples, batch_size):
@@ -488,11 +500,19 @@ class PasskeyLMTask(LanguageModelingTask):
         return {}
 
 
+def spread_mqar_filler(cfg) -> str:
+    """The spread-MQAR filler a run's config trained on: ``data.filler``, or ``"any"`` when the key is absent
+    (runs made before it)."""
+    return str(cfg.data.get("filler", None) or "any")
+
+
 class SpreadMQARTask(MQARTask):
-    """MQAR (``task=mqar``'s model and recipe) on spread-MQAR examples (:func:`spread_mqar`) of ``data.seq_len``."""
+    """MQAR (``task=mqar``'s model and recipe) on spread-MQAR examples (:func:`spread_mqar`) of ``data.seq_len``
+    with ``data.filler`` (absent: ``"any"``, what runs made before the key trained on)."""
 
     def build_datasets(self):
         d, seed = self.cfg.data, int(self.cfg.get("seed", 0))
-        common = dict(seq_len=int(d.seq_len), vocab_size=int(d.vocab_size), num_kv_pairs=int(d.num_kv_pairs))
+        common = dict(seq_len=int(d.seq_len), vocab_size=int(d.vocab_size), num_kv_pairs=int(d.num_kv_pairs),
+                      filler=spread_mqar_filler(self.cfg))
         return (SpreadMQARDataset(int(d.num_train), seed=2 * seed + 1, **common),
                 SpreadMQARDataset(int(d.num_test), seed=2 * seed + 2, **common))

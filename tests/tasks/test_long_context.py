@@ -170,6 +170,24 @@ def test_spread_mqar_layout():
         others = torch.ones(L, dtype=torch.bool)
         others[pp[i]] = others[pp[i] + 1] = others[qp] = False
         assert not torch.isin(x[i, others], keys).any()      # no stray copy of a key
+        assert (x[i, others] >= V // 2).all()                # filler="values": every other token is a value
+
+
+def test_spread_mqar_filler_any_keeps_its_stream_and_has_key_tokens():
+    """filler="any" is the generator's first form (the same examples for the same seed: the layout seeded before
+    the filler is drawn), with key-range filler tokens; "values" moves only the filler; a typo is an error."""
+    n, L, V, K = 20, 128, 64, 4
+    a, v = spread_mqar(n, L, V, K, seed=3, filler="any"), spread_mqar(n, L, V, K, seed=3)
+    assert torch.equal(a["pair_pos"], v["pair_pos"]) and torch.equal(a["labels"], v["labels"])
+    pairs = torch.zeros(n, L, dtype=torch.bool)
+    pairs.scatter_(1, a["pair_pos"], True)
+    pairs.scatter_(1, a["pair_pos"] + 1, True)
+    pairs[:, a["query_pos"]] = True
+    filler = a["input_ids"][~pairs]
+    assert ((filler >= 1) & (filler < V // 2)).float().mean() > 0.3   # about half the filler is key-range tokens
+    assert (v["input_ids"][~pairs] >= V // 2).all()
+    with pytest.raises(ValueError, match="filler"):
+        spread_mqar(n, L, V, K, filler="value")
 
 
 @pytest.mark.parametrize("attn", ["mhla", "linear"])
