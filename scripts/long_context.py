@@ -99,14 +99,15 @@ def evaluate_model(model, test: str, lengths: list[int], rules: list[str], args,
                 if test == "passkey":
                     rec = evaluate_passkey(model, filler, fmt, L, args.depths, examples_per_depth=args.examples,
                                            batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
-                                           seed=args.seed)
+                                           seed=args.seed, distances=getattr(args, "distances", None))
                 else:
                     rec = evaluate_spread_mqar(model, L, vocab_size=mqar["vocab_size"],
                                                num_kv_pairs=mqar["num_kv_pairs"], num_examples=args.examples,
                                                batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
                                                seed=args.seed, filler=mqar["filler"])
             per_len[str(L)] = rec
-            log(f"  {test} {rule:>12} L={L:8d} acc={100 * rec['acc']:5.1f}% {rec['seconds']:7.1f} s "
+            acc = "-" if rec["acc"] is None else f"{100 * rec['acc']:5.1f}%"
+            log(f"  {test} {rule:>12} L={L:8d} acc={acc} {rec['seconds']:7.1f} s "
                 f"peak RSS {rec['peak_rss_mib']:.0f} MiB cache {rec['cache_bytes'] / 2**20:.2f} MiB")
         out[rule] = per_len
     return out
@@ -177,10 +178,22 @@ def depth_acc(rec: dict, i: int):
     return rows[i]["acc"] if i < len(rows) and rows[i].get("acc") is not None else None
 
 
+def placement(test: dict) -> str:
+    """What the rows of a test's heatmap are: ``"distance"`` (passkey run with ``--distances``) or ``"depth"``."""
+    for res in (r for seeds in test["groups"].values() for r in seeds.values()):
+        for per_len in res.values():
+            for rec in per_len.values():
+                if rec.get("depths"):
+                    return "distance" if "target_distance" in rec["depths"][0] else "depth"
+    return "depth"
+
+
 def depth_labels(test: dict) -> list[str]:
     for res in (r for seeds in test["groups"].values() for r in seeds.values()):
         for per_len in res.values():
             for rec in per_len.values():
+                if rec.get("depths") and "target_distance" in rec["depths"][0]:
+                    return [f"{r['target_distance']:,}" for r in rec["depths"]]
                 if "depths" in rec:
                     return [f"{r['depth']:.2f}" for r in rec["depths"]]
                 if "by_depth" in rec:
@@ -195,7 +208,7 @@ def _fmt(m, s, scale=100.0, digits=1):
 def markdown(record: dict) -> str:
     s = record["settings"]
     lines = ["# Recall at any length: passkey and spread MQAR by chunked prefill", "",
-             f"Made by `{record['command']}`. {s['examples']} examples per depth (passkey) or per length (MQAR), "
+             f"Made by `{record['command']}`. {s['examples']} examples per depth or distance (passkey) or per length (MQAR), "
              f"batches of {s['batch_size']}, prefill chunks of {s['prefill_chunk']} tokens, evaluation seed "
              f"{s['seed']}; softmax up to {s['softmax_max_len']} tokens. Accuracy in %, mean ± std over the seeds "
              "of a row (n). Passkey: all 5 digits right (chance 0.001%); MQAR: per query (chance ~0.4%). "
@@ -236,10 +249,13 @@ def markdown(record: dict) -> str:
                 lines.append(f"| {g} | {rule} | " + " | ".join(cells) + " |")
         labels = depth_labels(test)
         if labels:
-            lines += ["", "Accuracy by depth of the fact (rows) and length (columns), per model and rule:", ""]
+            what = placement(test)
+            rows_are = ("distance of the fact from the end in tokens (the same at every length; -: does not fit)"
+                        if what == "distance" else "depth of the fact")
+            lines += ["", f"Accuracy by {rows_are} (rows) and length (columns), per model and rule:", ""]
             for g in test["groups"]:
                 for rule in test["rules_of"][g]:
-                    lines += [f"**{g}** ({rule})", "", "| depth | " + " | ".join(f"{int(L):,}" for L in Ls) + " |",
+                    lines += [f"**{g}** ({rule})", "", f"| {what} | " + " | ".join(f"{int(L):,}" for L in Ls) + " |",
                               "|---|" + "---|" * len(Ls)]
                     for i, lab in enumerate(labels):
                         cells = []
@@ -313,14 +329,14 @@ def plot(record: dict, path: str) -> None:
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         ax.set_title(f"{tn}: {g}" + ("" if rule == "-" else f" ({rule})"), fontsize=8)
         ax.set_xlabel("context (tokens)", fontsize=7)
-        ax.set_ylabel("depth of the fact", fontsize=7)
+        ax.set_ylabel(f"{placement(t)} of the fact", fontsize=7)
         for i, row in enumerate(data):
             for j, v in enumerate(row):
                 if v == v:  # not NaN
                     ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle("Recall accuracy (%) by depth and context (green 100, red 0; blank: not run)", fontsize=9)
+    fig.suptitle("Recall accuracy (%) by place and context (green 100, red 0; blank: not run)", fontsize=9)
     save_figure(fig, path)
 
 
@@ -385,6 +401,8 @@ def parse_args(argv=None):
                     help="context lengths (default: the training length x 1, 4, 16, ... and --max-len)")
     ap.add_argument("--max-len", type=int, default=1 << 20)
     ap.add_argument("--depths", type=float, nargs="+", default=list(DEPTHS))
+    ap.add_argument("--distances", type=int, nargs="+", default=None,
+                    help="passkey: the needle this many tokens from the end at every length, instead of --depths")
     ap.add_argument("--examples", type=int, default=4, help="passkey: per depth and length; MQAR: per length")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
@@ -420,9 +438,9 @@ def main(argv=None) -> int:
     with Measurement(threads=args.threads) as m:
         record = evaluate_runs(runs, args)
     record.update({"command": command, "machine": system_info("cpu"), "notes": read_notes(args.notes),
-                   "settings": {k: getattr(args, k) for k in ("depths", "examples", "batch_size", "prefill_chunk",
-                                                              "rules", "softmax_max_len", "seed", "threads",
-                                                              "max_len")}})
+                   "settings": {k: getattr(args, k) for k in ("depths", "distances", "examples", "batch_size",
+                                                              "prefill_chunk", "rules", "softmax_max_len", "seed",
+                                                              "threads", "max_len")}})
     try:
         write_result(args.out, markdown(record), record, lambda png: plot(record, png), measurement=m.record,
                      allow_busy=args.allow_busy)

@@ -326,17 +326,37 @@ def prefill(model, x: torch.Tensor, chunk: int):
     return cache
 
 
+def depth_at_distance(fmt: PasskeyFormat, length: int, distance: int) -> float | None:
+    """The depth that starts the needle ``distance`` tokens before the end of a ``length``-token example (the
+    record's ``distance``: from the needle's first token to the question's end), or None where no depth does
+    (``distance`` outside ``[needle + tail, length]``)."""
+    room = int(length) - fmt.needle_len - fmt.tail_len
+    pos = int(length) - int(distance)
+    return pos / room if 0 <= pos <= room else None
+
+
 @torch.no_grad()
 def evaluate_passkey(model, filler: np.ndarray, fmt: PasskeyFormat, length: int, depths, *,
                      examples_per_depth: int = 4, batch_size: int = 4, prefill_chunk: int = 2048,
-                     seed: int = 0) -> dict:
+                     seed: int = 0, distances=None) -> dict:
     """Passkey recall of ``model`` at ``length`` tokens for every depth of ``depths``: ``{"length", "depths": [
     {"depth", "acc", "digit_acc", "n", "distance"}], "acc", "digit_acc", "n", "cache_bytes", **PeakRSS.record}``
-    (``distance``: mean tokens from the needle's first token to the question's end)."""
+    (``distance``: mean tokens from the needle's first token to the question's end).
+
+    ``distances`` (instead of ``depths``): the needle at these distances from the end, the same at every length
+    (:func:`depth_at_distance`), so that lengths differ only in the filler before the needle; each row also
+    has ``target_distance``; a distance that does not fit ``length`` is a row with ``n`` 0 and ``acc`` None (and
+    the record's ``acc`` is None when none fits)."""
     device = next(model.parameters()).device
     rows, cache_bytes = [], 0
+    placements = ([(d, None) for d in depths] if distances is None else
+                  [(depth_at_distance(fmt, length, D), int(D)) for D in distances])
     with PeakRSS() as mem:
-        for di, depth in enumerate(depths):
+        for di, (depth, target) in enumerate(placements):
+            if depth is None:
+                rows.append({"target_distance": target, "depth": None, "acc": None, "digit_acc": None, "n": 0,
+                             "distance": None})
+                continue
             rng = np.random.default_rng([seed, int(length), di])
             ok, digit_ok, dist_sum = 0, 0, 0.0
             for s in range(0, examples_per_depth, batch_size):
@@ -353,13 +373,15 @@ def evaluate_passkey(model, filler: np.ndarray, fmt: PasskeyFormat, length: int,
                 digit_ok += int(hit.sum())
                 dist_sum += float((length - batch["needle_pos"]).double().sum())
                 del cache, logits
-            rows.append({"depth": float(depth), "acc": ok / examples_per_depth,
-                         "digit_acc": digit_ok / (examples_per_depth * fmt.digits), "n": examples_per_depth,
-                         "distance": dist_sum / examples_per_depth})
+            rows.append({**({} if target is None else {"target_distance": target}), "depth": float(depth),
+                         "acc": ok / examples_per_depth, "digit_acc": digit_ok / (examples_per_depth * fmt.digits),
+                         "n": examples_per_depth, "distance": dist_sum / examples_per_depth})
     n = sum(r["n"] for r in rows)
-    return {"length": int(length), "depths": rows, "n": n,
-            "acc": sum(r["acc"] * r["n"] for r in rows) / n,
-            "digit_acc": sum(r["digit_acc"] * r["n"] for r in rows) / n,
+
+    def mean(key):  # over the rows that ran (None when no distance fits the length)
+        return sum(r[key] * r["n"] for r in rows if r["n"]) / n if n else None
+
+    return {"length": int(length), "depths": rows, "n": n, "acc": mean("acc"), "digit_acc": mean("digit_acc"),
             "cache_bytes": cache_bytes, **mem.record}
 
 

@@ -253,6 +253,36 @@ def test_script_tables_and_plot(tmp_path):
     assert os.path.getsize(tmp_path / "h.png") > 1000
 
 
+def test_passkey_at_fixed_distances(tmp_path):
+    """--distances: the needle starts the same number of tokens before the end at every length (the recorded
+    distance equals the target), a distance longer than the length is an empty row, and the tables and the
+    heatmap label their rows by distance."""
+    from scripts.long_context import evaluate_model, markdown, plot
+    from tasks.language.long_context import depth_at_distance
+
+    fmt, filler = PasskeyFormat(DigitTokenizer()), np.arange(20, 60)
+    low = fmt.needle_len + fmt.tail_len
+    assert depth_at_distance(fmt, 96, 96) == 0.0 and depth_at_distance(fmt, 96, low) == 1.0
+    assert depth_at_distance(fmt, 96, 97) is None and depth_at_distance(fmt, 96, low - 1) is None
+    args = SimpleNamespace(depths=[0.0], distances=[low + 10, 150], examples=2, batch_size=2, prefill_chunk=32,
+                           seed=0, softmax_max_len=96)
+    res = evaluate_model(tiny_model("mhla"), "passkey", [96, 192], ["uniform_far"], args, filler=filler, fmt=fmt,
+                         log=lambda *_: None)["uniform_far"]
+    for L in (96, 192):
+        near = res[str(L)]["depths"][0]
+        assert near["target_distance"] == near["distance"] == low + 10 and near["n"] == 2
+    far96, far192 = res["96"]["depths"][1], res["192"]["depths"][1]
+    assert far96["n"] == 0 and far96["acc"] is None and res["96"]["n"] == 2   # 150 > 96: does not fit
+    assert far192["distance"] == 150 and res["192"]["n"] == 4
+    record = {"tests": {"passkey": {"train_len": 96, "lengths": ["96", "192"], "groups": {"mhla": {"0": {
+        "uniform_far": res}}}, "rules_of": {"mhla": ["uniform_far"]}}}, "command": "test",
+        "settings": {**vars(args), "rules": [], "threads": 1}, "runs": {}}
+    md = markdown(json.loads(json.dumps(record)))
+    assert "| distance | 96 | 192 |" in md and f"| {low + 10} |" in md and "| 150 | - |" in md
+    plot(record, str(tmp_path / "d.png"))
+    assert os.path.getsize(tmp_path / "d.png") > 1000
+
+
 # ------------------------------------------------------------------------------ mixing tied by block distance
 def test_mixing_tied_by_distance_is_toeplitz_and_extends_as_trained():
     from mhla.mixing import MixingMatrix
