@@ -336,7 +336,7 @@ def plot(record: dict, path: str) -> None:
                     ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle("Recall accuracy (%) by place and context (green 100, red 0; blank: not run)", fontsize=9)
+    fig.suptitle("Recall accuracy (%) by place and context (green 100, red 0; blank: not run or does not fit)", fontsize=9)
     save_figure(fig, path)
 
 
