@@ -208,7 +208,8 @@ def _fmt(m, s, scale=100.0, digits=1):
 def markdown(record: dict) -> str:
     s = record["settings"]
     lines = ["# Recall at any length: passkey and spread MQAR by chunked prefill", "",
-             f"Made by `{record['command']}`. {s['examples']} examples per depth or distance (passkey) or per length (MQAR), "
+             f"Made by `{record['command']}`. {s['examples']} examples per depth or distance (passkey) or per "
+             "length (MQAR), "
              f"batches of {s['batch_size']}, prefill chunks of {s['prefill_chunk']} tokens, evaluation seed "
              f"{s['seed']}; softmax up to {s['softmax_max_len']} tokens. Accuracy in %, mean ± std over the seeds "
              "of a row (n). Passkey: all 5 digits right (chance 0.001%); MQAR: per query (chance ~0.4%). "
@@ -336,7 +337,8 @@ def plot(record: dict, path: str) -> None:
                     ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle("Recall accuracy (%) by place and context (green 100, red 0; blank: not run or does not fit)", fontsize=9)
+    fig.suptitle("Recall accuracy (%) by place and context (green 100, red 0; blank: not run or does not fit)",
+                 fontsize=9)
     save_figure(fig, path)
 
 

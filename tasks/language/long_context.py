@@ -22,7 +22,7 @@ are the only key tokens in the context and a model can store just their pairs; `
 ``[0, V)`` with the example's own keys replaced by 0 (a stray copy of a key would be a second, wrong pair), so
 about half the context is key tokens, each followed by a random token: about L/2 associations that no token marks
 apart from the K real ones before a query arrives, far more than a fixed state of a few dozen dimensions holds
-(the control for that: docs/long_context.md). Depth = the pair's position / L; distance = query position - pair position.
+(docs/long_context.md). Depth = the pair's position / L; distance = query position - pair position.
 
 **Evaluation** (:func:`evaluate_passkey`, :func:`evaluate_spread_mqar`): ``B`` examples at a time; the context
 before the question runs through the model in chunks of ``prefill_chunk`` tokens into one

@@ -413,3 +413,23 @@ def test_passkey_task_passes_the_state_of_a_long_document():
                                                 rel=1e-6)
         loss.backward()
         assert all(p.grad is not None for p in model.parameters() if p.requires_grad), attn
+
+
+def test_out_norm_scale_sees_uniform_mixing_scale_the_last_block_by_one_over_m():
+    """scripts/out_norm_scale.py measures the out norm's input: with linear attention's weights, MHLA's uniform
+    init (row i: 1 / (i + 1)) gives the last of M blocks exactly 1 / M of linear attention's output."""
+    from scripts.out_norm_scale import markdown, output_scale
+
+    lin = tiny_model("linear", seed=3)
+    mhla = tiny_model("mhla", seed=3)  # block_size 4: 16 tokens are M = 4 blocks
+    missing, unexpected = mhla.load_state_dict(lin.state_dict(), strict=False)
+    assert not unexpected and all("mixing" in k for k in missing)
+    x = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    a, b = output_scale(lin, x, window=4), output_scale(mhla, x, window=4)
+    assert len(a) == 2 and a[0]["sqrt_eps"] == pytest.approx(1e-3)
+    torch.testing.assert_close(torch.tensor(b[0]["rms_last"]), torch.tensor(a[0]["rms_last"] / 4), rtol=1e-5,
+                               atol=0)
+    torch.testing.assert_close(torch.tensor(b[0]["rms_first"]), torch.tensor(a[0]["rms_first"]), rtol=1e-5, atol=0)
+    md = markdown({"runs": {"lin": {"attn_name": "linear", "init": a, "trained": a}}, "command": "test",
+                   "settings": {"examples": 3, "window": 4}, "commit": "abc", "dirty": False})
+    assert "| lin | linear | init | 0 |" in md and "Commit abc" in md
