@@ -405,7 +405,8 @@ def parse_args(argv=None):
     ap.add_argument("--depths", type=float, nargs="+", default=list(DEPTHS))
     ap.add_argument("--distances", type=int, nargs="+", default=None,
                     help="passkey: the needle this many tokens from the end at every length, instead of --depths")
-    ap.add_argument("--examples", type=int, default=4, help="passkey: per depth and length; MQAR: per length")
+    ap.add_argument("--examples", type=int, default=4,
+                    help="passkey: per depth (or distance) and length; MQAR: per length")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), choices=EXTENSION_RULES)
