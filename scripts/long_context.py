@@ -99,7 +99,7 @@ def evaluate_model(model, test: str, lengths: list[int], rules: list[str], args,
                 if test == "passkey":
                     rec = evaluate_passkey(model, filler, fmt, L, args.depths, examples_per_depth=args.examples,
                                            batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
-                                           seed=args.seed, distances=getattr(args, "distances", None))
+                                           seed=args.seed, distances=args.distances)
                 else:
                     rec = evaluate_spread_mqar(model, L, vocab_size=mqar["vocab_size"],
                                                num_kv_pairs=mqar["num_kv_pairs"], num_examples=args.examples,
@@ -178,26 +178,27 @@ def depth_acc(rec: dict, i: int):
     return rows[i]["acc"] if i < len(rows) and rows[i].get("acc") is not None else None
 
 
-def placement(test: dict) -> str:
-    """What the rows of a test's heatmap are: ``"distance"`` (passkey run with ``--distances``) or ``"depth"``."""
+def _records(test: dict):
+    """Every evaluation record of a test (all groups, seeds, rules and lengths), in order."""
     for res in (r for seeds in test["groups"].values() for r in seeds.values()):
         for per_len in res.values():
-            for rec in per_len.values():
-                if rec.get("depths"):
-                    return "distance" if "target_distance" in rec["depths"][0] else "depth"
-    return "depth"
+            yield from per_len.values()
+
+
+def placement(test: dict) -> str:
+    """What the rows of a test's heatmap are: ``"distance"`` (passkey run with ``--distances``) or ``"depth"``."""
+    rows = next((rec["depths"] for rec in _records(test) if rec.get("depths")), None)
+    return "distance" if rows and "target_distance" in rows[0] else "depth"
 
 
 def depth_labels(test: dict) -> list[str]:
-    for res in (r for seeds in test["groups"].values() for r in seeds.values()):
-        for per_len in res.values():
-            for rec in per_len.values():
-                if rec.get("depths") and "target_distance" in rec["depths"][0]:
-                    return [f"{r['target_distance']:,}" for r in rec["depths"]]
-                if "depths" in rec:
-                    return [f"{r['depth']:.2f}" for r in rec["depths"]]
-                if "by_depth" in rec:
-                    return [f"{r['lo']:.1f}-{r['hi']:.1f}" for r in rec["by_depth"]]
+    for rec in _records(test):
+        if rec.get("depths") and "target_distance" in rec["depths"][0]:
+            return [f"{r['target_distance']:,}" for r in rec["depths"]]
+        if "depths" in rec:
+            return [f"{r['depth']:.2f}" for r in rec["depths"]]
+        if "by_depth" in rec:
+            return [f"{r['lo']:.1f}-{r['hi']:.1f}" for r in rec["by_depth"]]
     return []
 
 

@@ -34,6 +34,7 @@ from tasks.common.evaluation import load_run  # noqa: E402
 from tasks.common.launch import read_notes  # noqa: E402
 from tasks.common.records import code_version  # noqa: E402
 from tasks.common.results import rewrite_result, write_result  # noqa: E402
+from tasks.common.trainer import weights_seed  # noqa: E402
 from tasks.common.utils import seed_everything, system_info  # noqa: E402
 
 
@@ -66,8 +67,7 @@ def measure_run(run_dir: str, examples: int, window: int) -> dict:
     cfg, task, trained, _ = load_run(ckpt, ["trainer.device=cpu"])
     _, eval_ds = task.build_datasets()
     x = torch.stack([eval_ds[i][0] for i in range(min(examples, len(eval_ds)))])
-    init_seed = cfg.trainer.get("init_seed")
-    seed_everything(int(cfg.seed if init_seed is None else init_seed))
+    seed_everything(weights_seed(cfg))  # as train.py draws the initial weights
     init = task.build_model().eval()
     return {"checkpoint": ckpt, "attn_name": trained.config.attn_name, "seed": int(cfg.seed),
             "init": output_scale(init, x, window), "trained": output_scale(trained, x, window)}

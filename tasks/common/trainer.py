@@ -254,6 +254,13 @@ class _Run:
         return self.segments + [now]
 
 
+def weights_seed(cfg) -> int:
+    """The seed the model's initial weights are drawn from: ``trainer.init_seed`` when set (a control that crosses
+    one seed's weights with another's data order), else the run's ``seed``."""
+    init_seed = cfg.trainer.get("init_seed")
+    return int(cfg.get("seed", 0) if init_seed is None else init_seed)
+
+
 class Trainer:
     """Runs :class:`Task` training under ``cfg.trainer``, ``cfg.optim``, ``cfg.sched``, ``cfg.logger``."""
 
@@ -492,10 +499,9 @@ class Trainer:
         cfg, tcfg = self.cfg, self.tcfg
         accumulate = self._resolve_accumulation()
         seed = int(cfg.get("seed", 0))
-        init_seed = tcfg.get("init_seed")  # the model's initial weights from their own seed (a control: weights vs data)
-        seed_everything(seed if init_seed is None else int(init_seed))
+        seed_everything(weights_seed(cfg))
         model = self.task.build_model().to(self.device)
-        if init_seed is not None:
+        if weights_seed(cfg) != seed:
             seed_everything(seed)  # everything after the weights (data order, loaders) follows the run's seed
         if tcfg.get("init_from"):  # another run's weights (docs/conversion.md); trainer.resume still wins
             from .init_from import init_model_from  # noqa: PLC0415

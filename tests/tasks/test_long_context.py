@@ -234,7 +234,7 @@ def test_script_tables_and_plot(tmp_path):
     from scripts.long_context import evaluate_model, lengths_for, markdown, plot
 
     assert lengths_for(512, 1 << 20) == [512, 2048, 8192, 32768, 131072, 524288, 1048576]
-    args = SimpleNamespace(depths=[0.0, 1.0], examples=1, batch_size=1, prefill_chunk=32, seed=0,
+    args = SimpleNamespace(depths=[0.0, 1.0], distances=None, examples=1, batch_size=1, prefill_chunk=32, seed=0,
                            softmax_max_len=96)
     fmt, filler = PasskeyFormat(DigitTokenizer()), np.arange(20, 60)
     tests = {"passkey": {"train_len": 96, "lengths": ["96", "192"], "groups": {}, "rules_of": {}}}
