@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
 from tasks.common.launch import read_notes  # noqa: E402
-from tasks.common.records import code_version  # noqa: E402
+from tasks.common.records import RUN_RECORD_KEYS, code_version, read_run_record  # noqa: E402
 from tasks.common.results import rewrite_result, write_result  # noqa: E402
 from tasks.common.trainer import weights_seed  # noqa: E402
 from tasks.common.utils import seed_everything, system_info  # noqa: E402
@@ -62,15 +62,18 @@ def output_scale(model, input_ids: torch.Tensor, window: int) -> list[dict]:
 
 def measure_run(run_dir: str, examples: int, window: int) -> dict:
     """``{"init": rows, "trained": rows, "attn_name", "seed", "checkpoint"}`` of :func:`output_scale` for one
-    ``train.py`` run, on the first ``examples`` items of its evaluation split."""
+    ``train.py`` run, on the first ``examples`` items of its evaluation split, with the run's own record (its
+    commit, machine, load and resolved config: :data:`RUN_RECORD_KEYS`)."""
     ckpt = str(find_checkpoint(run_dir))
     cfg, task, trained, _ = load_run(ckpt, ["trainer.device=cpu"])
     _, eval_ds = task.build_datasets()
     x = torch.stack([eval_ds[i][0] for i in range(min(examples, len(eval_ds)))])
     seed_everything(weights_seed(cfg))  # as train.py draws the initial weights
     init = task.build_model().eval()
+    run = read_run_record(run_dir) or {}  # the trainer's run.json: commit, machine, load, resolved config
     return {"checkpoint": ckpt, "attn_name": trained.config.attn_name, "seed": int(cfg.seed),
-            "init": output_scale(init, x, window), "trained": output_scale(trained, x, window)}
+            "init": output_scale(init, x, window), "trained": output_scale(trained, x, window),
+            **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
 
 
 def markdown(record: dict) -> str:
