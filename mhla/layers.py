@@ -627,8 +627,9 @@ class MultiHeadLinearAttention(KernelAttention):
         block_size: tokens per block of a 1-D sequence (``"auto"`` on a 1-D grid: as ``num_blocks="auto"``);
             causal layers: the chunk length (default 64; ``"auto"`` is resolved by the model from its context,
             :func:`mhla.layouts.auto_block_size`).
-        mixing_init: ``"locality"`` (paper default), ``"uniform"``, ``"identity"``, ``"cos"``, ``"exp"``,
-            ``"gaussian"``, ``"local"``, ``"locality_visible"``, ``"locality_official"`` (:func:`mhla.mixing_init`).
+        mixing_init: ``"locality"`` (paper default), ``"uniform"``, ``"ones"``, ``"identity"``, ``"cos"``,
+            ``"exp"``, ``"gaussian"``, ``"local"``, ``"locality_visible"``, ``"locality_official"``
+            (:func:`mhla.mixing_init`).
         mixing_learnable: learn the mixing matrix (else a frozen buffer). mixing_per_head: one matrix per head.
         mixing_param: nonnegativity parameterization, ``"clamp"`` (paper), ``"softplus"`` or ``"log"``.
         max_learned_blocks: causal only; blocks with their own learned coefficients (beyond: the extension

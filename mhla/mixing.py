@@ -2,7 +2,7 @@
 
 Initialisations (:func:`mixing_init`): the paper's locality init (docs/method.md#mixing-initialisation, row-normalised, per-row max
 distance), the authors' release variant (global max distance, column-normalised) as ``locality_official``,
-and the ablation inits (uniform, identity, cos, exp, gaussian, local).
+and the ablation inits (uniform, ones, identity, cos, exp, gaussian, local).
 
 Nonnegativity (:class:`MixingMatrix`). The paper clips the coefficients to (0, 1) during training, so the
 default ``parameterization="clamp"`` does the same: the forward returns ``raw.clamp(0, max_value)``, and
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .ops import MixingRows
 
-INIT_KINDS = ("locality", "locality_visible", "locality_official", "uniform", "identity", "cos", "exp", "gaussian",
-              "local")
+INIT_KINDS = ("locality", "locality_visible", "locality_official", "uniform", "ones", "identity", "cos", "exp",
+              "gaussian", "local")
 NORMALIZE_MODES = ("row", "col", "none")
 PARAMETERIZATIONS = ("clamp", "softplus", "log")
 
@@ -109,6 +109,10 @@ def mixing_init(
         ``locality_official``: the authors' release: ``1 - d / d.max()`` with the GLOBAL max, then each
             COLUMN normalised to sum 1 (``normalize`` is ignored).
         ``uniform``: ``1/M`` (causal: ``1/(i+1)`` on ``j <= i``, the release's LM init).
+        ``ones``: 1 on every visible entry, NOT normalised (``normalize`` is ignored): without a normaliser
+            (``normalize=False``, the LMs) the layer starts as plain linear attention, every block reading the
+            sum of all earlier blocks' states at linear attention's scale, where causal ``uniform`` leaves
+            block ``i`` at ``1/(i+1)`` of it. With a normaliser all inits with equal rows are the same.
         ``identity``: ``eye(M)`` (block-local linear attention).
         ``cos``: ``cos(d / max d * pi/4)``; ``exp``: ``exp(-d / sigma)`` (sigma default 3);
         ``gaussian``: ``exp(-d^2 / (2 sigma^2))`` (sigma default ``max d / 3``);
@@ -144,6 +148,8 @@ def mixing_init(
     if kind == "locality_official":
         w = (1 - d / dmax_safe).masked_fill(~visible, 0)
         return _normalize(w, "col").to(dtype)
+    if kind == "ones":
+        return visible.to(dtype)
     if kind == "locality":
         w = _locality(d, torch.ones_like(visible))
     elif kind == "locality_visible":

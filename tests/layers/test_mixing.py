@@ -77,6 +77,8 @@ def test_causal_inits():
         torch.testing.assert_close(u[i, : i + 1], torch.full((i + 1,), 1 / (i + 1)))
     # the causal uniform is the formula itself, not only after normalising
     torch.testing.assert_close(mixing_init("uniform", d, causal=True, normalize="none"), u)
+    # ones: the causal mask itself (plain linear attention without a normaliser)
+    assert torch.equal(mixing_init("ones", d, causal=True), torch.ones(6, 6).tril())
     for kind in INIT_KINDS:
         wk = mixing_init(kind, d, causal=True)
         assert torch.equal(wk, wk.tril()), kind
@@ -86,6 +88,10 @@ def test_causal_inits():
 def test_every_kind_is_nonnegative_and_normalised(kind):
     w = mixing_init(kind, layout_2d(8, 8, 2).block_distances())
     assert w.shape == (16, 16) and (w >= 0).all()
+    if kind == "ones":  # not normalised: every entry 1, whatever normalize says
+        assert torch.equal(w, torch.ones(16, 16))
+        assert torch.equal(mixing_init(kind, layout_2d(8, 8, 2).block_distances(), normalize="col"), w)
+        return
     sums = w.sum(0) if kind == "locality_official" else w.sum(1)
     torch.testing.assert_close(sums, torch.ones(16))
     wc = mixing_init(kind, layout_2d(8, 8, 2).block_distances(), normalize="col")

@@ -32,9 +32,9 @@ class DigitTokenizer:
         return dict(self.vocab)
 
 
-def tiny_model(attn: str, vocab: int = 64, seed: int = 0):
+def tiny_model(attn: str, vocab: int = 64, seed: int = 0, **options):
     torch.manual_seed(seed)
-    spec = {"name": attn, "block_size": 4} if attn == "mhla" else attn
+    spec = {"name": attn, "block_size": 4, **options} if attn == "mhla" else attn
     return MHLALMForCausalLM(MHLALMConfig(attn=spec, vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
                                           num_heads=2, max_position_embeddings=16)).eval()
 
@@ -433,3 +433,20 @@ def test_out_norm_scale_sees_uniform_mixing_scale_the_last_block_by_one_over_m()
     md = markdown({"runs": {"lin": {"attn_name": "linear", "init": a, "trained": a}}, "command": "test",
                    "settings": {"examples": 3, "window": 4}, "commit": "abc", "dirty": False})
     assert "| lin | linear | init | 0 |" in md and "Commit abc" in md
+
+
+def test_ones_mixing_init_starts_mhla_as_linear_attention():
+    """``mixing_init=ones`` (every visible block at weight 1) makes an LM's MHLA compute plain linear attention
+    at init: with linear attention's weights the logits are the same at every position, past the learned rows
+    too under the ``relative`` rule (28 tokens = 7 blocks of 4, 4 learned rows), where ``uniform`` differs."""
+    lin = tiny_model("linear", seed=3)
+    ones = tiny_model("mhla", seed=3, mixing_init="ones", max_learned_blocks=4, mixing_extension="relative")
+    uniform = tiny_model("mhla", seed=3, max_learned_blocks=4)
+    for m in (ones, uniform):
+        missing, unexpected = m.load_state_dict(lin.state_dict(), strict=False)
+        assert not unexpected and all("mixing" in k for k in missing)
+    x = torch.randint(0, 64, (2, 28), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = lin(x).logits
+        torch.testing.assert_close(ones(x).logits, ref, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(uniform(x).logits, ref, rtol=1e-4, atol=1e-5)
