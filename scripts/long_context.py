@@ -46,7 +46,7 @@ from scripts.length_extrapolation import extension_rule  # noqa: E402
 from scripts.mqar_extrapolation import group  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
-from tasks.common.launch import read_notes  # noqa: E402
+from tasks.common.launch import metric_curve, read_notes, train_loss_curve  # noqa: E402
 from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record  # noqa: E402
 from tasks.common.results import BusyMachine, load_summary, rewrite_result, write_result  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
@@ -150,11 +150,23 @@ def evaluate_runs(runs: dict, args) -> dict:
             t["groups"].setdefault(g, {})[str(key)] = res
             t["rules_of"][g] = sorted(set(t["rules_of"].get(g, [])) | set(res), key=lambda r: (r != "-", r))
             run = read_run_record(path) or {}  # the trainer's run.json: commit, dirty, machine, load, config
+            curve = train_loss_curve(str(path))
             record["runs"][f"{g}/{key}"] = {"path": str(path), "checkpoint": str(ckpt), "test": test,
                                             "attn_name": model.config.attn_name, "metrics": run.get("metrics"),
+                                            "curve": curve, "eval_curve": metric_curve(str(path), "eval/acc"),
+                                            "left_plateau_at": plateau_exit(curve),
                                             **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
             del model
     return record
+
+
+def plateau_exit(curve: list, drop: float = 0.5) -> int | None:
+    """The first logged step whose training loss is at least ``drop`` nats below the first logged one: when a run
+    leaves the chance plateau that recall tasks start on (``curve``: ``(step, loss)`` pairs; None if never)."""
+    if not curve:
+        return None
+    first = curve[0][1]
+    return next((int(step) for step, loss in curve if loss <= first - drop), None)
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -267,10 +279,28 @@ def markdown(record: dict) -> str:
                         lines.append(f"| {lab} | " + " | ".join(cells) + " |")
                     lines.append("")
         lines.append("")
+    lines += training_lines(record)
     lines += goal_lines(record)
     if record.get("notes"):
         lines += ["## Reading", "", record["notes"].strip(), ""]
     return "\n".join(lines)
+
+
+def training_lines(record: dict) -> list[str]:
+    """Per run: the step at which its training loss left the starting plateau (:func:`plateau_exit`) and its last
+    evaluation accuracy during training (records made before these were stored: nothing)."""
+    runs = {k: r for k, r in record["runs"].items() if "curve" in r}
+    if not runs:
+        return []
+    out = ["## Training", "", "Left the plateau: the first logged step with the training loss 0.5 below its first "
+           "logged value (-: never); last eval: the accuracy (%) of the last evaluation during training.", "",
+           "| run | left the plateau at step | of | last eval |", "|---|---|---|---|"]
+    for key, r in runs.items():
+        last_step = r["curve"][-1][0] if r["curve"] else "-"
+        ev = f"{100 * r['eval_curve'][-1][1]:.1f}" if r.get("eval_curve") else "-"
+        at = "-" if r["left_plateau_at"] is None else r["left_plateau_at"]
+        out.append(f"| {key} | {at} | {last_step} | {ev} |")
+    return out + [""]
 
 
 def goal_lines(record: dict) -> list[str]:

@@ -450,3 +450,18 @@ def test_ones_mixing_init_starts_mhla_as_linear_attention():
         ref = lin(x).logits
         torch.testing.assert_close(ones(x).logits, ref, rtol=1e-4, atol=1e-5)
         assert not torch.allclose(uniform(x).logits, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_plateau_exit_and_training_table():
+    """The step a run leaves the starting plateau: the first logged loss 0.5 nats below the first one; the
+    training table lists it per run (and '-' for a run that never left), and old records without curves add none."""
+    from scripts.long_context import plateau_exit, training_lines
+
+    curve = [(50, 5.6), (100, 5.55), (150, 5.2), (200, 5.09), (250, 4.0)]
+    assert plateau_exit(curve) == 200 and plateau_exit(curve, drop=1.0) == 250
+    assert plateau_exit(curve[:3]) is None and plateau_exit([]) is None
+    runs = {"mhla/0": {"curve": curve, "eval_curve": [(312, 0.25)], "left_plateau_at": plateau_exit(curve)},
+            "linear/0": {"curve": curve[:3], "eval_curve": [], "left_plateau_at": None}}
+    md = "\n".join(training_lines({"runs": runs}))
+    assert "| mhla/0 | 200 | 250 | 25.0 |" in md and "| linear/0 | - | 150 | - |" in md
+    assert training_lines({"runs": {"mhla/0": {"path": "x"}}}) == []
