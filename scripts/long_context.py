@@ -160,7 +160,10 @@ def evaluate_runs(runs: dict, args) -> dict:
     return record
 
 
-def plateau_exit(curve: list, drop: float = 0.5) -> int | None:
+PLATEAU_DROP = 0.5  # nats below the first logged training loss that count as leaving the starting plateau
+
+
+def plateau_exit(curve: list, drop: float = PLATEAU_DROP) -> int | None:
     """The first logged step whose training loss is at least ``drop`` nats below the first logged one: when a run
     leaves the chance plateau that recall tasks start on (``curve``: ``(step, loss)`` pairs; None if never)."""
     if not curve:
@@ -292,8 +295,8 @@ def training_lines(record: dict) -> list[str]:
     runs = {k: r for k, r in record["runs"].items() if "curve" in r}
     if not runs:
         return []
-    out = ["## Training", "", "Left the plateau: the first logged step with the training loss 0.5 below its first "
-           "logged value (-: never); last eval: the accuracy (%) of the last evaluation during training.", "",
+    out = ["## Training", "", f"Left the plateau: the first logged step with the training loss {PLATEAU_DROP} below "
+           "its first logged value (-: never); last eval: the accuracy (%) of the last evaluation during training.", "",
            "| run | left the plateau at step | of | last eval |", "|---|---|---|---|"]
     for key, r in runs.items():
         last_step = r["curve"][-1][0] if r["curve"] else "-"

@@ -499,9 +499,10 @@ class Trainer:
         cfg, tcfg = self.cfg, self.tcfg
         accumulate = self._resolve_accumulation()
         seed = int(cfg.get("seed", 0))
-        seed_everything(weights_seed(cfg))
+        init_seed = weights_seed(cfg)
+        seed_everything(init_seed)
         model = self.task.build_model().to(self.device)
-        if weights_seed(cfg) != seed:
+        if init_seed != seed:
             seed_everything(seed)  # everything after the weights (data order, loaders) follows the run's seed
         if tcfg.get("init_from"):  # another run's weights (docs/conversion.md); trainer.resume still wins
             from .init_from import init_model_from  # noqa: PLC0415
