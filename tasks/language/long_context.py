@@ -173,49 +173,43 @@ def _lengths(length) -> tuple[int, ...]:
     return lengths
 
 
-class PasskeyDataset(Dataset):
-    """Training / validation passkey sequences of ``seq_len`` tokens at uniform random depths: item ``i`` is
-    ``(input_ids [L], answer_mask [L])`` (``answer_mask[t]``: token ``t`` is an answer digit), the same for a
-    given ``(seed, i)``.
+class CurriculumBatches(Dataset):
+    """Training items of ``seq_len`` tokens whose first batches are other lengths: the machinery that
+    :class:`PasskeyDataset` and :class:`SpreadMQARDataset` share.
 
-    ``curriculum`` (training): ``[(length, batches), ...]``: the first ``batches`` batches are made of
-    ``length``-token examples, then the next stage's, then ``seq_len``'s. A short batch holds ``seq_len //
-    length`` examples per item (``[B * seq_len // length, length]``: about the same tokens per step, more
-    answers), whose needle is never farther than ``length`` tokens from the question. A long stage (``length``
-    a multiple of ``seq_len`` above it) holds one ``length``-token document per item (``[B, length]``), which
-    :class:`PasskeyLMTask` trains as windows of ``seq_len`` with the state passed: the earlier windows fill the
-    model's cache without gradient, the last one (the question, and the needle when it falls there) trains.
-    A stage's length may be a list, whose lengths take the stage's batches in turn (``[[1024, 256], 300]``: 150
-    batches of 1,024-token documents interleaved with 150 of 256-token ones).
-    Items are then the indices and :meth:`collate` builds the batch: its number is the place of its first item in the epoch's order
-    of the trainer's sampler (:class:`tasks.common.data.ResumableSampler` with ``batch_size`` and
-    ``sampler_seed``, one process; the trainer tells the epoch through :meth:`set_epoch`), so a resumed run
-    (``trainer.resume``) and data-loader workers see the same stages."""
+    ``curriculum``: ``[(length, batches), ...]``: the first ``batches`` batches are made of ``length``-token
+    examples, then the next stage's, then ``seq_len``'s. A stage's length may be a list, whose lengths take the
+    stage's batches in turn (``[[1024, 256], 300]``: 150 batches of 1,024 tokens interleaved with 150 of 256).
+    With a curriculum the items are indices and :meth:`collate` builds the batch: its number is the place of its
+    first item in the epoch's order of the trainer's sampler (:class:`tasks.common.data.ResumableSampler` with
+    ``batch_size`` and ``sampler_seed``, one process; the trainer tells the epoch through :meth:`set_epoch`), so a
+    resumed run (``trainer.resume``) and data-loader workers see the same stages. A short batch (``length <
+    seq_len``) holds ``seq_len // length`` examples per item (``[B * seq_len // length, length]``: about the same
+    tokens per step). Subclasses give :meth:`item` and :meth:`batch_at`."""
 
-    def __init__(self, filler: np.ndarray, fmt: PasskeyFormat, seq_len: int, num_examples: int, seed: int = 0,
-                 curriculum=None, batch_size: int = 1, sampler_seed: int = 0):
-        self.filler, self.fmt, self.seq_len = filler, fmt, int(seq_len)
-        self.n, self.seed = int(num_examples), seed
+    def __init__(self, seq_len: int, num_examples: int, curriculum=None, batch_size: int = 1,
+                 sampler_seed: int = 0):
+        self.seq_len, self.n = int(seq_len), int(num_examples)
         self.curriculum = [(_lengths(length), int(batches)) for length, batches in (curriculum or [])]
-        for length in (n for lengths, _ in self.curriculum for n in lengths):
-            if not (fmt.min_length() <= length <= self.seq_len or length % self.seq_len == 0):
-                raise ValueError(f"curriculum lengths must be in [{fmt.min_length()}, {self.seq_len}] or multiples "
-                                 f"of seq_len {self.seq_len} (documents passed on in windows), got {length}")
         self.batch_size, self.sampler_seed, self.epoch, self._place = int(batch_size), int(sampler_seed), 0, {}
+
+    def stage_lengths(self) -> list[int]:
+        """Every length the curriculum names."""
+        return [n for lengths, _ in self.curriculum for n in lengths]
 
     def __len__(self) -> int:
         return self.n
 
-    def example(self, i: int, length: int, sub: int | None = None):
-        """Example ``i`` at ``length`` tokens (``sub``: the ``sub``-th short example of item ``i``)."""
-        rng = np.random.default_rng([self.seed, i] if sub is None else [self.seed, i, length, sub])
-        batch = passkey_batch(self.filler, self.fmt, length, [rng.random()], rng)
-        mask = torch.zeros(length, dtype=torch.bool)
-        mask[batch["targets_at"] + 1] = True
-        return batch["input_ids"][0], mask
+    def item(self, i: int):
+        """Item ``i`` at ``seq_len`` (no curriculum)."""
+        raise NotImplementedError
+
+    def batch_at(self, indices, length: int):
+        """The training batch of these item indices at ``length`` tokens."""
+        raise NotImplementedError
 
     def __getitem__(self, i: int):
-        return int(i) if self.curriculum else self.example(i, self.seq_len)
+        return int(i) if self.curriculum else self.item(i)
 
     def length_at(self, batch: int) -> int:
         """The example length of training batch ``batch`` (0-based) under the curriculum."""
@@ -244,8 +238,54 @@ class PasskeyDataset(Dataset):
         return self.epoch * per_epoch + int(place[int(indices[0])]) // self.batch_size
 
     def collate(self, indices):
-        """``(input_ids [b, l], answer_mask [b, l])`` of a training batch: ``l = length_at(batch_number(indices))``."""
-        length = self.length_at(self.batch_number(indices))
+        """The training batch of these indices at ``length_at(batch_number(indices))`` tokens."""
+        return self.batch_at(indices, self.length_at(self.batch_number(indices)))
+
+
+def check_curriculum_runs(cfg) -> list:
+    """``task.curriculum`` of a run's config (``[]`` when unset), after checking that the run can follow it: a
+    batch's number comes from one process's sampler order, so it needs one process and ``trainer.accumulate=1``."""
+    curriculum = list(cfg.task.get("curriculum") or [])
+    if curriculum and (str(cfg.trainer.get("accumulate", 1)) not in ("1", "auto", "None")
+                       or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise ValueError("task.curriculum finds a batch's number from one process's sampler order: it needs "
+                         "one process and trainer.accumulate=1")
+    return curriculum
+
+
+class PasskeyDataset(CurriculumBatches):
+    """Training / validation passkey sequences of ``seq_len`` tokens at uniform random depths: item ``i`` is
+    ``(input_ids [L], answer_mask [L])`` (``answer_mask[t]``: token ``t`` is an answer digit), the same for a
+    given ``(seed, i)``.
+
+    ``curriculum`` (training; :class:`CurriculumBatches`): a short stage's needle is never farther than its
+    ``length`` tokens from the question. A long stage (``length`` a multiple of ``seq_len`` above it) holds one
+    ``length``-token document per item (``[B, length]``), which :class:`PasskeyLMTask` trains as windows of
+    ``seq_len`` with the state passed: the earlier windows fill the model's cache without gradient, the last one
+    (the question, and the needle when it falls there) trains."""
+
+    def __init__(self, filler: np.ndarray, fmt: PasskeyFormat, seq_len: int, num_examples: int, seed: int = 0,
+                 curriculum=None, batch_size: int = 1, sampler_seed: int = 0):
+        super().__init__(seq_len, num_examples, curriculum, batch_size, sampler_seed)
+        self.filler, self.fmt, self.seed = filler, fmt, seed
+        for length in self.stage_lengths():
+            if not (fmt.min_length() <= length <= self.seq_len or length % self.seq_len == 0):
+                raise ValueError(f"curriculum lengths must be in [{fmt.min_length()}, {self.seq_len}] or multiples "
+                                 f"of seq_len {self.seq_len} (documents passed on in windows), got {length}")
+
+    def example(self, i: int, length: int, sub: int | None = None):
+        """Example ``i`` at ``length`` tokens (``sub``: the ``sub``-th short example of item ``i``)."""
+        rng = np.random.default_rng([self.seed, i] if sub is None else [self.seed, i, length, sub])
+        batch = passkey_batch(self.filler, self.fmt, length, [rng.random()], rng)
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[batch["targets_at"] + 1] = True
+        return batch["input_ids"][0], mask
+
+    def item(self, i: int):
+        return self.example(i, self.seq_len)
+
+    def batch_at(self, indices, length: int):
+        """``(input_ids [b, l], answer_mask [b, l])`` of the items ``indices`` at ``length`` tokens."""
         if length == self.seq_len:
             pairs = [self.example(i, length) for i in indices]
         elif length > self.seq_len:  # one long document per item (its windows: PasskeyLMTask)
@@ -295,19 +335,33 @@ def spread_mqar(num_examples: int, length: int, vocab_size: int, num_kv_pairs: i
             "pair_pos": torch.from_numpy(where), "query_pos": torch.from_numpy(query_pos)}
 
 
-class SpreadMQARDataset(Dataset):
-    """A fixed set of spread-MQAR examples; items are ``(inputs [L], labels [L])`` as MQAR's."""
+class SpreadMQARDataset(CurriculumBatches):
+    """A fixed set of spread-MQAR examples; items are ``(inputs [L], labels [L])`` as MQAR's. Under a
+    ``curriculum`` (training; :class:`CurriculumBatches`) a short stage's batch is generated afresh: item ``i`` at
+    ``length`` tokens holds ``seq_len // length`` examples drawn from the seed ``(seed, i, length)``, the same K
+    pairs spread over the shorter context."""
 
     def __init__(self, num_examples: int, seq_len: int, vocab_size: int, num_kv_pairs: int, seed: int = 0,
-                 filler: str = "values"):
+                 filler: str = "values", curriculum=None, batch_size: int = 1, sampler_seed: int = 0):
+        super().__init__(seq_len, num_examples, curriculum, batch_size, sampler_seed)
+        self.vocab_size, self.num_kv_pairs, self.seed, self.filler = int(vocab_size), int(num_kv_pairs), seed, filler
+        for length in self.stage_lengths():
+            if not (4 * self.num_kv_pairs <= length <= self.seq_len and length % 2 == 0):
+                raise ValueError(f"spread-MQAR curriculum lengths must be even and in [4 K = {4 * self.num_kv_pairs}, "
+                                 f"seq_len {self.seq_len}], got {length}")
         d = spread_mqar(num_examples, seq_len, vocab_size, num_kv_pairs, seed, filler)
         self.inputs, self.labels = d["input_ids"], d["labels"]
 
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    def __getitem__(self, i: int):
+    def item(self, i: int):
         return self.inputs[i], self.labels[i]
+
+    def batch_at(self, indices, length: int):
+        """``(inputs [b, l], labels [b, l])`` of the items ``indices`` at ``length`` tokens."""
+        if length == self.seq_len:
+            return self.inputs[list(indices)], self.labels[list(indices)]
+        parts = [spread_mqar(self.seq_len // length, length, self.vocab_size, self.num_kv_pairs,
+                             [self.seed, int(i), length], self.filler) for i in indices]
+        return torch.cat([p["input_ids"] for p in parts]), torch.cat([p["labels"] for p in parts])
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -427,7 +481,17 @@ def _bucket(correct: torch.Tensor, sel: torch.Tensor, lo, hi) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ training tasks
-class PasskeyLMTask(LanguageModelingTask):
+class CurriculumCollate:
+    """A task whose training dataset (``self._train``, a :class:`CurriculumBatches`) may hand out indices: under a
+    curriculum the dataset builds their batch; other samples go to the task's own ``collate``."""
+
+    def collate(self, samples):
+        if samples and isinstance(samples[0], int):
+            return self._train.collate(samples)
+        return super().collate(samples)
+
+
+class PasskeyLMTask(CurriculumCollate, LanguageModelingTask):
     """The LM task on passkey sequences (``task=lm_mini`` data, model and recipe; every training window is one
     passkey example of ``data.seq_len`` tokens in the corpus's filler, ``data.num_train`` of them drawn afresh
     per index, under ``task.curriculum``'s lengths first: :class:`PasskeyDataset`): loss = ``task.lm_weight`` x
@@ -463,22 +527,13 @@ class PasskeyLMTask(LanguageModelingTask):
     def build_datasets(self):
         train, val, tok, _ = self.data()
         d, fmt, seed = self.cfg.data, self.fmt(), int(self.cfg.get("seed", 0))
-        curriculum = self.cfg.task.get("curriculum") or []
-        if curriculum and (str(self.cfg.trainer.get("accumulate", 1)) not in ("1", "auto", "None")
-                           or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-            raise ValueError("task.curriculum finds a batch's number from one process's sampler order: it needs "
-                             "one process and trainer.accumulate=1")
+        curriculum = check_curriculum_runs(self.cfg)
         self._train = PasskeyDataset(filler_tokens(train.tokens, tok.eos_token_id), fmt, self.seq_len,
                                      int(d.get("num_train", 100_000)), seed=2 * seed + 1, curriculum=curriculum,
                                      batch_size=int(d.batch_size), sampler_seed=seed)
         return (self._train, PasskeyDataset(filler_tokens(val.tokens, tok.eos_token_id), fmt, self.seq_len,
                                             int(d.get("num_val", 128)), seed=10_000))
 
-    def collate(self, samples):
-        """Training items under a curriculum are indices (:meth:`PasskeyDataset.collate` builds their batch)."""
-        if samples and isinstance(samples[0], int):
-            return self._train.collate(samples)
-        return super().collate(samples)
 
     def on_batch(self, batch, device):
         return tuple(t.to(device, non_blocking=True) for t in batch)
@@ -528,13 +583,16 @@ def spread_mqar_filler(cfg) -> str:
     return str(cfg.data.get("filler", None) or "any")
 
 
-class SpreadMQARTask(MQARTask):
+class SpreadMQARTask(CurriculumCollate, MQARTask):
     """MQAR (``task=mqar``'s model and recipe) on spread-MQAR examples (:func:`spread_mqar`) of ``data.seq_len``
-    with ``data.filler`` (absent: ``"any"``, what runs made before the key trained on)."""
+    with ``data.filler`` (absent: ``"any"``, what runs made before the key trained on), under ``task.curriculum``'s
+    shorter lengths first (:class:`SpreadMQARDataset`; the test set is at ``data.seq_len``)."""
 
     def build_datasets(self):
         d, seed = self.cfg.data, int(self.cfg.get("seed", 0))
         common = dict(seq_len=int(d.seq_len), vocab_size=int(d.vocab_size), num_kv_pairs=int(d.num_kv_pairs),
                       filler=spread_mqar_filler(self.cfg))
-        return (SpreadMQARDataset(int(d.num_train), seed=2 * seed + 1, **common),
-                SpreadMQARDataset(int(d.num_test), seed=2 * seed + 2, **common))
+        self._train = SpreadMQARDataset(int(d.num_train), seed=2 * seed + 1, curriculum=check_curriculum_runs(self.cfg),
+                                        batch_size=int(d.batch_size), sampler_seed=seed, **common)
+        return self._train, SpreadMQARDataset(int(d.num_test), seed=2 * seed + 2, **common)
+

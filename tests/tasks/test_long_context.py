@@ -465,3 +465,37 @@ def test_plateau_exit_and_training_table():
     md = "\n".join(training_lines({"runs": runs}))
     assert "| mhla/0 | 200 | 250 | 25.0 |" in md and "| linear/0 | - | 150 | - |" in md
     assert training_lines({"runs": {"mhla/0": {"path": "x"}}}) == []
+
+
+def test_spread_mqar_curriculum_packs_short_batches_with_the_pairs_spread_over_each():
+    """Spread MQAR's curriculum (the passkey's machinery): a short stage's batch holds seq_len // length examples
+    per item, each a whole spread-MQAR example at that length (K pairs over its context, queries at its end), the
+    same batch again for the same indices; past the curriculum the fixed examples themselves."""
+    from tasks.common.data import ResumableSampler
+    from tasks.language.long_context import SpreadMQARDataset
+
+    n, L, V, K, bs = 24, 128, 64, 4, 4
+    ds = SpreadMQARDataset(n, L, V, K, seed=3, curriculum=[(32, 2), (64, 1)], batch_size=bs, sampler_seed=1)
+    plain = SpreadMQARDataset(n, L, V, K, seed=3)
+    assert [ds.length_at(b) for b in range(4)] == [32, 32, 64, 128]
+    sampler = ResumableSampler(n, bs, shuffle=True, seed=1)
+    sampler.set_epoch(0)
+    ds.set_epoch(0)
+    order = list(sampler)
+    for b in range(4):
+        idx = [ds[i] for i in order[b * bs:(b + 1) * bs]]
+        x, y = ds.collate(idx)
+        length = ds.length_at(b)
+        assert x.shape == (bs * L // length, length) and y.shape == x.shape
+        q = torch.arange(length - 2 * K, length, 2)                 # the queries: the last 2K tokens
+        assert (y[:, q] >= V // 2).all() and (y != -100).sum() == K * x.shape[0]
+        for r in range(x.shape[0]):                                 # each query's key sits once before, its value next
+            for j in q.tolist():
+                at = (x[r, :length - 2 * K] == x[r, j]).nonzero().flatten()
+                assert len(at) == 1 and x[r, at[0] + 1] == y[r, j]
+        assert torch.equal(ds.collate(idx)[0], x)
+        if length == L:
+            assert torch.equal(x, torch.stack([plain[i][0] for i in idx]))
+    for bad in (2 * K, 33, 2 * L):                                  # too short for K pairs; odd; past seq_len
+        with pytest.raises(ValueError):
+            SpreadMQARDataset(n, L, V, K, curriculum=[(bad, 1)])
