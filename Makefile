@@ -147,7 +147,7 @@ params: $(VENV)/.installed
 	$(PY) scripts/count_params.py
 
 # Recall at any length (issue 50, docs/long_context.md): trains what is missing of LC_DIR/<test>_<attn>_s<seed>
-# (train.py experiment=long_context/passkey | long_context/spread_mqar, one thread per run, 2 at a time; ~31 min
+# (train.py experiment=long_context/passkey | long_context/spread_mqar_curriculum, one thread per run, 2 at a time; ~31 min
 # per passkey run on a loaded 2-core CPU), then evaluates every run from its training length to 1M tokens by
 # chunked prefill (MHLA under every extension rule) -> results/language/long_context.{md,json,png}.
 # EXTRA='--max-len 65536 --examples 2' etc. passes options to scripts/long_context.py.

@@ -4,7 +4,8 @@
 and peak memory of every evaluation and a depth x length heatmap.
 
 Runs are ``name=run_dir`` (``train.py`` runs of ``experiment=long_context/passkey`` or
-``experiment=long_context/spread_mqar``; ``name_s<seed>`` groups seeds, as ``scripts/mqar_extrapolation.py``).
+``experiment=long_context/spread_mqar[_curriculum]``; ``name_s<seed>`` groups seeds, as
+``scripts/mqar_extrapolation.py``).
 The test follows the run's task: a passkey run (``PasskeyLMTask``) is scored on passkey examples in held-out
 filler (the validation split of its corpus), an MQAR run on spread MQAR (``tasks/language/long_context.py``
 says how both are built and scored). Lengths: the training length ``N`` times 1, 4, 16, ... up to
@@ -55,7 +56,7 @@ from tasks.language.long_context import (PasskeyLMTask, evaluate_passkey, evalua
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-TESTS = {"passkey": "long_context/passkey", "mqar": "long_context/spread_mqar"}
+TESTS = {"passkey": "long_context/passkey", "mqar": "long_context/spread_mqar_curriculum"}  # the MQAR recipe every run learns
 ATTNS = ("mhla", "linear", "softmax")
 GOALS = ("MHLA >= linear attention at every length on both tests; passkey >= 90% at 16x the training length; "
          "moonshot: passkey >= 50% at 1M tokens with peak RSS within 10% of the 64k evaluation's")

@@ -344,7 +344,7 @@ def test_train_commands_name_runs_for_seed_grouping(tmp_path):
     (tmp_path / "passkey_mhla_s0" / "checkpoints" / "last.pt").write_bytes(b"")  # trained already: skipped
     cmds = train_commands(str(tmp_path), ["passkey", "mqar"], ["mhla", "linear"], [0])
     assert sorted(cmds) == ["mqar_linear_s0", "mqar_mhla_s0", "passkey_linear_s0"]
-    assert "experiment=long_context/spread_mqar" in cmds["mqar_mhla_s0"] and "attn=linear" in cmds["passkey_linear_s0"]
+    assert "experiment=long_context/spread_mqar_curriculum" in cmds["mqar_mhla_s0"] and "attn=linear" in cmds["passkey_linear_s0"]
     assert f"hydra.run.dir={tmp_path / 'mqar_mhla_s0'}" in cmds["mqar_mhla_s0"]
 
 
