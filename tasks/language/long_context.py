@@ -299,6 +299,12 @@ class PasskeyDataset(CurriculumBatches):
 SPREAD_MQAR_FILLERS = ("values", "any")
 
 
+def check_spread_mqar_length(length: int, num_kv_pairs: int) -> None:
+    """Refuse a spread-MQAR length that cannot hold its K pairs and K queries: it must be even and >= 4 K."""
+    if length % 2 or length < 4 * num_kv_pairs:
+        raise ValueError(f"spread MQAR needs an even length >= 4 K = {4 * num_kv_pairs}, got {length}")
+
+
 def spread_mqar(num_examples: int, length: int, vocab_size: int, num_kv_pairs: int, seed: int = 0,
                 filler: str = "values") -> dict:
     """Spread-MQAR examples (module docstring; ``filler``: ``"values"`` or ``"any"``): ``input_ids [n, L]``,
@@ -308,8 +314,7 @@ def spread_mqar(num_examples: int, length: int, vocab_size: int, num_kv_pairs: i
     half = V // 2
     if filler not in SPREAD_MQAR_FILLERS:
         raise ValueError(f"spread MQAR filler must be one of {SPREAD_MQAR_FILLERS}, got {filler!r}")
-    if L % 2 or L < 4 * K:
-        raise ValueError(f"spread MQAR needs an even length >= 4 K = {4 * K}, got {L}")
+    check_spread_mqar_length(L, K)
     if K > half - 1:
         raise ValueError(f"{K} distinct keys do not fit in the key vocabulary [1, {half})")
     rng = np.random.default_rng(seed)
@@ -346,9 +351,9 @@ class SpreadMQARDataset(CurriculumBatches):
         super().__init__(seq_len, num_examples, curriculum, batch_size, sampler_seed)
         self.vocab_size, self.num_kv_pairs, self.seed, self.filler = int(vocab_size), int(num_kv_pairs), seed, filler
         for length in self.stage_lengths():
-            if not (4 * self.num_kv_pairs <= length <= self.seq_len and length % 2 == 0):
-                raise ValueError(f"spread-MQAR curriculum lengths must be even and in [4 K = {4 * self.num_kv_pairs}, "
-                                 f"seq_len {self.seq_len}], got {length}")
+            check_spread_mqar_length(length, self.num_kv_pairs)
+            if length > self.seq_len:
+                raise ValueError(f"spread-MQAR curriculum lengths must be at most seq_len {self.seq_len}, got {length}")
         d = spread_mqar(num_examples, seq_len, vocab_size, num_kv_pairs, seed, filler)
         self.inputs, self.labels = d["input_ids"], d["labels"]
 
@@ -534,7 +539,6 @@ class PasskeyLMTask(CurriculumCollate, LanguageModelingTask):
         return (self._train, PasskeyDataset(filler_tokens(val.tokens, tok.eos_token_id), fmt, self.seq_len,
                                             int(d.get("num_val", 128)), seed=10_000))
 
-
     def on_batch(self, batch, device):
         return tuple(t.to(device, non_blocking=True) for t in batch)
 
@@ -595,4 +599,3 @@ class SpreadMQARTask(CurriculumCollate, MQARTask):
         self._train = SpreadMQARDataset(int(d.num_train), seed=2 * seed + 1, curriculum=check_curriculum_runs(self.cfg),
                                         batch_size=int(d.batch_size), sampler_seed=seed, **common)
         return self._train, SpreadMQARDataset(int(d.num_test), seed=2 * seed + 2, **common)
-
