@@ -258,6 +258,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-iters", type=int, default=3, help="--bench: timed steps (median)")
     ap.add_argument("--latency-repeats", type=int, default=3,
                     help="timed samplings per row after a warm-up (the median is the latency)")
+    ap.add_argument("--settle-s", type=float, default=180.0,
+                    help="before the timing, wait at most this long for the load average to fall under the busy "
+                         "line after the training runs (0: time at once)")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the md from <out>.json (no picture)")
     ap.add_argument("--notes", default="", help="reading paragraph, or @file")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
@@ -316,7 +319,7 @@ def main(argv=None) -> int:
             print(f"{rec['row']} seed {rec['seed']}: no checkpoint in {rec['run_dir']}; its eval loss and following "
                   "are kept, its earlier latency is left out of the latency column", flush=True)
     if any(not r.get("latency_stale") for r in trained):
-        wait_until_settled()  # this table's own training runs just ended: their load lingers in the average
+        wait_until_settled(args.settle_s)  # this table's own training runs just ended: their load lingers
     with Measurement(threads=args.threads) as load:
         for rec in (r for r in trained if not r.get("latency_stale")):
             measured = measure_row(rec, args.latency_repeats)

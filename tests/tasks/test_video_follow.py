@@ -64,7 +64,8 @@ def test_table5_mini_trains_rows_and_writes_table(tmp_path):
     tiny = ["trainer.max_steps=2", "data.train_size=8", "data.eval_size=4", "data.batch_size=4", "data.num_frames=4",
             "data.height=8", "data.width=8", "model.num_layers=3", "sample.num_steps=2",
             "model.attn_defaults.mhla.blocks=[2,2,2]"]  # MHLA's blocks, for the rows that run MHLA
-    argv = ["--rows", "softmax", "mhla_hybrid", "--threads", "1", "--latency-repeats", "2", "--out", str(out),
+    argv = ["--rows", "softmax", "mhla_hybrid", "--threads", "1", "--latency-repeats", "2", "--settle-s", "0",
+            "--out", str(out),
             "--out-dir", str(tmp_path / "runs"), *tiny]
     assert table5_mini.main(argv) == 0
     data = json.loads((tmp_path / "t5.json").read_text())["results"]
