@@ -166,16 +166,32 @@ def heatmap_image(matrix, title: str = "") -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
+def open_metrics(path: Path, from_step: int | None):
+    """``path`` opened for appending, first keeping only its records with ``step <= from_step`` (all of them when
+    ``from_step`` is None; none when it is 0: a fresh run)."""
+    if from_step is not None and path.exists():
+        with open(path) as f:
+            kept = [line for line in f if from_step and line.strip() and json.loads(line).get("step", 0) <= from_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return open(path, "a")
+
+
 class RunLogger:
     """The sinks of one run: ``metrics.jsonl`` (and W&B when ``cfg.name`` is ``wandb``) on the main process;
     ``enabled=False`` (other ranks) makes every method a no-op.
 
     ``resume_id``: the W&B run id of the run being resumed (from its checkpoint), continued with
     ``resume="allow"``; ``logger.run_id``, when set, takes precedence.
+
+    ``metrics.jsonl`` holds one run's records: ``from_step`` is the step of the checkpoint the run resumes from
+    (records an interrupted run logged past it are dropped; the resumed run logs those steps again), and a
+    fresh run (``from_step=0``) starts the file anew, as it overwrites the earlier run's checkpoints. ``None``
+    (the default) appends to whatever is there.
     """
 
     def __init__(self, cfg, run_dir: str | os.PathLike, config: dict, system: dict, enabled: bool = True,
-                 resume_id: str | None = None):
+                 resume_id: str | None = None, from_step: int | None = None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.wandb_run = None
@@ -185,7 +201,7 @@ class RunLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self._metrics_file = open_metrics(self.run_dir / "metrics.jsonl", from_step)
         name = cfg.get("name", "none") if cfg is not None else "none"
         if name == "wandb":
             self._init_wandb(cfg, config, system, resume_id)

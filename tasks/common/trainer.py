@@ -411,7 +411,7 @@ class Trainer:
         if path is None:
             if (left := latest_checkpoint(ckpt.dir)) is not None:
                 self._print(f"WARNING: {left} is left from an earlier run in this folder; this fresh run "
-                            f"overwrites it (trainer.resume=auto would continue it)")
+                            f"overwrites it and its metrics.jsonl (trainer.resume=auto would continue it)")
             return None
         if self._fsdp and is_sharded_checkpoint(path):
             state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
@@ -565,18 +565,19 @@ class Trainer:
             self._restore(state, run)
             wandb_id = state.get("wandb_run_id")
             del state
-        run.logger = self._start_logger(wandb_id)
+        run.logger = self._start_logger(wandb_id, run.step)
         if self.dist.is_main and not resumed:  # a resumed run logged it when it started
             run.logger.log({"params": n_params}, run.step)
         return run
 
-    def _start_logger(self, resume_id: str | None) -> RunLogger:
-        """The run's logger; with W&B it continues the run ``resume_id`` (from the checkpoint resumed) and
-        prints one line naming the W&B run."""
+    def _start_logger(self, resume_id: str | None, from_step: int) -> RunLogger:
+        """The run's logger, whose ``metrics.jsonl`` keeps the records before ``from_step`` (the step resumed at;
+        0: a fresh run); with W&B it continues the run ``resume_id`` (from the checkpoint resumed) and prints one
+        line naming the W&B run."""
         cfg = self.cfg
         resolved = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
         logger = RunLogger(cfg.get("logger"), self.run_dir, resolved, system_info(), enabled=self.dist.is_main,
-                           resume_id=resume_id)
+                           resume_id=resume_id, from_step=from_step)
         if logger.run_id is not None:
             again = " (continued: the id stored in the checkpoint)" if logger.run_id == resume_id else ""
             self._print(f"W&B run {logger.run_id}{again}, mode {logger.mode}, files in {self.run_dir / 'wandb'}")

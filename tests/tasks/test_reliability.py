@@ -80,6 +80,27 @@ def test_resume_with_drop_path_is_bit_identical(tmp_path):
     assert split == straight  # bit-identical loss lines, before and after the resume
 
 
+def test_metrics_file_holds_one_run(tmp_path):
+    """metrics.jsonl holds the run it belongs to: a resume drops what the interrupted run logged past its
+    checkpoint (a hard kill leaves such lines; the resumed run logs those steps again), and a fresh run in a used
+    folder starts the file anew, as it overwrites the earlier run's checkpoints."""
+    def records(run_dir):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    common = DROP_PATH + ["trainer.max_steps=12"]
+    run(common + ["trainer.stop_after_steps=5"], tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # logged after the checkpoint of step 5, then killed
+        f.write(json.dumps({"step": 7, "train/loss": 99.0}) + "\n")
+    run(common + ["trainer.resume=last"], tmp_path)
+    steps = [r["step"] for r in records(tmp_path) if "train/loss" in r]
+    assert steps == list(range(1, 13)) and 99.0 not in losses(tmp_path).values()
+    assert sum("params" in r for r in records(tmp_path)) == 1
+    run(DROP_PATH + ["trainer.max_steps=3"], tmp_path)  # fresh, in the same folder
+    assert [r["step"] for r in records(tmp_path) if "train/loss" in r] == [1, 2, 3]
+    assert sum("params" in r for r in records(tmp_path)) == 1
+
+
 # ------------------------------------------------------------------------------------------ interrupts
 def start_train(args, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
