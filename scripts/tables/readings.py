@@ -346,7 +346,7 @@ def evaluate(expr: str, names: dict):
 
 def printed(value, quoted: str) -> str:
     """``value`` at the decimals of ``quoted`` (a ``-0.0`` prints as ``0.0``)."""
-    digits = len(quoted.split(".")[1])
+    digits = len(quoted.split(".")[1]) if "." in quoted else 0  # (an integer is never quoted: a mismatch)
     out = f"{float(value):.{digits}f}"
     return out[1:] if out.startswith("-") and float(out) == 0 and not quoted.startswith("-") else out
 
