@@ -571,8 +571,8 @@ class Trainer:
         return run
 
     def _start_logger(self, resume_id: str | None, from_step: int) -> RunLogger:
-        """The run's logger, whose ``metrics.jsonl`` keeps the records before ``from_step`` (the step resumed at;
-        0: a fresh run); with W&B it continues the run ``resume_id`` (from the checkpoint resumed) and prints one
+        """The run's logger, whose ``metrics.jsonl`` keeps the records up to ``from_step`` (the step resumed at;
+        0: a fresh run, none kept); with W&B it continues the run ``resume_id`` (from the checkpoint resumed) and prints one
         line naming the W&B run."""
         cfg = self.cfg
         resolved = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
