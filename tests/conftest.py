@@ -13,8 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# Keep CPU tests reproducible and fast on a 2-core machine.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Keep CPU tests reproducible and fast on a 2-core machine: two threads in one process, one per process when
+# pytest-xdist runs the files in parallel (``make test``: two workers, ``TEST_JOBS`` in the Makefile).
+_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+torch.set_num_threads(1 if _XDIST else max(1, min(2, os.cpu_count() or 1)))
 
 # Without a GPU the Triton kernels are tested in Triton's CPU interpreter. Triton reads TRITON_INTERPRET when a
 # function is decorated with @triton.jit, and that includes triton.language's own helpers (tl.zeros, tl.cdiv),
