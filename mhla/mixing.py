@@ -454,7 +454,7 @@ def _is_int(x) -> bool:
     return True
 
 
-EXTENSION_RULES = ("relative", "last_row", "window", "uniform_far", "mass_matched")
+EXTENSION_RULES = ("relative", "last_row", "window", "uniform_far", "sqrt_far", "mass_matched")
 
 
 def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> torch.Tensor:
@@ -467,6 +467,8 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
         window        as relative for d <= M-1, 0 farther back (a sliding window of M blocks)
         uniform_far   as relative for d <= M-1; the farther blocks SHARE one L[M-1, 0] (each gets 1/count)
                       (the default of :class:`MixingMatrix`)
+        sqrt_far      as relative for d <= M-1; each farther block gets L[M-1, 0] / sqrt(count): their share
+                      grows as sqrt(count), between relative (count) and uniform_far (1)
         mass_matched  relative, each row rescaled to the last learned row's total
 
     Measured on lm_mini-sized models trained at 256 tokens, five checkpoints (three seeds with the mixing at
@@ -492,6 +494,8 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
         W = W.masked_fill(far, 0.0)
     elif rule == "uniform_far":
         W = torch.where(far, W / (i - M + 1).clamp(min=1).to(w.dtype), W)
+    elif rule == "sqrt_far":
+        W = torch.where(far, W / (i - M + 1).clamp(min=1).to(w.dtype).sqrt(), W)
     elif rule == "mass_matched":
         target = w[..., M - 1, :].sum(-1)[..., None, None]
         W = torch.where(learned, W, W * target / W.sum(-1, keepdim=True).clamp_min(1e-12))
@@ -518,8 +522,8 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
 
         i < M      diag L[i, i]; the earlier blocks by their learned coefficients (all within the window)
         i >= M     diag L[M-1, M-1], and by rule
-                   relative / window / uniform_far: recent d = 1 .. M-1 -> L[M-1, M-1-d]; far (d >= M):
-                       L[M-1, 0], 0, L[M-1, 0] / (i - M + 1)
+                   relative / window / uniform_far / sqrt_far: recent d = 1 .. M-1 -> L[M-1, M-1-d]; far
+                       (d >= M): L[M-1, 0], 0, L[M-1, 0] / (i - M + 1), L[M-1, 0] / sqrt(i - M + 1)
                    mass_matched: relative, every coefficient times L[M-1, :].sum() / (the relative row's sum,
                        L[M-1, :].sum() + (i - M + 1) L[M-1, 0])
                    last_row: head b = 0 .. M-2 -> L[M-1, b]; far (b >= M-1) -> L[M-1, M-1]
@@ -558,6 +562,8 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
             far = far0.expand(*far0.shape[:-1], stop - start)
         elif rule == "window":
             far = torch.zeros_like(far0).expand(*far0.shape[:-1], stop - start)
+        elif rule == "sqrt_far":
+            far = far0 / count.sqrt()
         else:  # uniform_far
             far = far0 / count
         far = torch.where(learned, 0.0, far)
@@ -586,6 +592,8 @@ def _extended_rows(w: torch.Tensor, start: int, stop: int, rule: str) -> MixingR
         far = far0.expand(*lead, n)
     elif rule == "window":
         far = torch.zeros_like(far0).expand(*lead, n)
+    elif rule == "sqrt_far":
+        far = far0 / count.sqrt()
     else:  # uniform_far
         far = far0 / count
     if rule == "mass_matched":

@@ -381,8 +381,12 @@ def test_extension_rule_is_an_option():
         W = windowed(10).detach()
         assert torch.equal(W, extend_causal_mixing(L, 10, rule)) and torch.equal(W.triu(1), torch.zeros(10, 10))
         assert torch.equal(W[:4, :4], L)
-        if rule in ("relative", "window", "uniform_far"):
+        if rule in ("relative", "window", "uniform_far", "sqrt_far"):
             assert torch.equal(W[9, 6:], relative[9, 6:])  # they differ only beyond the learned window
+    # the far blocks of row 9 (6 of them, d >= M = 4): relative 1 each, uniform_far 1/6, sqrt_far 1/sqrt(6)
+    for rule, share in (("uniform_far", 1 / 6), ("sqrt_far", 6 ** -0.5)):
+        far = extend_causal_mixing(L, 10, rule)[9, :6]
+        torch.testing.assert_close(far, L[3, 0] * share * torch.ones(6))
     assert torch.equal(MixingMatrix(4, init="uniform", causal=True, extension="window").__call__(10)[9, :6],
                        torch.zeros(6))
     with pytest.raises(ValueError, match="extension"):

@@ -18,7 +18,7 @@ State: the summaries of the finished blocks that the later rows of the mixing ma
   plus O((head + recent) * D * Dv) when it opens a block.
 
 The causal mixing rules of :mod:`mhla.mixing` all have this form with ``head + recent = M - 1`` (``M`` the
-learned rows): ``relative``, ``window``, ``uniform_far`` and ``mass_matched`` give every block farther than
+learned rows): ``relative``, ``window``, ``uniform_far``, ``sqrt_far`` and ``mass_matched`` give every block farther than
 ``M - 1`` back one coefficient per row (window ``(0, M - 1)``), ``last_row`` gives the first ``M - 1`` blocks
 their own columns and every later block one (window ``(M - 1, 0)``).
 """
