@@ -128,11 +128,11 @@ def test_a_checkpoint_from_before_the_attention_schema_evaluates(tmp_path, capsy
     assert "mixing_init" not in cfg.model
     layer = model.model.layers[0].attn
     assert layer.mixing.init == "locality" and layer.cpe is not None and layer.gate is not None
-    expected = torch.load(src, weights_only=False)["expected"]
+    state = torch.load(src, weights_only=False)
+    expected = state["expected"]
     with torch.no_grad():
         logits = model(expected["input_ids"], use_cache=False).logits
     torch.testing.assert_close(logits, expected["logits"], rtol=1e-5, atol=1e-5)
-    state = torch.load(src, weights_only=False)
     old = OmegaConf.create(state["config"])
     with open_dict(old):
         del old.task["target"]
