@@ -19,6 +19,8 @@ are applied to the same checkpoint (no retraining) by setting every ``MixingMatr
                  L[M-1, 0] uniformly (each gets L[M-1, 0] / (i - M + 1)), so the row mass stays bounded
                  (the library default since these measurements).
     window       as relative inside the window; far blocks get 0 (sliding window of M blocks).
+    sqrt_far     as relative inside the window; each far block gets L[M-1, 0] / sqrt(i - M + 1) (their share grows
+                 as the square root of their count: between uniform_far and relative).
     mass_matched the relative rule rescaled so each extended row sums to the last learned row's sum.
 
 Usage:
