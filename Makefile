@@ -51,7 +51,7 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 install: $(VENV)/.installed
 
 # TEST_JOBS pytest-xdist workers (one torch thread each), every test file on one worker (module fixtures are
-# built once): 24.5 min for the suite on a loaded 2-core CPU against 37.6 min idle in one process. TEST_JOBS=0: one process.
+# built once): 17.6 min for the suite on an idle 2-core CPU, against 37.6 min in one process. TEST_JOBS=0: one process.
 TEST_JOBS ?= 2
 XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 test: $(VENV)/.installed
