@@ -558,15 +558,7 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
         head = w.new_zeros(*w.shape[:-2], stop - start, 0)
         count = (i - M + 1).clamp(min=1).to(w.dtype)  # blocks farther back than the window, in row i >= M
         far0 = last[..., :1]
-        if rule == "relative" or rule == "mass_matched":
-            far = far0.expand(*far0.shape[:-1], stop - start)
-        elif rule == "window":
-            far = torch.zeros_like(far0).expand(*far0.shape[:-1], stop - start)
-        elif rule == "sqrt_far":
-            far = far0 / count.sqrt()
-        else:  # uniform_far
-            far = far0 / count
-        far = torch.where(learned, 0.0, far)
+        far = torch.where(learned, 0.0, _far_coefficients(far0, count, rule))
         if rule == "mass_matched":
             target = last.sum(-1, keepdim=True)  # [..., 1]
             scale = target / (target + (i - M + 1).clamp(min=0).to(w.dtype) * far0).clamp_min(1e-12)
@@ -588,19 +580,25 @@ def _extended_rows(w: torch.Tensor, start: int, stop: int, rule: str) -> MixingR
     recent = last[..., :M - 1].flip(-1).unsqueeze(-2).expand(*lead, n, M - 1)  # L[M-1, M-1-d], d = 1 .. M-1
     far0 = last[..., :1]
     count = torch.arange(start - M + 1, stop - M + 1, device=w.device).to(w.dtype)  # blocks farther back
-    if rule in ("relative", "mass_matched"):
-        far = far0.expand(*lead, n)
-    elif rule == "window":
-        far = torch.zeros_like(far0).expand(*lead, n)
-    elif rule == "sqrt_far":
-        far = far0 / count.sqrt()
-    else:  # uniform_far
-        far = far0 / count
+    far = _far_coefficients(far0, count, rule)
     if rule == "mass_matched":
         target = last.sum(-1, keepdim=True)
         scale = target / (target + count * far0).clamp_min(1e-12)  # [..., n]
         diag, far, recent = diag * scale, far * scale, recent * scale.unsqueeze(-1)
     return MixingRows(start, diag, empty, recent, far)
+
+
+def _far_coefficients(far0: torch.Tensor, count: torch.Tensor, rule: str) -> torch.Tensor:
+    """The coefficient of the folded far sum in extended rows (every rule but ``last_row``): ``far0 [..., 1]``
+    is ``L[M-1, 0]``, ``count [n]`` each row's number of blocks farther back than the window (at least 1);
+    returns ``[..., n]``. ``mass_matched`` gives the relative value (its caller rescales the whole row)."""
+    if rule in ("relative", "mass_matched"):
+        return far0.expand(*far0.shape[:-1], count.shape[-1])
+    if rule == "window":
+        return torch.zeros_like(far0).expand(*far0.shape[:-1], count.shape[-1])
+    if rule == "sqrt_far":
+        return far0 / count.sqrt()
+    return far0 / count  # uniform_far
 
 
 def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
