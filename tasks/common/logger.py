@@ -169,9 +169,11 @@ def heatmap_image(matrix, title: str = "") -> np.ndarray:
 def open_metrics(path: Path, from_step: int | None):
     """``path`` opened for appending, first keeping only its records with ``step <= from_step`` (all of them when
     ``from_step`` is None; none when it is 0: a fresh run)."""
+    if from_step == 0:  # a fresh run: nothing of an earlier one is kept
+        return open(path, "w")
     if from_step is not None and path.exists():
         with open(path) as f:
-            kept = [line for line in f if from_step and line.strip() and json.loads(line).get("step", 0) <= from_step]
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= from_step]
         with open(path, "w") as f:
             f.writelines(kept)
     return open(path, "a")
