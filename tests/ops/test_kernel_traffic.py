@@ -189,6 +189,7 @@ CASES = [  # B, T, H, D, C, causal, per_head, dtype, mixing dtype, normalize
     (1, 50, 2, 32, 32, True, False, torch.float32, torch.float32, False),
     (1, 64, 2, 128, 32, False, False, torch.float16, torch.float16, True),  # D 128: the wide (128) tiles
     (1, 64, 2, 128, 32, True, True, torch.float32, torch.float32, True),  # causal D 128, no running sums
+    (1, 100, 2, 128, 80, True, False, torch.float16, torch.float16, True),  # causal D 128, fp16: all_v, 5 chunks
     (1, 136, 1, 16, 2, False, False, torch.float32, torch.float32, True),  # 68 blocks: the mix's general tiles
     (1, 134, 2, 16, 2, True, True, torch.float16, torch.float16, True),  # 67 blocks, causal
 ]

@@ -92,6 +92,7 @@ CAUSAL = [  # B, T, H, D, Dv, C
     (1, 1000, 1, 48, 40, 64),
     (1, 150, 1, 96, 80, 100),  # 3 K tiles and 3 V tiles of 32, two chunks per block
     (1, 70, 1, 160, 256, 32),  # 5 K tiles of 32, 4 V tiles of 64
+    (1, 150, 1, 128, 128, 100),  # D 128 in fp32: the per-V-tile kernels (half inputs: all_v, below)
 ]
 
 
@@ -117,6 +118,9 @@ HALF = [  # causal, B, T, H, D, Dv, C
     (True, 1, 63, 2, 32, 32, 8),
     (True, 1, 100, 2, 48, 40, 16),
     (True, 1, 1000, 1, 32, 32, 100),
+    (True, 1, 130, 1, 128, 128, 64),  # the all_v kernels: one K tile of 128, 2 V tiles of 64
+    (True, 1, 150, 1, 128, 128, 100),  # all_v, two chunks per block (running sums)
+    (True, 1, 90, 2, 64, 160, 32),  # all_v: one K tile of 64, 5 V tiles of 32
 ]
 
 
@@ -129,6 +133,22 @@ def test_fp16(case):
 
 def test_fp16_without_normalizer():
     compare(1, 100, 2, 32, 32, 16, causal=True, normalize=False, per_head=False, dtype=torch.float16)
+    compare(1, 100, 1, 128, 128, 50, causal=True, normalize=False, per_head=False, dtype=torch.float16)  # all_v
+
+
+def test_all_v_kernels_take_half_inputs_with_one_k_tile():
+    """The shapes above that say all_v run the all_v kernels (``chunk.all_v_tiles``); fp32 and D 64 do not."""
+    from mhla.ops.mhla.triton.chunk import Geometry, all_v_tiles
+
+    def takes(D, Dv, C, dtype):
+        return all_v_tiles(Geometry.make(torch.zeros(1, 8, 1, D), torch.zeros(1, 8, 1, Dv), C), dtype)
+
+    assert takes(128, 128, 64, torch.float16) and takes(128, 128, 100, torch.bfloat16)
+    assert takes(64, 160, 32, torch.float16)
+    assert not takes(128, 128, 64, torch.float32)  # fp32: the per-V-tile kernels
+    assert not takes(64, 64, 64, torch.bfloat16)  # one V tile
+    assert not takes(96, 80, 64, torch.bfloat16)  # K tiles of 32
+    assert not takes(160, 256, 32, torch.bfloat16)  # D above 128
 
 
 @pytest.mark.parametrize("T,C", [(256, 64), (256, 128), (192, 32)])  # 1, 2 and 1 chunks per block
@@ -223,6 +243,24 @@ def test_causal_state_gradients_match_torch(normalize):
         grads.append([x.grad for x in xs] + [st0.current_summary.grad])
     for name, a, b in zip(("dq", "dk", "dv", "dmixing", "dstate"), grads[1], grads[0]):
         assert rel_err(a, b) <= 1e-5, name
+
+
+def test_causal_state_all_v_half():
+    """The all_v kernels (fp16, D 128) continuing a state in the middle of a block (their ``OFFSET`` and running
+    sums from the state): two chained calls against one fp64 torch call, output and the gradients of q, k, v."""
+    B, T, H, D, C, cut = 1, 150, 1, 128, 64, 90  # the second call starts 26 tokens into block 1
+    q, k, v, mix, w = make_inputs(B, T, H, D, D, 3, per_head=False, dtype=torch.float16)
+    outs = []
+    for backend, dtype in (("triton", torch.float16), ("torch", torch.float64)):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        kw = {"causal": True, "output_final_state": True, "backend": backend}
+        o1, st = mhla_attention(*(x[:, :cut] for x in xs), mix.to(dtype), C, **kw)
+        o2, _ = mhla_attention(*(x[:, cut:] for x in xs), mix.to(dtype), C, initial_state=st, **kw)
+        o = torch.cat([o1, o2], 1)
+        (o.double() * w.double()).sum().backward()
+        outs.append([o] + [x.grad for x in xs])
+    for name, a, b in zip(("o", "dq", "dk", "dv"), *outs):
+        assert rel_err(a, b) <= TOL[torch.float16], name
 
 
 # ------------------------------------------------------------------------------------- routing, errors

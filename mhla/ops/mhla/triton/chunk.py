@@ -32,6 +32,8 @@ forward
     ``fwd_output``           grid (NV, NB*NC, B*H): o and the denominator d (kept for the backward); with
                              one K tile and no running sums grid (NV, NB, B*H), a program walking the chunks
                              of its block with the block's P read once.
+    ``fwd_output_all_v``     causal, half inputs, one K tile and several V tiles (D 128; ``all_v_tiles``):
+                             grid (1, NB*NC, B*H), a program walking its chunk's V tiles (q, k read once).
 backward (``dn_t = do_t / d_t``, ``dd_t = -(do_t . o_t) / d_t``; "none": ``dn = do``, ``dd = 0``)
     ``bwd_block_grads``      grid (NK*NV, NB, B*H): dP_i = sum_{t in i} q_t dn_t^T, dp_i = sum q_t dd_t,
                              and delta_t = do_t . o_t (its V-tile-0 programs, stored for bwd_dqk),
@@ -39,6 +41,7 @@ backward (``dn_t = do_t / d_t``, ``dd_t = -(do_t . o_t) / d_t``; "none": ``dn = 
                              R part of the gradient of m_i: sum_j <q^T dn, R_j> + <q^T dd, r_j>.
     (:mod:`.mix`)            dS = coeff^T dP, d coeff = dP S^T (the mixing gradient), dz likewise.
     ``bwd_dv``               grid (NV, NB*NC, B*H): dv_s = dH_j^T k_s + m_i sum_{t >= s} (q_t . k_s) dn_t
+                             (``bwd_dv_all_v``: grid (1, NB*NC, B*H), as ``fwd_output_all_v``)
     ``bwd_dqk``              grid (NK, NB*NC, B*H):
                              dq_t = h_j dn_t + g_j dd_t + m_i sum_{s <= t} dA[t, s] k_s
                              dk_s = dH_j v_s + dh_j + m_i sum_{t >= s} dA[t, s] q_t
@@ -113,6 +116,11 @@ class Geometry:
             return self
         return replace(self, BK=_feature_tile_any_cap(self.D, max_tile=WIDE_TILE),
                        BV=_feature_tile_any_cap(self.Dv, max_tile=WIDE_TILE))
+
+    def wide_k(self) -> Geometry:
+        """This geometry with the K tile of :meth:`wide` and its own V tiles: the causal ``all_v`` kernels
+        (:func:`all_v_tiles`), whose program walks the V tiles of its chunk, so ``q`` and ``k`` are read once."""
+        return replace(self, BK=self.wide().BK)
 
     @property
     def NK(self) -> int:
@@ -348,6 +356,66 @@ def _fwd_output_kernel(
                       BT, BK, BV, CAUSAL, HAS_R, NORMALIZE, ONE_K, PREC)
 
 
+# Spill-free configs only (results/bench/kernel_resources.md): sm_90 8 warps (4 spill with the normalizer), sm_80
+# 8 warps x 2 stages (3 stages spill without it)
+@autotune(key=_KEY + ["HAS_R", "NORMALIZE"], warps=(8,), sm80=[(8, 2)])
+@triton.jit
+def _fwd_output_all_v_kernel(
+    q, k, v, P, Pz, R, Rz, mdiag, o, den,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, stride_mb, eps,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Causal output of one chunk, every V tile: ``_fwd_output_kernel``'s causal form when one K tile holds the
+    head dim (``D <= BK``) and ``Dv`` takes several V tiles (D 128: ``BK`` 128, ``BV`` 64).
+
+    Program ``(0, j, i_bh)`` loads ``q``, ``k`` of chunk ``j`` once and forms ``A = tril(q k^T)`` and the
+    denominator once, then each V tile adds ``q h_j`` and ``m A v``: ``q`` and ``k`` are read once instead of once
+    per V tile, and ``A`` formed once. Same arguments as ``_fwd_output_kernel``.
+    """
+    j, i_bh = tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_blk, i_c = j // NC, j % NC
+    stride_k, stride_v = H * D, H * Dv
+    q_base = q + _row_offset(i_b, i_h, T, H, D)
+    k_base = k + _row_offset(i_b, i_h, T, H, D)
+    v_base = v + _row_offset(i_b, i_h, T, H, Dv)
+    o_base = o + _row_offset(i_b, i_h, T, H, Dv)
+    m = tl.load(mdiag + i_h * stride_mh + i_blk * stride_mb).to(tl.float32)
+    t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
+    n_p = i_bh * NB + i_blk  # block row of P
+    n_r = n_p * NC + i_c  # chunk row of R
+    qt = _load_tokens(q_base, t, valid, stride_k, 0, D, BK)  # [BT, BK]
+    kt = _load_tokens(k_base, t, valid, stride_k, 0, D, BK)
+    causal_mask = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+    A = tl.where(causal_mask, tl.dot(qt, tl.trans(kt), input_precision=PREC), 0.0)  # A[t, s] = q_t . k_s
+    q32 = qt.to(tl.float32)
+    d = tl.full([BT], 1.0, dtype=tl.float32)
+    if NORMALIZE:
+        pz, mz = _vector_ptrs(Pz, n_p, 0, D, BK)
+        g = tl.load(pz, mask=mz, other=0.0).to(tl.float32)
+        if HAS_R:
+            pz, mz = _vector_ptrs(Rz, n_r, 0, D, BK)
+            g += m * tl.load(pz, mask=mz, other=0.0)
+        d = tl.sum(q32 * g[None, :], axis=1) + m * tl.sum(A, axis=1) + eps
+        tl.store(den + i_bh.to(tl.int64) * T + t, d, mask=valid)
+    for i_v in range(tl.cdiv(Dv, BV)):
+        p, msk = _summary_ptrs(P, n_p, 0, i_v, D, Dv, BK, BV)
+        h = tl.load(p, mask=msk, other=0.0).to(tl.float32)
+        if HAS_R:
+            p, msk = _summary_ptrs(R, n_r, 0, i_v, D, Dv, BK, BV)
+            h += m * tl.load(p, mask=msk, other=0.0)
+        acc = tl.dot(q32, h, input_precision=PREC)
+        vt = _load_tokens(v_base, t, valid, stride_v, i_v, Dv, BV).to(tl.float32)
+        finite = tl.abs(vt) < float("inf")  # as _output_chunk: finite values in the dot, NaN where one reaches
+        acc += m * tl.dot(A, tl.where(finite, vt, 0.0), input_precision=PREC)
+        reached = tl.cumsum(tl.where(finite, 0, 1), axis=0) > 0
+        acc = tl.where(reached, float("nan"), acc)
+        if NORMALIZE:
+            acc = acc / d[:, None]
+        _store_tokens(o_base, acc, t, valid, stride_v, i_v, Dv, BV)
+
+
 # ----------------------------------------------------------------------------------------- backward
 
 
@@ -477,7 +545,6 @@ def _bwd_dv_kernel(
     m = 0.0
     if CAUSAL:
         m = tl.load(mdiag + i_h * stride_mh + i_blk * stride_mb).to(tl.float32)
-
     acc = tl.zeros([BT, BV], dtype=tl.float32)
     At = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(D, BK)):
@@ -499,6 +566,52 @@ def _bwd_dv_kernel(
             dn = dn / tl.load(den + i_bh.to(tl.int64) * T + t, mask=valid, other=1.0)[:, None]
         acc += m * tl.dot(At, dn, input_precision=PREC)
     _store_tokens(dv + _row_offset(i_b, i_h, T, H, Dv), acc, t, valid, stride_v, i_v, Dv, BV)
+
+
+# Spill-free configs only (results/bench/kernel_resources.md): sm_90 8 warps (4 spill), sm_80 4 warps x 2 stages
+# (the others spill with the normalizer)
+@autotune(key=_KEY + ["HAS_R", "NORMALIZE"], warps=(8,), sm80=[(4, 2)])
+@triton.jit
+def _bwd_dv_all_v_kernel(
+    q, k, do, den, dS, dR, mdiag, dv,
+    T, H, D, Dv, OFFSET, C, NC, NB, stride_mh, stride_mb,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_R: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Causal ``dv`` of one chunk, every V tile: ``_bwd_dv_kernel``'s causal form when one K tile holds the head
+    dim (``D <= BK``) and ``Dv`` takes several V tiles (D 128: ``BK`` 128, ``BV`` 64).
+
+    Program ``(0, j, i_bh)`` loads ``k``, ``q`` of chunk ``j`` once and forms ``A^T`` (``A^T[s, t] = k_s . q_t``,
+    ``s <= t``) once, then each V tile adds ``k dH_j`` and ``m A^T dn``: ``q`` and ``k`` read once instead of once
+    per V tile. Same arguments as ``_bwd_dv_kernel``.
+    """
+    j, i_bh = tl.program_id(1), tl.program_id(2)
+    i_blk, i_c = j // NC, j % NC
+    i_b, i_h = i_bh // H, i_bh % H
+    stride_k, stride_v = H * D, H * Dv
+    q_base = q + _row_offset(i_b, i_h, T, H, D)
+    k_base = k + _row_offset(i_b, i_h, T, H, D)
+    t, valid = _chunk_tokens(i_blk, i_c, T, OFFSET, C, BT)
+    m = tl.load(mdiag + i_h * stride_mh + i_blk * stride_mb).to(tl.float32)
+    kt = _load_tokens(k_base, t, valid, stride_k, 0, D, BK)  # [BT, BK]
+    qt = _load_tokens(q_base, t, valid, stride_k, 0, D, BK)
+    At = tl.where(tl.arange(0, BT)[:, None] <= tl.arange(0, BT)[None, :],
+                  tl.dot(kt, tl.trans(qt), input_precision=PREC), 0.0)  # At[s, t] = k_s . q_t, s <= t
+    k32 = kt.to(tl.float32)
+    do_base = do + _row_offset(i_b, i_h, T, H, Dv)
+    d = tl.full([BT], 1.0, dtype=tl.float32)
+    if NORMALIZE:
+        d = tl.load(den + i_bh.to(tl.int64) * T + t, mask=valid, other=1.0)
+    for i_v in range(tl.cdiv(Dv, BV)):
+        p, msk = _summary_ptrs(dS, i_bh * NB + i_blk, 0, i_v, D, Dv, BK, BV)
+        dH = tl.load(p, mask=msk, other=0.0)
+        if HAS_R:
+            p, msk = _summary_ptrs(dR, i_bh * NB * NC + j, 0, i_v, D, Dv, BK, BV)
+            dH += m * tl.load(p, mask=msk, other=0.0)
+        acc = tl.dot(k32, dH, input_precision=PREC)
+        dn = _load_tokens(do_base, t, valid, stride_v, i_v, Dv, BV).to(tl.float32) / d[:, None]
+        acc += m * tl.dot(At, dn, input_precision=PREC)
+        _store_tokens(dv + _row_offset(i_b, i_h, T, H, Dv), acc, t, valid, stride_v, i_v, Dv, BV)
 
 
 # 8 warps x 2 stages only: the causal variants spill at 4 warps on sm_90, and 3 stages need more shared memory
@@ -634,6 +747,14 @@ def _common(g: Geometry):
             "BT": g.BT, "BK": g.BK, "BV": g.BV}
 
 
+def all_v_tiles(g: Geometry, dtype: torch.dtype) -> bool:
+    """Whether the causal ``fwd_output`` / ``bwd_dv`` run their ``all_v`` kernels: half inputs (fp16 / bf16), one K
+    tile of :meth:`Geometry.wide_k` holds the head dim and ``Dv`` takes several V tiles (D 128). fp32 inputs keep the
+    per-V-tile kernels: their 128-wide fp32 tiles spill (1.4 KB on sm_90 at 8 warps; results/bench/kernel_resources.md
+    holds the bf16 figures)."""
+    return dtype.itemsize == 2 and g.NV > 1 and g.wide_k().NK == 1
+
+
 def fwd_block_summaries(k, v, g: Geometry, *, has_r: bool, store_z: bool, cur_s=None, cur_z=None,
                         s_dtype: torch.dtype = torch.float32):
     """Run ``_fwd_block_summaries_kernel``.
@@ -658,22 +779,27 @@ def fwd_block_summaries(k, v, g: Geometry, *, has_r: bool, store_z: bool, cur_s=
 
 def fwd_output(q, k, v, P, Pz, R, Rz, mdiag, g: Geometry, *, causal: bool, normalize: bool, eps: float,
                out_dtype: torch.dtype):
-    """Run ``_fwd_output_kernel``. Returns ``o [B, T, H, Dv]`` (``out_dtype``) and ``den [B*H, T]`` fp32
+    """Run ``_fwd_output_kernel`` (causal with :func:`all_v_tiles`: ``_fwd_output_all_v_kernel``). Returns
+    ``o [B, T, H, Dv]`` (``out_dtype``) and ``den [B*H, T]`` fp32
     (None without the normalizer). ``mdiag`` (causal): ``[H or 1, NB]`` in any float dtype and strides (the
     kernels read it as fp32 by its head and block strides, e.g. the mixing's own diagonal; as ``bwd_dv``,
     ``bwd_dqk``)."""
-    if not causal:  # the wide tiles: q read once, and at D 128 one K tile, so P is read once per block
-        g = g.wide()
     o = torch.empty(g.B, g.T, g.H, g.Dv, device=q.device, dtype=out_dtype)
     den = _f32((g.BH, g.T), q) if normalize else _dummy(q)
     has_r = R is not None
+    args = (q, k, v, P, Pz if normalize else _dummy(q), R if has_r else _dummy(q),
+            Rz if has_r and normalize else _dummy(q), mdiag if causal else _dummy(q), o, den)
+    kw = dict(**_diag_strides(mdiag if causal else None), eps=eps, HAS_R=has_r, NORMALIZE=normalize,
+              PREC=dot_precision(q.dtype))
+    if causal and all_v_tiles(g, q.dtype):  # one K tile: a program per chunk walks the V tiles, q, k read once
+        g = g.wide_k()
+        _fwd_output_all_v_kernel[(1, g.NT, g.BH)](*args, **kw, **_common(g))
+        return o, (den if normalize else None)
+    if not causal:  # the wide tiles: q read once, and at D 128 one K tile, so P is read once per block
+        g = g.wide()
     one_k = g.NK == 1 and not has_r  # a program per block, its P read once (else a program per chunk)
-    _fwd_output_kernel[(g.NV, g.NB if one_k else g.NT, g.BH)](
-        q, k, v, P, Pz if normalize else _dummy(q), R if has_r else _dummy(q),
-        Rz if has_r and normalize else _dummy(q), mdiag if causal else _dummy(q), o, den,
-        **_diag_strides(mdiag if causal else None), eps=eps, CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize,
-        ONE_K=one_k, PREC=dot_precision(q.dtype), **_common(g),
-    )
+    _fwd_output_kernel[(g.NV, g.NB if one_k else g.NT, g.BH)](*args, **kw, CAUSAL=causal, ONE_K=one_k,
+                                                                **_common(g))
     return o, (den if normalize else None)
 
 
@@ -700,16 +826,21 @@ def bwd_block_grads(q, do, o, den, R, Rz, g: Geometry, *, normalize: bool, eps0:
 
 
 def bwd_dv(q, k, do, den, dS, dR, mdiag, g: Geometry, *, causal: bool, normalize: bool, out_dtype):
-    """Run ``_bwd_dv_kernel``. Returns ``dv [B, T, H, Dv]``."""
-    if not causal:  # the wide tiles: k read once at D 128
-        g = g.wide()
+    """Run ``_bwd_dv_kernel`` (causal with :func:`all_v_tiles`: ``_bwd_dv_all_v_kernel``). Returns
+    ``dv [B, T, H, Dv]``."""
     dv = torch.empty(g.B, g.T, g.H, g.Dv, device=q.device, dtype=out_dtype)
     has_r = dR is not None
-    _bwd_dv_kernel[(g.NV, g.NT, g.BH)](
-        q, k, do, den if normalize else _dummy(q), dS, dR if has_r else _dummy(q),
-        mdiag if causal else _dummy(q), dv, **_diag_strides(mdiag if causal else None),
-        CAUSAL=causal, HAS_R=has_r, NORMALIZE=normalize, PREC=dot_precision(q.dtype), **_common(g),
-    )
+    args = (q, k, do, den if normalize else _dummy(q), dS, dR if has_r else _dummy(q),
+            mdiag if causal else _dummy(q), dv)
+    kw = dict(**_diag_strides(mdiag if causal else None), HAS_R=has_r, NORMALIZE=normalize,
+              PREC=dot_precision(q.dtype))
+    if causal and all_v_tiles(g, q.dtype):  # one K tile: a program per chunk walks the V tiles, q, k read once
+        g = g.wide_k()
+        _bwd_dv_all_v_kernel[(1, g.NT, g.BH)](*args, **kw, **_common(g))
+        return dv
+    if not causal:  # the wide tiles: k read once at D 128
+        g = g.wide()
+    _bwd_dv_kernel[(g.NV, g.NT, g.BH)](*args, **kw, CAUSAL=causal, **_common(g))
     return dv
 
 

@@ -447,17 +447,27 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
             add(name, r, w, "BandedMix: P (and Pz) from the compact rows", "banded mix (torch)")
     else:
         mix_fwd(D * Dv, D if normalize else 0, "P = coeff @ S" + (", Pz = coeff @ Z" if normalize else ""))
-    # q once per V tile. A program walks the chunks of one block: with one K tile and no running sums it reads
-    # the block's P (and Pz, per V tile) once, otherwise once per chunk. Non-causal: the wide tiles.
-    NK, NV = (g["NK"], g["NV"]) if causal else (gw["NK"], gw["NV"])
-    one_k = NK == 1 and not has_r
-    read = NV * n_qk * e + (summ_s if one_k else per_chunk_s)
-    read += (NV * (zsum_s if one_k else per_chunk_z_s) if normalize else 0)
-    if has_r:
-        read += per_chunk + (NV * per_chunk_z if normalize else 0)  # R, Rz
-    if causal:
-        read += NV * n_qk * e + n_v * e + NV * BH * (NB if one_k else NT) * md  # k per V tile, v, m_i per program
-    add("_fwd_output_kernel", read, n_v * e + (den if normalize else 0), "o (and d)", "fwd_output")
+    # Causal, half inputs, one wide K tile and several V tiles (chunk.all_v_tiles): a program per chunk walks the
+    # V tiles, q, k once, P (Pz) and R (Rz) once per chunk.
+    all_v = causal and e == 2 and g["NV"] > 1 and gw["NK"] == 1
+    if all_v:
+        read = 2 * n_qk * e + n_v * e + per_chunk_s + (per_chunk_z_s if normalize else 0) + BH * NT * md
+        if has_r:
+            read += per_chunk + (per_chunk_z if normalize else 0)  # R, Rz
+        add("_fwd_output_all_v_kernel", read, n_v * e + (den if normalize else 0), "o (and d), every V tile",
+            "fwd_output")
+    else:
+        # q once per V tile. A program walks the chunks of one block: with one K tile and no running sums it
+        # reads the block's P (and Pz, per V tile) once, otherwise once per chunk. Non-causal: the wide tiles.
+        NK, NV = (g["NK"], g["NV"]) if causal else (gw["NK"], gw["NV"])
+        one_k = NK == 1 and not has_r
+        read = NV * n_qk * e + (summ_s if one_k else per_chunk_s)
+        read += (NV * (zsum_s if one_k else per_chunk_z_s) if normalize else 0)
+        if has_r:
+            read += per_chunk + (NV * per_chunk_z if normalize else 0)  # R, Rz
+        if causal:  # k per V tile, v, m_i per program
+            read += NV * n_qk * e + n_v * e + NV * BH * (NB if one_k else NT) * md
+        add("_fwd_output_kernel", read, n_v * e + (den if normalize else 0), "o (and d)", "fwd_output")
 
     if output_final_state:  # backend.mhla_triton: init_state, then state_after_chunk (fold_blocks)
         grp = "final state (torch)"
@@ -516,13 +526,17 @@ def mhla_traffic(B: int, T: int, H: int, D: int, Dv: int | None = None, *, block
     else:
         mix_bwd(D * Dv, D if normalize else 0, "dS = coeff^T @ dP" + (", dZ = coeff^T @ dPz" if normalize else ""))
 
-    NK, NV = (g["NK"], g["NV"]) if causal else (gw["NK"], gw["NV"])  # non-causal: the wide tiles
-    read = NV * n_qk * e + per_chunk  # k per V tile; every chunk reads its block's dS
-    if has_r:
-        read += per_chunk
-    if causal:
-        read += NV * n_qk * e + n_v * e + (NV * den if normalize else 0) + NV * BH * NT * md
-    add("_bwd_dv_kernel", read, n_v * e, "dv", "bwd_dv")
+    if all_v:  # as the forward: a program per chunk, k and q once, dS (dR) once per chunk
+        read = 2 * n_qk * e + n_v * e + per_chunk + (per_chunk if has_r else 0) + (den if normalize else 0)
+        add("_bwd_dv_all_v_kernel", read + BH * NT * md, n_v * e, "dv, every V tile", "bwd_dv")
+    else:
+        NK, NV = (g["NK"], g["NV"]) if causal else (gw["NK"], gw["NV"])  # non-causal: the wide tiles
+        read = NV * n_qk * e + per_chunk  # k per V tile; every chunk reads its block's dS
+        if has_r:
+            read += per_chunk
+        if causal:
+            read += NV * n_qk * e + n_v * e + (NV * den if normalize else 0) + NV * BH * NT * md
+        add("_bwd_dv_kernel", read, n_v * e, "dv", "bwd_dv")
 
     NK, NV = g["NK"], g["NV"]  # tiles of at most 64
     read = 2 * NK * n_v * e + per_chunk_s + per_chunk  # do, v per K tile; P, dS per chunk
