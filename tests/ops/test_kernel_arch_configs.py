@@ -52,6 +52,10 @@ def test_arch_configs_shared_and_own_lists():
     assert [_shape(c) for c in utils.configs_for_arch(own, 80)] == [(8, 3, ()), (4, 2, (("X", True),))]
     assert [_shape(c) for c in utils.configs_for_arch(own, 86)] == [(8, 3, ()), (4, 2, (("X", True),))]
     assert len(own) == 3  # 8 x 3 is in both lists, once
+    listed = utils.arch_configs(sm90=[(8, 2), (8, 2, {"X": True})], sm80=[(8, 2, {"X": True})])
+    assert [_shape(c) for c in utils.configs_for_arch(listed, 90)] == [(8, 2, ()), (8, 2, (("X", True),))]
+    assert [_shape(c) for c in utils.configs_for_arch(listed, 80)] == [(8, 2, (("X", True),))]
+    assert len(listed) == 2  # the X config is in both lists, once
     plain = triton.Config({}, num_warps=4, num_stages=2)  # a config without archs is every arch's
     assert utils.configs_for_arch([plain], 80) == utils.configs_for_arch([plain], 90) == [plain]
 
@@ -72,8 +76,8 @@ def test_every_arch_list_is_nonempty_and_distinct():
         for arch in utils.CONFIG_ARCHS:
             shapes = [_shape(c) for c in utils.configs_for_arch(kernel.declared_configs, arch)]
             assert shapes, (name, arch)
-            # one config per warps x stages: compile_check's rows name a config by them (and its flags)
-            assert len({s[:2] for s in shapes}) == len(shapes), (name, arch, shapes)
+            # one config per warps x stages x constexprs: compile_check's rows name a config by them (its flags)
+            assert len(set(shapes)) == len(shapes), (name, arch, shapes)
 
 
 def test_the_a100_lists_differ_where_the_h100_configs_spill():
@@ -81,7 +85,8 @@ def test_the_a100_lists_differ_where_the_h100_configs_spill():
     ``test_kernel_resources.py`` checks: that the A100 code shape is the one declared."""
     dqk80 = utils.configs_for_arch(chunk._bwd_dqk_kernel.declared_configs, 80)
     assert dqk80 and all(c.kwargs == {"HALF_V": True} for c in dqk80)
-    assert all(c.kwargs == {} for c in utils.configs_for_arch(chunk._bwd_dqk_kernel.declared_configs, 90))
+    dqk90 = utils.configs_for_arch(chunk._bwd_dqk_kernel.declared_configs, 90)
+    assert {_shape(c) for c in dqk90} == {(8, 2, ()), (8, 2, (("HALF_V", True),)), (8, 3, (("HALF_V", True),))}
     assert {_shape(c) for c in utils.configs_for_arch(mix._mix_bwd_dw_kernel.declared_configs, 80)} == {(4, 2, ())}
 
 

@@ -96,16 +96,14 @@ def test_every_default_variant_and_config_compiles_for_sm90_and_sm80(compiled, a
     assert set(autotune_lists) <= kernels, set(autotune_lists) - kernels
     for kernel, lists in autotune_lists.items():
         for arch, configs in lists.items():
-            # exactly the configs a device of this arch autotunes over: no hidden ones, none compiled for nothing
+            # exactly the configs a device of this arch autotunes over (warps, stages and the constexprs a config
+            # sets True, which are in its rows' flags): no hidden ones, none compiled for nothing
             compiled_here = [r for r in rows if r["kernel"] == kernel and r["arch"] == arch]
-            assert ({(r["num_warps"], r["num_stages"]) for r in compiled_here}
-                    == {(w, st) for w, st, _ in configs}), (kernel, arch, configs)
-            assert len({(w, st) for w, st, _ in configs}) == len(configs), (kernel, arch, configs)
-            for w, st, kwargs in configs:  # the config's flags (constexprs set True) are in its rows' flags
-                on = {name for name, value in kwargs.items() if value is True}
-                for r in compiled_here:
-                    if (r["num_warps"], r["num_stages"]) == (w, st):
-                        assert on <= set(r["flags"].split(",")), (kernel, arch, kwargs, r["flags"])
+            names = {n for _, _, kwargs in configs for n in kwargs}  # constexprs a config sets: in the rows' flags
+            want = {(w, st, frozenset(n for n, value in kwargs.items() if value is True)) for w, st, kwargs in configs}
+            assert ({(r["num_warps"], r["num_stages"], frozenset(set(r["flags"].split(",")) & names))
+                     for r in compiled_here} == want), (kernel, arch, configs)
+            assert len(want) == len(configs), (kernel, arch, configs)
 
 
 def test_every_config_fits_its_arch_shared_memory(compiled):

@@ -614,10 +614,12 @@ def _bwd_dv_all_v_kernel(
         _store_tokens(dv + _row_offset(i_b, i_h, T, H, Dv), acc, t, valid, stride_v, i_v, Dv, BV)
 
 
-# 8 warps x 2 stages only: the causal variants spill at 4 warps on sm_90, and 3 stages need more shared memory
-# than an H100 has; sm_80 steps the V loop by half tiles (HALF_V: the causal variants spill at full ones there,
-# results/bench/kernel_resources.md)
-@autotune(key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"], warps=(8,), stages=(2,),
+# 8 warps: the causal variants spill at 4 warps on sm_90 (results/bench/kernel_resources.md). sm_90 also tunes over the
+# V loop by half tiles (HALF_V at 8 x 2: 114-168 registers and 40-56 KB of shared memory against 161-229 and 80-112 KB;
+# the non-causal variants, at 114-118, fit two programs per SM); sm_80 takes HALF_V only (the causal variants spill at
+# full tiles there)
+@autotune(key=_KEY + ["CAUSAL", "HAS_R", "NORMALIZE"],
+          sm90=[(8, 2), (8, 2, {"HALF_V": True}), (8, 3, {"HALF_V": True})],
           sm80=[(8, 2, {"HALF_V": True}), (8, 3, {"HALF_V": True})])
 @triton.jit
 def _bwd_dqk_kernel(
@@ -632,7 +634,7 @@ def _bwd_dqk_kernel(
     With ``CAUSAL`` it also stores the intra-chunk part of the gradient of ``m_i`` restricted to this K
     tile, ``sum_{s <= t} (q_t . k_s)|_{K tile} dA[t, s]``, at ``dmi[i_k, i_bh, j]`` (the K tiles add up).
     ``HALF_V`` (an autotune config's, not the host's): the V loop steps by ``BV / 2`` (when that is at least 16),
-    half the loop's live tiles; the same loads and sums.
+    half the loop's live tiles and shared memory; the same loads and sums.
     """
     BVL: tl.constexpr = BV // 2 if HALF_V and BV >= 32 else BV  # the V loop's step
     i_k, j, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -110,15 +110,19 @@ def config_arch(capability: int) -> int:
     return 90 if capability >= 90 else 80
 
 
-def arch_configs(warps=(4, 8), stages=(2, 3), sm80=None) -> list:
-    """A kernel's declared autotune configs (also under the interpreter): ``warps x stages`` for sm_90 and, unless
-    ``sm80`` lists its own, for sm_80.
+def _entries(listed) -> list:
+    return [(w, s, kw[0] if kw else {}) for w, s, *kw in listed]
 
-    ``sm80``: ``(num_warps, num_stages)`` or ``(num_warps, num_stages, kwargs)`` entries, ``kwargs`` constexprs of
-    the kernel the config sets (an A100-only code shape, e.g. ``_bwd_dqk_kernel``'s ``HALF_V``). Each config's
+
+def arch_configs(warps=(4, 8), stages=(2, 3), sm80=None, sm90=None) -> list:
+    """A kernel's declared autotune configs (also under the interpreter): ``warps x stages`` (or the ``sm90`` list)
+    for sm_90 and, unless ``sm80`` lists its own, for sm_80.
+
+    ``sm80`` / ``sm90``: ``(num_warps, num_stages)`` or ``(num_warps, num_stages, kwargs)`` entries, ``kwargs``
+    constexprs of the kernel the config sets (a code shape, e.g. ``_bwd_dqk_kernel``'s ``HALF_V``). Each config's
     ``archs`` attribute names the lists that hold it; a config in both lists is one config."""
-    sm90 = [(w, s, {}) for w in warps for s in stages]
-    lists = {90: sm90, 80: sm90 if sm80 is None else [(w, s, kw[0] if kw else {}) for w, s, *kw in sm80]}
+    sm90 = [(w, s, {}) for w in warps for s in stages] if sm90 is None else _entries(sm90)
+    lists = {90: sm90, 80: sm90 if sm80 is None else _entries(sm80)}
     out = {}
     for arch, entries in lists.items():
         assert entries, f"no autotune config for sm_{arch}"
@@ -137,12 +141,12 @@ def configs_for_arch(configs, arch: int) -> list:
     return [c for c in configs if config_arch(arch) in getattr(c, "archs", CONFIG_ARCHS)]
 
 
-def autotune_configs(warps=(4, 8), stages=(2, 3), sm80=None) -> list:
+def autotune_configs(warps=(4, 8), stages=(2, 3), sm80=None, sm90=None) -> list:
     """Autotune configurations (:func:`arch_configs`); a single one under the interpreter (there is nothing to
     tune)."""
     if INTERPRET_AT_IMPORT:
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    return arch_configs(warps, stages, sm80)
+    return arch_configs(warps, stages, sm80, sm90)
 
 
 def current_target():
@@ -159,15 +163,15 @@ def device_configs(configs, named_args=None, **kwargs) -> list:
     return configs_for_arch(configs, target.arch)
 
 
-def autotune(key, warps=(4, 8), stages=(2, 3), sm80=None):
+def autotune(key, warps=(4, 8), stages=(2, 3), sm80=None, sm90=None):
     """``triton.autotune`` over :func:`autotune_configs`, pruned to the device's arch (:func:`device_configs`). The
     declared configs of every arch, whatever the interpreter, are the kernel's ``declared_configs`` (tests run the
     sm_80 kwargs under the interpreter with them)."""
 
     def wrap(fn):
-        tuner = triton.autotune(configs=autotune_configs(warps, stages, sm80), key=key,
+        tuner = triton.autotune(configs=autotune_configs(warps, stages, sm80, sm90), key=key,
                                 prune_configs_by={"early_config_prune": device_configs})(fn)
-        tuner.declared_configs = arch_configs(warps, stages, sm80)
+        tuner.declared_configs = arch_configs(warps, stages, sm80, sm90)
         return tuner
 
     return wrap
