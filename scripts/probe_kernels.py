@@ -4,7 +4,9 @@
 1. ``tiles``: the kernels cut the head dimension into feature tiles of at most 64, so at D = 128 each program
    reads its q / k / v rows twice. Is that why D = 128 was 3.2x slower than D = 64 for twice the data? The
    Triton MHLA forward and fwd+bwd at D 64 and 128, with the feature tile capped at 64 (the kernels' choice)
-   and at 128, non-causal and causal, each checked against the torch path before it is timed.
+   and at 128, non-causal and causal, each checked against the torch path before it is timed. Where the causal
+   kernels take their ``all_v`` form (half inputs, D 128: a K tile of 128, the V tiles walked in one program,
+   ``chunk.all_v_tiles``), the same case also runs with it off (``all_v`` False): the control of that choice.
 2. ``per_call``: why was MHLA's forward at T = 1024 about 4x SDPA's? For MHLA (Triton), MHLA (torch path) and
    SDPA (FlashAttention on CUDA): the time per call (CUDA events), the host time to issue one call (no
    synchronisation), and, from ``torch.profiler``, the device kernels per call and their summed time. A call
@@ -90,18 +92,43 @@ def timed(call, device: str, repeats: int) -> dict:
     return {"ms": statistics.median(ts), "ms_iqr": quartiles(ts)}
 
 
+@contextlib.contextmanager
+def all_v_kernels(on: bool):
+    """Within the block, the causal kernels may (``on``) or may not take their ``all_v`` form."""
+    kept = triton_chunk.ALL_V_KERNELS
+    triton_chunk.ALL_V_KERNELS = on
+    try:
+        yield
+    finally:
+        triton_chunk.ALL_V_KERNELS = kept
+
+
+def tile_variants(dim: int, causal: bool, dtype: torch.dtype) -> list[tuple[int, bool]]:
+    """``(tile cap, all_v)`` cases of the tile probe: each cap, and at cap 64 the ``all_v`` kernels off too where
+    the causal kernels would take them (``chunk.all_v_tiles``)."""
+    out = []
+    for cap in TILE_CAPS:
+        out.append((cap, True))
+        if causal and cap == triton_utils.MAX_TILE:
+            q = torch.zeros(1, 1, 1, dim)
+            if triton_chunk.all_v_tiles(triton_chunk.Geometry.make(q, q, 64), dtype):
+                out.append((cap, False))
+    return out
+
+
 def probe_tiles(args) -> list[dict]:
-    """One record per (D, causal, tile cap): the feature tile used, the difference to the torch path, and
+    """One record per (D, causal, tile cap, all_v): the feature tile used, the difference to the torch path, and
     forward / fwd+bwd times; a cap the kernels cannot compile becomes a ``failed`` record."""
     rows = []
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for dim in args.dims:
         cargs = case_args(args, dim)
         for causal in (False, True):
-            for cap in TILE_CAPS:
-                row = {"D": dim, "causal": causal, "T": args.tile_len, "tile_cap": cap,
+            for cap, all_v in tile_variants(dim, causal, dtype):
+                row = {"D": dim, "causal": causal, "T": args.tile_len, "tile_cap": cap, "all_v": all_v,
                        "feature_tile": triton_utils.feature_tile(dim, max_tile=cap)}
                 try:
-                    with feature_tile_cap(cap):
+                    with feature_tile_cap(cap), all_v_kernels(all_v):
                         fn, params, info = make_case("mhla", causal, args.tile_len, cargs, args.device)
                         grad = torch.randn_like(params[2])
                         row.update(M=info["M"], block_size=info["block_size"],
@@ -189,12 +216,13 @@ def to_markdown(out: dict) -> str:
         lines += ["NOTE: a CPU smoke run (Triton interpreter): the times mean nothing.", ""]
     if out.get("tiles"):
         lines += ["## Feature tile cap (Triton MHLA)", "",
-                  "| D | causal | T | tile cap | tile | max abs diff to torch | fwd ms | fwd+bwd ms |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| D | causal | T | tile cap | tile | all_v kernels allowed | max abs diff to torch | fwd ms | "
+                  "fwd+bwd ms |", "|---|---|---|---|---|---|---|---|---|"]
         for r in out["tiles"]:
             tail = (f"failed: {r['failed']} | | |" if "failed" in r else
                     f"{r['max_abs_diff_to_torch']:.2e} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} |")
-            lines.append(f"| {r['D']} | {r['causal']} | {r['T']} | {r['tile_cap']} | {r['feature_tile']} | {tail}")
+            lines.append(f"| {r['D']} | {r['causal']} | {r['T']} | {r['tile_cap']} | {r['feature_tile']} | "
+                         f"{r.get('all_v', True)} | {tail}")
         lines.append("")
     if out.get("per_call"):
         lines += ["## Per-call cost (non-causal)", "",

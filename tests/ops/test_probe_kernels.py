@@ -46,5 +46,19 @@ def test_markdown_shows_a_tile_that_failed():
            "per_call": [{"T": 1024, "op": "mhla", "pass": "fwd", "ms": 0.8, "host_ms": 0.5, "kernels_per_call": 6,
                          "kernel_ms_per_call": 0.2, "kernel_share": 0.25}]}
     md = probe_kernels.to_markdown(out)
-    assert "| 128 | False | 16384 | 128 | 128 | failed: out of resource: shared memory |" in md
+    assert "| 128 | False | 16384 | 128 | 128 | True | failed: out of resource: shared memory |" in md
     assert "| 1024 | mhla | fwd | 0.800 | 0.500 | 6 | 0.200 | 0.25 |" in md
+
+
+def test_tile_probe_times_the_all_v_kernels_against_their_control():
+    """Causal half inputs at D 128 take the all_v kernels: the probe times them and the per-V-tile kernels (its
+    control) at the default cap; fp32, D 64 and non-causal calls have no such choice."""
+    assert probe_kernels.tile_variants(128, True, torch.bfloat16) == [(64, True), (64, False), (128, True)]
+    for dim, causal, dtype in ((128, True, torch.float32), (64, True, torch.bfloat16), (128, False, torch.bfloat16)):
+        assert probe_kernels.tile_variants(dim, causal, dtype) == [(64, True), (128, True)]
+    from mhla.ops.mhla.triton import chunk
+
+    g = chunk.Geometry.make(torch.zeros(1, 8, 1, 128), torch.zeros(1, 8, 1, 128), 64)
+    with probe_kernels.all_v_kernels(False):
+        assert not chunk.all_v_tiles(g, torch.bfloat16)
+    assert chunk.all_v_tiles(g, torch.bfloat16) and chunk.ALL_V_KERNELS

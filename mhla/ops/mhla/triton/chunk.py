@@ -749,12 +749,17 @@ def _common(g: Geometry):
             "BT": g.BT, "BK": g.BK, "BV": g.BV}
 
 
+#: Whether the causal ``fwd_output`` / ``bwd_dv`` may take their ``all_v`` kernels (:func:`all_v_tiles`); False runs
+#: the per-V-tile kernels everywhere (scripts/probe_kernels.py times both on a GPU, the control of the choice).
+ALL_V_KERNELS = True
+
+
 def all_v_tiles(g: Geometry, dtype: torch.dtype) -> bool:
     """Whether the causal ``fwd_output`` / ``bwd_dv`` run their ``all_v`` kernels: half inputs (fp16 / bf16), one K
     tile of :meth:`Geometry.wide_k` holds the head dim and ``Dv`` takes several V tiles (D 128). fp32 inputs keep the
     per-V-tile kernels: their 128-wide fp32 tiles spill (1.4 KB on sm_90 at 8 warps; results/bench/kernel_resources.md
     holds the bf16 figures)."""
-    return dtype.itemsize == 2 and g.NV > 1 and g.wide_k().NK == 1
+    return ALL_V_KERNELS and dtype.itemsize == 2 and g.NV > 1 and g.wide_k().NK == 1
 
 
 def fwd_block_summaries(k, v, g: Geometry, *, has_r: bool, store_z: bool, cur_s=None, cur_z=None,
