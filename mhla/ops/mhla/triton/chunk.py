@@ -356,8 +356,8 @@ def _fwd_output_kernel(
                       BT, BK, BV, CAUSAL, HAS_R, NORMALIZE, ONE_K, PREC)
 
 
-# Spill-free configs only (results/bench/kernel_resources.md): sm_90 8 warps (4 spill with the normalizer), sm_80
-# 8 warps x 2 stages (3 stages spill without it)
+# Spill-free configs only (results/bench/kernel_resources.md): sm_90 8 warps (4 warps spill 12-112 B), sm_80 8 warps
+# x 2 stages (3 stages spill 36 B without the normalizer)
 @autotune(key=_KEY + ["HAS_R", "NORMALIZE"], warps=(8,), sm80=[(8, 2)])
 @triton.jit
 def _fwd_output_all_v_kernel(
@@ -568,8 +568,8 @@ def _bwd_dv_kernel(
     _store_tokens(dv + _row_offset(i_b, i_h, T, H, Dv), acc, t, valid, stride_v, i_v, Dv, BV)
 
 
-# Spill-free configs only (results/bench/kernel_resources.md): sm_90 8 warps (4 spill), sm_80 4 warps x 2 stages
-# (the others spill with the normalizer)
+# Spill-free configs only (results/bench/kernel_resources.md): sm_90 8 warps (4 warps spill 8-40 B), sm_80 4 warps x
+# 2 stages (the others spill 8-32 B with the normalizer)
 @autotune(key=_KEY + ["HAS_R", "NORMALIZE"], warps=(8,), sm80=[(4, 2)])
 @triton.jit
 def _bwd_dv_all_v_kernel(
