@@ -14,6 +14,13 @@ mixing matrices (every :class:`mhla.mixing.MixingMatrix` parameter, nothing else
 If the recall gained by ``trained`` survives in ``trained + base mixing`` and does not appear in ``base + trained
 mixing``, it lives in the projections, convolutions and MLPs (the features), not in the mixing.
 
+``--equal-weights`` is the second control, on single runs whose rows are tied by distance (``task.mixing_tie=distance``):
+each model as trained, and with every layer's per-distance coefficients ``c[d]`` made equal (their mean), and with
+the ``--keep-near`` nearest kept and the rest equal (their mean): how much of the recall the learned shape of the
+window carries, without training (``seed=RUN`` instead of pairs).
+
+    python scripts/mixing_transplant.py --equal-weights 0=RUN 1=RUN --lengths 4096 --out OUT
+
     python scripts/mixing_transplant.py 0=BASE_RUN:TRAINED_RUN 1=...:... --lengths 256 1024 \\
         --out results/language/long_context_transplant
 
@@ -67,19 +74,49 @@ def with_mixing_of(model, donor):
     return out
 
 
+@torch.no_grad()
+def with_equal_weights(model, keep_near: int = 0):
+    """A copy of ``model`` whose every distance-tied mixing vector ``c[d]`` (``MixingMatrix(tie="distance")``, the
+    ``clamp`` parameterisation: the stored values are the coefficients, clamped to ``[0, max_value]``) keeps its
+    ``keep_near`` nearest distances and gives every farther one their mean (``keep_near=0``: one weight for all).
+    An error for untied or other parameterisations, whose stored values are not one coefficient per distance."""
+    out = copy.deepcopy(model)
+    mats = mixing_matrices(out)
+    if not mats:
+        raise ValueError("the model has no mixing matrix")
+    for name, m in mats.items():
+        if getattr(m, "tied", None) != "distance" or m.parameterization != "clamp":
+            raise ValueError(f"{name}: equal weights need rows tied by distance (task.mixing_tie=distance) and the "
+                             f"clamp parameterisation, got tie={m.tied!r}, param={m.parameterization!r}")
+        c = m.raw.clamp(0, m.max_value)
+        far = c[..., keep_near:]
+        m.raw.copy_(torch.cat([c[..., :keep_near], far.mean(-1, keepdim=True).expand_as(far)], -1))
+    return out
+
+
+def equal_weight_variants(model, keep_near: int) -> dict:
+    return {"trained": model, "equal weights": with_equal_weights(model),
+            f"nearest {keep_near} kept, the rest equal": with_equal_weights(model, keep_near)}
+
+
 def variants(base, trained) -> dict:
     return {"base": base, "trained": trained, "base + trained mixing": with_mixing_of(base, trained),
             "trained + base mixing": with_mixing_of(trained, base)}
 
 
-def evaluate_pair(base_run: str, trained_run: str, args) -> dict:
-    """``{variant: {str(L): evaluate_passkey record}}`` for one seed's pair of runs."""
-    _, task, base, _ = load_run(str(find_checkpoint(base_run)), ["trainer.device=cpu"])
-    _, _, trained, _ = load_run(str(find_checkpoint(trained_run)), ["trainer.device=cpu"])
+def evaluate_pair(base_run: str | None, trained_run: str, args) -> dict:
+    """``{variant: {str(L): evaluate_passkey record}}`` for one seed's pair of runs (``base_run`` None: the
+    ``--equal-weights`` variants of ``trained_run``)."""
+    _, task, trained, _ = load_run(str(find_checkpoint(trained_run)), ["trainer.device=cpu"])
+    if base_run is None:
+        models = equal_weight_variants(trained, args.keep_near)
+    else:
+        _, _, base, _ = load_run(str(find_checkpoint(base_run)), ["trainer.device=cpu"])
+        models = variants(base, trained)
     _, val, tok, _ = task.data()
     filler, fmt = filler_tokens(val.tokens, tok.eos_token_id), task.fmt()
     out = {}
-    for name, model in variants(base, trained).items():
+    for name, model in models.items():
         out[name] = {}
         for L in args.lengths:
             with extension_rule(model, args.rule):
@@ -92,9 +129,10 @@ def evaluate_pair(base_run: str, trained_run: str, args) -> dict:
 
 def markdown(record: dict) -> str:
     Ls, seeds = record["lengths"], record["seeds"]
+    names = record.get("variants", VARIANTS)
     head = "| model | n | " + " | ".join(f"{int(L):,}" for L in Ls) + " |\n|---|---|" + "---|" * len(Ls)
     rows = []
-    for v in VARIANTS:
+    for v in names:
         cells = []
         for L in Ls:
             accs = [100 * record["pairs"][s][v][L]["acc"] for s in seeds]
@@ -102,26 +140,36 @@ def markdown(record: dict) -> str:
             cells.append(f"{statistics.fmean(accs):.1f} ± {sd:.1f}")
         rows.append(f"| {v} | {len(seeds)} | " + " | ".join(cells) + " |")
     depth = []
-    for v in VARIANTS:
+    for v in names:
         depth.append(f"\n**{v}**\n\n| depth | " + " | ".join(f"{int(L):,}" for L in Ls) + " |\n|---|"
                      + "---|" * len(Ls))
         for i, d in enumerate(record["settings"]["depths"]):
             depth.append(f"| {d:.2f} | " + " | ".join(
                 f"{round(100 * statistics.fmean(record['pairs'][s][v][L]['depths'][i]['acc'] for s in seeds))}"
                 for L in Ls) + " |")
-    pairs = "\n".join(f"- seed {s}: base `{p['base']}`, trained `{p['trained']}`" for s, p in record["runs"].items())
+    pairs = "\n".join(f"- seed {s}: " + (f"base `{p['base']}`, " if p.get("base") else "") + f"trained `{p['trained']}`"
+                      for s, p in record["runs"].items())
+    equal = record["settings"].get("equal_weights")
+    title = ("Where the recall lives: MHLA's per-distance coefficients made equal" if equal else
+             "Where the recall lives: MHLA mixing matrices swapped between two runs")
+    what = ("Each model is evaluated as trained and with its distance-tied coefficients made equal over distance "
+            "(all, or past the nearest ones kept), no training." if equal else
+            "Each model is evaluated as trained and with the other run's mixing matrices (every mixing parameter, "
+            "nothing else).")
     return "\n".join([
-        "# Where the recall lives: MHLA mixing matrices swapped between two runs", "",
+        f"# {title}", "",
         f"Made by `{record['command']}`. Passkey accuracy (%, all 5 digits), mean ± std over the seeds; "
         f"{record['settings']['examples']} examples per depth, extension rule `{record['settings']['rule']}`. "
-        "Each model is evaluated as trained and with the other run's mixing matrices (every mixing parameter, "
-        "nothing else).", "", head, *rows, "", "Accuracy by depth of the fact (mean over the seeds):", *depth, "",
+        + what, "", head, *rows, "", "Accuracy by depth of the fact (mean over the seeds):", *depth, "",
         "Runs:", "", pairs, "", "## Reading", "", record.get("notes") or "(none)", ""])
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("pairs", nargs="*", help="seed=BASE_RUN:TRAINED_RUN")
+    ap.add_argument("pairs", nargs="*", help="seed=BASE_RUN:TRAINED_RUN (--equal-weights: seed=RUN)")
+    ap.add_argument("--equal-weights", action="store_true",
+                    help="evaluate each run as trained and with its per-distance coefficients made equal")
+    ap.add_argument("--keep-near", type=int, default=8, help="--equal-weights: nearest distances kept as trained")
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--rule", default="uniform_far")
     ap.add_argument("--depths", type=float, nargs="+", default=list(DEPTHS))
@@ -144,11 +192,16 @@ def main(argv=None) -> int:
         print(f"rewrote {args.out}.md")
         return 0
     if not args.pairs:
-        raise SystemExit("give seed=BASE_RUN:TRAINED_RUN pairs (or --plot-only)")
+        raise SystemExit("give seed=BASE_RUN:TRAINED_RUN pairs, or seed=RUN with --equal-weights (or --plot-only)")
     torch.set_num_threads(args.threads)
     runs = {}
     for p in args.pairs:
         seed, _, rest = p.partition("=")
+        if args.equal_weights:
+            if not (seed and rest) or ":" in rest:
+                raise SystemExit(f"with --equal-weights a run is seed=RUN, got {p!r}")
+            runs[seed] = {"trained": rest}
+            continue
         base, _, trained = rest.partition(":")
         if not (seed and base and trained):
             raise SystemExit(f"a pair is seed=BASE_RUN:TRAINED_RUN, got {p!r}")
@@ -156,13 +209,13 @@ def main(argv=None) -> int:
     with Measurement(threads=args.threads) as m:
         pairs = {}
         for seed, p in runs.items():
-            print(f"seed {seed}: {p['base']} / {p['trained']}", flush=True)
-            pairs[seed] = evaluate_pair(p["base"], p["trained"], args)
+            print(f"seed {seed}: " + (f"{p['base']} / " if p.get("base") else "") + p["trained"], flush=True)
+            pairs[seed] = evaluate_pair(p.get("base"), p["trained"], args)
     record = {"command": "python scripts/mixing_transplant.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": system_info("cpu"), "notes": read_notes(args.notes), "runs": runs, "seeds": list(runs),
-              "lengths": [str(L) for L in args.lengths], "pairs": pairs,
+              "lengths": [str(L) for L in args.lengths], "pairs": pairs, "variants": list(next(iter(pairs.values()))),
               "settings": {k: getattr(args, k) for k in ("rule", "depths", "examples", "batch_size", "prefill_chunk",
-                                                         "seed", "threads")}}
+                                                         "seed", "threads", "equal_weights", "keep_near")}}
     write_result(args.out, markdown(record), record, measurement=m.record, allow_busy=args.allow_busy)
     print(f"wrote {args.out}.md / .json")
     return 0

@@ -55,3 +55,48 @@ def test_markdown_averages_the_seeds():
     md = T.markdown(record)
     assert "| trained + base mixing | 2 | 100.0 ± 0.0 | 37.5 ± 17.7 |" in md
     assert "| 1.00 | 100 | 38 |" in md and "seed 1: base `B1`, trained `S1`" in md
+
+
+def tied(seed: int = 0):
+    model = tiny(seed=seed)
+    for m in mixing_matrices(model).values():
+        m.tie_by_distance_()
+    with torch.no_grad():  # distinct coefficients per distance
+        for m in mixing_matrices(model).values():
+            m.raw.copy_(torch.rand_like(m.raw))
+    return model
+
+
+@pytest.mark.parametrize("keep_near", [0, 2])
+def test_equal_weights_flatten_the_far_coefficients_and_nothing_else(keep_near):
+    model = tied()
+    flat = T.with_equal_weights(model, keep_near)
+    mix = {f"{mod}.{n}" for mod, m in flat.named_modules() if isinstance(m, MixingMatrix) for n, _ in m.named_parameters()}
+    before = dict(model.named_parameters())
+    for name, p in flat.named_parameters():
+        if name not in mix:
+            assert torch.equal(p, before[name]), name
+            continue
+        c = before[name].clamp(0, 1)
+        assert torch.equal(p[..., :keep_near], c[..., :keep_near])
+        assert torch.allclose(p[..., keep_near:], c[..., keep_near:].mean(-1, keepdim=True).expand_as(p[..., keep_near:]))
+        assert not torch.equal(p, before[name])
+    x = torch.randint(0, 32, (1, 12))
+    assert not torch.allclose(flat(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_equal_weights_refuse_untied_rows():
+    with pytest.raises(ValueError, match="tied by distance"):
+        T.with_equal_weights(tiny())
+
+
+def test_markdown_of_the_equal_weights_record():
+    rec = lambda acc: {"acc": acc, "depths": [{"acc": acc}]}  # noqa: E731
+    names = ["trained", "equal weights", "nearest 8 kept, the rest equal"]
+    record = {"command": "python scripts/mixing_transplant.py --equal-weights ...", "lengths": ["4096"], "seeds": ["0"],
+              "runs": {"0": {"trained": "S0"}}, "variants": names, "notes": "",
+              "settings": {"examples": 8, "rule": "uniform_far", "depths": [1.0], "equal_weights": True},
+              "pairs": {"0": {v: {"4096": rec(a)} for v, a in zip(names, (0.5, 0.75, 1.0))}}}
+    md = T.markdown(record)
+    assert "| equal weights | 1 | 75.0 ± 0.0 |" in md and "| nearest 8 kept, the rest equal | 1 | 100.0 ± 0.0 |" in md
+    assert "seed 0: trained `S0`" in md and "made equal" in md and "base + trained mixing" not in md
