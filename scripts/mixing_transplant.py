@@ -14,10 +14,10 @@ mixing matrices (every :class:`mhla.mixing.MixingMatrix` parameter, nothing else
 If the recall gained by ``trained`` survives in ``trained + base mixing`` and does not appear in ``base + trained
 mixing``, it lives in the projections, convolutions and MLPs (the features), not in the mixing.
 
-``--equal-weights`` is the second control, on single runs whose rows are tied by distance (``task.mixing_tie=distance``):
-each model as trained, and with every layer's per-distance coefficients ``c[d]`` made equal (their mean), and with
-the ``--keep-near`` nearest kept and the rest equal (their mean): how much of the recall the learned shape of the
-window carries, without training (``seed=RUN`` instead of pairs).
+``--equal-weights`` is the second control, on single runs whose rows are tied by distance
+(``task.mixing_tie=distance``): each model as trained, with every layer's per-distance coefficients ``c[d]`` made
+equal (their mean), and with the ``--keep-near`` nearest kept and the rest equal (their mean): how much of the
+recall the learned shape of the window carries, without training (``seed=RUN`` instead of pairs).
 
     python scripts/mixing_transplant.py --equal-weights 0=RUN 1=RUN --lengths 4096 --out OUT
 

@@ -71,7 +71,8 @@ def tied(seed: int = 0):
 def test_equal_weights_flatten_the_far_coefficients_and_nothing_else(keep_near):
     model = tied()
     flat = T.with_equal_weights(model, keep_near)
-    mix = {f"{mod}.{n}" for mod, m in flat.named_modules() if isinstance(m, MixingMatrix) for n, _ in m.named_parameters()}
+    mix = {f"{mod}.{n}" for mod, m in flat.named_modules() if isinstance(m, MixingMatrix)
+           for n, _ in m.named_parameters()}
     before = dict(model.named_parameters())
     for name, p in flat.named_parameters():
         if name not in mix:
@@ -79,7 +80,8 @@ def test_equal_weights_flatten_the_far_coefficients_and_nothing_else(keep_near):
             continue
         c = before[name].clamp(0, 1)
         assert torch.equal(p[..., :keep_near], c[..., :keep_near])
-        assert torch.allclose(p[..., keep_near:], c[..., keep_near:].mean(-1, keepdim=True).expand_as(p[..., keep_near:]))
+        far = c[..., keep_near:]
+        assert torch.allclose(p[..., keep_near:], far.mean(-1, keepdim=True).expand_as(far))
         assert not torch.equal(p, before[name])
     x = torch.randint(0, 32, (1, 12))
     assert not torch.allclose(flat(input_ids=x).logits, model(input_ids=x).logits)
