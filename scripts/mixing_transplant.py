@@ -88,9 +88,8 @@ def with_equal_weights(model, keep_near: int = 0):
         if getattr(m, "tied", None) != "distance" or m.parameterization != "clamp":
             raise ValueError(f"{name}: equal weights need rows tied by distance (task.mixing_tie=distance) and the "
                              f"clamp parameterisation, got tie={m.tied!r}, param={m.parameterization!r}")
-        c = m.raw.clamp(0, m.max_value)
-        far = c[..., keep_near:]
-        m.raw.copy_(torch.cat([c[..., :keep_near], far.mean(-1, keepdim=True).expand_as(far)], -1))
+        m.project_()  # the stored values into [0, max_value]: the coefficients the forward uses
+        m.raw[..., keep_near:] = m.raw[..., keep_near:].mean(-1, keepdim=True)
     return out
 
 
@@ -129,7 +128,7 @@ def evaluate_pair(base_run: str | None, trained_run: str, args) -> dict:
 
 def markdown(record: dict) -> str:
     Ls, seeds = record["lengths"], record["seeds"]
-    names = record.get("variants", VARIANTS)
+    names = list(record["pairs"][seeds[0]])  # the variants, in the order they were evaluated
     head = "| model | n | " + " | ".join(f"{int(L):,}" for L in Ls) + " |\n|---|---|" + "---|" * len(Ls)
     rows = []
     for v in names:
@@ -213,7 +212,7 @@ def main(argv=None) -> int:
             pairs[seed] = evaluate_pair(p.get("base"), p["trained"], args)
     record = {"command": "python scripts/mixing_transplant.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": system_info("cpu"), "notes": read_notes(args.notes), "runs": runs, "seeds": list(runs),
-              "lengths": [str(L) for L in args.lengths], "pairs": pairs, "variants": list(next(iter(pairs.values()))),
+              "lengths": [str(L) for L in args.lengths], "pairs": pairs,
               "settings": {k: getattr(args, k) for k in ("rule", "depths", "examples", "batch_size", "prefill_chunk",
                                                          "seed", "threads", "equal_weights", "keep_near")}}
     write_result(args.out, markdown(record), record, measurement=m.record, allow_busy=args.allow_busy)

@@ -96,7 +96,7 @@ def test_markdown_of_the_equal_weights_record():
     rec = lambda acc: {"acc": acc, "depths": [{"acc": acc}]}  # noqa: E731
     names = ["trained", "equal weights", "nearest 8 kept, the rest equal"]
     record = {"command": "python scripts/mixing_transplant.py --equal-weights ...", "lengths": ["4096"], "seeds": ["0"],
-              "runs": {"0": {"trained": "S0"}}, "variants": names, "notes": "",
+              "runs": {"0": {"trained": "S0"}}, "notes": "",
               "settings": {"examples": 8, "rule": "uniform_far", "depths": [1.0], "equal_weights": True},
               "pairs": {"0": {v: {"4096": rec(a)} for v, a in zip(names, (0.5, 0.75, 1.0))}}}
     md = T.markdown(record)
