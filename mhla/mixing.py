@@ -211,12 +211,16 @@ class MixingMatrix(nn.Module):
             (:func:`extend_causal_mixing`; default ``"uniform_far"``, chosen on measurements). A plain attribute:
             it can be changed on a trained model (``scripts/length_extrapolation.py`` compares the rules on one
             checkpoint).
-        tie: causal only. ``None`` (default): every entry of the ``[M, M]`` matrix is its own parameter.
-            ``"distance"``: the rows are one learned function of the block distance, ``W[i, b] = c[i - b]``
-            (a lower-triangular Toeplitz matrix of ``M`` stored values ``c[0 .. M-1]``, per head with
-            ``num_heads``), initialised from the init's last row (``c[d] = init[M-1, M-1-d]``), so a row means
-            the same at any position and the ``relative`` / ``uniform_far`` extensions continue what was
-            trained (issue 50). :meth:`tie_by_distance_` converts a built module in place.
+        tie: causal only, one of :data:`TIE_MODES`. ``None`` (default): every entry of the ``[M, M]`` matrix is
+            its own parameter. ``"distance"``: the rows are one learned function of the block distance,
+            ``W[i, b] = c[i - b]`` (a lower-triangular Toeplitz matrix of ``M`` stored values ``c[0 .. M-1]``, per
+            head with ``num_heads``), initialised from the init's last row (``c[d] = init[M-1, M-1-d]``), so a row
+            means the same at any position and the ``relative`` / ``uniform_far`` extensions continue what was
+            trained (issue 50). ``"log_distance"``: the same Toeplitz rows, with ``c`` a smooth function of the
+            distance: stored values at the knots :func:`log_distance_knots` (every distance up to 4, then two
+            per doubling: 15 knots for ``M = 128``), ``c[d]`` interpolated linearly in ``log(1 + d)`` between
+            them, so a far coefficient is trained by every document whose fact lies near its distance, not only
+            by those at exactly that distance. :meth:`tie_by_distance_` converts a built module in place.
     """
 
     def __init__(
@@ -235,10 +239,10 @@ class MixingMatrix(nn.Module):
         tie: str | None = None,
     ):
         super().__init__()
-        if tie not in (None, "distance"):
-            raise ValueError(f"tie must be None or 'distance', got {tie!r}")
+        if tie not in TIE_MODES:
+            raise ValueError(f"tie must be one of {TIE_MODES}, got {tie!r}")
         if tie is not None and not causal:
-            raise ValueError("tie='distance' is for causal mixing (a row per block distance)")
+            raise ValueError(f"tie={tie!r} is for causal mixing (a row per block distance)")
         self.tied = tie
         if extension not in EXTENSION_RULES:
             raise ValueError(f"extension must be one of {', '.join(EXTENSION_RULES)}, got {extension!r}")
@@ -282,9 +286,16 @@ class MixingMatrix(nn.Module):
         """
         with torch.device("cpu"):
             w = mixing_init(self.init, self._distances, causal=self.causal, **self._init_kwargs)
-            if getattr(self, "tied", None) == "distance":  # c[d] = init[M-1, M-1-d]
-                w = w[-1].flip(-1)
+            if getattr(self, "tied", None):  # c[d] = init[M-1, M-1-d], at the knots when smooth
+                w = self._stored_distances(w[-1].flip(-1))
             return self._raw_from_init(w)
+
+    def _stored_distances(self, c: torch.Tensor) -> torch.Tensor:
+        """The values kept of a per-distance ``c [..., M]`` under :attr:`tied`: all of them (``"distance"``),
+        or those at :func:`log_distance_knots` (``"log_distance"``)."""
+        if self.tied == "log_distance":
+            return c[..., log_distance_knots(self.num_blocks)]
+        return c
 
     def _raw_from_init(self, w: torch.Tensor) -> torch.Tensor:
         """The stored values of an init matrix ``w`` (``[M, M]`` / ``[Mq, Mk]``): repeated per head when the
@@ -334,21 +345,29 @@ class MixingMatrix(nn.Module):
             w = F.softplus(raw)
         else:
             w = raw.exp()
-        if getattr(self, "tied", None) == "distance":
+        tied = getattr(self, "tied", None)
+        if tied == "log_distance":
+            w = w @ log_distance_interpolation(self.num_blocks, device=w.device, dtype=w.dtype)
+        if tied:
             return _toeplitz_lower(w)
         return w.tril() if self.causal else w
 
     @torch.no_grad()
-    def tie_by_distance_(self) -> "MixingMatrix":
-        """Make this causal matrix a learned function of the block distance (``tie="distance"``) in place: the
-        stored values become ``c[d]``, taken from the current last row (``c[d] = W[M-1, M-1-d]``, through the
-        parameterization's stored form). Call before the optimizer is built. Returns ``self``."""
+    def tie_by_distance_(self, mode: str = "distance") -> "MixingMatrix":
+        """Make this causal, untied matrix a learned function of the block distance in place (``tie=mode``,
+        ``"distance"`` or ``"log_distance"``): the stored values become ``c[d]`` (at the knots when smooth), taken
+        from the current last row (``c[d] = W[M-1, M-1-d]``, through the parameterization's stored form). Call
+        before the optimizer is built. Returns ``self``."""
+        if mode not in TIE_MODES[1:]:
+            raise ValueError(f"mode must be one of {TIE_MODES[1:]}, got {mode!r}")
         if not self.causal:
-            raise ValueError("tie='distance' is for causal mixing (a row per block distance)")
-        if self.tied == "distance":
+            raise ValueError(f"tie={mode!r} is for causal mixing (a row per block distance)")
+        if self.tied == mode:
             return self
-        raw = self.raw.detach()[..., -1, :].flip(-1).clone()
-        self.tied = "distance"
+        if self.tied:
+            raise ValueError(f"this matrix is already tied ({self.tied!r}); build it with tie={mode!r} instead")
+        self.tied = mode
+        raw = self._stored_distances(self.raw.detach()[..., -1, :].flip(-1)).clone()
         if self.learnable:
             self.raw = nn.Parameter(raw)
         else:
@@ -379,7 +398,9 @@ class MixingMatrix(nn.Module):
     def logged_matrices(self) -> dict[str, torch.Tensor]:
         """Training hook: ``{"mixing": the effective learned matrix [M, M] / [H, M, M], float32 on the CPU}`` for
         the heatmaps logged at each evaluation; empty when frozen, or when the matrix is not whole here (sharded)."""
-        whole = (self.raw.shape[-1] == self.num_blocks if getattr(self, "tied", None) == "distance" else
+        tied = getattr(self, "tied", None)
+        stored = len(log_distance_knots(self.num_blocks)) if tied == "log_distance" else self.num_blocks
+        whole = (self.raw.shape[-1] == stored if tied else
                  self.raw.dim() in (2, 3) and tuple(self.raw.shape[-2:]) == (self.num_blocks,) * 2)
         if not self.learnable or not whole:
             return {}
@@ -432,6 +453,38 @@ class MixingMatrix(nn.Module):
         heads = "shared" if self.num_heads is None else f"per_head={self.num_heads}"
         return (f"M={self.num_blocks}, init={self.init}, causal={self.causal}, learnable={self.learnable}, "
                 f"{heads}, param={self.parameterization}" + (f", tie={self.tied}" if getattr(self, "tied", None) else ""))
+
+
+TIE_MODES = (None, "distance", "log_distance")
+
+
+def log_distance_knots(num_blocks: int) -> torch.Tensor:
+    """The block distances whose coefficients ``tie="log_distance"`` stores: ``0 .. 4``, then ``round(2^(j/2))``
+    (two per doubling) up to ``num_blocks - 1``, which is always a knot. ``[K]`` int64, increasing; for
+    ``M = 128``: 0 1 2 3 4 6 8 11 16 23 32 45 64 91 127."""
+    knots, j = set(range(min(num_blocks, 5))), 5
+    while round(2 ** (j / 2)) < num_blocks - 1:
+        knots.add(round(2 ** (j / 2)))
+        j += 1
+    knots.add(num_blocks - 1)
+    return torch.tensor(sorted(knots), dtype=torch.long)
+
+
+def log_distance_interpolation(num_blocks: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``P [K, M]`` with ``c = c_knots @ P``: each distance ``d`` interpolated linearly in ``log(1 + d)`` between the
+    two knots around it (:func:`log_distance_knots`; a knot reads its own value). Columns sum to 1 and entries are
+    nonnegative, so nonnegative knot values give nonnegative coefficients."""
+    if num_blocks == 1:
+        return torch.ones(1, 1, device=device, dtype=dtype)
+    knots = log_distance_knots(num_blocks).double()
+    u, uk = torch.arange(num_blocks, dtype=torch.float64).log1p(), knots.log1p()
+    hi = torch.searchsorted(uk, u).clamp(1, len(uk) - 1)  # the knot at or after d (knot 0 is d = 0)
+    t = ((u - uk[hi - 1]) / (uk[hi] - uk[hi - 1])).clamp(0, 1)
+    P = torch.zeros(len(uk), num_blocks, dtype=torch.float64)
+    cols = torch.arange(num_blocks)
+    P[hi - 1, cols] = 1 - t
+    P[hi, cols] += t
+    return P.to(device=device, dtype=dtype)
 
 
 def _toeplitz_lower(c: torch.Tensor) -> torch.Tensor:

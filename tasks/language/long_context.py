@@ -513,17 +513,18 @@ class PasskeyLMTask(CurriculumCollate, LanguageModelingTask):
 
     def build_model(self):
         """The LM of ``task=lm_mini`` (:meth:`LanguageModelingTask.build_model`); ``task.mixing_tie=distance``
-        makes every MHLA mixing matrix a learned function of the block distance
-        (:meth:`mhla.mixing.MixingMatrix.tie_by_distance_`), so its rows mean the same at any length."""
+        makes every MHLA mixing matrix a learned function of the block distance, ``log_distance`` a smooth one
+        (knots in log distance) (:meth:`mhla.mixing.MixingMatrix.tie_by_distance_`), so its rows mean the same at
+        any length."""
         model = super().build_model()
         tie = self.cfg.task.get("mixing_tie")
         if tie:
-            from mhla.mixing import mixing_matrices  # noqa: PLC0415
+            from mhla.mixing import TIE_MODES, mixing_matrices  # noqa: PLC0415
 
-            if tie != "distance":
-                raise ValueError(f"task.mixing_tie must be null or distance, got {tie!r}")
+            if tie not in TIE_MODES:
+                raise ValueError(f"task.mixing_tie must be null or one of {TIE_MODES[1:]}, got {tie!r}")
             for m in mixing_matrices(model).values():
-                m.tie_by_distance_()
+                m.tie_by_distance_(tie)
         return model
 
     def fmt(self) -> PasskeyFormat:

@@ -5,6 +5,7 @@ script's tables and heatmap from a record."""
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 from types import SimpleNamespace
@@ -319,6 +320,54 @@ def test_tie_by_distance_in_place_keeps_the_last_row():
     assert m.raw.shape == (2, 5) and isinstance(m.raw, torch.nn.Parameter)
     torch.testing.assert_close(m.learned()[:, -1], last)
     assert "tie=distance" in repr(m) and m.logged_matrices()["mixing"].shape == (2, 5, 5)
+
+
+def test_log_distance_knots_and_interpolation():
+    from mhla.mixing import log_distance_interpolation, log_distance_knots
+
+    assert log_distance_knots(128).tolist() == [0, 1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 127]
+    assert log_distance_knots(3).tolist() == [0, 1, 2] and log_distance_knots(1).tolist() == [0]
+    for M in (1, 2, 7, 128):
+        P = log_distance_interpolation(M, dtype=torch.float64)
+        k = log_distance_knots(M)
+        assert P.shape == (len(k), M) and (P >= 0).all()
+        torch.testing.assert_close(P.sum(0), torch.ones(M, dtype=torch.float64))
+        torch.testing.assert_close(P[:, k], torch.eye(len(k), dtype=torch.float64))  # a knot reads its own value
+    # between knots 45 and 64, linear in log(1 + d)
+    P = log_distance_interpolation(128, dtype=torch.float64)
+    t = (math.log1p(50) - math.log1p(45)) / (math.log1p(64) - math.log1p(45))
+    torch.testing.assert_close(P[11:13, 50], torch.tensor([1 - t, t], dtype=torch.float64))
+
+
+def test_mixing_tied_by_log_distance_is_smooth_toeplitz():
+    from mhla.mixing import MixingMatrix, log_distance_knots
+
+    M = 32
+    m = MixingMatrix(M, causal=True, num_heads=2, tie="log_distance", extension="relative")
+    k = log_distance_knots(M)
+    assert m.raw.shape == (2, len(k)) and "tie=log_distance" in repr(m)
+    full = MixingMatrix(M, causal=True, num_heads=2)
+    torch.testing.assert_close(m.learned()[:, -1].flip(-1)[:, k], full.learned()[:, -1].flip(-1)[:, k])
+    with torch.no_grad():
+        m.raw.copy_(torch.rand(2, len(k)))
+    w = m.learned()
+    c = w[:, -1].flip(-1)  # c[d]
+    for i in range(M):  # Toeplitz: W[i, b] = c[i - b]
+        torch.testing.assert_close(w[:, i, : i + 1], c[:, : i + 1].flip(-1))
+    assert (w.triu(1) == 0).all()
+    torch.testing.assert_close(c[:, k], m.raw.detach())
+    d = torch.arange(12, 16)  # between knots 11 and 16: monotone between their values
+    lo, hi = torch.minimum(c[:, 11], c[:, 16]), torch.maximum(c[:, 11], c[:, 16])
+    assert ((c[:, d] >= lo[:, None] - 1e-6) & (c[:, d] <= hi[:, None] + 1e-6)).all()
+    m(50).sum().backward()
+    assert m.raw.grad.shape == (2, len(k)) and (m.raw.grad != 0).all()
+    assert m.logged_matrices()["mixing"].shape == (2, M, M)
+    full.tie_by_distance_("log_distance")
+    torch.testing.assert_close(full.learned(), MixingMatrix(M, causal=True, num_heads=2, tie="log_distance").learned())
+    with pytest.raises(ValueError, match="already tied"):
+        full.tie_by_distance_("distance")
+    with pytest.raises(ValueError):
+        MixingMatrix(M, causal=True, tie="smooth")
 
 
 def test_tied_lm_cached_prefill_matches_one_forward():
