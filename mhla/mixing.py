@@ -21,6 +21,7 @@ sequence is never capped by a parameter shape (the authors' release stops at 32 
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -347,7 +348,7 @@ class MixingMatrix(nn.Module):
             w = raw.exp()
         tied = getattr(self, "tied", None)
         if tied == "log_distance":
-            w = w @ log_distance_interpolation(self.num_blocks, device=w.device, dtype=w.dtype)
+            w = w @ _cached_interpolation(self.num_blocks, w.device, w.dtype)
         if tied:
             return _toeplitz_lower(w)
         return w.tril() if self.causal else w
@@ -485,6 +486,14 @@ def log_distance_interpolation(num_blocks: int, *, device=None, dtype=torch.floa
     P[hi - 1, cols] = 1 - t
     P[hi, cols] += t
     return P.to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_interpolation(num_blocks: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`log_distance_interpolation` built once per ``(M, device, dtype)``: the forward of a ``log_distance``
+    matrix reads it every call (a constant; never written to), so it is not rebuilt on the CPU and copied to the
+    device each time."""
+    return log_distance_interpolation(num_blocks, device=device, dtype=dtype)
 
 
 def _toeplitz_lower(c: torch.Tensor) -> torch.Tensor:

@@ -99,8 +99,8 @@ def equal_weight_variants(model, keep_near: int) -> dict:
 
 
 def variants(base, trained) -> dict:
-    return {"base": base, "trained": trained, "base + trained mixing": with_mixing_of(base, trained),
-            "trained + base mixing": with_mixing_of(trained, base)}
+    """The four models of a pair, named by :data:`VARIANTS`."""
+    return dict(zip(VARIANTS, (base, trained, with_mixing_of(base, trained), with_mixing_of(trained, base))))
 
 
 def evaluate_pair(base_run: str | None, trained_run: str, args) -> dict:
