@@ -8,7 +8,8 @@
 A grid file (``configs/grid/*.yaml``) names the table (``title``, ``out``), where the runs train (``runs_dir``),
 the overrides every run shares (``common``), each variant's own (``variants``; ``{seed}`` in an override is the
 run's seed), the seeds (``seeds``; per variant ``seeds_of``) and the comparisons (``table``: ``metric``,
-``baseline``, ``pairs``, optional ``digits``). Run ``<variant>_s<seed>`` is
+``baseline``, ``pairs``, optional ``digits``, ``scale`` (100: fractions as %) and ``lower_is_better`` (a loss
+or a perplexity)). Run ``<variant>_s<seed>`` is
 
     python train.py <common> <variant's overrides> seed=<seed> trainer.resume=auto \\
         trainer.checkpoint_every_steps=500 hydra.run.dir=<runs_dir>/<variant>_s<seed>
@@ -99,6 +100,10 @@ def table_argv(grid: dict, path: str, notes: str) -> list[str]:
         argv += ["--pairs", *t["pairs"]]
     if "digits" in t:
         argv += ["--digits", str(t["digits"])]
+    if "scale" in t:
+        argv += ["--scale", str(t["scale"])]
+    if t.get("lower_is_better"):
+        argv += ["--lower-is-better"]
     return argv + (["--notes", notes] if notes else [])
 
 

@@ -13,8 +13,9 @@ t interval of the per-seed differences (:func:`tasks.common.stats.paired_differe
 "holds" only when both sides have 3 seeds or more and the gap of the means exceeds two pooled standard
 deviations, it is "reversed" when b is ahead of a by the same rule
 (:func:`tasks.common.stats.ordering_word`: a baseline that beats MHLA is said so, not hidden as "level"),
-otherwise it is "level" (higher metrics are better). The last column, the change between a run's last two
-evaluations, is the evidence of convergence: a variant still gaining at the end was stopped while learning.
+otherwise it is "level" (higher metrics are better; ``--lower-is-better`` for a loss or a perplexity). The last
+column, the change between a run's last two evaluations, is the evidence of convergence: a variant still gaining at
+the end was stopped while learning.
 Final metrics whose names start with ``mix`` (MHLA's mixing profile per layer, e.g. MQAR's ``mix1_first``: the
 share of the first block in layer 1's causal rows) get their own table, at the start (the first evaluation)
 and at the end.
@@ -106,14 +107,18 @@ def last_gain(run: dict) -> tuple[float, int] | None:
     return v1 - v0, s1 - s0
 
 
-def best_step(run: dict) -> int | None:
-    """The step of the best evaluation (the highest value) of a run's curve."""
-    return max(run["curve"], key=lambda p: p[1])[0] if run["curve"] else None
+def best_step(run: dict, higher_is_better: bool = True) -> int | None:
+    """The step of the best evaluation (the highest value, or the lowest with ``higher_is_better=False``) of a
+    run's curve."""
+    if not run["curve"]:
+        return None
+    return (max if higher_is_better else min)(run["curve"], key=lambda p: p[1])[0]
 
 
-def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], scale: float) -> dict:
+def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], scale: float,
+              higher_is_better: bool = True) -> dict:
     """Per variant: n, mean, std, per-seed values (x ``scale``), steps; per pair: the paired difference and the
-    verdict of ``a > b``."""
+    verdict of "a is better than b" (``a > b``, or ``a < b`` with ``higher_is_better=False``)."""
     variants = {}
     for name, entry in grid.items():
         vals = {s: r["value"] * scale for s, r in sorted(entry["runs"].items())}
@@ -121,13 +126,14 @@ def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], sc
         variants[name] = {"n": len(vals), "mean": m, "std": sd, "by_seed": vals,
                           "unfinished": sorted(entry["unfinished"]),
                           "steps": sorted({steps_of(r) for r in entry["runs"].values()} - {None}),
-                          "best_step": {s: best_step(r) for s, r in sorted(entry["runs"].items())}}
+                          "best_step": {s: best_step(r, higher_is_better) for s, r in sorted(entry["runs"].items())}}
         gains = {s: g for s, g in ((s, last_gain(r)) for s, r in sorted(entry["runs"].items())) if g}
         variants[name]["last_gain"] = {
             "by_seed": {s: g[0] * scale for s, g in gains.items()},
             "mean": mean_std([g[0] * scale for g in gains.values()])[0] if gains else None,
             "over_steps": sorted({g[1] for g in gains.values()})}
-        variants[name]["convergence"] = convergence_word([g[0] * scale for g in gains.values()], list(vals.values()))
+        variants[name]["convergence"] = convergence_word([g[0] * scale for g in gains.values()], list(vals.values()),
+                                                         higher_is_better)
     all_pairs = [(v, baseline) for v in grid if baseline and v != baseline and baseline in grid] + list(pairs)
     compared = []
     for a, b in dict.fromkeys(all_pairs):
@@ -137,8 +143,10 @@ def summarize(grid: dict, baseline: str | None, pairs: list[tuple[str, str]], sc
         va, vb = list(variants[a]["by_seed"].values()), list(variants[b]["by_seed"].values())
         gap = variants[a]["mean"] - variants[b]["mean"] if va and vb else None
         compared.append({"a": a, "b": b, **d, "gap_of_means": gap,
-                         "pooled_std": pooled_std(va, vb) if va and vb else None, "verdict": ordering_word(va, vb)})
-    return {"variants": variants, "pairs": compared}
+                         "pooled_std": pooled_std(va, vb) if va and vb else None,
+                         "verdict": ordering_word(va, vb, higher_is_better)})
+    lower = {} if higher_is_better else {"lower_is_better": True}  # (absent: higher is better, the usual case)
+    return {"variants": variants, "pairs": compared, **lower}
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -152,7 +160,8 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
                                                                args.runs_command else "") + ".", "",
               f"Final `{args.metric}`{' (%)' if args.scale == 100 else ''} per variant over seeds "
               "(mean ± sample std); every run's resolved config, command, commit, machine and load are in the "
-              f".json. Convergence (last column), the written rule: {CONVERGENCE_RULE}.", "",
+              f".json{'; lower is better' if summary.get('lower_is_better') else ''}. Convergence (last column), "
+              f"the written rule: {CONVERGENCE_RULE}.", "",
               "| variant | attention | n | steps | mean ± std | per seed | best eval at step | last eval's gain "
               "| converged (rule) |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -170,9 +179,10 @@ def markdown(summary: dict, grid: dict, args, command: str) -> str:
         lines.append(f"| {name}{unf} | {desc} | {s['n']} | {steps} | {fmt(s['mean'], args.digits)}{spread} | {per} | "
                      f"{best} | {gain} | {s.get('convergence', '-')} |")
     if summary["pairs"]:
+        ahead, behind = ("a < b", "b < a") if summary.get("lower_is_better") else ("a > b", "b > a")
         lines += ["", "Paired per-seed differences a - b (95% t interval over the seeds both have; the ordering "
-                  "a > b *holds* only when both have 3 seeds or more and the gap of the means exceeds two pooled "
-                  "standard deviations, is *reversed* when b > a by the same rule, else *level*):", "",
+                  f"{ahead} *holds* only when both have 3 seeds or more and the gap of the means exceeds two pooled "
+                  f"standard deviations, is *reversed* when {behind} by the same rule, else *level*):", "",
                   "| a - b | seeds | mean diff | 95% interval | per seed | verdict |", "|---|---|---|---|---|---|"]
         for p in summary["pairs"]:
             ci = "-" if p["ci95"] is None else f"[{fmt(p['ci95'][0], args.digits)}, {fmt(p['ci95'][1], args.digits)}]"
@@ -308,13 +318,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="stem of the .md / .json / .png")
     ap.add_argument("--notes", default="", help="reading paragraph (or @file) under the tables")
     ap.add_argument("--runs-command", default="", help="the command that trains the runs (named in the table)")
+    ap.add_argument("--lower-is-better", action="store_true", help="the metric is a loss or a perplexity: the "
+                    "verdicts, the best step and the convergence rule take lower values as better")
     args = ap.parse_args(argv)
     notes = read_notes(args.notes)
     pairs = [tuple(p.split(":", 1)) for p in args.pairs]
     grid = collect(args.root, args.metric)
     if not any(e["runs"] for e in grid.values()):
         raise SystemExit(f"{args.root}: no finished <variant>_s<seed> run (run.json with '{args.metric}')")
-    summary = summarize(grid, args.baseline, pairs, args.scale)
+    summary = summarize(grid, args.baseline, pairs, args.scale, not args.lower_is_better)
     command = "python -m scripts.tables.seed_grid " + shlex.join(argv if argv is not None else sys.argv[1:])
     runs = {f"{v}_s{s}": {k: r[k] for k in ("dir", "value", "metrics", "curve", "record", "queue", "first_eval")}
             for v, e in grid.items() for s, r in e["runs"].items()}

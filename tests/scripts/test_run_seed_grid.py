@@ -27,6 +27,17 @@ def test_seed_placeholder_in_overrides():
     assert rsg.run_overrides(grid, "a", 0, "out")[1] == "trainer.init_from=runs/a_s0"
 
 
+def test_table_options_reach_the_table_command():
+    """A grid's ``table`` keys become :mod:`scripts.tables.seed_grid` options: a perplexity grid is tabulated
+    unscaled with lower values better; a grid without them gets neither option."""
+    grid = {"title": "T", "out": "results/x", "table": {"metric": "val_ppl", "baseline": "a", "scale": 1.0,
+                                                         "lower_is_better": True}}
+    argv = rsg.table_argv(grid, os.path.join(rsg.ROOT, "configs", "grid", "x.yaml"), "")
+    assert argv[argv.index("--scale") + 1] == "1.0" and "--lower-is-better" in argv
+    plain = rsg.table_argv({**grid, "table": {"metric": "acc"}}, os.path.join(rsg.ROOT, "g.yaml"), "")
+    assert "--scale" not in plain and "--lower-is-better" not in plain
+
+
 def test_tiny_grid_runs_resumes_and_tabulates(tmp_path, capsys):
     grid = tmp_path / "tiny.yaml"
     out = tmp_path / "res" / "tiny"

@@ -74,6 +74,31 @@ def test_a_baseline_ahead_is_reversed_not_level(tmp_path):
     assert "| mhla - softmax | 3 | -0.12 |" in open(out + ".md").read()
 
 
+def test_lower_is_better_turns_the_verdict_the_best_step_and_the_convergence(tmp_path):
+    """A perplexity: the variant with the lower values is the better one (its ordering holds), its best evaluation
+    is its lowest, and a fall at the last evaluation is a gain (still gaining); without the flag the same runs
+    read the other way round."""
+    root = str(tmp_path / "runs")
+    for s, (a, b) in enumerate([(300.0, 360.0), (305.0, 362.0), (298.0, 359.0)]):
+        fake_run(root, f"mhla_s{s}", a)  # eval curve 150 -> 300: rising, i.e. getting worse
+        fake_run(root, f"linear_s{s}", b)
+    lower, higher = str(tmp_path / "lower"), str(tmp_path / "higher")
+    seed_grid.main([root, "--metric", "acc", "--scale", "1", "--baseline", "linear", "--out", lower,
+                    "--lower-is-better"])
+    seed_grid.main([root, "--metric", "acc", "--scale", "1", "--baseline", "linear", "--out", higher])
+    rec_low, rec_high = json.load(open(lower + ".json")), json.load(open(higher + ".json"))
+    assert rec_low["lower_is_better"] is True and "lower_is_better" not in rec_high
+    assert rec_low["pairs"][0]["verdict"] == "holds" and rec_high["pairs"][0]["verdict"] == "reversed"
+    assert rec_low["pairs"][0]["mean"] == pytest.approx(rec_high["pairs"][0]["mean"])  # same numbers, other verdict
+    assert rec_low["variants"]["mhla"]["best_step"] == {"0": 50, "1": 50, "2": 50}
+    assert rec_high["variants"]["mhla"]["best_step"] == {"0": 100, "1": 100, "2": 100}
+    assert rec_low["variants"]["mhla"]["convergence"] == "converged"  # it got worse at the end: no gain left
+    assert rec_high["variants"]["mhla"]["convergence"] == "still gaining"
+    md = open(lower + ".md").read()
+    assert "; lower is better." in md and "a < b *holds*" in md
+    assert "lower is better" not in open(higher + ".md").read()
+
+
 def test_last_gain_needs_two_evaluations():
     assert seed_grid.last_gain({"curve": [(312, 0.2), (624, 0.5), (936, 0.55)]}) == pytest.approx((0.05, 312))
     assert seed_grid.last_gain({"curve": [(312, 0.2)]}) is None
