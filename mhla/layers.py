@@ -635,7 +635,8 @@ class MultiHeadLinearAttention(KernelAttention):
         max_learned_blocks: causal only; blocks with their own learned coefficients (beyond: the extension
             rule ``mixing_extension``; sequences are not capped).
         mixing_extension: causal only; how rows past ``max_learned_blocks`` are built
-            (:data:`mhla.mixing.EXTENSION_RULES`, default ``"uniform_far"``; :func:`mhla.mixing.extend_causal_mixing`).
+            (:data:`mhla.mixing.EXTENSION_RULES` or ``"uniform_far:C"``, default ``"uniform_far"``;
+            :func:`mhla.mixing.extend_causal_mixing`).
         backend: op backend (``"auto"``, ``"torch"``, ``"triton"``, ``"reference"``; :func:`mhla.mhla_attention`).
     """
 

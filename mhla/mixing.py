@@ -208,8 +208,9 @@ class MixingMatrix(nn.Module):
             size (with ``clamp`` an entry of ``1/(i+1)`` moves by about ``lr`` in absolute terms, so small
             entries random-walk to the 0 bound; see ``results/mqar/``).
         max_value: upper clip of the clamp parameterization (the paper clips to (0, 1)).
-        extension: causal only: how rows past the learned ``M`` are built, one of :data:`EXTENSION_RULES`
-            (:func:`extend_causal_mixing`; default ``"uniform_far"``, chosen on measurements). A plain attribute:
+        extension: causal only: how rows past the learned ``M`` are built, one of :data:`EXTENSION_RULES` or
+            ``"uniform_far:C"`` (:func:`extend_causal_mixing`, :func:`check_extension`; default ``"uniform_far"``,
+            chosen on measurements). A plain attribute:
             it can be changed on a trained model (``scripts/length_extrapolation.py`` compares the rules on one
             checkpoint).
         tie: causal only, one of :data:`TIE_MODES`. ``None`` (default): every entry of the ``[M, M]`` matrix is
@@ -245,9 +246,7 @@ class MixingMatrix(nn.Module):
         if tie is not None and not causal:
             raise ValueError(f"tie={tie!r} is for causal mixing (a row per block distance)")
         self.tied = tie
-        if extension not in EXTENSION_RULES:
-            raise ValueError(f"extension must be one of {', '.join(EXTENSION_RULES)}, got {extension!r}")
-        self.extension = extension
+        self.extension = check_extension(extension)
         self._check_args(num_blocks, num_heads, parameterization, max_value, init_kwargs)
         num_blocks = operator.index(num_blocks)
         num_heads = None if num_heads is None else operator.index(num_heads)
@@ -517,6 +516,24 @@ def _is_int(x) -> bool:
 
 
 EXTENSION_RULES = ("relative", "last_row", "window", "uniform_far", "sqrt_far", "mass_matched")
+CAPPED_RULES = ("uniform_far",)  # the rules that take a cap, written "uniform_far:C" (:func:`parse_extension`)
+
+
+def parse_extension(rule: str) -> tuple[str, int | None]:
+    """``(name, cap)`` of an extension rule: a name of :data:`EXTENSION_RULES` (cap ``None``), or
+    ``"uniform_far:C"`` with ``C`` a positive number of blocks (``uniform_far`` whose far coefficient stops falling
+    at ``C`` far blocks: :func:`extend_causal_mixing`). Raises ``ValueError`` on anything else."""
+    name, sep, cap = str(rule).partition(":")
+    if name not in EXTENSION_RULES or (sep and (name not in CAPPED_RULES or not cap.isdigit() or int(cap) < 1)):
+        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}, or "
+                         f"{' / '.join(f'{r}:C' for r in CAPPED_RULES)} with C a positive number of blocks")
+    return name, (int(cap) if sep else None)
+
+
+def check_extension(rule: str) -> str:
+    """``rule`` itself when :func:`parse_extension` accepts it (for argparse ``type=`` and attribute checks)."""
+    parse_extension(rule)
+    return rule
 
 
 def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> torch.Tensor:
@@ -529,6 +546,9 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
         window        as relative for d <= M-1, 0 farther back (a sliding window of M blocks)
         uniform_far   as relative for d <= M-1; the farther blocks SHARE one L[M-1, 0] (each gets 1/count)
                       (the default of :class:`MixingMatrix`)
+        uniform_far:C as uniform_far while count <= C; past it each farther block keeps L[M-1, 0] / C (the far
+                      coefficient never falls below what rows with C far blocks read, e.g. the longest trained
+                      context's: the far part's mass then grows with count, as under relative)
         sqrt_far      as relative for d <= M-1; each farther block gets L[M-1, 0] / sqrt(count): their share
                       grows as sqrt(count), between relative (count) and uniform_far (1)
         mass_matched  relative, each row rescaled to the last learned row's total
@@ -541,8 +561,7 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
     only faintly: recalling the start of a long single document (MQAR past its training length,
     ``results/mqar/extrapolation_n256.md``) works best with ``last_row``, the rule that drifts up on joined text.
     """
-    if rule not in EXTENSION_RULES:
-        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
+    rule, cap = parse_extension(rule)
     M = w.shape[-1]
     i = torch.arange(n, device=w.device).unsqueeze(1)
     b = torch.arange(n, device=w.device).unsqueeze(0)
@@ -555,7 +574,7 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
     if rule == "window":
         W = W.masked_fill(far, 0.0)
     elif rule == "uniform_far":
-        W = torch.where(far, W / (i - M + 1).clamp(min=1).to(w.dtype), W)
+        W = torch.where(far, W / (i - M + 1).clamp(min=1, max=cap).to(w.dtype), W)
     elif rule == "sqrt_far":
         W = torch.where(far, W / (i - M + 1).clamp(min=1).to(w.dtype).sqrt(), W)
     elif rule == "mass_matched":
@@ -571,9 +590,8 @@ def extension_window(M: int, rule: str) -> tuple[int, int]:
     ``last_row``: the first ``M - 1`` blocks (their own columns; every later block reads ``L[M-1, M-1]``);
     every other rule: the ``M - 1`` latest finished blocks (farther ones read one coefficient per row).
     The learned rows ``i < M`` read at most ``M - 1`` earlier blocks, all kept under either window."""
-    if rule not in EXTENSION_RULES:
-        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
-    return (M - 1, 0) if rule == "last_row" else (0, M - 1)
+    parse_extension(rule)
+    return (M - 1, 0) if parse_extension(rule)[0] == "last_row" else (0, M - 1)
 
 
 def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "relative") -> MixingRows:
@@ -586,14 +604,14 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
         i >= M     diag L[M-1, M-1], and by rule
                    relative / window / uniform_far / sqrt_far: recent d = 1 .. M-1 -> L[M-1, M-1-d]; far
                        (d >= M): L[M-1, 0], 0, L[M-1, 0] / (i - M + 1), L[M-1, 0] / sqrt(i - M + 1)
+                       (uniform_far:C: L[M-1, 0] / min(i - M + 1, C))
                    mass_matched: relative, every coefficient times L[M-1, :].sum() / (the relative row's sum,
                        L[M-1, :].sum() + (i - M + 1) L[M-1, 0])
                    last_row: head b = 0 .. M-2 -> L[M-1, b]; far (b >= M-1) -> L[M-1, M-1]
 
     Differentiable with respect to ``w`` (index gathers); O((stop - start) * M) whatever ``stop``.
     """
-    if rule not in EXTENSION_RULES:
-        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}")
+    name = parse_extension(rule)[0]
     if not 0 <= start < stop:
         raise ValueError(f"need 0 <= start < stop, got {start}, {stop}")
     M = w.shape[-1]
@@ -606,7 +624,7 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
     last = w[..., M - 1, :]  # [..., M]
     ri = i.clamp(max=M - 1)  # the learned row each row reads
     diag = torch.where(learned, w[..., ri, ri], last[..., M - 1:])
-    if rule == "last_row":  # the first M - 1 blocks by their column
+    if name == "last_row":  # the first M - 1 blocks by their column
         b = torch.arange(kh, device=dev)
         head = torch.where(b < i.unsqueeze(1), w[..., ri, :kh], 0.0)  # learned rows: row i; later: row M-1
         recent = w.new_zeros(*w.shape[:-2], stop - start, 0)
@@ -621,7 +639,7 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
         count = (i - M + 1).clamp(min=1).to(w.dtype)  # blocks farther back than the window, in row i >= M
         far0 = last[..., :1]
         far = torch.where(learned, 0.0, _far_coefficients(far0, count, rule))
-        if rule == "mass_matched":
+        if name == "mass_matched":
             target = last.sum(-1, keepdim=True)  # [..., 1]
             scale = target / (target + (i - M + 1).clamp(min=0).to(w.dtype) * far0).clamp_min(1e-12)
             scale = torch.where(learned, 1.0, scale)  # [..., n]
@@ -631,19 +649,19 @@ def causal_mixing_rows(w: torch.Tensor, start: int, stop: int, rule: str = "rela
 
 def _extended_rows(w: torch.Tensor, start: int, stop: int, rule: str) -> MixingRows:
     """:func:`causal_mixing_rows` for rows ``start .. stop - 1`` all at or past ``M`` (the same values)."""
-    M, n = w.shape[-1], stop - start
+    M, n, name = w.shape[-1], stop - start, parse_extension(rule)[0]
     last = w[..., M - 1, :]  # [..., M]
     lead = last.shape[:-1]
     diag = last[..., M - 1:].expand(*lead, n)
     empty = w.new_zeros(*lead, n, 0)
-    if rule == "last_row":
+    if name == "last_row":
         return MixingRows(start, diag, last[..., None, :M - 1].expand(*lead, n, M - 1), empty,
                           last[..., M - 1:].expand(*lead, n))
     recent = last[..., :M - 1].flip(-1).unsqueeze(-2).expand(*lead, n, M - 1)  # L[M-1, M-1-d], d = 1 .. M-1
     far0 = last[..., :1]
     count = torch.arange(start - M + 1, stop - M + 1, device=w.device).to(w.dtype)  # blocks farther back
     far = _far_coefficients(far0, count, rule)
-    if rule == "mass_matched":
+    if name == "mass_matched":
         target = last.sum(-1, keepdim=True)
         scale = target / (target + count * far0).clamp_min(1e-12)  # [..., n]
         diag, far, recent = diag * scale, far * scale, recent * scale.unsqueeze(-1)
@@ -654,13 +672,14 @@ def _far_coefficients(far0: torch.Tensor, count: torch.Tensor, rule: str) -> tor
     """The coefficient of the folded far sum in extended rows (every rule but ``last_row``): ``far0 [..., 1]``
     is ``L[M-1, 0]``, ``count [n]`` each row's number of blocks farther back than the window (at least 1);
     returns ``[..., n]``. ``mass_matched`` gives the relative value (its caller rescales the whole row)."""
-    if rule in ("relative", "mass_matched"):
+    name, cap = parse_extension(rule)
+    if name in ("relative", "mass_matched"):
         return far0.expand(*far0.shape[:-1], count.shape[-1])
-    if rule == "window":
+    if name == "window":
         return torch.zeros_like(far0).expand(*far0.shape[:-1], count.shape[-1])
-    if rule == "sqrt_far":
+    if name == "sqrt_far":
         return far0 / count.sqrt()
-    return far0 / count  # uniform_far
+    return far0 / (count if cap is None else count.clamp(max=cap))  # uniform_far (uniform_far:C)
 
 
 def _extension_indices(n: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -393,6 +393,35 @@ def test_extension_rule_is_an_option():
         MixingMatrix(4, causal=True, extension="nope")
 
 
+def test_a_capped_uniform_far_stops_falling_at_its_cap():
+    """``uniform_far:C``: equal to ``uniform_far`` while a row has at most C far blocks; past that every far block
+    keeps L[M-1, 0] / C (so the far part's mass grows with the count, as under ``relative``). Rows and decode
+    state agree with the dense matrix (tests/ops/test_compact_state.py runs every rule with ``uniform_far:3``)."""
+    from mhla.mixing import causal_mixing_rows, check_extension, extend_causal_mixing, parse_extension  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    L = torch.rand(4, 4, dtype=torch.float64).tril() + 0.1
+    n = 12  # row i >= 4 has i - 3 far blocks: 1 .. 8
+    capped, uniform = extend_causal_mixing(L, n, "uniform_far:5"), extend_causal_mixing(L, n, "uniform_far")
+    relative = extend_causal_mixing(L, n, "relative")
+    assert torch.equal(capped[:8 + 1], uniform[:8 + 1])  # rows with at most 5 far blocks (i <= 8)
+    for i in range(9, n):  # 6 .. 8 far blocks: each L[3, 0] / 5, not / count
+        torch.testing.assert_close(capped[i, :i - 3], (L[3, 0] / 5).expand(i - 3))
+        assert torch.equal(capped[i, i - 3:], relative[i, i - 3:])  # the window is untouched
+    far_mass = capped[9:, :].sum(-1) - relative[9:, :].sum(-1) + relative[9:, 0] * torch.arange(6, 9)
+    assert bool((far_mass.diff() > 0).all())  # the row's mass grows past the cap (uniform_far's does not)
+    assert torch.equal(extend_causal_mixing(L, n, f"uniform_far:{n}"), uniform)  # a cap never reached: uniform_far
+    rows = causal_mixing_rows(L, 0, n, "uniform_far:5")
+    torch.testing.assert_close(rows.far[9:], (L[3, 0] / 5).expand(3))
+    assert parse_extension("uniform_far:5") == ("uniform_far", 5) and parse_extension("relative") == ("relative",
+                                                                                                       None)
+    mix = MixingMatrix(4, causal=True, extension="uniform_far:120")
+    assert mix.extension == check_extension("uniform_far:120") == "uniform_far:120"
+    for bad in ("uniform_far:0", "uniform_far:", "uniform_far:x", "relative:4", "sqrt_far:2", "uniform_far:-1"):
+        with pytest.raises(ValueError, match="uniform_far:C"):
+            MixingMatrix(4, causal=True, extension=bad)
+
+
 # ------------------------------------------------------------------------------------ mixing_profile
 def test_mixing_profile_of_untrained_matrices():
     """At its init a matrix is 0 from its init; uniform mixing is 0 from uniform with entropy log M; identity

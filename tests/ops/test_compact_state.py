@@ -28,6 +28,8 @@ from mhla.ops import MHLAState, MixingRows, init_state, mhla_attention, mhla_dec
 from mhla.ops.mhla.chunk import SEGMENT_BLOCKS
 from mhla.ops.mhla.state import kept_block_ids, row_coefficients
 
+RULES = EXTENSION_RULES + ("uniform_far:3",)  # every rule, and one cap that binds at these lengths
+
 F64 = torch.float64
 M, C = 4, 4  # learned rows, block size
 T8 = 8 * M * C + 3  # 8x the learned length, ending inside a block
@@ -70,7 +72,7 @@ def decode(q, k, v, mm, normalize=True, prefill=0):
 
 
 # ------------------------------------------------------------------------------------------- the rows
-@pytest.mark.parametrize("rule", EXTENSION_RULES)
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_rows_equal_the_extended_matrix(rule, per_head, m):
@@ -103,7 +105,7 @@ def test_rows_are_differentiable_and_causal_only():
 
 
 # --------------------------------------------------------------------------------- decode == forward
-@pytest.mark.parametrize("rule", EXTENSION_RULES)
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_decode_equals_full_forward_at_8x_the_learned_length(rule, per_head, normalize):
@@ -299,7 +301,7 @@ def test_triton_prefill_returns_and_continues_the_compact_state(rule):
 
 
 # --------------------------------------------------------------------------------------- language model
-@pytest.mark.parametrize("rule", EXTENSION_RULES)
+@pytest.mark.parametrize("rule", RULES)
 def test_lm_decoding_at_8x_the_training_length_and_a_constant_cache(rule):
     from helpers.lm_configs import lm_config  # noqa: PLC0415
     from models.lm import MHLALMCache, MHLALMForCausalLM  # noqa: PLC0415
