@@ -548,3 +548,33 @@ def test_spread_mqar_curriculum_packs_short_batches_with_the_pairs_spread_over_e
     for bad in (2 * K, 33, 2 * L):                                  # too short for K pairs; odd; past seq_len
         with pytest.raises(ValueError):
             SpreadMQARDataset(n, L, V, K, curriculum=[(bad, 1)])
+
+
+def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
+    """``experiment=long_context/recall_preset`` composes to the no-rotary grid's 8-row MHLA
+    (configs/grid/long_context_passkey_state_mixed_4k_nope.yaml, ``passkey_mhla_m8_nope``) but for the far rule,
+    and that rule equals ``uniform_far`` on every length the recipe trains (4,096 tokens: 128 blocks of 32), so the
+    preset trains the grid's model; past 120 far blocks it keeps the far weight (``uniform_far`` would shrink it)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from mhla.mixing import extend_causal_mixing  # noqa: PLC0415
+    from scripts import run_seed_grid as rsg  # noqa: PLC0415
+    from scripts.tables.config import compose  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    grid = rsg.load_grid(os.path.join(root, "configs", "grid", "long_context_passkey_state_mixed_4k_nope.yaml"))
+    preset = OmegaConf.to_container(compose(["experiment=long_context/recall_preset"])[0], resolve=True)
+    variant = OmegaConf.to_container(compose([*grid["common"], *grid["variants"]["passkey_mhla_m8_nope"]])[0],
+                                     resolve=True)
+    assert preset["attn"].pop("mixing_extension") == "uniform_far:120" and variant["attn"].pop(
+        "mixing_extension") is None  # the model's default: uniform_far
+    for cfg in (preset, variant):  # the grid's run-time settings (no logger, no progress bar) are not the recipe's
+        cfg.pop("logger"), cfg["trainer"].pop("progress_bar")
+    assert preset == variant
+    blocks = 4096 // preset["model"]["attn_defaults"]["mhla"]["block_size"]
+    w = torch.rand(8, 8, dtype=torch.float64).tril() + 0.1
+    assert torch.equal(extend_causal_mixing(w, blocks, "uniform_far:120"),
+                       extend_causal_mixing(w, blocks, "uniform_far"))
+    longer = extend_causal_mixing(w, 4 * blocks, "uniform_far:120")
+    assert torch.equal(longer[-1, 0], w[7, 0] / 120) and not torch.equal(
+        longer, extend_causal_mixing(w, 4 * blocks, "uniform_far"))
