@@ -548,7 +548,8 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
                       (the default of :class:`MixingMatrix`)
         uniform_far:C as uniform_far while count <= C; past it each farther block keeps L[M-1, 0] / C (the far
                       coefficient never falls below what rows with C far blocks read, e.g. the longest trained
-                      context's: the far part's mass then grows with count, as under relative)
+                      context's: the far part's mass then grows with count, as under relative; uniform_far:1 is
+                      relative, the rule for a model whose training never reached past its learned rows)
         sqrt_far      as relative for d <= M-1; each farther block gets L[M-1, 0] / sqrt(count): their share
                       grows as sqrt(count), between relative (count) and uniform_far (1)
         mass_matched  relative, each row rescaled to the last learned row's total

@@ -411,6 +411,7 @@ def test_a_capped_uniform_far_stops_falling_at_its_cap():
     far_mass = capped[9:, :].sum(-1) - relative[9:, :].sum(-1) + relative[9:, 0] * torch.arange(6, 9)
     assert bool((far_mass.diff() > 0).all())  # the row's mass grows past the cap (uniform_far's does not)
     assert torch.equal(extend_causal_mixing(L, n, f"uniform_far:{n}"), uniform)  # a cap never reached: uniform_far
+    assert torch.equal(extend_causal_mixing(L, n, "uniform_far:1"), relative)  # a model trained within its rows
     rows = causal_mixing_rows(L, 0, n, "uniform_far:5")
     torch.testing.assert_close(rows.far[9:], (L[3, 0] / 5).expand(3))
     assert parse_extension("uniform_far:5") == ("uniform_far", 5) and parse_extension("relative") == ("relative",
