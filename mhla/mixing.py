@@ -591,7 +591,6 @@ def extension_window(M: int, rule: str) -> tuple[int, int]:
     ``last_row``: the first ``M - 1`` blocks (their own columns; every later block reads ``L[M-1, M-1]``);
     every other rule: the ``M - 1`` latest finished blocks (farther ones read one coefficient per row).
     The learned rows ``i < M`` read at most ``M - 1`` earlier blocks, all kept under either window."""
-    parse_extension(rule)
     return (M - 1, 0) if parse_extension(rule)[0] == "last_row" else (0, M - 1)
 
 
