@@ -517,6 +517,8 @@ def _is_int(x) -> bool:
 
 EXTENSION_RULES = ("relative", "last_row", "window", "uniform_far", "sqrt_far", "mass_matched")
 CAPPED_RULES = ("uniform_far",)  # the rules that take a cap, written "uniform_far:C" (:func:`parse_extension`)
+#: the rules as a user writes them (error messages, the scripts' ``--rules`` help)
+EXTENSION_RULES_TEXT = f"{', '.join(EXTENSION_RULES)}, or {' / '.join(f'{r}:C' for r in CAPPED_RULES)}"
 
 
 def parse_extension(rule: str) -> tuple[str, int | None]:
@@ -525,8 +527,8 @@ def parse_extension(rule: str) -> tuple[str, int | None]:
     at ``C`` far blocks: :func:`extend_causal_mixing`). Raises ``ValueError`` on anything else."""
     name, sep, cap = str(rule).partition(":")
     if name not in EXTENSION_RULES or (sep and (name not in CAPPED_RULES or not cap.isdigit() or int(cap) < 1)):
-        raise ValueError(f"unknown extension rule {rule!r}; choose one of {', '.join(EXTENSION_RULES)}, or "
-                         f"{' / '.join(f'{r}:C' for r in CAPPED_RULES)} with C a positive number of blocks")
+        raise ValueError(f"unknown extension rule {rule!r}; choose one of {EXTENSION_RULES_TEXT} with C a positive "
+                         "number of blocks")
     return name, (int(cap) if sep else None)
 
 
@@ -562,23 +564,20 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
     only faintly: recalling the start of a long single document (MQAR past its training length,
     ``results/mqar/extrapolation_n256.md``) works best with ``last_row``, the rule that drifts up on joined text.
     """
-    rule, cap = parse_extension(rule)
+    name = parse_extension(rule)[0]
     M = w.shape[-1]
     i = torch.arange(n, device=w.device).unsqueeze(1)
     b = torch.arange(n, device=w.device).unsqueeze(0)
     rows, cols, visible = _extension_indices(n, M, w.device)
-    if rule == "last_row":
+    if name == "last_row":
         cols = b.clamp(max=M - 1).expand(n, n)
     W = w[..., rows, cols] * visible.to(w.dtype)
     learned = i < M
-    far = (~learned) & ((i - b) > M - 1)
-    if rule == "window":
-        W = W.masked_fill(far, 0.0)
-    elif rule == "uniform_far":
-        W = torch.where(far, W / (i - M + 1).clamp(min=1, max=cap).to(w.dtype), W)
-    elif rule == "sqrt_far":
-        W = torch.where(far, W / (i - M + 1).clamp(min=1).to(w.dtype).sqrt(), W)
-    elif rule == "mass_matched":
+    if name != "last_row":  # every block farther back than the window: its row's one far coefficient
+        far = (~learned) & ((i - b) > M - 1)
+        count = (i[:, 0] - M + 1).clamp(min=1).to(w.dtype)  # [n] (as the compact rows count them)
+        W = torch.where(far, _far_coefficients(w[..., M - 1, :1], count, rule).unsqueeze(-1), W)
+    if name == "mass_matched":
         target = w[..., M - 1, :].sum(-1)[..., None, None]
         W = torch.where(learned, W, W * target / W.sum(-1, keepdim=True).clamp_min(1e-12))
     return W

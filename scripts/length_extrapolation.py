@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mhla.mixing import EXTENSION_RULES, check_extension, mixing_matrices
+from mhla.mixing import EXTENSION_RULES, EXTENSION_RULES_TEXT, check_extension, mixing_matrices
 from mhla.registry import Needs, benchmarked, takes_option
 from tasks.common.checkpoint import find_checkpoint, load_run_checkpoint, model_weights
 from tasks.common.config import import_config_attentions
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
                    help="with --train: Hydra overrides added to every training (e.g. optim.mixing_lr_scale=0.01)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), type=check_extension,
-                 metavar="RULE", help=f"extension rules: {', '.join(EXTENSION_RULES)} or uniform_far:C")
+                 metavar="RULE", help=f"extension rules: {EXTENSION_RULES_TEXT}")
     p.add_argument("--tokens-per-batch", type=int, default=8192)
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--out", default="results/language/length_extrapolation",

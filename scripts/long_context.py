@@ -41,7 +41,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 import torch  # noqa: E402
 
-from mhla.mixing import EXTENSION_RULES, check_extension, mixing_matrices  # noqa: E402
+from mhla.mixing import EXTENSION_RULES, EXTENSION_RULES_TEXT, check_extension, mixing_matrices  # noqa: E402
 from mhla.registry import benchmark_baseline, grows_with_context  # noqa: E402
 from scripts.length_extrapolation import extension_rule  # noqa: E402
 from scripts.mqar_extrapolation import group  # noqa: E402
@@ -445,7 +445,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), type=check_extension,
-                   metavar="RULE", help=f"extension rules: {', '.join(EXTENSION_RULES)} or uniform_far:C")
+                   metavar="RULE", help=f"extension rules: {EXTENSION_RULES_TEXT}")
     ap.add_argument("--softmax-max-len", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0, help="seed of the evaluation examples")
     ap.add_argument("--threads", type=int, default=1)

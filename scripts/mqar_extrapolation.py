@@ -39,7 +39,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 import torch  # noqa: E402
 
-from mhla.mixing import EXTENSION_RULES, check_extension, mixing_matrices  # noqa: E402
+from mhla.mixing import EXTENSION_RULES, EXTENSION_RULES_TEXT, check_extension, mixing_matrices  # noqa: E402
 from scripts.length_extrapolation import extension_rule  # noqa: E402
 from tasks.common.results import rewrite_result, write_result  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="*", help="name=run_dir (name_s<seed> groups seeds); none with --plot-only")
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), type=check_extension,
-                   metavar="RULE", help=f"extension rules: {', '.join(EXTENSION_RULES)} or uniform_far:C")
+                   metavar="RULE", help=f"extension rules: {EXTENSION_RULES_TEXT}")
     ap.add_argument("--num-examples", type=int, default=256)
     ap.add_argument("--seed", type=int, default=12345, help="seed of the evaluation examples")
     ap.add_argument("--threads", type=int, default=1)
