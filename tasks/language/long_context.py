@@ -295,6 +295,31 @@ class PasskeyDataset(CurriculumBatches):
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
+class TextDocuments(CurriculumBatches):
+    """Training windows of the LM corpus (``train``: :class:`tasks.language.data.PackedTokens`, the documents joined
+    by EOS) for :class:`StatePassedLMTask`: item ``i`` is the packed window ``i`` (``[seq_len]``, as ``task=lm_mini``
+    trains). A long stage (``length`` a multiple of ``seq_len`` above it, :class:`CurriculumBatches`) gives item
+    ``i`` the ``length`` tokens that end with that window (``[B, length]``; from the corpus's start for the first
+    windows): the same window trained, read after the text before it, which the task passes on as state."""
+
+    def __init__(self, train, curriculum=None, batch_size: int = 1, sampler_seed: int = 0):
+        super().__init__(train.seq_len, len(train), curriculum, batch_size, sampler_seed)
+        self.train = train
+        for length in self.stage_lengths():
+            if length % self.seq_len or length > len(train.tokens):
+                raise ValueError(f"state-passed text lengths must be multiples of seq_len {self.seq_len} within the "
+                                 f"{len(train.tokens):,} training tokens, got {length}")
+
+    def item(self, i: int):
+        return self.train[i]
+
+    def batch_at(self, indices, length: int):
+        """``input_ids [b, length]``: for each item, the ``length`` tokens that end with its window."""
+        tokens = self.train.tokens
+        ends = [min(max((int(i) + 1) * self.seq_len, length), len(tokens)) for i in indices]
+        return torch.stack([torch.from_numpy(np.asarray(tokens[e - length:e]).astype(np.int64)) for e in ends])
+
+
 # ------------------------------------------------------------------------------------------ spread MQAR
 SPREAD_MQAR_FILLERS = ("values", "any")
 
@@ -383,6 +408,18 @@ def prefill(model, x: torch.Tensor, chunk: int):
     for a in range(0, x.shape[1], chunk):
         model(x[:, a:a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
+
+
+def pass_state(model, seq_len: int, x: torch.Tensor, *aligned: torch.Tensor):
+    """Truncated backpropagation through a long document: ``x [B, T]`` with ``T > seq_len`` runs its first
+    ``T - seq_len`` tokens into a cache without gradient (:func:`prefill`, in windows of ``seq_len``) and keeps the
+    last window to train, read from that cache (state-passing training, Buitrago Ruiz and Gu 2025). Returns
+    ``(cache or None, x [B, seq_len], *aligned cut the same way)``; a batch of ``seq_len`` or fewer tokens passes
+    through with no cache."""
+    if x.shape[1] <= seq_len:
+        return (None, x, *aligned)
+    cache = prefill(model, x[:, :-seq_len], seq_len)
+    return (cache, x[:, -seq_len:], *(t[:, -seq_len:] for t in aligned))
 
 
 def depth_at_distance(fmt: PasskeyFormat, length: int, distance: int) -> float | None:
@@ -544,11 +581,7 @@ class PasskeyLMTask(CurriculumCollate, LanguageModelingTask):
         return tuple(t.to(device, non_blocking=True) for t in batch)
 
     def _losses(self, model, batch):
-        x, mask = batch
-        cache = None
-        if x.shape[1] > self.seq_len:  # a long document (curriculum): its earlier windows' state, no gradient
-            cache = prefill(model, x[:, :-self.seq_len], self.seq_len)
-            x, mask = x[:, -self.seq_len:], mask[:, -self.seq_len:]
+        cache, x, mask = pass_state(model, self.seq_len, *batch)  # a long document: its earlier windows' state
         logits = model(input_ids=x, past_key_values=cache, use_cache=cache is not None).logits[:, :-1].float()
         target, m = x[:, 1:], mask[:, 1:]
         lm = F.cross_entropy(logits.flatten(0, 1), target.flatten())
@@ -580,6 +613,31 @@ class PasskeyLMTask(CurriculumCollate, LanguageModelingTask):
 
     def after_fit(self, trainer, metrics: dict) -> dict:
         return {}
+
+
+class StatePassedLMTask(CurriculumCollate, LanguageModelingTask):
+    """The LM task (``task=lm_mini``'s data, model, loss and validation) trained with the state passed under
+    ``task.curriculum`` (:class:`TextDocuments`): a long stage's batch is each window read after the text before it
+    (``[[1024, 256], 600]``: 300 batches of 256-token windows read after 768 tokens of context, interleaved with
+    300 plain ones), the earlier tokens run into the model's cache without gradient (:func:`pass_state`), so the
+    mixing rows past the learned ones, and the far coefficient the extension rule spreads, are trained on the
+    states a long context reaches. Validation is the plain LM's (windows of ``data.seq_len``)."""
+
+    def build_datasets(self):
+        train, val, _, _ = self.data()
+        seed, curriculum = int(self.cfg.get("seed", 0)), check_curriculum_runs(self.cfg)
+        if curriculum and self.cfg.data.get("reset_at_doc_boundary", False):
+            raise ValueError("task.curriculum passes the state across the text before a window, documents "
+                             "included: set data.reset_at_doc_boundary=false")
+        self._train = TextDocuments(train, curriculum=curriculum,
+                                    batch_size=int(self.cfg.data.batch_size), sampler_seed=seed)
+        return self._train, val
+
+    def training_loss(self, model, batch):
+        cache, x = pass_state(model, self.seq_len, batch)
+        if cache is None:
+            return super().training_loss(model, x)
+        return model(input_ids=x, labels=x, past_key_values=cache, use_cache=True).loss, {}
 
 
 def spread_mqar_filler(cfg) -> str:

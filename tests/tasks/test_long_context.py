@@ -464,6 +464,53 @@ def test_passkey_task_passes_the_state_of_a_long_document():
         assert all(p.grad is not None for p in model.parameters() if p.requires_grad), attn
 
 
+def test_text_documents_end_each_long_item_with_its_own_window():
+    """Item i is packed window i; under a long stage its batch row is the ``length`` tokens that end with that
+    window (from the corpus's start for the first windows); a length that is no multiple of seq_len is refused."""
+    from tasks.language.long_context import TextDocuments
+
+    windows = type("W", (), {"__len__": lambda self: 10, "__getitem__": lambda self, i: torch.arange(8 * i, 8 * i + 8),
+                             "seq_len": 8, "tokens": np.arange(80, dtype=np.uint16)})()
+    ds = TextDocuments(windows, curriculum=[[[32, 8], 4]], batch_size=2)
+    assert torch.equal(ds.item(3), torch.arange(24, 32))
+    long = ds.batch_at([5, 0], 32)
+    assert long.dtype == torch.int64 and long.shape == (2, 32)
+    assert torch.equal(long[0], torch.arange(16, 48))                    # ends with window 5 = tokens 40..47
+    assert torch.equal(long[1], torch.arange(0, 32))                     # window 0 has no text before it
+    assert ds.length_at(0) == 32 and ds.length_at(1) == 8 and ds.length_at(4) == 8
+    with pytest.raises(ValueError, match="multiples of seq_len"):
+        TextDocuments(windows, curriculum=[[20, 2]])
+
+
+def test_state_passed_lm_task_trains_the_last_window_of_a_long_document():
+    """StatePassedLMTask: a plain window trains as task=lm_mini does; a long document's loss is its last window's
+    next-token loss read from the cache of the text before it, equal to one forward over the whole document (fp64),
+    with a gradient for every parameter; packed-document resets are refused under a curriculum."""
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+
+    from tasks.language.long_context import StatePassedLMTask
+
+    task = StatePassedLMTask.__new__(StatePassedLMTask)  # the loss needs only the config and the EOS id
+    task.cfg = OmegaConf.create({"task": {}, "data": {"seq_len": 16}})
+    task._data = (None, None, SimpleNamespace(eos_token_id=0), None)
+    for attn in ("mhla", "linear", "softmax"):
+        model = tiny_model(attn).double()
+        x = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(2))
+        loss, _ = task.training_loss(model, x)
+        full = model(x, use_cache=False).logits[:, 32:-1]
+        assert loss.item() == pytest.approx(F.cross_entropy(full.flatten(0, 1), x[:, 33:].flatten()).item(),
+                                             rel=1e-6)  # the model takes the loss on fp32 logits
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad), attn
+        plain, _ = task.training_loss(model, x[:, :16])
+        assert plain.item() == pytest.approx(model(x[:, :16], labels=x[:, :16], use_cache=False).loss.item())
+    task.cfg = OmegaConf.create({"task": {"curriculum": [[[32, 16], 2]]}, "seed": 0, "trainer": {},
+                                 "data": {"seq_len": 16, "batch_size": 2, "reset_at_doc_boundary": True}})
+    with pytest.raises(ValueError, match="reset_at_doc_boundary=false"):
+        task.build_datasets()
+
+
 def test_out_norm_scale_sees_uniform_mixing_scale_the_last_block_by_one_over_m():
     """scripts/out_norm_scale.py measures the out norm's input: with linear attention's weights, MHLA's uniform
     init (row i: 1 / (i + 1)) gives the last of M blocks exactly 1 / M of linear attention's output."""
