@@ -58,6 +58,7 @@ from tasks.common.checkpoint import find_checkpoint, load_run_checkpoint, model_
 from tasks.common.config import import_config_attentions
 from tasks.common.evaluation import load_run
 from tasks.common.plots import pyplot, save_figure
+from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record
 from tasks.common.results import write_result
 from tasks.common.utils import system_info
 
@@ -248,7 +249,9 @@ def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_b
                     results["curves"][key][str(L)] = ent
                     log(f"{key:24s} L={L:5d} windows={n_win:4d} ppl={ent['ppl']:9.2f} "
                         f"buckets={ {k: round(v, 1) for k, v in ent['buckets'].items()} } ({ent['seconds']} s)")
-        results["runs"][name] = info
+        run_dir = os.path.dirname(os.path.dirname(ckpt))  # <run>/checkpoints/last.pt
+        run = read_run_record(run_dir) or {}  # the trainer's run.json: commit, dirty, machine, load, config
+        results["runs"][name] = {**info, **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
     return results
 
 
@@ -338,6 +341,7 @@ def main(argv=None) -> int:
         p.error("give runs (name=run_dir ...), --merge with .json files, or --train DIR")
     header = system_info("cpu")
     command = "python scripts/length_extrapolation.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    measurement = None  # an evaluation's conditions (a merge keeps its parts')
     if args.merge:
         results = {"runs": {}, "curves": {}, "mixing": {}, "parts": []}
         for path in args.runs:
@@ -345,15 +349,20 @@ def main(argv=None) -> int:
                 part = json.load(f)
             for k in ("runs", "curves", "mixing"):
                 results[k].update(part.get(k, {}))
-            results["parts"].append({"json": path, "command": part.get("command"), "seconds": part.get("seconds")})
+            results["parts"].append({"json": path, "command": part.get("command"), "seconds": part.get("seconds"),
+                                     "measurement": part.get("measurement")})
         results["seconds"] = sum(p_["seconds"] or 0 for p_ in results["parts"])
+        measured = [p_["measurement"] for p_ in results["parts"] if p_["measurement"]]
+        if measured:  # the parts' conditions: the first part's, busy when any part was (each part keeps its own)
+            results["measurement"] = {**measured[0], "busy": any(m_.get("busy") for m_ in measured)}
     else:
         runs = dict(r.split("=", 1) for r in args.runs)
         if args.train:
             runs = {**train_missing(args.train, args.seed, args.jobs, args.train_overrides), **runs}
         t0 = time.time()
-        results = evaluate_runs(runs, args.lengths, args.rules, args.tokens_per_batch, args.max_windows)
-        results["seconds"] = round(time.time() - t0, 1)
+        with Measurement(threads=torch.get_num_threads()) as m:
+            results = evaluate_runs(runs, args.lengths, args.rules, args.tokens_per_batch, args.max_windows)
+        results["seconds"], measurement = round(time.time() - t0, 1), m.record
     results["command"], results["system"] = command, header
     full = copy.deepcopy(results) if args.compact_json else results  # the plot reads the per-position losses
     if args.compact_json:  # per-position losses -> 32-token bucket means (the full curves are large)
@@ -363,8 +372,10 @@ def main(argv=None) -> int:
                     loss = np.asarray(e.pop("loss"))
                     e["loss_per_32_positions"] = [round(float(loss[a:a + 32].mean()), 4) for a in range(0, len(loss), 32)]
     notes = open(args.notes).read() if args.notes and os.path.exists(args.notes) else ""
-    write_result(args.out, markdown(results, command, header, notes), results,
-                 lambda png: write_plot(full, png), indent=None)
+    # perplexities do not depend on the load: a busy machine's record is written, marked BUSY (its seconds are not
+    # comparable with an idle machine's)
+    write_result(args.out, markdown(results, command, header, notes), results, lambda png: write_plot(full, png),
+                 indent=None, measurement=measurement, allow_busy=True)
     print(f"wrote {args.out}.md / .json / .png ({results['seconds']} s)")
     return 0
 

@@ -114,3 +114,28 @@ def test_plot_reads_compact_curves(tmp_path):
            "curves": {"m/uniform_far": {"256": compact}}, "mixing": {}}
     le.write_plot(res, str(tmp_path / "c.png"))
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_merge_keeps_each_parts_conditions_and_marks_a_busy_one(tmp_path):
+    """--merge: the record lists every part with its command and measurement (commit, load), and is marked BUSY
+    when any part ran on a busy machine (its perplexities stand; its seconds are not an idle machine's)."""
+    import json
+
+    le = _script()
+    curve = {"256": {"windows": 1, "ppl": 2.0, "buckets": {"0-256": 2.0}, "loss_per_32_positions": [0.7] * 8}}
+    parts = []
+    for i, busy in enumerate((False, True)):
+        part = {"runs": {f"m{i}": {"attn": "linear", "train_seq_len": 256, "block_size": 32, "checkpoint": "x",
+                                   "val_tokens": 10, "commit": "abc", "dirty": False}},
+                "curves": {f"m{i}": curve}, "mixing": {}, "seconds": 1.0, "command": f"part {i}",
+                "measurement": {"commit": "abc", "dirty": False, "load_before": [0.1 + busy, 0, 0], "busy": busy,
+                                "cpu_count": 2, "threads": 1}}
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    out = tmp_path / "merged"
+    assert le.main(["--merge", *map(str, parts), "--out", str(out)]) == 0
+    rec = json.loads((tmp_path / "merged.json").read_text())
+    assert set(rec["runs"]) == {"m0", "m1"} and [p["command"] for p in rec["parts"]] == ["part 0", "part 1"]
+    assert [p["measurement"]["busy"] for p in rec["parts"]] == [False, True]
+    assert rec["measurement"]["busy"] is True and rec["measurement"]["commit"] == "abc"
+    assert "BUSY" in (tmp_path / "merged.md").read_text()
