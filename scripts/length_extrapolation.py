@@ -375,7 +375,8 @@ def main(argv=None) -> int:
     # perplexities do not depend on the load: a busy machine's record is written, marked BUSY (its seconds are not
     # comparable with an idle machine's)
     write_result(args.out, markdown(results, command, header, notes), results, lambda png: write_plot(full, png),
-                 indent=None, measurement=measurement, allow_busy=True)
+                 indent=None, measurement=measurement, allow_busy=True,
+                 busy_written="written all the same: its perplexities do not depend on the load, its seconds do")
     print(f"wrote {args.out}.md / .json / .png ({results['seconds']} s)")
     return 0
 

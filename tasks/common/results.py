@@ -56,20 +56,23 @@ def load_summary(measurement: dict) -> str:
                if measurement.get("other_cpu_frac") is not None else ""))
 
 
-def busy_note(measurement: dict) -> str:
-    """The line a BUSY results file carries under its title."""
-    return (f"**BUSY**: measured while the machine was busy ({load_summary(measurement)}; written with "
-            "`--allow-busy`). Its times are not comparable with a run on an idle machine; rerun it idle.")
+BUSY_WRITTEN = "written with `--allow-busy`"  # why a busy measurement was written (a script's own reason instead)
 
 
-def mark_busy(md: str, measurement: dict) -> str:
+def busy_note(measurement: dict, written: str = BUSY_WRITTEN) -> str:
+    """The line a BUSY results file carries under its title (``written``: why it was written anyway)."""
+    return (f"**BUSY**: measured while the machine was busy ({load_summary(measurement)}; {written}). Its times "
+            "are not comparable with a run on an idle machine; rerun it idle.")
+
+
+def mark_busy(md: str, measurement: dict, written: str = BUSY_WRITTEN) -> str:
     """``md`` with ``BUSY`` on its title line and :func:`busy_note` under it (each once)."""
     lines = md.split("\n")
     i = next((i for i, line in enumerate(lines) if line.startswith("# ")), None)
     if i is None:
-        return md if "**BUSY**" in md else f"{busy_note(measurement)}\n\n{md}"
+        return md if "**BUSY**" in md else f"{busy_note(measurement, written)}\n\n{md}"
     if "**BUSY**" not in md:
-        lines[i + 1:i + 1] = ["", busy_note(measurement)]
+        lines[i + 1:i + 1] = ["", busy_note(measurement, written)]
     if not lines[i].endswith(" - BUSY"):
         lines[i] += " - BUSY"
     return "\n".join(lines)
@@ -93,7 +96,7 @@ def saved_machine(md_path: str) -> dict | None:
 
 def write_result(stem: str, md: str | None, record: dict | list | None, plot: Callable[[str], object] | None = None,
                  *, measurement: dict | None = None, allow_busy: bool = False, indent: int | None = 1,
-                 default=None) -> str:
+                 default=None, busy_written: str = BUSY_WRITTEN) -> str:
     """Write ``<stem>.json`` (``record``), ``<stem>.md`` (``md``) and ``<stem>.png`` (``plot(<stem>.png)``); any
     of them may be None (not written). Returns ``stem``.
 
@@ -106,6 +109,7 @@ def write_result(stem: str, md: str | None, record: dict | list | None, plot: Ca
             ``measurement``. A record that already holds one (rewritten from its .json) is judged by it.
         allow_busy: write a busy measurement anyway, marked BUSY; without it a busy one raises
             :class:`BusyMachine` and nothing is written.
+        busy_written: the BUSY note's reason for writing it (a script that always writes gives its own).
         indent: the .json's indent (None: one line).
     """
     if measurement is not None:
@@ -117,7 +121,7 @@ def write_result(stem: str, md: str | None, record: dict | list | None, plot: Ca
         if measurement is not None and not allow_busy:
             raise BusyMachine(busy_refusal(stem, stored))
         if md is not None:
-            md = mark_busy(md, stored)
+            md = mark_busy(md, stored, busy_written)
     os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
     if record is not None:
         write_json(stem + ".json", record, indent=indent, default=default)
