@@ -42,6 +42,7 @@ import copy
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -256,14 +257,33 @@ def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_b
 
 
 # ---------------------------------------------------------------------------------------- reports
-def write_plot(results: dict, path: str, width: int = 256, length: int = 4096) -> None:
+def seed_groups(keys) -> dict[str, list[str]]:
+    """``{"<variant>/<rule>": [keys]}``: the curves of runs named ``<variant>_s<seed>`` grouped over their seeds
+    (other names are their own group)."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        name, sep, rule = key.partition("/")
+        stem = re.sub(r"_s\d+$", "", name)
+        groups.setdefault(stem + sep + rule, []).append(key)
+    return groups
+
+
+def write_plot(results: dict, path: str, width: int = 256, length: int | None = None) -> None:
+    """Per-position perplexity at ``length`` tokens (default: the longest length every curve has), one line per
+    run and rule, or per variant and rule averaged over its seeds (the mean loss: :func:`seed_groups`)."""
     plt = pyplot()
 
+    curves = results["curves"]
+    if length is None:
+        length = min(max(int(L) for L in by) for by in curves.values())
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for key, by_len in results["curves"].items():
-        L = str(length) if str(length) in by_len else max(by_len, key=int)
-        xs, ys = fine_buckets(position_losses(by_len[L], int(L)), width)
-        ax.plot(xs, ys, label=f"{key} (L={L})", lw=1.4, ls="-" if "/" not in key or key.endswith("/relative") else "--")
+    for label, keys in seed_groups(curves).items():
+        L = str(length) if all(str(length) in curves[k] for k in keys) else max(curves[keys[0]], key=int)
+        loss = np.mean([position_losses(curves[k][L], int(L)) for k in keys], axis=0)
+        xs, ys = fine_buckets(loss, width)
+        seeds = f"{len(keys)} seeds, " if len(keys) > 1 else ""
+        ax.plot(xs, ys, label=f"{label} ({seeds}L={L})", lw=1.4,
+                ls="-" if "/" not in label or label.endswith("/relative") else "--")
     train_len = max(r["train_seq_len"] for r in results["runs"].values())
     ax.axvline(train_len, color="gray", ls=":", lw=1)
     ax.set_xscale("log", base=2)

@@ -139,3 +139,11 @@ def test_merge_keeps_each_parts_conditions_and_marks_a_busy_one(tmp_path):
     assert [p["measurement"]["busy"] for p in rec["parts"]] == [False, True]
     assert rec["measurement"]["busy"] is True and rec["measurement"]["commit"] == "abc"
     assert "BUSY" in (md := (tmp_path / "merged.md").read_text()) and "do not depend on the load" in md
+
+
+def test_seed_groups_join_a_variants_seeds_per_rule():
+    le = _script()
+    keys = ["mhla_state_s0/uniform_far", "mhla_state_s1/uniform_far", "mhla_state_s0/relative", "linear_s2",
+            "linear_s10", "mhla"]
+    assert le.seed_groups(keys) == {"mhla_state/uniform_far": keys[:2], "mhla_state/relative": [keys[2]],
+                                    "linear": keys[3:5], "mhla": ["mhla"]}
