@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .layouts import auto_block_size
+from .mixing import AUTO_CAP, resolve_far_cap
 from .registry import accepted_options, build_attention, get_attention_class
 from .rope import rope_placement
 
@@ -22,10 +23,13 @@ LM_ATTENTION_DEFAULTS: dict[str, dict] = {
 }
 
 
-def complete_lm_attention(attn: dict, max_position_embeddings: int) -> dict:
+def complete_lm_attention(attn: dict, max_position_embeddings: int, trained_context: int | None = None) -> dict:
     """``attn`` with every option of the paper's LM setting filled in: the defaults of its name, ``out_norm =
-    not normalize`` unless given, ``block_size="auto"`` resolved, and MHLA's ``max_learned_blocks`` (context /
-    block size). Raises ValueError for an attention without a causal form or an option it does not take."""
+    not normalize`` unless given, ``block_size="auto"`` resolved, MHLA's ``max_learned_blocks`` (context /
+    block size) and ``mixing_extension="uniform_far:auto"`` resolved (:func:`mhla.mixing.resolve_far_cap`: capped at
+    the far blocks of the longest row the model trained on, ``trained_context`` tokens, default the context: with
+    the state passed over longer documents, their length). Raises ValueError for an attention without a causal
+    form or an option it does not take."""
     attn = {k: v for k, v in dict(attn).items() if v is not None}
     name = attn.get("name", "mhla")
     cls = get_attention_class(name)
@@ -43,6 +47,9 @@ def complete_lm_attention(attn: dict, max_position_embeddings: int) -> dict:
         out["block_size"] = auto_block_size(max_position_embeddings)
     if accepted is not None and "max_learned_blocks" in accepted and out.get("max_learned_blocks") is None:  # MHLA
         out["max_learned_blocks"] = max(1, max_position_embeddings // int(out["block_size"]))
+    if out.get("mixing_extension") == AUTO_CAP:
+        far = int(trained_context or max_position_embeddings) // int(out["block_size"]) - int(out["max_learned_blocks"])
+        out["mixing_extension"] = resolve_far_cap(AUTO_CAP, far)
     unknown = sorted(k for k in out if k != "name" and accepted is not None and k not in accepted)
     if unknown:
         raise ValueError(f"attn={name} does not take {unknown}; its options: {', '.join(sorted(accepted))}")

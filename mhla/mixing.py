@@ -525,11 +525,27 @@ def parse_extension(rule: str) -> tuple[str, int | None]:
     """``(name, cap)`` of an extension rule: a name of :data:`EXTENSION_RULES` (cap ``None``), or
     ``"uniform_far:C"`` with ``C`` a positive number of blocks (``uniform_far`` whose far coefficient stops falling
     at ``C`` far blocks: :func:`extend_causal_mixing`). Raises ``ValueError`` on anything else."""
+    if str(rule) == AUTO_CAP:
+        raise ValueError(f"{AUTO_CAP} is resolved when a language model is built, from the longest context it trained "
+                         "on (mhla.lm_attention.complete_lm_attention's trained_context); a layer takes the resolved "
+                         "rule uniform_far:C or uniform_far")
     name, sep, cap = str(rule).partition(":")
     if name not in EXTENSION_RULES or (sep and (name not in CAPPED_RULES or not cap.isdigit() or int(cap) < 1)):
         raise ValueError(f"unknown extension rule {rule!r}; choose one of {EXTENSION_RULES_TEXT} with C a positive "
                          "number of blocks")
     return name, (int(cap) if sep else None)
+
+
+AUTO_CAP = "uniform_far:auto"  # the cap read from training: resolved by the LM (:func:`resolve_far_cap`)
+
+
+def resolve_far_cap(rule: str, far_blocks: int) -> str:
+    """``rule`` with :data:`AUTO_CAP` resolved: ``"uniform_far:C"`` with ``C = far_blocks`` (the far blocks of the
+    longest row the model trained on) when that is at least one, else ``"uniform_far"`` (a model trained within its
+    learned rows: its far coefficient never met a count to keep). Any other rule is returned as it is."""
+    if str(rule) != AUTO_CAP:
+        return rule
+    return f"uniform_far:{int(far_blocks)}" if int(far_blocks) >= 1 else "uniform_far"
 
 
 def check_extension(rule: str) -> str:
@@ -551,7 +567,8 @@ def extend_causal_mixing(w: torch.Tensor, n: int, rule: str = "relative") -> tor
         uniform_far:C as uniform_far while count <= C; past it each farther block keeps L[M-1, 0] / C (the far
                       coefficient never falls below what rows with C far blocks read, e.g. the longest trained
                       context's: the far part's mass then grows with count, as under relative; uniform_far:1 is
-                      relative, the rule for a model whose training never reached past its learned rows)
+                      relative). ``uniform_far:auto`` (:data:`AUTO_CAP`) is resolved to a C by the LM that
+                      trained (:func:`resolve_far_cap`), never passed here
         sqrt_far      as relative for d <= M-1; each farther block gets L[M-1, 0] / sqrt(count): their share
                       grows as sqrt(count), between relative (count) and uniform_far (1)
         mass_matched  relative, each row rescaled to the last learned row's total

@@ -109,6 +109,9 @@ class MHLALMConfig(PretrainedConfig):
             (GLA's ``expand_k`` / ``expand_v``); per-head dims are these widths / ``num_heads``.
         intermediate_size: SwiGLU width (None: :func:`swiglu_intermediate`).
         max_position_embeddings: the training context (MHLA learns context / block_size mixing rows; no cap).
+        trained_context: the longest context a training row read (state passed over longer documents; None: the
+            training context): resolves ``attn["mixing_extension"] = "uniform_far:auto"``
+            (:func:`mhla.lm_attention.complete_lm_attention`). Stored.
         rope_theta: base of the rotary embedding (used when ``attn["rope"]`` is not ``"none"``).
         rms_norm_eps, initializer_range, tie_word_embeddings: as in Llama.
     """
@@ -127,6 +130,7 @@ class MHLALMConfig(PretrainedConfig):
         value_dim_ratio: float = 1.0,
         intermediate_size: int | None = None,
         max_position_embeddings: int = 2048,
+        trained_context: int | None = None,
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
@@ -145,7 +149,8 @@ class MHLALMConfig(PretrainedConfig):
         if legacy:
             raise ValueError(f"{legacy} are options of the attention: pass attn={{'name': ..., {legacy[0]!r}: ...}}")
         attn = {"name": attn} if isinstance(attn, str) else dict(attn or {"name": "mhla"})
-        self.attn = complete_lm_attention(attn, max_position_embeddings)
+        self.attn = complete_lm_attention(attn, max_position_embeddings, trained_context)
+        self.trained_context = trained_context
         key_dim, value_dim = int(hidden_size * key_dim_ratio), int(hidden_size * value_dim_ratio)
         if key_dim % num_heads or value_dim % num_heads:
             raise ValueError(f"key dim {key_dim} and value dim {value_dim} must be divisible by num_heads={num_heads}")

@@ -527,6 +527,12 @@ class CurriculumCollate:
     """A task whose training dataset (``self._train``, a :class:`CurriculumBatches`) may hand out indices: under a
     curriculum the dataset builds their batch; other samples go to the task's own ``collate``."""
 
+    def trained_context(self) -> int:
+        """The longest context a training row reads: ``data.seq_len``, or the longest document of
+        ``task.curriculum`` (passed on in windows); it resolves ``attn.mixing_extension=uniform_far:auto``."""
+        curriculum = self.cfg.task.get("curriculum") or []
+        return max([self.seq_len, *(n for length, _ in curriculum for n in _lengths(length))])
+
     def collate(self, samples):
         if samples and isinstance(samples[0], int):
             return self._train.collate(samples)

@@ -18,10 +18,12 @@ from tasks.common.task import Task
 
 from .data import build_lm_datasets, packed_forward_kwargs
 
-def build_lm(model_cfg, attn: dict, vocab_size: int, eos_id: int | None = None) -> nn.Module:
+def build_lm(model_cfg, attn: dict, vocab_size: int, eos_id: int | None = None,
+             trained_context: int | None = None) -> nn.Module:
     """The model of ``model.arch`` with the resolved attention ``attn`` (:func:`tasks.common.config.model_attention`):
     ``mhla_lm`` (ours, any causal registered attention) or ``llama`` (Transformer++, its own softmax attention);
-    the other ``model.*`` fields map to the transformers config fields of the same name."""
+    the other ``model.*`` fields map to the transformers config fields of the same name. ``trained_context``: the
+    longest context a training row reads (:class:`models.lm.MHLALMConfig`; None: ``max_position_embeddings``)."""
     arch = model_cfg.get("arch", "mhla_lm")
     common = dict(vocab_size=vocab_size, hidden_size=int(model_cfg.hidden_size),
                   num_hidden_layers=int(model_cfg.num_hidden_layers),
@@ -33,7 +35,7 @@ def build_lm(model_cfg, attn: dict, vocab_size: int, eos_id: int | None = None) 
                                     intermediate_size=model_cfg.get("intermediate_size"), **common)
     fields = ("num_heads", "key_dim_ratio", "value_dim_ratio", "intermediate_size", "rope_theta")
     extra = {k: model_cfg[k] for k in fields if k in model_cfg and model_cfg[k] is not None}
-    return MHLALMForCausalLM(MHLALMConfig(attn=dict(attn), **common, **extra))
+    return MHLALMForCausalLM(MHLALMConfig(attn=dict(attn), trained_context=trained_context, **common, **extra))
 
 
 class LanguageModelingTask(Task):
@@ -63,7 +65,11 @@ class LanguageModelingTask(Task):
         if self.cfg.data.get("reset_at_doc_boundary", False) and arch != "mhla_lm":
             raise ConfigError(f"data.reset_at_doc_boundary=true needs our LM (model.arch=mhla_lm, which takes "
                               f"cu_seqlens); model.arch={arch} does not: set data.reset_at_doc_boundary=false")
-        return build_lm(self.cfg.model, self.attention.options, len(tok), tok.eos_token_id)
+        return build_lm(self.cfg.model, self.attention.options, len(tok), tok.eos_token_id, self.trained_context())
+
+    def trained_context(self) -> int | None:
+        """The longest context a training row reads, when longer than ``data.seq_len`` (None here: the windows)."""
+        return None
 
     def _packed(self, batch) -> dict:
         """``cu_seqlens`` of the documents in a packed batch when ``data.reset_at_doc_boundary`` (else ``{}``)."""

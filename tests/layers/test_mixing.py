@@ -423,6 +423,29 @@ def test_a_capped_uniform_far_stops_falling_at_its_cap():
             MixingMatrix(4, causal=True, extension=bad)
 
 
+def test_the_cap_read_from_training_resolves_once_in_the_language_models_attention():
+    """``uniform_far:auto``: the LM's attention completion resolves it from the longest context a row trained on
+    (blocks of that context less the learned rows): ``uniform_far:C``, or ``uniform_far`` for a model trained
+    within its rows; a layer never takes it unresolved; the config stores the resolved rule and the context."""
+    from mhla.lm_attention import complete_lm_attention  # noqa: PLC0415
+    from mhla.mixing import AUTO_CAP, resolve_far_cap  # noqa: PLC0415
+    from models.lm import MHLALMConfig  # noqa: PLC0415
+
+    assert resolve_far_cap(AUTO_CAP, 120) == "uniform_far:120" and resolve_far_cap(AUTO_CAP, 0) == "uniform_far"
+    assert resolve_far_cap("relative", 5) == "relative" and resolve_far_cap("uniform_far:7", 5) == "uniform_far:7"
+    attn = {"name": "mhla", "block_size": 32, "mixing_extension": AUTO_CAP}
+    assert complete_lm_attention(attn, 256, 4096)["mixing_extension"] == "uniform_far:120"  # 128 blocks - 8 rows
+    assert complete_lm_attention(attn, 256, 1024)["mixing_extension"] == "uniform_far:24"
+    assert complete_lm_attention(attn, 256)["mixing_extension"] == "uniform_far"  # trained within its 8 rows
+    assert complete_lm_attention({**attn, "max_learned_blocks": 4}, 256)["mixing_extension"] == "uniform_far:4"
+    config = MHLALMConfig(attn=attn, vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=2,
+                          max_position_embeddings=256, trained_context=1024)
+    assert config.attn["mixing_extension"] == "uniform_far:24" and config.trained_context == 1024
+    assert MHLALMConfig.from_dict(config.to_dict()).attn["mixing_extension"] == "uniform_far:24"
+    with pytest.raises(ValueError, match="resolved when a language model is built"):
+        MixingMatrix(4, causal=True, extension=AUTO_CAP)
+
+
 # ------------------------------------------------------------------------------------ mixing_profile
 def test_mixing_profile_of_untrained_matrices():
     """At its init a matrix is 0 from its init; uniform mixing is 0 from uniform with entropy log M; identity

@@ -507,6 +507,15 @@ def test_state_passed_lm_task_trains_the_last_window_of_a_long_document():
         assert plain.item() == pytest.approx(model(x[:, :16], labels=x[:, :16], use_cache=False).loss.item())
     task.cfg = OmegaConf.create({"task": {"curriculum": [[[32, 16], 2]]}, "seed": 0, "trainer": {},
                                  "data": {"seq_len": 16, "batch_size": 2, "reset_at_doc_boundary": True}})
+    # the model it builds reads its far cap from the longest document (32 tokens: 8 blocks of 4, 4 learned rows)
+    from tasks.language.task import build_lm  # noqa: PLC0415
+
+    assert task.trained_context() == 32
+    model_cfg = OmegaConf.create({"hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2,
+                                  "max_position_embeddings": 16})
+    lm = build_lm(model_cfg, {"name": "mhla", "block_size": 4, "mixing_extension": "uniform_far:auto"}, 64, 0,
+                  task.trained_context())
+    assert lm.config.attn["mixing_extension"] == "uniform_far:4" and lm.config.trained_context == 32
     with pytest.raises(ValueError, match="reset_at_doc_boundary=false"):
         task.build_datasets()
 
@@ -613,11 +622,21 @@ def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
     preset = OmegaConf.to_container(compose(["experiment=long_context/recall_preset"])[0], resolve=True)
     variant = OmegaConf.to_container(compose([*grid["common"], *grid["variants"]["passkey_mhla_m8_nope"]])[0],
                                      resolve=True)
-    assert preset["attn"].pop("mixing_extension") == "uniform_far:120" and variant["attn"].pop(
+    assert preset["attn"].pop("mixing_extension") == "uniform_far:auto" and variant["attn"].pop(
         "mixing_extension") is None  # the model's default: uniform_far
     for cfg in (preset, variant):  # the grid's run-time settings (no logger, no progress bar) are not the recipe's
         cfg.pop("logger"), cfg["trainer"].pop("progress_bar")
     assert preset == variant
+    # the model the task builds resolves the rule from its longest state-passed document: uniform_far:120
+    from mhla.lm_attention import complete_lm_attention  # noqa: PLC0415
+    from tasks.language.long_context import PasskeyLMTask  # noqa: PLC0415
+
+    task = PasskeyLMTask.__new__(PasskeyLMTask)
+    task.cfg = OmegaConf.create(preset)
+    assert task.trained_context() == 4096
+    options = {"name": "mhla", **preset["model"]["attn_defaults"]["mhla"], "mixing_extension": "uniform_far:auto"}
+    assert complete_lm_attention(options, preset["data"]["seq_len"], task.trained_context())[
+        "mixing_extension"] == "uniform_far:120"
     blocks = 4096 // preset["model"]["attn_defaults"]["mhla"]["block_size"]
     w = torch.rand(8, 8, dtype=torch.float64).tril() + 0.1
     assert torch.equal(extend_causal_mixing(w, blocks, "uniform_far:120"),
