@@ -10,7 +10,9 @@ The test follows the run's task: a passkey run (``PasskeyLMTask``) is scored on 
 filler (the validation split of its corpus), an MQAR run on spread MQAR (``tasks/language/long_context.py``
 says how both are built and scored). Lengths: the training length ``N`` times 1, 4, 16, ... up to
 ``--max-len`` (default 1,048,576; the last is ``--max-len`` itself). MHLA is evaluated under every rule of
-``--rules`` on the same checkpoint (:func:`scripts.length_extrapolation.extension_rule`); softmax stops at
+``--rules`` on the same checkpoint (:func:`scripts.length_extrapolation.extension_rule`; without ``--rules``:
+every rule of ``mhla.mixing.EXTENSION_RULES`` and the model's own, e.g. the ``uniform_far:120`` that
+``uniform_far:auto`` resolves to in the recall preset: :func:`rules_for`); softmax stops at
 ``--softmax-max-len`` (its KV cache and its quadratic prefill grow with the context). Every evaluation records
 its wall time, the process's resident memory before it and its own peak (``PeakRSS``), and the cache size.
 
@@ -81,14 +83,23 @@ def test_of(cfg) -> str:
     raise SystemExit(f"no long-context test for task.target={target} (a passkey or MQAR run is needed)")
 
 
-def evaluate_model(model, test: str, lengths: list[int], rules: list[str], args, *, filler=None, fmt=None,
+def rules_for(model, rules: list[str] | None) -> list[str]:
+    """The extension rules to evaluate an MHLA ``model`` under: ``rules``, or when None every rule of
+    :data:`mhla.mixing.EXTENSION_RULES` and the rule the model was built with (its config's, when not among them)."""
+    if rules is not None:
+        return list(rules)
+    own = model.config.attn.get("mixing_extension")
+    return list(EXTENSION_RULES) + ([own] if own and own not in EXTENSION_RULES else [])
+
+
+def evaluate_model(model, test: str, lengths: list[int], rules: list[str] | None, args, *, filler=None, fmt=None,
                    mqar: dict | None = None, log=print) -> dict:
-    """``{rule or "-": {str(L): record}}`` for one model: MHLA under every rule of ``rules``, the others once;
-    a context-growing attention (softmax) is skipped past ``args.softmax_max_len`` (``{"skipped": why}``)."""
+    """``{rule or "-": {str(L): record}}`` for one model: MHLA under every rule of :func:`rules_for`, the others
+    once; a context-growing attention (softmax) is skipped past ``args.softmax_max_len`` (``{"skipped": why}``)."""
     mhla = bool(mixing_matrices(model))
     grows = grows_with_context(model.config.attn_name)
     out = {}
-    for rule in (rules if mhla else ["-"]):
+    for rule in (rules_for(model, rules) if mhla else ["-"]):
         per_len = {}
         for L in lengths:
             if grows and L > args.softmax_max_len:
@@ -444,8 +455,8 @@ def parse_args(argv=None):
                     help="passkey: per depth (or distance) and length; MQAR: per length")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
-    ap.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), type=check_extension,
-                   metavar="RULE", help=f"extension rules: {EXTENSION_RULES_TEXT}")
+    ap.add_argument("--rules", nargs="+", default=None, type=check_extension, metavar="RULE",
+                    help=f"extension rules: {EXTENSION_RULES_TEXT} (default: every named rule and the model's own)")
     ap.add_argument("--softmax-max-len", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0, help="seed of the evaluation examples")
     ap.add_argument("--threads", type=int, default=1)

@@ -644,3 +644,15 @@ def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
     longer = extend_causal_mixing(w, 4 * blocks, "uniform_far:120")
     assert torch.equal(longer[-1, 0], w[7, 0] / 120) and not torch.equal(
         longer, extend_causal_mixing(w, 4 * blocks, "uniform_far"))
+
+
+def test_the_evaluation_takes_the_models_own_far_rule_by_default():
+    """scripts/long_context.py without --rules: every named rule and the one the model was built with (the recall
+    preset's uniform_far:auto resolves to a cap that no named rule is); --rules given: exactly those."""
+    from mhla.mixing import EXTENSION_RULES  # noqa: PLC0415
+    from scripts.long_context import rules_for  # noqa: PLC0415
+
+    capped = tiny_model("mhla", mixing_extension="uniform_far:3")
+    assert rules_for(capped, None) == [*EXTENSION_RULES, "uniform_far:3"]
+    assert rules_for(tiny_model("mhla"), None) == list(EXTENSION_RULES)  # its own is uniform_far, named already
+    assert rules_for(capped, ["relative"]) == ["relative"]
