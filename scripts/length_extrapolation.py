@@ -133,6 +133,16 @@ def extension_rule(model, rule: str):
             m.extension = old
 
 
+def rules_for(model, rules: list[str] | None) -> list[str]:
+    """The extension rules to evaluate an MHLA ``model`` under: ``rules``, or when None every rule of
+    :data:`mhla.mixing.EXTENSION_RULES` and the rule the model was built with (its config's, when not among them:
+    e.g. the cap that ``uniform_far:auto`` resolved to)."""
+    if rules is not None:
+        return list(rules)
+    own = model.config.attn.get("mixing_extension")
+    return list(EXTENSION_RULES) + ([own] if own and own not in EXTENSION_RULES else [])
+
+
 # -------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def per_position_loss(model, tokens: np.ndarray, length: int, tokens_per_batch: int = 8192,
@@ -216,7 +226,7 @@ def graft_into_mhla(model, linear_ckpt: str) -> None:
             m.raw.copy_(m.initial_raw().to(m.raw))
 
 
-def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_batch: int,
+def evaluate_runs(runs: dict, lengths: list[int], rules: list[str] | None, tokens_per_batch: int,
                   max_windows: int | None, log=print) -> dict:
     results = {"runs": {}, "curves": {}, "mixing": {}}
     for name, path in runs.items():
@@ -234,7 +244,7 @@ def evaluate_runs(runs: dict, lengths: list[int], rules: list[str], tokens_per_b
                 "attn": attn if graft is None else "linear weights in MHLA (mixing at init)", "train_seq_len": int(cfg.data.seq_len),
                 "block_size": int(model.config.attn.get("block_size", 0)), "val_tokens": int(len(tokens))}
         extends = takes_option(attn, "mixing_extension")  # MHLA: its mixing has extension rules past the learned rows
-        run_rules = rules if extends else ["-"]
+        run_rules = rules_for(model, rules) if extends else ["-"]
         if extends:
             results["mixing"][name] = mixing_summary(model)
         for rule in run_rules:
@@ -344,8 +354,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="with --train: Hydra overrides added to every training (e.g. optim.mixing_lr_scale=0.01)")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    p.add_argument("--rules", nargs="+", default=list(EXTENSION_RULES), type=check_extension,
-                 metavar="RULE", help=f"extension rules: {EXTENSION_RULES_TEXT}")
+    p.add_argument("--rules", nargs="+", default=None, type=check_extension, metavar="RULE",
+                   help=f"extension rules: {EXTENSION_RULES_TEXT} (default: every named rule and the model's own)")
     p.add_argument("--tokens-per-batch", type=int, default=8192)
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--out", default="results/language/length_extrapolation",

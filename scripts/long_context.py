@@ -43,9 +43,9 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 import torch  # noqa: E402
 
-from mhla.mixing import EXTENSION_RULES, EXTENSION_RULES_TEXT, check_extension, mixing_matrices  # noqa: E402
+from mhla.mixing import EXTENSION_RULES_TEXT, check_extension, mixing_matrices  # noqa: E402
 from mhla.registry import benchmark_baseline, grows_with_context  # noqa: E402
-from scripts.length_extrapolation import extension_rule  # noqa: E402
+from scripts.length_extrapolation import extension_rule, rules_for  # noqa: E402
 from scripts.mqar_extrapolation import group  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
@@ -81,15 +81,6 @@ def test_of(cfg) -> str:
     if target.endswith("MQARTask"):
         return "mqar"
     raise SystemExit(f"no long-context test for task.target={target} (a passkey or MQAR run is needed)")
-
-
-def rules_for(model, rules: list[str] | None) -> list[str]:
-    """The extension rules to evaluate an MHLA ``model`` under: ``rules``, or when None every rule of
-    :data:`mhla.mixing.EXTENSION_RULES` and the rule the model was built with (its config's, when not among them)."""
-    if rules is not None:
-        return list(rules)
-    own = model.config.attn.get("mixing_extension")
-    return list(EXTENSION_RULES) + ([own] if own and own not in EXTENSION_RULES else [])
 
 
 def evaluate_model(model, test: str, lengths: list[int], rules: list[str] | None, args, *, filler=None, fmt=None,

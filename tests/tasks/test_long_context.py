@@ -647,10 +647,10 @@ def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
 
 
 def test_the_evaluation_takes_the_models_own_far_rule_by_default():
-    """scripts/long_context.py without --rules: every named rule and the one the model was built with (the recall
+    """scripts/long_context.py and length_extrapolation.py without --rules: every named rule and the one the model was built with (the recall
     preset's uniform_far:auto resolves to a cap that no named rule is); --rules given: exactly those."""
     from mhla.mixing import EXTENSION_RULES  # noqa: PLC0415
-    from scripts.long_context import rules_for  # noqa: PLC0415
+    from scripts.length_extrapolation import rules_for  # noqa: PLC0415
 
     capped = tiny_model("mhla", mixing_extension="uniform_far:3")
     assert rules_for(capped, None) == [*EXTENSION_RULES, "uniform_far:3"]
