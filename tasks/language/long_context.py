@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .mqar import MQARTask
+from .mqar import MQARTask, mqar_loss_and_correct, query_logits
 from .task import LanguageModelingTask
 
 PASSKEY_DIGITS = 5
@@ -369,7 +369,9 @@ class SpreadMQARDataset(CurriculumBatches):
     """A fixed set of spread-MQAR examples; items are ``(inputs [L], labels [L])`` as MQAR's. Under a
     ``curriculum`` (training; :class:`CurriculumBatches`) a short stage's batch is generated afresh: item ``i`` at
     ``length`` tokens holds ``seq_len // length`` examples drawn from the seed ``(seed, i, length)``, the same K
-    pairs spread over the shorter context."""
+    pairs spread over the shorter context. A long stage (a multiple of ``seq_len``) holds one ``length``-token
+    document per item, its pairs spread over all of it and its queries at the end, which
+    :class:`SpreadMQARTask` trains as the last window read after the state of the others (:func:`pass_state`)."""
 
     def __init__(self, num_examples: int, seq_len: int, vocab_size: int, num_kv_pairs: int, seed: int = 0,
                  filler: str = "values", curriculum=None, batch_size: int = 1, sampler_seed: int = 0):
@@ -377,8 +379,9 @@ class SpreadMQARDataset(CurriculumBatches):
         self.vocab_size, self.num_kv_pairs, self.seed, self.filler = int(vocab_size), int(num_kv_pairs), seed, filler
         for length in self.stage_lengths():
             check_spread_mqar_length(length, self.num_kv_pairs)
-            if length > self.seq_len:
-                raise ValueError(f"spread-MQAR curriculum lengths must be at most seq_len {self.seq_len}, got {length}")
+            if length > self.seq_len and length % self.seq_len:
+                raise ValueError(f"spread-MQAR curriculum lengths must be at most seq_len {self.seq_len} or multiples "
+                                 f"of it (documents passed on in windows), got {length}")
         d = spread_mqar(num_examples, seq_len, vocab_size, num_kv_pairs, seed, filler)
         self.inputs, self.labels = d["input_ids"], d["labels"]
 
@@ -389,7 +392,7 @@ class SpreadMQARDataset(CurriculumBatches):
         """``(inputs [b, l], labels [b, l])`` of the items ``indices`` at ``length`` tokens."""
         if length == self.seq_len:
             return self.inputs[list(indices)], self.labels[list(indices)]
-        parts = [spread_mqar(self.seq_len // length, length, self.vocab_size, self.num_kv_pairs,
+        parts = [spread_mqar(max(1, self.seq_len // length), length, self.vocab_size, self.num_kv_pairs,
                              [self.seed, int(i), length], self.filler) for i in indices]
         return torch.cat([p["input_ids"] for p in parts]), torch.cat([p["labels"] for p in parts])
 
@@ -531,7 +534,7 @@ class CurriculumCollate:
         """The longest context a training row reads: ``data.seq_len``, or the longest document of
         ``task.curriculum`` (passed on in windows); it resolves ``attn.mixing_extension=uniform_far:auto``."""
         curriculum = self.cfg.task.get("curriculum") or []
-        return max([self.seq_len, *(n for length, _ in curriculum for n in _lengths(length))])
+        return max([int(self.cfg.data.seq_len), *(n for length, _ in curriculum for n in _lengths(length))])
 
     def collate(self, samples):
         if samples and isinstance(samples[0], int):
@@ -664,3 +667,8 @@ class SpreadMQARTask(CurriculumCollate, MQARTask):
         self._train = SpreadMQARDataset(int(d.num_train), seed=2 * seed + 1, curriculum=check_curriculum_runs(self.cfg),
                                         batch_size=int(d.batch_size), sampler_seed=seed, **common)
         return self._train, SpreadMQARDataset(int(d.num_test), seed=2 * seed + 2, **common)
+
+    def training_loss(self, model, batch):
+        cache, x, y = pass_state(model, int(self.cfg.data.seq_len), *batch)  # a long document: its earlier windows
+        loss, correct, count = mqar_loss_and_correct(*query_logits(model, x, y, cache))
+        return loss, {"acc": correct.item() / max(count, 1)}

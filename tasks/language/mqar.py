@@ -112,16 +112,18 @@ class MQARDataset(Dataset):
         return self.inputs[i], self.labels[i]
 
 
-def build_mqar_model(cfg, attn: dict | None = None) -> nn.Module:
+def build_mqar_model(cfg, attn: dict | None = None, trained_context: int | None = None) -> nn.Module:
     """Our causal LM (``models.lm.MHLALMForCausalLM``) with the run's resolved attention ``attn`` (resolved from
-    ``cfg`` when None) and ``cfg.model``'s sizes (context = ``data.seq_len``)."""
+    ``cfg`` when None) and ``cfg.model``'s sizes (context = ``data.seq_len``; ``trained_context``: the longest
+    context a training row reads, :class:`models.lm.MHLALMConfig`)."""
     m = OmegaConf.to_container(cfg.model, resolve=True) if OmegaConf.is_config(cfg.model) else dict(cfg.model)
     sizes = {k: m[k] for k in ("hidden_size", "num_hidden_layers", "num_heads", "key_dim_ratio", "value_dim_ratio",
                                "intermediate_size", "rope_theta", "tie_word_embeddings") if m.get(k) is not None}
     attn = attn if attn is not None else model_attention(cfg)
     config = MHLALMConfig(attn=attn, vocab_size=int(cfg.data.vocab_size), bos_token_id=None,
                           eos_token_id=None, pad_token_id=None,
-                          max_position_embeddings=int(m.get("max_position_embeddings") or cfg.data.seq_len), **sizes)
+                          max_position_embeddings=int(m.get("max_position_embeddings") or cfg.data.seq_len),
+                          trained_context=trained_context, **sizes)
     return MHLALMForCausalLM(config)
 
 
@@ -138,14 +140,16 @@ def mqar_loss_and_correct(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     return loss, correct, int(mask.sum())
 
 
-def query_logits(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits ``[P, V]`` and targets ``[P]`` at the ``P`` labelled (query) positions of ``inputs, labels [B, N]``.
+def query_logits(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                 cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[P, V]`` and targets ``[P]`` at the ``P`` labelled (query) positions of ``inputs, labels [B, N]``
+    (``cache``: the state of the text before ``inputs``, e.g. from a state-passed document's earlier windows).
 
     Only ``K`` of the ``N`` positions of a sequence have a target, so the LM head runs on those hidden states
     alone: the same loss as slicing the full ``[B, N, V]`` logits, at about ``K / N`` of the head's cost.
     """
     mask = labels != -100
-    return model(inputs, use_cache=False, logits_to_keep=mask).logits, labels[mask]
+    return model(inputs, past_key_values=cache, use_cache=cache is not None, logits_to_keep=mask).logits, labels[mask]
 
 
 def mixing_shares(model: nn.Module) -> dict:
@@ -207,7 +211,11 @@ class MQARTask(Task):
     monitor_mode = "max"
 
     def build_model(self) -> nn.Module:
-        return build_mqar_model(self.cfg, self.attention.options)
+        return build_mqar_model(self.cfg, self.attention.options, self.trained_context())
+
+    def trained_context(self) -> int | None:
+        """The longest context a training row reads, when longer than ``data.seq_len`` (None here)."""
+        return None
 
     def describe_model(self, model: nn.Module) -> str:
         c = model.config

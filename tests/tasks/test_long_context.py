@@ -601,7 +601,7 @@ def test_spread_mqar_curriculum_packs_short_batches_with_the_pairs_spread_over_e
         assert torch.equal(ds.collate(idx)[0], x)
         if length == L:
             assert torch.equal(x, torch.stack([plain[i][0] for i in idx]))
-    for bad in (2 * K, 33, 2 * L):                                  # too short for K pairs; odd; past seq_len
+    for bad in (2 * K, 33, 2 * L + 2):                              # too short for K pairs; odd; past seq_len, no multiple
         with pytest.raises(ValueError):
             SpreadMQARDataset(n, L, V, K, curriculum=[(bad, 1)])
 
@@ -656,3 +656,30 @@ def test_the_evaluation_takes_the_models_own_far_rule_by_default():
     assert rules_for(capped, None) == [*EXTENSION_RULES, "uniform_far:3"]
     assert rules_for(tiny_model("mhla"), None) == list(EXTENSION_RULES)  # its own is uniform_far, named already
     assert rules_for(capped, ["relative"]) == ["relative"]
+
+
+def test_spread_mqar_long_stage_passes_the_state_of_a_document():
+    """A spread-MQAR curriculum stage longer than seq_len: one document per item, pairs spread over all of it, the
+    queries at its end; the task's loss reads the last window after the state of the others and equals the query
+    loss of one forward over the whole document (fp64); the model it builds reads its far cap from that document."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from tasks.language.long_context import SpreadMQARDataset, SpreadMQARTask  # noqa: PLC0415
+    from tasks.language.mqar import mqar_loss_and_correct, query_logits  # noqa: PLC0415
+
+    ds = SpreadMQARDataset(4, seq_len=16, vocab_size=64, num_kv_pairs=2, seed=3, curriculum=[[48, 2]],
+                           batch_size=2)
+    x, y = ds.batch_at([0, 1], 48)
+    assert x.shape == y.shape == (2, 48) and bool((y[:, :-4] == -100).all()) and bool((y[:, -4:] != -100).any())
+    task = SpreadMQARTask.__new__(SpreadMQARTask)
+    task.cfg = OmegaConf.create({"data": {"seq_len": 16}, "task": {"curriculum": [[48, 2]]}})
+    assert task.trained_context() == 48
+    for attn in ("mhla", "linear"):
+        model = tiny_model(attn, vocab=64).double()
+        loss, logs = task.training_loss(model, (x, y))
+        full, _, _ = mqar_loss_and_correct(*query_logits(model, x, y))
+        assert loss.item() == pytest.approx(full.item(), rel=1e-6) and 0.0 <= logs["acc"] <= 1.0
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad), attn
+    with pytest.raises(ValueError, match="multiples"):
+        SpreadMQARDataset(4, seq_len=16, vocab_size=64, num_kv_pairs=2, curriculum=[[40, 2]])
