@@ -517,6 +517,7 @@ def _is_int(x) -> bool:
 
 EXTENSION_RULES = ("relative", "last_row", "window", "uniform_far", "sqrt_far", "mass_matched")
 CAPPED_RULES = ("uniform_far",)  # the rules that take a cap, written "uniform_far:C" (:func:`parse_extension`)
+AUTO_CAP = "uniform_far:auto"  # the cap read from training: resolved by the LM (:func:`resolve_far_cap`)
 #: the rules as a user writes them (error messages, the scripts' ``--rules`` help)
 EXTENSION_RULES_TEXT = f"{', '.join(EXTENSION_RULES)}, or {' / '.join(f'{r}:C' for r in CAPPED_RULES)}"
 
@@ -534,9 +535,6 @@ def parse_extension(rule: str) -> tuple[str, int | None]:
         raise ValueError(f"unknown extension rule {rule!r}; choose one of {EXTENSION_RULES_TEXT} with C a positive "
                          "number of blocks")
     return name, (int(cap) if sep else None)
-
-
-AUTO_CAP = "uniform_far:auto"  # the cap read from training: resolved by the LM (:func:`resolve_far_cap`)
 
 
 def resolve_far_cap(rule: str, far_blocks: int) -> str:

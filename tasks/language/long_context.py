@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .mqar import MQARTask, mqar_loss_and_correct, query_logits
+from .mqar import MQARTask
 from .task import LanguageModelingTask
 
 PASSKEY_DIGITS = 5
@@ -644,9 +644,7 @@ class StatePassedLMTask(CurriculumCollate, LanguageModelingTask):
 
     def training_loss(self, model, batch):
         cache, x = pass_state(model, self.seq_len, batch)
-        if cache is None:
-            return super().training_loss(model, x)
-        return model(input_ids=x, labels=x, past_key_values=cache, use_cache=True).loss, {}
+        return super().training_loss(model, x, cache)
 
 
 def spread_mqar_filler(cfg) -> str:
@@ -670,5 +668,4 @@ class SpreadMQARTask(CurriculumCollate, MQARTask):
 
     def training_loss(self, model, batch):
         cache, x, y = pass_state(model, int(self.cfg.data.seq_len), *batch)  # a long document: its earlier windows
-        loss, correct, count = mqar_loss_and_correct(*query_logits(model, x, y, cache))
-        return loss, {"acc": correct.item() / max(count, 1)}
+        return super().training_loss(model, (x, y), cache)

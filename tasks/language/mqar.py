@@ -237,9 +237,11 @@ class MQARTask(Task):
     def example_input(self, device):
         return torch.zeros(1, int(self.cfg.data.seq_len), dtype=torch.long, device=device)
 
-    def training_loss(self, model, batch):
+    def training_loss(self, model, batch, cache=None):
+        """Query loss and accuracy of ``batch`` (``cache``: the state of the text before it, a state-passed
+        document's earlier windows)."""
         x, y = batch
-        loss, correct, count = mqar_loss_and_correct(*query_logits(model, x, y))
+        loss, correct, count = mqar_loss_and_correct(*query_logits(model, x, y, cache))
         return loss, {"acc": correct.item() / max(count, 1)}
 
     @torch.no_grad()

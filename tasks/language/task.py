@@ -88,8 +88,11 @@ class LanguageModelingTask(Task):
     def example_input(self, device):
         return None  # FLOPs of an LM: 6 x params x tokens; the counter cannot pass input_ids cleanly
 
-    def training_loss(self, model, batch):
-        return model(input_ids=batch, labels=batch, use_cache=False, **self._packed(batch)).loss, {}
+    def training_loss(self, model, batch, cache=None):
+        """Next-token loss of ``batch`` (``cache``: the state of the text before it, a state-passed document's
+        earlier windows)."""
+        return model(input_ids=batch, labels=batch, past_key_values=cache, use_cache=cache is not None,
+                     **self._packed(batch)).loss, {}
 
     @torch.no_grad()
     def evaluate(self, model, loader, device, dist_info) -> dict:
