@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import math
 import os
 import re
@@ -60,7 +59,7 @@ from tasks.common.config import import_config_attentions
 from tasks.common.evaluation import load_run
 from tasks.common.plots import pyplot, save_figure
 from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record
-from tasks.common.results import write_result
+from tasks.common.results import read_parts, write_result
 from tasks.common.utils import system_info
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -373,18 +372,10 @@ def main(argv=None) -> int:
     command = "python scripts/length_extrapolation.py " + " ".join(argv if argv is not None else sys.argv[1:])
     measurement = None  # an evaluation's conditions (a merge keeps its parts')
     if args.merge:
-        results = {"runs": {}, "curves": {}, "mixing": {}, "parts": []}
-        for path in args.runs:
-            with open(path) as f:
-                part = json.load(f)
-            for k in ("runs", "curves", "mixing"):
-                results[k].update(part.get(k, {}))
-            results["parts"].append({"json": path, "command": part.get("command"), "seconds": part.get("seconds"),
-                                     "measurement": part.get("measurement")})
-        results["seconds"] = sum(p_["seconds"] or 0 for p_ in results["parts"])
-        measured = [p_["measurement"] for p_ in results["parts"] if p_["measurement"]]
-        if measured:  # the parts' conditions: the first part's, busy when any part was (each part keeps its own)
-            results["measurement"] = {**measured[0], "busy": any(m_.get("busy") for m_ in measured)}
+        parts, kept = read_parts(args.runs)
+        results = {k: {key: v for part in parts for key, v in part.get(k, {}).items()}
+                   for k in ("runs", "curves", "mixing")}
+        results.update({k: v for k, v in kept.items() if v is not None})  # parts, seconds, measurement
     else:
         runs = dict(r.split("=", 1) for r in args.runs)
         if args.train:

@@ -20,12 +20,14 @@ its wall time, the process's resident memory before it and its own peak (``PeakR
         linear_s0=outputs/long_context/passkey_linear_s0 --out results/language/long_context
     python scripts/long_context.py --train outputs/long_context --seeds 0 --out results/language/long_context
     python scripts/long_context.py --plot-only --out results/language/long_context
+    python scripts/long_context.py --merge outputs/a.json outputs/b.json --out results/language/long_context_ab
 
 ``--train DIR`` first trains what is missing of ``DIR/<test>_<attn>_s<seed>`` (``--tests``, ``--attns``,
 ``--seeds``; one thread per run, ``--jobs`` at a time), then evaluates all of them. Writes ``<out>.md``,
 ``.json``, ``.png`` through :func:`tasks.common.results.write_result` (the machine's load around the whole
 evaluation: :class:`tasks.common.records.Measurement`; a busy machine is written marked BUSY with
-``--allow-busy``).
+``--allow-busy``). ``--merge`` joins records of other models evaluated in parallel processes (the same settings,
+each with its own ``--rules``) into one, which lists every part's command and keeps its measurement.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from tasks.common.checkpoint import find_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
 from tasks.common.launch import metric_curve, read_notes, train_loss_curve  # noqa: E402
 from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record  # noqa: E402
-from tasks.common.results import BusyMachine, load_summary, rewrite_result, write_result  # noqa: E402
+from tasks.common.results import BusyMachine, load_summary, read_parts, rewrite_result, write_result  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
 from tasks.language.long_context import (PasskeyLMTask, evaluate_passkey, evaluate_spread_mqar,  # noqa: E402
                                          filler_tokens, spread_mqar_filler)
@@ -232,7 +234,9 @@ def markdown(record: dict) -> str:
              f"batches of {s['batch_size']}, prefill chunks of {s['prefill_chunk']} tokens, evaluation seed "
              f"{s['seed']}; softmax up to {s['softmax_max_len']} tokens. Accuracy in %, mean ± std over the seeds "
              "of a row (n). Passkey: all 5 digits right (chance 0.001%); MQAR: per query (chance ~0.4%). "
-             "Machine and load: the .json (`measurement`, `machine`).", "", f"Goals (issue 50): {GOALS}.", ""]
+             "Machine and load: the .json (`measurement`, `machine`).", ""]
+    lines += [f"- part: `{p['command']}` ({p['seconds'] or 0:.0f} s)" for p in record.get("parts", [])]
+    lines += [""] * bool(record.get("parts")) + [f"Goals (issue 50): {GOALS}.", ""]
     m = record.get("measurement")
     if m:
         lines += [f"Load: {load_summary(m)}; commit {m.get('commit')} (dirty: {m.get('dirty')}).", ""]
@@ -460,7 +464,50 @@ def parse_args(argv=None):
     ap.add_argument("--notes", default="", help="reading paragraph (or @file)")
     ap.add_argument("--allow-busy", action="store_true", help="write a measurement of a busy machine, marked BUSY")
     ap.add_argument("--plot-only", action="store_true", help="rewrite <out>.md / .png from <out>.json")
+    ap.add_argument("--merge", action="store_true",
+                    help="the positional arguments are .json records of this script (evaluations run in parallel "
+                         "processes, each of other models): join them into <out>, evaluating nothing")
     return ap.parse_args(argv)
+
+
+PART_SETTINGS = ("rules", "threads")  # may differ between the parts of a merge (each part's command keeps its own)
+
+
+def merge_records(records: list[dict]) -> dict:
+    """One record of several of this script's records of other models: their tests' groups and their runs joined.
+    A test's training length and lengths must agree across the records, and no model group may appear twice."""
+    merged: dict = {"tests": {}, "runs": {}}
+    for rec in records:
+        for name, test in rec["tests"].items():
+            t = merged["tests"].setdefault(name, {**test, "groups": {}, "rules_of": {}})
+            if (t["train_len"], t["lengths"]) != (test["train_len"], test["lengths"]):
+                raise SystemExit(f"{name}: the records were evaluated at different training lengths or lengths "
+                                 f"({t['train_len']} {t['lengths']} vs {test['train_len']} {test['lengths']})")
+            for g, seeds in test["groups"].items():
+                if g in t["groups"]:
+                    raise SystemExit(f"{name}: model {g} is in more than one record")
+                t["groups"][g], t["rules_of"][g] = seeds, test["rules_of"][g]
+        merged["runs"].update(rec["runs"])
+    return merged
+
+
+def write_merged(paths: list[str], out: str, notes: str, argv=None) -> int:
+    """``--merge``: write ``<out>`` from the records at ``paths`` (:func:`merge_records`); the record keeps each
+    part's command and measurement (:func:`tasks.common.results.read_parts`), the settings the parts share (all
+    but :data:`PART_SETTINGS`: checked) and the first part's machine."""
+    records, kept = read_parts(paths)
+    shared = [{k: v for k, v in r["settings"].items() if k not in PART_SETTINGS} for r in records]
+    if any(s != shared[0] for s in shared):
+        raise SystemExit("the records were evaluated with different settings (examples, seed, lengths, ...): "
+                         + "; ".join(json.dumps(s, sort_keys=True) for s in shared))
+    record = {**merge_records(records), "settings": {**shared[0], **{k: None for k in PART_SETTINGS}},
+              "machine": records[0].get("machine"), "notes": notes, "parts": kept["parts"],
+              "command": "python scripts/long_context.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if kept["measurement"] is not None:
+        record["measurement"] = kept["measurement"]
+    write_result(out, markdown(record), record, lambda png: plot(record, png))
+    print(f"wrote {out}.md / .json / .png from {len(paths)} records")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -469,6 +516,8 @@ def main(argv=None) -> int:
         rewrite_result(args.out, markdown, plot, read_notes(args.notes))
         print(f"rewrote {args.out}.md / .png")
         return 0
+    if args.merge:
+        return write_merged(args.runs, args.out, read_notes(args.notes), argv)
     runs = dict(r.split("=", 1) for r in args.runs)
     if args.train:
         runs.update(train_missing(args.train, args.tests, args.attns, args.seeds, args.jobs))

@@ -143,3 +143,21 @@ def rewrite_result(stem: str, markdown: Callable[[dict], str], plot: Callable[[d
         record["notes"] = notes
     write_result(stem, markdown(record), record, None if plot is None else lambda png: plot(record, png))
     return record
+
+
+def read_parts(paths) -> tuple[list[dict], dict]:
+    """The records at ``paths`` (one script's evaluations run in parallel processes, each written by
+    :func:`write_result`) and what their merge keeps of each: ``(records, {"parts": [{"json", "command",
+    "seconds", "measurement"}], "seconds": their sum, "measurement": the first part's conditions, busy when any
+    part was (None when no part was measured)})``. The caller joins the records' contents."""
+    records, parts = [], []
+    for path in paths:
+        with open(path) as f:
+            records.append(json.load(f))
+        rec = records[-1]
+        seconds = rec.get("seconds", (rec.get("measurement") or {}).get("seconds"))
+        parts.append({"json": str(path), "command": rec.get("command"), "seconds": seconds,
+                      "measurement": rec.get("measurement")})
+    measured = [p["measurement"] for p in parts if p["measurement"]]
+    measurement = {**measured[0], "busy": any(m.get("busy") for m in measured)} if measured else None
+    return records, {"parts": parts, "seconds": sum(p["seconds"] or 0 for p in parts), "measurement": measurement}

@@ -254,6 +254,47 @@ def test_script_tables_and_plot(tmp_path):
     assert os.path.getsize(tmp_path / "h.png") > 1000
 
 
+def test_merge_joins_records_of_other_models_and_keeps_each_parts_conditions(tmp_path):
+    """--merge: records evaluated in parallel processes (each of other models, under their own --rules) join into
+    one record whose tables hold every model; each part keeps its command and measurement, the record is BUSY when
+    any part was; settings the parts must share are checked, and a model in two records is refused."""
+    from scripts.long_context import evaluate_model, main
+
+    args = SimpleNamespace(depths=[0.0, 1.0], distances=None, examples=1, batch_size=1, prefill_chunk=32, seed=0,
+                           softmax_max_len=96)
+    fmt, filler = PasskeyFormat(DigitTokenizer()), np.arange(20, 60)
+    paths = []
+    for i, (name, attn, rules) in enumerate((("mhla", "mhla", ["uniform_far"]), ("linear", "linear", None))):
+        res = evaluate_model(tiny_model(attn), "passkey", [96], rules, args, filler=filler, fmt=fmt,
+                             log=lambda *_: None)
+        rec = {"tests": {"passkey": {"train_len": 96, "lengths": ["96"], "groups": {name: {"0": res}},
+                                     "rules_of": {name: sorted(res)}}},
+               "runs": {f"{name}/0": {"path": name, "attn_name": attn}}, "command": f"part {i}",
+               "settings": {**vars(args), "rules": rules, "threads": 1, "max_len": 96},
+               "measurement": {"commit": "abc", "dirty": False, "busy": bool(i), "seconds": 2.0 + i,
+                               "load_before": [0.1 + i, 0, 0], "cpu_count": 2, "threads": 1}}
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(rec))
+    out = tmp_path / "merged"
+    assert main(["--merge", *map(str, paths), "--out", str(out), "--notes", "a reading"]) == 0
+    rec = json.loads((tmp_path / "merged.json").read_text())
+    assert set(rec["tests"]["passkey"]["groups"]) == {"mhla", "linear"}
+    assert set(rec["runs"]) == {"mhla/0", "linear/0"}
+    assert rec["tests"]["passkey"]["rules_of"] == {"mhla": ["uniform_far"], "linear": ["-"]}
+    assert [(p["command"], p["seconds"]) for p in rec["parts"]] == [("part 0", 2), ("part 1", 3)]
+    assert rec["measurement"]["busy"] is True and rec["notes"] == "a reading"
+    md = (tmp_path / "merged.md").read_text()
+    assert "BUSY" in md and "- part: `part 1`" in md
+    assert "| linear | - | 1 |" in md and "| mhla | uniform_far | 1 |" in md
+    with pytest.raises(SystemExit, match="more than one record"):
+        main(["--merge", str(paths[0]), str(paths[0]), "--out", str(tmp_path / "twice")])
+    other = json.loads(paths[1].read_text())
+    other["settings"]["examples"] = 2
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different settings"):
+        main(["--merge", *map(str, paths), "--out", str(tmp_path / "mixed")])
+
+
 def test_passkey_at_fixed_distances(tmp_path):
     """--distances: the needle starts the same number of tokens before the end at every length (the recorded
     distance equals the target), a distance longer than the length is an empty row, and the tables and the
