@@ -26,8 +26,8 @@ its wall time, the process's resident memory before it and its own peak (``PeakR
 ``--seeds``; one thread per run, ``--jobs`` at a time), then evaluates all of them. Writes ``<out>.md``,
 ``.json``, ``.png`` through :func:`tasks.common.results.write_result` (the machine's load around the whole
 evaluation: :class:`tasks.common.records.Measurement`; a busy machine is written marked BUSY with
-``--allow-busy``). ``--merge`` joins records of other models evaluated in parallel processes (the same settings,
-each with its own ``--rules``) into one, which lists every part's command and keeps its measurement.
+``--allow-busy``). ``--merge`` joins records of other runs evaluated in parallel processes (the same settings,
+each with its own ``--rules``; a model's seeds may come from several) into one, which lists every part's command and keeps its measurement.
 """
 
 from __future__ import annotations
@@ -126,6 +126,11 @@ class _nullcontext:
         return False
 
 
+def joined_rules(*rule_lists) -> list[str]:
+    """The rules of a model's seeds in one list, ``"-"`` (a model without rules) first, then by name."""
+    return sorted({r for rules in rule_lists for r in rules}, key=lambda r: (r != "-", r))
+
+
 def evaluate_runs(runs: dict, args) -> dict:
     """Load and evaluate every run: ``{"tests": {test: {"train_len", "lengths", "groups": {g: {seed: {rule:
     {L: rec}}}}, "rules_of": {g: [...]}}}, "runs": {...}}``."""
@@ -153,7 +158,7 @@ def evaluate_runs(runs: dict, args) -> dict:
                                  f"{t['train_len']}")
             res = evaluate_model(model, test, lengths, args.rules, args, **kw)
             t["groups"].setdefault(g, {})[str(key)] = res
-            t["rules_of"][g] = sorted(set(t["rules_of"].get(g, [])) | set(res), key=lambda r: (r != "-", r))
+            t["rules_of"][g] = joined_rules(t["rules_of"].get(g, []), res)
             run = read_run_record(path) or {}  # the trainer's run.json: commit, dirty, machine, load, config
             curve = train_loss_curve(str(path))
             record["runs"][f"{g}/{key}"] = {"path": str(path), "checkpoint": str(ckpt), "test": test,
@@ -466,7 +471,7 @@ def parse_args(argv=None):
     ap.add_argument("--plot-only", action="store_true", help="rewrite <out>.md / .png from <out>.json")
     ap.add_argument("--merge", action="store_true",
                     help="the positional arguments are .json records of this script (evaluations run in parallel "
-                         "processes, each of other models): join them into <out>, evaluating nothing")
+                         "processes, each of other runs): join them into <out>, evaluating nothing")
     return ap.parse_args(argv)
 
 
@@ -474,8 +479,9 @@ PART_SETTINGS = ("rules", "threads")  # may differ between the parts of a merge 
 
 
 def merge_records(records: list[dict]) -> dict:
-    """One record of several of this script's records of other models: their tests' groups and their runs joined.
-    A test's training length and lengths must agree across the records, and no model group may appear twice."""
+    """One record of several of this script's records of other runs: their tests' groups (a model's seeds may come
+    from several records) and their runs joined. A test's training length and lengths must agree across the records,
+    and no seed of a model may appear twice."""
     merged: dict = {"tests": {}, "runs": {}}
     for rec in records:
         for name, test in rec["tests"].items():
@@ -484,9 +490,12 @@ def merge_records(records: list[dict]) -> dict:
                 raise SystemExit(f"{name}: the records were evaluated at different training lengths or lengths "
                                  f"({t['train_len']} {t['lengths']} vs {test['train_len']} {test['lengths']})")
             for g, seeds in test["groups"].items():
-                if g in t["groups"]:
-                    raise SystemExit(f"{name}: model {g} is in more than one record")
-                t["groups"][g], t["rules_of"][g] = seeds, test["rules_of"][g]
+                have = t["groups"].setdefault(g, {})
+                if set(have) & set(seeds):
+                    raise SystemExit(f"{name}: model {g} seed(s) {sorted(set(have) & set(seeds))} in more than one "
+                                     "record")
+                have.update(seeds)
+                t["rules_of"][g] = joined_rules(t["rules_of"].get(g, []), test["rules_of"][g])
         merged["runs"].update(rec["runs"])
     return merged
 

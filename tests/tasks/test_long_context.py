@@ -255,9 +255,10 @@ def test_script_tables_and_plot(tmp_path):
 
 
 def test_merge_joins_records_of_other_models_and_keeps_each_parts_conditions(tmp_path):
-    """--merge: records evaluated in parallel processes (each of other models, under their own --rules) join into
+    """--merge: records evaluated in parallel processes (each of other runs, under their own --rules) join into
     one record whose tables hold every model; each part keeps its command and measurement, the record is BUSY when
-    any part was; settings the parts must share are checked, and a model in two records is refused."""
+    any part was; settings the parts must share are checked; a model's seeds may come from several records, the
+    same seed twice is refused."""
     from scripts.long_context import evaluate_model, main
 
     args = SimpleNamespace(depths=[0.0, 1.0], distances=None, examples=1, batch_size=1, prefill_chunk=32, seed=0,
@@ -288,6 +289,11 @@ def test_merge_joins_records_of_other_models_and_keeps_each_parts_conditions(tmp
     assert "| linear | - | 1 |" in md and "| mhla | uniform_far | 1 |" in md
     with pytest.raises(SystemExit, match="more than one record"):
         main(["--merge", str(paths[0]), str(paths[0]), "--out", str(tmp_path / "twice")])
+    seed1 = json.loads(paths[0].read_text())  # another seed of the same model, from its own record
+    seed1["tests"]["passkey"]["groups"]["mhla"] = {"1": seed1["tests"]["passkey"]["groups"]["mhla"]["0"]}
+    (tmp_path / "seed1.json").write_text(json.dumps(seed1))
+    assert main(["--merge", str(paths[0]), str(tmp_path / "seed1.json"), "--out", str(tmp_path / "seeds")]) == 0
+    assert set(json.loads((tmp_path / "seeds.json").read_text())["tests"]["passkey"]["groups"]["mhla"]) == {"0", "1"}
     other = json.loads(paths[1].read_text())
     other["settings"]["examples"] = 2
     paths[1].write_text(json.dumps(other))
