@@ -27,7 +27,8 @@ its wall time, the process's resident memory before it and its own peak (``PeakR
 ``.json``, ``.png`` through :func:`tasks.common.results.write_result` (the machine's load around the whole
 evaluation: :class:`tasks.common.records.Measurement`; a busy machine is written marked BUSY with
 ``--allow-busy``). ``--merge`` joins records of other runs evaluated in parallel processes (the same settings,
-each with its own ``--rules``; a model's seeds may come from several) into one, which lists every part's command and keeps its measurement.
+each with its own ``--rules``; a model's seeds may come from several) into one, which lists every part's command
+and keeps its measurement.
 """
 
 from __future__ import annotations
