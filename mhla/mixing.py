@@ -21,6 +21,7 @@ sequence is never capped by a parameter shape (the authors' release stops at 32 
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import operator
@@ -383,6 +384,31 @@ class MixingMatrix(nn.Module):
         """
         if self.parameterization == "clamp":
             self.raw.clamp_(0, self.max_value)
+
+    @torch.no_grad()
+    def equalize_(self, keep_near: int = 0) -> "MixingMatrix":
+        """An analysis edit, in place: the coefficients at block distance ``>= keep_near`` all take one value per
+        head, the mean of the last learned row's at those distances (the row that every extended row repeats);
+        nearer ones are kept. ``keep_near=0`` turns causal MHLA into linear attention with a constant weight on
+        MHLA's trained features. Tied rows (``tie="distance"``): ``c[keep_near:]`` becomes its mean. The ``clamp``
+        parameterisation only (its stored values are the coefficients, after clamping); causal only. Returns
+        ``self``."""
+        if not self.causal or self.parameterization != "clamp" or self.tied == "log_distance":
+            raise ValueError(f"equal weights need a causal matrix with the clamp parameterisation, untied or tied "
+                             f"by distance, got causal={self.causal}, param={self.parameterization!r}, "
+                             f"tie={self.tied!r}")
+        self.project_()  # the stored values into [0, max_value]: the coefficients the forward uses
+        if self.tied:
+            self.raw[..., keep_near:] = self.raw[..., keep_near:].mean(-1, keepdim=True)
+            return self
+        M = self.num_blocks
+        if keep_near >= M:
+            return self
+        i = torch.arange(M, device=self.raw.device)
+        far = (i[:, None] - i[None, :]) >= keep_near  # [M, M]: distance >= keep_near (and b <= i)
+        mean = self.raw[..., M - 1, : M - keep_near].mean(-1)  # [] or [H]
+        self.raw.copy_(torch.where(far, mean[..., None, None], self.raw))
+        return self
 
     # ------------------------------------------------------------------------- training hooks
     # The training loop (tasks/common/trainer.py) knows no MHLA: it calls these on any module that has them.
@@ -761,6 +787,24 @@ def mixing_matrices(model: nn.Module) -> dict[str, MixingMatrix]:
     model order: the one way to find them."""
     return {name.rpartition(".")[0] or name: m for name, m in model.named_modules() if isinstance(m, MixingMatrix)}
 
+
+
+@torch.no_grad()
+def with_equal_weights(model: nn.Module, keep_near: int = 0) -> nn.Module:
+    """A copy of ``model`` whose every mixing matrix has :meth:`MixingMatrix.equalize_` applied (the coefficients
+    at block distance ``>= keep_near`` made equal, nearer ones kept): how much of a trained model's behaviour its
+    mixing's learned shape carries, without training (``scripts/mixing_transplant.py``, ``scripts/long_context.py
+    --equal-weights``). An error for a model without mixing matrices."""
+    out = copy.deepcopy(model)
+    mats = mixing_matrices(out)
+    if not mats:
+        raise ValueError("the model has no mixing matrix")
+    for name, m in mats.items():
+        try:
+            m.equalize_(keep_near)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    return out
 
 # ------------------------------------------------------------------------------------ cross-attention
 CROSS_INIT_KINDS = ("uniform",)

@@ -28,7 +28,8 @@ its wall time, the process's resident memory before it and its own peak (``PeakR
 evaluation: :class:`tasks.common.records.Measurement`; a busy machine is written marked BUSY with
 ``--allow-busy``). ``--merge`` joins records of other runs evaluated in parallel processes (the same settings,
 each with its own ``--rules``; a model's seeds may come from several) into one, which lists every part's command
-and keeps its measurement.
+and keeps its measurement. ``--equal-weights`` also evaluates every MHLA model with its mixing coefficients made
+equal (group ``<name>_equal``; the control for the learned shape of the mixing).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 import torch  # noqa: E402
 
-from mhla.mixing import EXTENSION_RULES_TEXT, check_extension, mixing_matrices  # noqa: E402
+from mhla.mixing import EXTENSION_RULES_TEXT, check_extension, mixing_matrices, with_equal_weights  # noqa: E402
 from mhla.registry import benchmark_baseline, grows_with_context  # noqa: E402
 from scripts.length_extrapolation import extension_rule, rules_for  # noqa: E402
 from scripts.mqar_extrapolation import group  # noqa: E402
@@ -157,20 +158,25 @@ def evaluate_runs(runs: dict, args) -> dict:
             if t["train_len"] != train_len:
                 raise SystemExit(f"{g}/{key} trained at {train_len} tokens, the other {test} runs at "
                                  f"{t['train_len']}")
-            res = evaluate_model(model, test, lengths, args.rules, args, **kw)
-            t["groups"].setdefault(g, {})[str(key)] = res
-            t["rules_of"][g] = joined_rules(t["rules_of"].get(g, []), res)
             run = read_run_record(path) or {}  # the trainer's run.json: commit, dirty, machine, load, config
             curve = train_loss_curve(str(path))
-            record["runs"][f"{g}/{key}"] = {"path": str(path), "checkpoint": str(ckpt), "test": test,
-                                            "attn_name": model.config.attn_name, "metrics": run.get("metrics"),
-                                            "curve": curve, "eval_curve": metric_curve(str(path), "eval/acc"),
-                                            "left_plateau_at": plateau_exit(curve),
-                                            **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
-            del model
+            about = {"path": str(path), "checkpoint": str(ckpt), "test": test, "attn_name": model.config.attn_name,
+                     "metrics": run.get("metrics"), "curve": curve, "eval_curve": metric_curve(str(path), "eval/acc"),
+                     "left_plateau_at": plateau_exit(curve), **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
+            edits = {g: (model, {})}
+            if args.equal_weights and mixing_matrices(model):  # the same weights, the mixing made equal
+                edits[g + EQUAL_SUFFIX] = (with_equal_weights(model), {"edit": EQUAL_EDIT})
+            for name, (m, edit) in edits.items():
+                res = evaluate_model(m, test, lengths, args.rules, args, **kw)
+                t["groups"].setdefault(name, {})[str(key)] = res
+                t["rules_of"][name] = joined_rules(t["rules_of"].get(name, []), res)
+                record["runs"][f"{name}/{key}"] = {**about, **edit}
+            del model, edits
     return record
 
 
+EQUAL_SUFFIX = "_equal"  # --equal-weights: the group of a model's copy with its mixing made equal
+EQUAL_EDIT = "every mixing coefficient made equal (mhla.mixing.with_equal_weights), no training"
 PLATEAU_DROP = 0.5  # nats below the first logged training loss that count as leaving the starting plateau
 
 
@@ -305,7 +311,7 @@ def markdown(record: dict) -> str:
 def training_lines(record: dict) -> list[str]:
     """Per run: the step at which its training loss left the starting plateau (:func:`plateau_exit`) and its last
     evaluation accuracy during training (records made before these were stored: nothing)."""
-    runs = {k: r for k, r in record["runs"].items() if "curve" in r}
+    runs = {k: r for k, r in record["runs"].items() if "curve" in r and "edit" not in r}  # an edit: its run's
     if not runs:
         return []
     out = ["## Training", "", f"Left the plateau: the first logged step with the training loss {PLATEAU_DROP} below "
@@ -459,6 +465,9 @@ def parse_args(argv=None):
     ap.add_argument("--rules", nargs="+", default=None, type=check_extension, metavar="RULE",
                     help=f"extension rules: {EXTENSION_RULES_TEXT} (default: every named rule and the model's own)")
     ap.add_argument("--softmax-max-len", type=int, default=16384)
+    ap.add_argument("--equal-weights", action="store_true",
+                    help="also evaluate each MHLA model with every mixing coefficient made equal (group <name>_equal: "
+                         "the same weights read as linear attention; mhla.mixing.with_equal_weights)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the evaluation examples")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train", default=None, metavar="DIR", help="train the missing runs into DIR first")
@@ -540,7 +549,7 @@ def main(argv=None) -> int:
     record.update({"command": command, "machine": system_info("cpu"), "notes": read_notes(args.notes),
                    "settings": {k: getattr(args, k) for k in ("depths", "distances", "examples", "batch_size",
                                                               "prefill_chunk", "rules", "softmax_max_len", "seed",
-                                                              "threads", "max_len")}})
+                                                              "threads", "max_len", "equal_weights")}})
     try:
         write_result(args.out, markdown(record), record, lambda png: plot(record, png), measurement=m.record,
                      allow_busy=args.allow_busy)

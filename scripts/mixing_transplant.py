@@ -14,10 +14,10 @@ mixing matrices (every :class:`mhla.mixing.MixingMatrix` parameter, nothing else
 If the recall gained by ``trained`` survives in ``trained + base mixing`` and does not appear in ``base + trained
 mixing``, it lives in the projections, convolutions and MLPs (the features), not in the mixing.
 
-``--equal-weights`` is the second control, on single runs whose rows are tied by distance
-(``task.mixing_tie=distance``): each model as trained, with every layer's per-distance coefficients ``c[d]`` made
-equal (their mean), and with the ``--keep-near`` nearest kept and the rest equal (their mean): how much of the
-recall the learned shape of the window carries, without training (``seed=RUN`` instead of pairs).
+``--equal-weights`` is the second control, on single runs (``seed=RUN`` instead of pairs): each model as trained,
+with every layer's coefficients made equal over distance (:func:`mhla.mixing.with_equal_weights`: rows tied by
+distance or free, the ``clamp`` parameterisation), and with the ``--keep-near`` nearest kept and the rest equal:
+how much of the recall the learned shape of the window carries, without training.
 
     python scripts/mixing_transplant.py --equal-weights 0=RUN 1=RUN --lengths 4096 --out OUT
 
@@ -41,7 +41,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 
 import torch  # noqa: E402
 
-from mhla.mixing import mixing_matrices  # noqa: E402
+from mhla.mixing import mixing_matrices, with_equal_weights  # noqa: E402
 from scripts.length_extrapolation import extension_rule  # noqa: E402
 from scripts.long_context import DEPTHS  # noqa: E402
 from tasks.common.checkpoint import find_checkpoint  # noqa: E402
@@ -71,25 +71,6 @@ def with_mixing_of(model, donor):
             raise ValueError(f"{name}: the mixing parameters differ in name or shape")
         for k, p in dst.items():
             p.copy_(src[k])
-    return out
-
-
-@torch.no_grad()
-def with_equal_weights(model, keep_near: int = 0):
-    """A copy of ``model`` whose every distance-tied mixing vector ``c[d]`` (``MixingMatrix(tie="distance")``, the
-    ``clamp`` parameterisation: the stored values are the coefficients, clamped to ``[0, max_value]``) keeps its
-    ``keep_near`` nearest distances and gives every farther one their mean (``keep_near=0``: one weight for all).
-    An error for untied or other parameterisations, whose stored values are not one coefficient per distance."""
-    out = copy.deepcopy(model)
-    mats = mixing_matrices(out)
-    if not mats:
-        raise ValueError("the model has no mixing matrix")
-    for name, m in mats.items():
-        if getattr(m, "tied", None) != "distance" or m.parameterization != "clamp":
-            raise ValueError(f"{name}: equal weights need rows tied by distance (task.mixing_tie=distance) and the "
-                             f"clamp parameterisation, got tie={m.tied!r}, param={m.parameterization!r}")
-        m.project_()  # the stored values into [0, max_value]: the coefficients the forward uses
-        m.raw[..., keep_near:] = m.raw[..., keep_near:].mean(-1, keepdim=True)
     return out
 
 

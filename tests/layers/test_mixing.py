@@ -479,3 +479,34 @@ def test_mixing_profile_after_a_change_by_hand():
     assert p["tv_from_init"] == pytest.approx(0.75) and p["self_share"] == pytest.approx(1)
     assert p["row_sum"] == pytest.approx(0.5) and p["self_share_init"] == pytest.approx(0.25)
     torch.testing.assert_close(m.initial(), torch.full((4, 4), 0.25))
+
+
+@pytest.mark.parametrize("num_heads", [None, 2])
+@pytest.mark.parametrize("keep_near", [0, 2])
+def test_equal_weights_make_every_far_coefficient_the_last_rows_mean(num_heads, keep_near):
+    """Untied causal rows: coefficients at distance >= keep_near take the mean of the last learned row's at those
+    distances (per head), nearer ones stay; under `relative` the extended rows then read the same constant."""
+    torch.manual_seed(0)
+    m = MixingMatrix(6, causal=True, num_heads=num_heads, init="uniform", extension="relative")
+    with torch.no_grad():
+        m.raw.copy_(torch.rand_like(m.raw) * 1.4 - 0.2)  # some entries outside [0, 1]: clamped first
+    before = m.learned().detach().clone()
+    m.equalize_(keep_near)
+    W = m(20).detach()  # past the learned rows, by the rule
+    i = torch.arange(20)
+    d = i[:, None] - i[None, :]
+    mean = before[..., 5, : 6 - keep_near].mean(-1)
+    far = W[..., d >= keep_near]
+    assert torch.allclose(far, mean[..., None].expand_as(far))
+    near = (d >= 0) & (d < keep_near) & (i[:, None] < 6)  # the learned rows' near entries: kept
+    assert torch.equal(W[..., near], before[..., near[:6, :6]])
+    assert torch.equal(W[..., d < 0], torch.zeros_like(W[..., d < 0]))
+
+
+def test_equal_weights_refuse_what_has_no_coefficient_per_entry():
+    with pytest.raises(ValueError, match="clamp"):
+        MixingMatrix(4, causal=True, parameterization="log").equalize_()
+    with pytest.raises(ValueError, match="causal"):
+        MixingMatrix(4).equalize_()
+    with pytest.raises(ValueError, match="log_distance"):
+        MixingMatrix(8, causal=True, tie="log_distance").equalize_()

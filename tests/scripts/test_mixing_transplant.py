@@ -87,9 +87,15 @@ def test_equal_weights_flatten_the_far_coefficients_and_nothing_else(keep_near):
     assert not torch.allclose(flat(input_ids=x).logits, model(input_ids=x).logits)
 
 
-def test_equal_weights_refuse_untied_rows():
-    with pytest.raises(ValueError, match="tied by distance"):
-        T.with_equal_weights(tiny())
+def test_equal_weights_take_untied_rows_and_leave_the_rest():
+    model = tiny()
+    flat = T.with_equal_weights(model)
+    for name, m in mixing_matrices(flat).items():
+        w = m.learned()
+        assert torch.allclose(w[..., w.new_ones(w.shape[-2:]).tril().bool()], w[..., -1, :1].mean()), name
+    mix = {n for n, _ in flat.named_parameters() if n.endswith(".raw")}
+    assert mix and all(torch.equal(p, dict(model.named_parameters())[n])
+                       for n, p in flat.named_parameters() if n not in mix)
 
 
 def test_markdown_of_the_equal_weights_record():

@@ -730,3 +730,34 @@ def test_spread_mqar_long_stage_passes_the_state_of_a_document():
         assert all(p.grad is not None for p in model.parameters() if p.requires_grad), attn
     with pytest.raises(ValueError, match="multiples"):
         SpreadMQARDataset(4, seq_len=16, vocab_size=64, num_kv_pairs=2, curriculum=[[40, 2]])
+
+
+def test_equal_weights_evaluate_each_mhla_model_a_second_time_as_its_own_group(monkeypatch):
+    """--equal-weights: every MHLA run is also evaluated with its mixing made equal (group <name>_equal, the same
+    run recorded with the edit named, left out of the training table); linear attention runs once."""
+    from omegaconf import OmegaConf
+
+    import scripts.long_context as LC
+
+    cfg = OmegaConf.create({"task": {"target": "tasks.language.long_context.SpreadMQARTask"},
+                            "data": {"seq_len": 32, "vocab_size": 64, "num_kv_pairs": 2, "filler": "values"}})
+    models = {"m": tiny_model("mhla"), "l": tiny_model("linear")}
+    with torch.no_grad():  # a mixing whose equal-weight copy differs from it
+        for m in LC.mixing_matrices(models["m"]).values():
+            m.raw.copy_(torch.rand_like(m.raw))
+    trained = {k: v.clone() for k, v in models["m"].state_dict().items()}
+    monkeypatch.setattr(LC, "find_checkpoint", lambda path: path)
+    monkeypatch.setattr(LC, "load_run", lambda ckpt, overrides: (cfg, None, models[ckpt], None))
+    monkeypatch.setattr(LC, "read_run_record", lambda path: {})
+    monkeypatch.setattr(LC, "train_loss_curve", lambda path: [[0, 5.0], [10, 1.0]])
+    monkeypatch.setattr(LC, "metric_curve", lambda path, key: [])
+    args = SimpleNamespace(lengths=[32, 64], max_len=64, rules=["relative"], examples=4, batch_size=4,
+                           prefill_chunk=16, seed=0, softmax_max_len=64, equal_weights=True)
+    record = LC.evaluate_runs({"mhla_s0": "m", "linear_s0": "l"}, args)
+    groups = record["tests"]["mqar"]["groups"]
+    assert set(groups) == {"mhla", "mhla_equal", "linear"}
+    assert record["runs"]["mhla_equal/0"]["edit"] == LC.EQUAL_EDIT and "edit" not in record["runs"]["mhla/0"]
+    assert groups["mhla"]["0"]["relative"]["64"]["n"] == groups["mhla_equal"]["0"]["relative"]["64"]["n"] == 8
+    table = "\n".join(LC.training_lines(record))
+    assert "| mhla/0 |" in table and "| linear/0 |" in table and "mhla_equal" not in table
+    assert all(torch.equal(v, trained[k]) for k, v in models["m"].state_dict().items())  # the edit is a copy
