@@ -788,7 +788,6 @@ def mixing_matrices(model: nn.Module) -> dict[str, MixingMatrix]:
     return {name.rpartition(".")[0] or name: m for name, m in model.named_modules() if isinstance(m, MixingMatrix)}
 
 
-
 @torch.no_grad()
 def with_equal_weights(model: nn.Module, keep_near: int = 0) -> nn.Module:
     """A copy of ``model`` whose every mixing matrix has :meth:`MixingMatrix.equalize_` applied (the coefficients
@@ -805,6 +804,7 @@ def with_equal_weights(model: nn.Module, keep_near: int = 0) -> nn.Module:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     return out
+
 
 # ------------------------------------------------------------------------------------ cross-attention
 CROSS_INIT_KINDS = ("uniform",)

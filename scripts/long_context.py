@@ -311,7 +311,7 @@ def markdown(record: dict) -> str:
 def training_lines(record: dict) -> list[str]:
     """Per run: the step at which its training loss left the starting plateau (:func:`plateau_exit`) and its last
     evaluation accuracy during training (records made before these were stored: nothing)."""
-    runs = {k: r for k, r in record["runs"].items() if "curve" in r and "edit" not in r}  # an edit: its run's
+    runs = {k: r for k, r in record["runs"].items() if "curve" in r and "edit" not in r}  # an edit: its run once
     if not runs:
         return []
     out = ["## Training", "", f"Left the plateau: the first logged step with the training loss {PLATEAU_DROP} below "
