@@ -311,7 +311,7 @@ def markdown(record: dict) -> str:
 def training_lines(record: dict) -> list[str]:
     """Per run: the step at which its training loss left the starting plateau (:func:`plateau_exit`) and its last
     evaluation accuracy during training (records made before these were stored: nothing)."""
-    runs = {k: r for k, r in record["runs"].items() if "curve" in r and "edit" not in r}  # an edit: its run once
+    runs = {k: r for k, r in record["runs"].items() if "curve" in r and "edit" not in r}  # a run once, not per edit
     if not runs:
         return []
     out = ["## Training", "", f"Left the plateau: the first logged step with the training loss {PLATEAU_DROP} below "
@@ -486,6 +486,7 @@ def parse_args(argv=None):
 
 
 PART_SETTINGS = ("rules", "threads")  # may differ between the parts of a merge (each part's command keeps its own)
+SETTING_DEFAULTS = {"equal_weights": False}  # settings added later: what a part recorded before them was made under
 
 
 def merge_records(records: list[dict]) -> dict:
@@ -515,7 +516,8 @@ def write_merged(paths: list[str], out: str, notes: str, argv=None) -> int:
     part's command and measurement (:func:`tasks.common.results.read_parts`), the settings the parts share (all
     but :data:`PART_SETTINGS`: checked) and the first part's machine."""
     records, kept = read_parts(paths)
-    shared = [{k: v for k, v in r["settings"].items() if k not in PART_SETTINGS} for r in records]
+    shared = [{**SETTING_DEFAULTS, **{k: v for k, v in r["settings"].items() if k not in PART_SETTINGS}}
+              for r in records]
     if any(s != shared[0] for s in shared):
         raise SystemExit("the records were evaluated with different settings (examples, seed, lengths, ...): "
                          + "; ".join(json.dumps(s, sort_keys=True) for s in shared))

@@ -294,6 +294,14 @@ def test_merge_joins_records_of_other_models_and_keeps_each_parts_conditions(tmp
     (tmp_path / "seed1.json").write_text(json.dumps(seed1))
     assert main(["--merge", str(paths[0]), str(tmp_path / "seed1.json"), "--out", str(tmp_path / "seeds")]) == 0
     assert set(json.loads((tmp_path / "seeds.json").read_text())["tests"]["passkey"]["groups"]["mhla"]) == {"0", "1"}
+    newer = json.loads(paths[1].read_text())  # a part made after --equal-weights existed, without it: joins
+    newer["settings"]["equal_weights"] = False
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    assert main(["--merge", str(paths[0]), str(tmp_path / "newer.json"), "--out", str(tmp_path / "old_new")]) == 0
+    newer["settings"]["equal_weights"] = True
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    with pytest.raises(SystemExit, match="different settings"):
+        main(["--merge", str(paths[0]), str(tmp_path / "newer.json"), "--out", str(tmp_path / "old_equal")])
     other = json.loads(paths[1].read_text())
     other["settings"]["examples"] = 2
     paths[1].write_text(json.dumps(other))
