@@ -508,6 +508,10 @@ def merge_records(records: list[dict]) -> dict:
                 have.update(seeds)
                 t["rules_of"][g] = joined_rules(t["rules_of"].get(g, []), test["rules_of"][g])
         merged["runs"].update(rec["runs"])
+    for test in merged["tests"].values():  # seeds in order, whatever the parts' order: readings pair them by position
+        for g, seeds in test["groups"].items():
+            test["groups"][g] = dict(sorted(seeds.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if
+                                                                            kv[0].isdigit() else 0, kv[0])))
     return merged
 
 

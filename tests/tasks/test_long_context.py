@@ -294,6 +294,8 @@ def test_merge_joins_records_of_other_models_and_keeps_each_parts_conditions(tmp
     (tmp_path / "seed1.json").write_text(json.dumps(seed1))
     assert main(["--merge", str(paths[0]), str(tmp_path / "seed1.json"), "--out", str(tmp_path / "seeds")]) == 0
     assert set(json.loads((tmp_path / "seeds.json").read_text())["tests"]["passkey"]["groups"]["mhla"]) == {"0", "1"}
+    assert main(["--merge", str(tmp_path / "seed1.json"), str(paths[0]), "--out", str(tmp_path / "rev")]) == 0
+    assert list(json.loads((tmp_path / "rev.json").read_text())["tests"]["passkey"]["groups"]["mhla"]) == ["0", "1"]
     newer = json.loads(paths[1].read_text())  # a part made after --equal-weights existed, without it: joins
     newer["settings"]["equal_weights"] = False
     (tmp_path / "newer.json").write_text(json.dumps(newer))
