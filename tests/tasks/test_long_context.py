@@ -664,8 +664,8 @@ def test_spread_mqar_curriculum_packs_short_batches_with_the_pairs_spread_over_e
 
 
 def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
-    """``experiment=long_context/recall_preset`` composes to the no-rotary grid's 8-row MHLA
-    (configs/grid/long_context_passkey_state_mixed_4k_nope.yaml, ``passkey_mhla_m8_nope``) but for the far rule,
+    """``experiment=long_context/recall_preset`` composes to the no-rotary grid's 8-row MHLA started at 1
+    (configs/grid/long_context_passkey_state_mixed_4k_nope.yaml, ``passkey_mhla_m8_ones_nope``) but for the far rule,
     and that rule equals ``uniform_far`` on every length the recipe trains (4,096 tokens: 128 blocks of 32), so the
     preset trains the grid's model; past 120 far blocks it keeps the far weight (``uniform_far`` would shrink it)."""
     from omegaconf import OmegaConf  # noqa: PLC0415
@@ -677,7 +677,7 @@ def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     grid = rsg.load_grid(os.path.join(root, "configs", "grid", "long_context_passkey_state_mixed_4k_nope.yaml"))
     preset = OmegaConf.to_container(compose(["experiment=long_context/recall_preset"])[0], resolve=True)
-    variant = OmegaConf.to_container(compose([*grid["common"], *grid["variants"]["passkey_mhla_m8_nope"]])[0],
+    variant = OmegaConf.to_container(compose([*grid["common"], *grid["variants"]["passkey_mhla_m8_ones_nope"]])[0],
                                      resolve=True)
     assert preset["attn"].pop("mixing_extension") == "uniform_far:auto" and variant["attn"].pop(
         "mixing_extension") is None  # the model's default: uniform_far
