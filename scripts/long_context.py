@@ -489,6 +489,12 @@ PART_SETTINGS = ("rules", "threads")  # may differ between the parts of a merge 
 SETTING_DEFAULTS = {"equal_weights": False}  # settings added later: what a part recorded before them was made under
 
 
+def seed_order(key: str) -> tuple:
+    """Sort key of a group's member: seeds (``"0"``, ``"1"``, ..., ``"10"``) in numeric order, then runs named
+    without a seed, by name."""
+    return (0, int(key), "") if key.isdigit() else (1, 0, key)
+
+
 def merge_records(records: list[dict]) -> dict:
     """One record of several of this script's records of other runs: their tests' groups (a model's seeds may come
     from several records) and their runs joined. A test's training length and lengths must agree across the records,
@@ -510,8 +516,7 @@ def merge_records(records: list[dict]) -> dict:
         merged["runs"].update(rec["runs"])
     for test in merged["tests"].values():  # seeds in order, whatever the parts' order: readings pair them by position
         for g, seeds in test["groups"].items():
-            test["groups"][g] = dict(sorted(seeds.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if
-                                                                            kv[0].isdigit() else 0, kv[0])))
+            test["groups"][g] = dict(sorted(seeds.items(), key=lambda kv: seed_order(kv[0])))
     return merged
 
 
