@@ -632,6 +632,8 @@ class MultiHeadLinearAttention(KernelAttention):
             (:func:`mhla.mixing_init`).
         mixing_learnable: learn the mixing matrix (else a frozen buffer). mixing_per_head: one matrix per head.
         mixing_param: nonnegativity parameterization, ``"clamp"`` (paper), ``"softplus"`` or ``"log"``.
+        mixing_max: the clamp's upper bound on a coefficient (default 1: the paper clips to ``(0, 1)``); only with
+            ``mixing_param="clamp"``.
         max_learned_blocks: causal only; blocks with their own learned coefficients (beyond: the extension
             rule ``mixing_extension``; sequences are not capped).
         mixing_extension: causal only; how rows past ``max_learned_blocks`` are built
@@ -684,6 +686,7 @@ class MultiHeadLinearAttention(KernelAttention):
         mixing_learnable: bool = True,
         mixing_per_head: bool = False,
         mixing_param: str = "clamp",
+        mixing_max: float = 1.0,
         max_learned_blocks: int | None = None,
         mixing_extension: str | None = None,
         backend: str = "auto",
@@ -692,6 +695,9 @@ class MultiHeadLinearAttention(KernelAttention):
         super().__init__(dim, num_heads, **kwargs)
         self.backend = backend
         per_head = num_heads if mixing_per_head else None
+        if float(mixing_max) != 1.0 and mixing_param != "clamp":
+            raise ValueError(f"mixing_max bounds the clamp parameterization; mixing_param={mixing_param!r} has no "
+                             f"upper bound (drop mixing_max={mixing_max} or use mixing_param=clamp)")
         if self.causal:
             given = [n for n, v in (("grid", self.grid if self.grid and len(self.grid) != 1 else None),
                                     ("blocks", blocks), ("block", block), ("num_blocks", num_blocks)) if v is not None]
@@ -727,6 +733,7 @@ class MultiHeadLinearAttention(KernelAttention):
             learnable=mixing_learnable,
             num_heads=per_head,
             parameterization=mixing_param,
+            max_value=float(mixing_max),
             extension=mixing_extension or "uniform_far",
         )
         if kwargs.get("device") is not None:
@@ -776,7 +783,7 @@ class MultiHeadLinearAttention(KernelAttention):
         m = self.mixing
         out = {**super().settings(), "mixing_init": m.init, "mixing_learnable": m.learnable,
                "mixing_per_head": m.num_heads is not None, "mixing_param": m.parameterization,
-               "backend": self.backend, "num_blocks": m.num_blocks}
+               "mixing_max": m.max_value, "backend": self.backend, "num_blocks": m.num_blocks}
         if self.causal:
             out.update(block_size=self.block_size, max_learned_blocks=m.num_blocks, mixing_extension=m.extension)
         else:

@@ -19,6 +19,7 @@ model setting for that attention (:data:`LM_ATTENTION_DEFAULTS`), every differen
 | ``max_learned_blocks`` | learned mixing rows = context / block_size; longer inputs extend by ``mixing_extension`` | hard cap at 2048 tokens |
 | ``mixing_extension`` | ``"uniform_far"``: rows past the learned ones repeat the last one by distance, the far past shares one coefficient (``results/language/length_extrapolation.md``) | none (capped) |
 | ``mixing_param`` | ``"clamp"`` (paper); ``"log"`` and ``"softplus"`` are options | clamp |
+| ``mixing_max`` | 1: the clamp's upper bound (the paper clips to (0, 1)) | 1 |
 
 ``out_norm`` follows ``normalize`` unless it is given (``out_norm = not normalize``; with the swish gate, whose
 ``RMSNorm(o) * swish(W_g x)`` has its own output norm, it is left unset). The mixing matrix's

@@ -223,6 +223,8 @@ def describe(record: dict) -> str:
         elif attn.get("num_blocks") is not None:
             bits.append(f"M={attn.get('num_blocks')}")
         bits += [f"init={attn.get('mixing_init')}", "learnable" if attn.get("mixing_learnable") else "frozen"]
+        if attn.get("mixing_max") not in (None, 1, 1.0):  # the clamp's bound, when not the paper's 1
+            bits.append(f"max {attn.get('mixing_max')}")
         if attn.get("mixing_learnable"):
             bits.append(f"mixing lr x {config.get('optim', {}).get('mixing_lr_scale')}")
     if attn.get("short_conv") is not None:

@@ -39,7 +39,8 @@ TASKS = {
 # A value other than the default for each option a YAML lists (lists: one per grid rank where it matters).
 CANDIDATES = {
     "feature_map": "elu", "normalize": "flip", "out_norm": "flip", "mixing_init": "identity",
-    "mixing_learnable": False, "mixing_per_head": True, "mixing_param": "softplus", "mixing_extension": "window",
+    "mixing_learnable": False, "mixing_per_head": True, "mixing_param": "softplus", "mixing_max": 2.0,
+    "mixing_extension": "window",
     "max_learned_blocks": 2, "cpe": True, "cpe_kernel": 5, "gate": "linear", "rope": "before_feature_map",
     "short_conv": 2, "qk_norm": True, "eps": 1e-5, "backend": "torch", "num_blocks": 1, "block_size": 4,
     "blocks": "ones", "block": "whole", "temperature": 2.0, "focusing_factor": 2.0, "dwc_kernel": 3,

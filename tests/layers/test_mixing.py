@@ -227,6 +227,28 @@ def test_max_value_and_project_noop_for_softplus():
     assert torch.all(sp.raw == -5.0)
 
 
+def test_the_layers_mixing_max_lets_a_coefficient_started_at_1_rise():
+    """``mixing_max`` (``attn.mixing_max``) is the clamp's upper bound: started at 1 (``mixing_init=ones``) a
+    coefficient pushed up stays at 1 under the paper's bound and rises to the bound given; refused without clamp."""
+    from mhla.layers import MultiHeadLinearAttention  # noqa: PLC0415
+
+    risen = {}
+    for bound in (1.0, 4.0):
+        layer = MultiHeadLinearAttention(16, 2, causal=True, block_size=4, max_learned_blocks=3, mixing_init="ones",
+                                         mixing_max=bound)
+        assert layer.settings()["mixing_max"] == bound
+        opt = torch.optim.SGD(layer.mixing.parameters(), lr=10.0)
+        (-layer.mixing.learned()).sum().backward()  # every visible coefficient pushed up
+        opt.step()
+        layer.mixing.project_()
+        risen[bound] = layer.mixing.learned().detach()
+    visible = torch.ones(3, 3).tril().bool()
+    assert torch.equal(risen[1.0][visible], torch.ones(6))
+    assert torch.equal(risen[4.0][visible], torch.full((6,), 4.0))
+    with pytest.raises(ValueError, match="mixing_max bounds the clamp"):
+        MultiHeadLinearAttention(16, 2, causal=True, block_size=4, mixing_param="log", mixing_max=4.0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"parameterization": "exp"}, "parameterization must be one of clamp, softplus"),
     ({"num_heads": 0}, "num_heads"),
