@@ -52,6 +52,8 @@ ADDED_SINCE = {
     **{f"attn.{key}": (None, "an option added later to express the authors' release (in_norm, gate_bias, "
                              "feature_map_eps, q_scale); null is the layer's default, its behaviour before the key")
        for key in ("in_norm", "gate_bias", "feature_map_eps", "q_scale")},
+    "attn.mixing_max": (None, "the clamp's upper bound, added for the ceiling control of the ones start; null is the "
+                              "layer's default 1, the only bound before it"),
 }
 
 
