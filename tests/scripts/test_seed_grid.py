@@ -124,6 +124,17 @@ def test_uniform_reference_and_block_size_follow_each_runs_m():
         "0.245 at M = 8, 0.159 at M = 16"
 
 
+def test_the_attention_column_names_a_clamp_bound_other_than_1():
+    """Two rows that differ only in ``attn.mixing_max`` are told apart; the paper's bound of 1 (or a record from
+    before the option) is not named."""
+    def described(**options):
+        return seed_grid.describe({"config": {"optim": {"mixing_lr_scale": 1.0}},
+                                   "attention": {"name": "mhla", "block_size": 32, "mixing_init": "ones",
+                                                 "mixing_learnable": True, **options}})
+    assert described(mixing_max=16.0) == "mhla, block 32, init=ones, learnable, max 16.0, mixing lr x 1.0"
+    assert described(mixing_max=1.0) == described() == "mhla, block 32, init=ones, learnable, mixing lr x 1.0"
+
+
 def test_one_seed_shows_no_spread(tmp_path):
     """A variant with one finished seed has no standard deviation to show: "(one seed)", not "± 0.00"."""
     root = str(tmp_path / "runs")
