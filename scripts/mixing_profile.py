@@ -35,7 +35,7 @@ from mhla.mixing import mixing_matrices, mixing_profile, normalized_rows
 from tasks.common.checkpoint import find_checkpoint, run_folder
 from tasks.common.evaluation import load_run
 from tasks.common.launch import read_notes
-from tasks.common.records import code_version, read_run_record
+from tasks.common.records import code_version, effective_attention, read_run_record
 from tasks.common.results import write_result
 from tasks.common.stats import mean_std
 from tasks.common.utils import load_average, system_info
@@ -51,7 +51,8 @@ MEAN_KEYS = tuple(key for key, _, _ in COLUMNS) + tuple(
 
 
 def profile_run(path: str) -> dict:
-    """The run at ``path`` (a run folder or a checkpoint): its config, run commit and each MHLA layer's profile."""
+    """The run at ``path`` (a run folder or a checkpoint): its config, effective attention, run commit and each MHLA
+    layer's profile."""
     ckpt = str(find_checkpoint(path))
     cfg, _, model, _ = load_run(ckpt, ["trainer.device=cpu"])
     layers = [{"layer": name, **mixing_profile(m), "rows": _rows(m)} for name, m in mixing_matrices(model).items()]
@@ -63,6 +64,7 @@ def profile_run(path: str) -> dict:
     return {"run": folder.name, "checkpoint": ckpt, "seed": cfg.get("seed"), "run_commit": record.get("commit"),
             "metrics": record.get("metrics"), "init": layers[0]["init"],
             "learnable": layers[0]["learnable"], "config": OmegaConf.to_container(cfg, resolve=True),
+            "attention": record.get("attention") or effective_attention(cfg),  # every option it ran with
             "layers": layers, "mean": mean}
 
 

@@ -190,6 +190,7 @@ def test_mixing_profile_on_trained_runs(tmp_path):
     assert learned["learnable"] and not frozen["learnable"] and len(frozen["layers"]) == 4
     assert frozen["mean"]["tv_from_init"] == 0 and learned["mean"]["tv_from_init"] > 0  # two steps moved it
     assert frozen["config"]["attn"]["mixing_learnable"] is False and learned["run_commit"]
+    assert frozen["attention"]["mixing_learnable"] is False and learned["attention"]["name"] == "mhla"  # as it ran
     assert frozen["mean"]["self_share"] == pytest.approx(frozen["mean"]["self_share_init"])
     # both started from the locality init and the frozen one stayed there: their distance is the learned one's
     # distance from its init
