@@ -32,10 +32,11 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 from omegaconf import OmegaConf
 
 from mhla.mixing import mixing_matrices, mixing_profile, normalized_rows
+from scripts.tables.seed_grid import attention_of
 from tasks.common.checkpoint import find_checkpoint, run_folder
 from tasks.common.evaluation import load_run
 from tasks.common.launch import read_notes
-from tasks.common.records import code_version, effective_attention, read_run_record
+from tasks.common.records import code_version, read_run_record
 from tasks.common.results import write_result
 from tasks.common.stats import mean_std
 from tasks.common.utils import load_average, system_info
@@ -61,10 +62,10 @@ def profile_run(path: str) -> dict:
     folder = run_folder(ckpt)
     record = read_run_record(folder) or {}
     mean = {key: _mean([lay[key] for lay in layers]) for key in MEAN_KEYS}
+    config = OmegaConf.to_container(cfg, resolve=True)
     return {"run": folder.name, "checkpoint": ckpt, "seed": cfg.get("seed"), "run_commit": record.get("commit"),
-            "metrics": record.get("metrics"), "init": layers[0]["init"],
-            "learnable": layers[0]["learnable"], "config": OmegaConf.to_container(cfg, resolve=True),
-            "attention": record.get("attention") or effective_attention(cfg),  # every option it ran with
+            "metrics": record.get("metrics"), "init": layers[0]["init"], "learnable": layers[0]["learnable"],
+            "config": config, "attention": attention_of({"config": config, **record}),  # every option it ran with
             "layers": layers, "mean": mean}
 
 
