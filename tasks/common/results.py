@@ -149,12 +149,17 @@ def read_parts(paths) -> tuple[list[dict], dict]:
     """The records at ``paths`` (one script's evaluations run in parallel processes, each written by
     :func:`write_result`) and what their merge keeps of each: ``(records, {"parts": [{"json", "command",
     "seconds", "measurement"}], "seconds": their sum, "measurement": the first part's conditions, busy when any
-    part was (None when no part was measured)})``. The caller joins the records' contents."""
+    part was (None when no part was measured)})``. The caller joins the records' contents. A record that is itself
+    a merge (it has ``parts``) adds its own parts, so a record grown by another seed keeps every evaluation's
+    command."""
     records, parts = [], []
     for path in paths:
         with open(path) as f:
             records.append(json.load(f))
         rec = records[-1]
+        if rec.get("parts"):
+            parts += rec["parts"]
+            continue
         seconds = rec.get("seconds", (rec.get("measurement") or {}).get("seconds"))
         parts.append({"json": str(path), "command": rec.get("command"), "seconds": seconds,
                       "measurement": rec.get("measurement")})

@@ -296,6 +296,15 @@ def test_merge_joins_records_of_other_models_and_keeps_each_parts_conditions(tmp
     assert set(json.loads((tmp_path / "seeds.json").read_text())["tests"]["passkey"]["groups"]["mhla"]) == {"0", "1"}
     assert main(["--merge", str(tmp_path / "seed1.json"), str(paths[0]), "--out", str(tmp_path / "rev")]) == 0
     assert list(json.loads((tmp_path / "rev.json").read_text())["tests"]["passkey"]["groups"]["mhla"]) == ["0", "1"]
+    seed2 = json.loads(paths[0].read_text())  # a merged record grown by one more seed keeps each part's command
+    seed2["tests"]["passkey"]["groups"]["mhla"] = {"2": seed2["tests"]["passkey"]["groups"]["mhla"]["0"]}
+    seed2["command"] = "part 2"
+    (tmp_path / "seed2.json").write_text(json.dumps(seed2))
+    assert main(["--merge", str(tmp_path / "seeds.json"), str(tmp_path / "seed2.json"), "--out",
+                 str(tmp_path / "grown")]) == 0
+    grown = json.loads((tmp_path / "grown.json").read_text())
+    assert [p["command"] for p in grown["parts"]] == ["part 0", "part 0", "part 2"]
+    assert list(grown["tests"]["passkey"]["groups"]["mhla"]) == ["0", "1", "2"]
     newer = json.loads(paths[1].read_text())  # a part made after --equal-weights existed, without it: joins
     newer["settings"]["equal_weights"] = False
     (tmp_path / "newer.json").write_text(json.dumps(newer))
