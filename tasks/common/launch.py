@@ -108,8 +108,10 @@ def train_loss_curve(run_dir: str) -> list[tuple[int, float]]:
 
 
 def read_notes(notes: str) -> str:
-    """A ``--notes`` argument: the text itself, or the contents of the file named after a leading ``@``."""
+    """A ``--notes`` argument: the text itself, or the contents of the file named after a leading ``@``; a leading
+    ``## Reading`` heading is dropped (the scripts write that heading above the notes themselves)."""
     if notes.startswith("@"):
         with open(notes[1:]) as f:
-            return f.read()
-    return notes
+            notes = f.read()
+    head, _, rest = notes.lstrip().partition("\n")
+    return rest.lstrip("\n") if head.strip() == "## Reading" else notes

@@ -83,3 +83,13 @@ def test_wait_until_settled_waits_for_the_load_average(monkeypatch):
     assert records.wait_until_settled(max_wait_s=12, poll_s=5) == 15
     monkeypatch.setattr(records, "load_average", lambda: None)  # no load average on this OS: no wait
     assert records.wait_until_settled() == 0
+
+
+def test_read_notes_drops_a_leading_reading_heading(tmp_path):
+    """The scripts write the "## Reading" heading above the notes; notes that start with it do not get it twice."""
+    from tasks.common.launch import read_notes
+
+    (tmp_path / "n.md").write_text("## Reading\n\n**A** reading.\n")
+    assert read_notes(f"@{tmp_path / 'n.md'}") == "**A** reading.\n"
+    assert read_notes("**A** reading, then\n## Reading") == "**A** reading, then\n## Reading"
+    assert read_notes("") == ""
