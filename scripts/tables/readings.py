@@ -296,7 +296,7 @@ def _key(obj, key):
     if key == "notes":
         raise BindingError("a record's notes are its reading: not evidence for it")
     if isinstance(obj, list):
-        if not isinstance(key, int):
+        if not isinstance(key, (int, slice)):
             raise BindingError(f"a list indexed by {key!r}")
         return obj[key]
     if isinstance(obj, dict):
@@ -324,6 +324,8 @@ def evaluate(expr: str, names: dict):
             return _key(ev(node.value), node.attr)
         if isinstance(node, ast.Subscript):
             return _key(ev(node.value), ev(node.slice))
+        if isinstance(node, ast.Slice) and node.step is None:  # the first seeds of a list: over(...)[:3]
+            return slice(*(None if b is None else int(ev(b)) for b in (node.lower, node.upper)))
         if isinstance(node, (ast.List, ast.Tuple)):
             return [ev(x) for x in node.elts]
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:

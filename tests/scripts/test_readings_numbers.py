@@ -168,6 +168,12 @@ def test_the_check_on_a_synthetic_reading():
     assert R.check(good, binding, dict(names, acc=0.87251))  # 87.251 prints 87.3, not 87.2
     unsaid = dict(binding, numbers=[*binding["numbers"][:2], "0.01 ~ an lr factor"])
     assert R.check(good, unsaid, names)  # a number not read from a record says what it is
+    firsts = dict(binding, numbers=["87.2 = 100 * acc", "10.5 = paired([90.0, 91.0, 70.0][:2], [80.0, 80.0]).mean",
+                                       binding["numbers"][2]])
+    assert R.check(good, firsts, names) == []  # the seeds both sides have: a list's first ones
+    assert R.evaluate("[1, 2, 3][1:]", {}) == [2, 3]
+    with pytest.raises(R.BindingError):
+        R.evaluate("[1, 2, 3][::2]", {})  # a step is not a seed selection
 
 
 # -- the readings left on the old check (R.UNBOUND) ---------------------------------------------------------
