@@ -94,6 +94,41 @@ def gate_kind(gate) -> str | None:
                      f"(W_o x + b), RALA's), got {gate!r}")
 
 
+#: the kinds of :class:`WriteGate` (``write_gate`` of the kernel attentions)
+WRITE_GATES = ("relu", "sigmoid")
+
+
+class WriteGate(nn.Module):
+    """How strongly each token writes into the state, per head: ``x: [B, N, C]`` -> ``g: [B, N, H]``, which scales
+    the token's value before the state adds it (``S = sum_t g_t phi(k_t) v_t^T``; a selective state, beyond the
+    paper's operator). ``W`` starts at 0, so ``g`` starts at 1 for every token and the layer starts as the ungated
+    one. ``"relu"``: ``g = relu(x W^T + 1)``, which can be exactly 0 (a token left out at any context length);
+    ``"sigmoid"``: ``g = 2 sigmoid(x W^T)``, in (0, 2), never 0 (the control: a token's share still falls with the
+    number of tokens written beside it)."""
+
+    def __init__(self, dim: int, num_heads: int, kind: str, device=None, dtype=None):
+        super().__init__()
+        if kind not in WRITE_GATES:
+            raise ValueError(f"write_gate must be one of {', '.join(WRITE_GATES)} (or none), got {kind!r}")
+        self.kind = kind
+        self.weight = nn.Parameter(torch.empty(num_heads, dim, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_heads, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def initial_bias(self) -> float:
+        """The bias that makes ``g = 1`` at ``W = 0``."""
+        return 1.0 if self.kind == "relu" else 0.0
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.zero_()
+        self.bias.fill_(self.initial_bias())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = F.linear(x, self.weight, self.bias)
+        return F.relu(z) if self.kind == "relu" else 2.0 * torch.sigmoid(z)
+
+
 class AttentionBase(nn.Module):
     """Projections and options shared by every attention layer (the three here, :mod:`mhla.baselines`, ...).
 
@@ -539,6 +574,10 @@ class KernelAttention(AttentionBase):
         q_scale: a factor on the query features (after the feature map and the rotation): a number, or
             ``"head_dim"`` for ``head_dim ** -0.5`` (the release's language model). 1 by default; with a normaliser
             it cancels (up to ``eps``), without one the output RMSNorm removes it (up to its epsilon).
+        write_gate: ``None`` (default) or a :class:`WriteGate` kind (``"relu"``, ``"sigmoid"``): each token's value
+            is scaled by its gate ``g_t`` per head before the state adds it, so ``S = sum_t g_t phi(k_t) v_t^T``
+            (MHLA's block summaries and their far sum too; CPE reads the gated values). Needs ``normalize=False``
+            (the normaliser's ``sum phi(k)`` would stay ungated) and the layer's own projections.
 
     With ``rope="after_feature_map"`` and a normaliser, the numerator uses the rotated features and the
     normaliser the un-rotated ``phi(q) . phi(k)`` (RoFormer's linear-attention form: the denominator stays
@@ -547,8 +586,18 @@ class KernelAttention(AttentionBase):
     """
 
     def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "relu", normalize=True,
-                 eps: float = 1e-6, feature_map_eps: float | None = None, q_scale: float | str = 1.0, **kwargs):
+                 eps: float = 1e-6, feature_map_eps: float | None = None, q_scale: float | str = 1.0,
+                 write_gate: str | None = None, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
+        write_gate = None if write_gate in (None, False, "none") else write_gate
+        if write_gate is not None and normalize is not False:
+            raise ValueError(f"write_gate={write_gate!r} scales the values written into the state; with a normaliser "
+                             f"(normalize={normalize!r}) its sum of phi(k) would stay ungated: set normalize=false")
+        if write_gate is not None and not self.projections:
+            raise ValueError(f"write_gate={write_gate!r} reads the layer input in the projections; a layer built with "
+                             "projections=False (a host owns them) cannot have it")
+        dd = dict(device=self.qkv.weight.device, dtype=self.qkv.weight.dtype) if write_gate is not None else {}
+        self.write_gate = WriteGate(dim, num_heads, write_gate, **dd) if write_gate is not None else None
         if normalize not in (True, False, "official"):
             raise ValueError(f"normalize must be true, false or 'official', got {normalize!r}")
         if self.rope == "after_feature_map" and normalize == "official":
@@ -575,7 +624,21 @@ class KernelAttention(AttentionBase):
             out["feature_map_eps"] = self.feature_map_eps
         if self.q_scale != 1.0:
             out["q_scale"] = self.q_scale
+        if self.write_gate is not None:
+            out["write_gate"] = self.write_gate.kind
         return out
+
+    @classmethod
+    def tag_words(cls, options: dict) -> list[str]:
+        """A write gate in a run's tag (``-wg_relu``)."""
+        return [f"-wg_{options['write_gate']}"] if options.get("write_gate") not in (None, False, "none") else []
+
+    def _project(self, x: torch.Tensor, cache: AttentionCache | None = None, cu_seqlens=None):
+        """:meth:`AttentionBase._project`, the values scaled by the write gate (``[B, N, H, 1]``) when there is one."""
+        q, k, v = super()._project(x, cache, cu_seqlens)
+        if self.write_gate is not None:
+            v = v * self.write_gate(x).unsqueeze(-1).to(v.dtype)
+        return q, k, v
 
     def check_at_start(self) -> None:
         """The start-of-run check of a built layer (:func:`mhla.registry.probe_layers`): with the rotation after the
@@ -651,9 +714,10 @@ class MultiHeadLinearAttention(KernelAttention):
 
     @classmethod
     def tag_words(cls, options: dict) -> list[str]:
-        """A mixing initialisation other than the locality init (``-uniform``), a frozen matrix (``-frozen``)."""
+        """A mixing initialisation other than the locality init (``-uniform``), a frozen matrix (``-frozen``), then
+        :meth:`KernelAttention.tag_words`."""
         words = [f"-{options['mixing_init']}"] if options.get("mixing_init") not in (None, "locality") else []
-        return words + (["-frozen"] if options.get("mixing_learnable") is False else [])
+        return words + (["-frozen"] if options.get("mixing_learnable") is False else []) + super().tag_words(options)
 
     @classmethod
     def tag_blocks(cls, options: dict) -> str | None:

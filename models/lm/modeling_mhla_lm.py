@@ -39,7 +39,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from mhla.adapters.transformers import StateCacheLayer, map_tensors
 from mhla.lm_attention import build_lm_attention  # noqa: F401 (models.lm's blocks build through it)
-from mhla.layers import AttentionCache
+from mhla.layers import AttentionCache, WriteGate
 from mhla.mixing import MixingMatrix
 from mhla.ops.utils import token_index
 from mhla.rope import RotaryTables
@@ -253,6 +253,9 @@ class MHLALMPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, MixingMatrix):
             hf_init.copy_(module.raw, module.initial_raw().to(module.raw.dtype))
+        elif isinstance(module, WriteGate):  # starts at 1 for every token (the ungated layer)
+            hf_init.zeros_(module.weight)
+            hf_init.constant_(module.bias, module.initial_bias())
 
 
 class MHLALMModel(MHLALMPreTrainedModel):

@@ -54,6 +54,8 @@ ADDED_SINCE = {
        for key in ("in_norm", "gate_bias", "feature_map_eps", "q_scale")},
     "attn.mixing_max": (None, "the clamp's upper bound, added for the ceiling control of the ones start; null is the "
                               "layer's default 1, the only bound before it"),
+    "attn.write_gate": (None, "a learned gate on each token's write into the state, added for the moonshot's "
+                              "selective state; null is no gate, the only state before it"),
 }
 
 
