@@ -46,7 +46,7 @@ CANDIDATES = {
     "blocks": "ones", "block": "whole", "temperature": 2.0, "focusing_factor": 2.0, "dwc_kernel": 3,
     "rope_2d": False, "lepe_kernel": 3, "chunk": 8, "expand_k": 1.0, "expand_v": 0.5, "gate_rank": 8,
     "gate_norm": 8.0, "layers": "hybrid", "softmax_every": 2, "softmax_offset": 1, "head_width": 8,
-    "in_norm": True, "gate_bias": True, "feature_map_eps": 0.0, "q_scale": 0.5,
+    "in_norm": True, "gate_bias": True, "feature_map_eps": 0.0, "q_scale": 0.5, "write_gate": "relu",
 }
 HOST = ("layers", "softmax_every", "softmax_offset")
 

@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""How selective a trained write gate is (issue 50, ``attn.write_gate``): for passkey runs, the gate ``g`` each token
+writes with on passkey examples of ``--length`` tokens (the model's own forward, every layer's
+:class:`mhla.layers.WriteGate` read by a hook), per layer, over heads and examples: the share of filler tokens written
+with ``g = 0``, the mean gate of the filler, of the needle (its prefix, digits and suffix), of its digits and of the
+question, and ``filler mass at 1M``: what 1,048,576 filler tokens write (their mean gate times 1,048,576) over what the
+needle writes (the sum of its gates). Below 1 the needle outweighs a million tokens of filler in the state (up to the
+sizes of ``phi(k)`` and ``v``, which the gate does not see); a gate that never writes 0 leaves it growing with the
+length.
+
+    python scripts/write_gate_stats.py wg_s0=outputs/<grid>/passkey_mhla_m8_ones_wg_nope_s0 ... \\
+        --out results/language/write_gate_stats
+
+Writes ``<out>.md`` and ``.json`` (each run's record: commit, clean-tree flag, machine, load, resolved config and
+attention; the machine's load around the whole computation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+if __name__ == "__main__" and not __package__:  # run as a file: import from the root, not scripts/
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mhla.layers import WriteGate  # noqa: E402
+from scripts.mqar_extrapolation import group  # noqa: E402
+from tasks.common.checkpoint import find_checkpoint  # noqa: E402
+from tasks.common.evaluation import load_run  # noqa: E402
+from tasks.common.launch import read_notes  # noqa: E402
+from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record  # noqa: E402
+from tasks.common.results import rewrite_result, write_result  # noqa: E402
+from tasks.common.utils import system_info  # noqa: E402
+from tasks.language.long_context import PasskeyLMTask, filler_tokens, passkey_batch  # noqa: E402
+
+MILLION = 1_048_576
+PARTS = ("filler", "needle", "digits", "question")
+COLUMNS = ("filler_zero", *PARTS, "filler_mass_1m")
+
+
+def part_masks(batch: dict, fmt, length: int) -> dict[str, torch.Tensor]:
+    """``{part: [B, L] bool}`` of a passkey batch (:func:`tasks.language.long_context.passkey_batch`): the needle
+    (prefix + digits + suffix), its digits, the question (the tail before the answer) and the filler."""
+    B = batch["input_ids"].shape[0]
+    pos = torch.arange(length)[None, :].expand(B, length)
+    start = batch["needle_pos"][:, None]
+    needle = (pos >= start) & (pos < start + fmt.needle_len)
+    d0 = start + len(fmt.prefix)
+    digits = (pos >= d0) & (pos < d0 + fmt.digits)
+    tail = pos >= length - fmt.tail_len
+    question = tail & (pos < length - fmt.digits)
+    return {"filler": ~(needle | tail), "needle": needle, "digits": digits, "question": question}
+
+
+@torch.no_grad()
+def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: int, seed: int = 0) -> list[dict]:
+    """Per layer (the model's WriteGates in order): ``{"layer", "filler_zero", "filler", "needle", "digits",
+    "question", "filler_mass_1m"}`` over ``examples`` passkey examples of ``length`` tokens at each depth."""
+    gates = [(name, m) for name, m in model.named_modules() if isinstance(m, WriteGate)]
+    if not gates:
+        raise SystemExit("the model has no write gate (attn.write_gate)")
+    seen: dict[str, list] = {name: [] for name, _ in gates}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen[name].append(out.float()))
+             for name, m in gates]
+    rng = np.random.default_rng([seed, int(length)])
+    masks: list[dict] = []
+    try:
+        for depth in depths:
+            batch = passkey_batch(filler, fmt, length, [depth] * examples, rng)
+            model(batch["input_ids"].to(next(model.parameters()).device))
+            masks.append(part_masks(batch, fmt, length))
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for name, _ in gates:
+        g = torch.cat(seen[name])  # [n, L, H]
+        mask = {p: torch.cat([m[p] for m in masks]) for p in PARTS}
+        mean = {p: float(g[mask[p]].mean()) for p in PARTS}
+        needle_sum = float(g[mask["needle"]].sum()) / mask["needle"].shape[0] / g.shape[-1]  # per example, head
+        rows.append({"layer": name, "filler_zero": float((g[mask["filler"]] == 0).float().mean()), **mean,
+                     "filler_mass_1m": mean["filler"] * MILLION / needle_sum if needle_sum > 0 else float("inf")})
+    return rows
+
+
+def _cell(key: str, x: float) -> str:
+    if key == "filler_zero":
+        return f"{100 * x:.1f}%"
+    if key == "filler_mass_1m":
+        return f"{x:.3g}"
+    return f"{x:.3f}"
+
+
+def markdown(record: dict) -> str:
+    lines = ["# Write gates of trained passkey models", "",
+             f"Made by `{record['command']}`. {record['examples']} examples at each of the depths "
+             f"{', '.join(str(d) for d in record['depths'])}, {record['length']:,} tokens, evaluation seed "
+             f"{record['seed']}. Per layer, over heads and examples: the share of filler tokens written with g = 0, "
+             "the mean gate of the filler, of the needle (prefix, digits, suffix), of its digits and of the "
+             "question, and what 1,048,576 filler tokens write over what the needle writes (`filler mass at 1M`; "
+             "below 1 the needle outweighs a million tokens of filler in the state, up to the sizes of phi(k) and "
+             "v). Machine and load: the .json.", "",
+             "| run | layer | filler g = 0 | filler | needle | digits | question | filler mass at 1M |",
+             "|---|---|---|---|---|---|---|---|"]
+    for g, members in record["groups"].items():
+        for key, rows in members.items():
+            for r in rows:
+                lines.append(f"| {g}/{key} | {r['layer']} | " + " | ".join(_cell(c, r[c]) for c in COLUMNS) + " |")
+    lines += ["", "Mean over the seeds of a group, per layer:", "",
+              "| group | layer | n | filler g = 0 | filler | needle | digits | question | filler mass at 1M |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for g, members in record["groups"].items():
+        runs = list(members.values())
+        for i, r0 in enumerate(runs[0]):
+            cells = [_cell(c, statistics.fmean(run[i][c] for run in runs)) for c in COLUMNS]
+            lines.append(f"| {g} | {r0['layer']} | {len(runs)} | " + " | ".join(cells) + " |")
+    if record.get("notes"):
+        lines += ["", "## Reading", "", record["notes"].strip()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="*", help="name=run_dir (name_s<seed> groups seeds)")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--examples", type=int, default=4, help="examples per depth")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True, help="the record's stem")
+    ap.add_argument("--notes", default="", help="a reading (text or @file)")
+    ap.add_argument("--notes-only", action="store_true", help="rewrite <out>.md from its .json with --notes")
+    ap.add_argument("--allow-busy", action="store_true")
+    args = ap.parse_args(argv)
+    notes = read_notes(args.notes)
+    if args.notes_only:
+        rewrite_result(args.out, markdown, None, notes)
+        return 0
+    if not args.runs:
+        raise SystemExit("give name=run_dir runs")
+    torch.set_num_threads(args.threads)
+    runs = dict(r.split("=", 1) for r in args.runs)
+    record = {"command": "python scripts/write_gate_stats.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "length": args.length, "depths": args.depths, "examples": args.examples, "seed": args.seed,
+              "groups": {}, "runs": {}, "notes": notes, "machine": system_info("cpu")}
+    with Measurement(threads=args.threads) as load:
+        for g, members in group(runs).items():
+            for key, path in members.items():
+                cfg, task, model, _ = load_run(str(find_checkpoint(path)), ["trainer.device=cpu"])
+                if not isinstance(task, PasskeyLMTask):
+                    raise SystemExit(f"{g}/{key}: not a passkey run")
+                _, val, tok, _ = task.data()
+                rows = gate_stats(model.eval(), filler_tokens(val.tokens, tok.eos_token_id), task.fmt(),
+                                  args.length, args.depths, args.examples, args.seed)
+                record["groups"].setdefault(g, {})[str(key)] = rows
+                run = read_run_record(path) or {}
+                record["runs"][f"{g}/{key}"] = {"path": str(path), **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
+                print(f"{g}/{key}: " + "; ".join(f"{r['layer']} zero {100 * r['filler_zero']:.1f}% mass@1M "
+                                                f"{r['filler_mass_1m']:.3g}" for r in rows), flush=True)
+    write_result(args.out, markdown(record), record, measurement=load.record, allow_busy=args.allow_busy)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""``write_gate`` (:class:`mhla.layers.WriteGate`): a learned per-head gate on each token's write into the state. It
+starts as the ungated layer, every path (one pass, chunked prefill and decoding, packed sequences) applies it
+alike, a token the relu gate closes leaves the state as if it were not there, and the settings it cannot honour
+are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.lm_configs import lm_config
+from mhla.layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, WriteGate
+from mhla.registry import attention_tag
+from models.lm import MHLALMForCausalLM
+
+LAYERS = {"mhla": (MultiHeadLinearAttention, {"block_size": 4, "mixing_init": "ones"}),
+          "linear": (LinearAttention, {})}
+
+
+def _layer(name, write_gate=None, seed=0, **kw):
+    cls, own = LAYERS[name]
+    torch.manual_seed(seed)
+    return cls(16, 2, causal=True, normalize=False, out_norm=True, write_gate=write_gate, **own, **kw)
+
+
+def _random_gate(layer, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.write_gate.weight.copy_(torch.randn(layer.write_gate.weight.shape, generator=g))
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["relu", "sigmoid"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_gated_layer_starts_as_the_ungated_one(name, kind):
+    """W = 0 gives g = 1 for every token: the same weights give the same output, and building the gate draws no
+    random number (the other weights of a seed are those of the ungated layer)."""
+    plain, gated = _layer(name), _layer(name, kind)
+    assert set(gated.state_dict()) - set(plain.state_dict()) == {"write_gate.weight", "write_gate.bias"}
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(gated.state_dict()[key], value)
+    x = torch.randn(2, 11, 16)
+    torch.testing.assert_close(gated.write_gate(x), torch.ones(2, 11, 2))
+    torch.testing.assert_close(gated(x), plain(x))
+
+
+@pytest.mark.parametrize("kind", ["relu", "sigmoid"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_chunked_prefill_decoding_and_packed_sequences_apply_the_gate_alike(name, kind):
+    layer = _random_gate(_layer(name, kind))
+    x = torch.randn(2, 13, 16)
+    full = layer(x)
+    cache = AttentionCache()
+    parts = [layer(x[:, :5], cache=cache), layer(x[:, 5:6], cache=cache), layer(x[:, 6:], cache=cache)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    packed = layer(torch.cat([x[:1], x[1:, :7]], dim=1), cu_seqlens=torch.tensor([0, 13, 20]))
+    torch.testing.assert_close(packed[:, :13], full[:1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[:, 13:], layer(x[1:, :7]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_token_the_relu_gate_closes_is_not_in_the_state(name):
+    """With the gate at 0 for token 3 (its bias pushed below zero on that token alone), later outputs do not depend
+    on that token's value; with the sigmoid gate, which never reaches 0, they do."""
+    for kind, closed in (("relu", True), ("sigmoid", False)):
+        layer = _layer(name, kind)
+        x = torch.randn(1, 12, 16)
+        x[0, 3] = 0.0
+        x[0, 3, 0] = 1.0  # token 3 alone reads channel 0
+        with torch.no_grad():
+            layer.write_gate.weight[:, 0] = -10.0
+            x[0, :3, 0] = x[0, 4:, 0] = 0.0
+        v_only = torch.zeros(1, 12, 16)
+        v_only[0, 3, 1:] = torch.randn(15)  # moves token 3's value (and its key and query)
+        a, b = layer(x), layer(x + v_only)
+        after = slice(8, 12)  # past the short window of a short convolution, if any
+        same = torch.allclose(a[:, after], b[:, after], atol=1e-6)
+        assert same is closed, (name, kind)
+
+
+def test_the_settings_it_cannot_honour_are_refused():
+    with pytest.raises(ValueError, match="write_gate='relu' scales the values.*normalize=false"):
+        MultiHeadLinearAttention(16, 2, causal=True, block_size=4, normalize=True, write_gate="relu")
+    with pytest.raises(ValueError, match="projections=False"):
+        LinearAttention(16, 2, causal=True, normalize=False, projections=False, write_gate="relu")
+    with pytest.raises(ValueError, match="write_gate must be one of relu, sigmoid"):
+        LinearAttention(16, 2, causal=True, normalize=False, write_gate="tanh")
+
+
+def test_the_layer_reports_the_gate_and_the_tag_names_it():
+    layer = _layer("mhla", "relu")
+    assert layer.settings()["write_gate"] == "relu"
+    assert "write_gate" not in _layer("mhla").settings()
+    assert attention_tag({"name": "mhla", "mixing_init": "ones", "write_gate": "relu"}) == "mhla-ones-wg_relu"
+    assert attention_tag({"name": "linear", "write_gate": "sigmoid"}) == "linear-wg_sigmoid"
+    assert attention_tag({"name": "linear", "write_gate": None}) == "linear"
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_the_language_model_starts_its_gates_at_1(name):
+    """The LM's weight init (transformers' post_init) leaves the gate at its start: W = 0, g = 1."""
+    torch.manual_seed(0)
+    model = MHLALMForCausalLM(lm_config(name, vocab_size=61, hidden_size=32, num_hidden_layers=2, num_heads=2,
+                                        block_size=4, max_position_embeddings=16, write_gate="relu"))
+    gates = [m for m in model.modules() if isinstance(m, WriteGate)]
+    assert len(gates) == 2
+    for gate in gates:
+        assert torch.count_nonzero(gate.weight) == 0 and torch.all(gate.bias == 1.0)
