@@ -229,6 +229,8 @@ def describe(record: dict) -> str:
             bits.append(f"mixing lr x {config.get('optim', {}).get('mixing_lr_scale')}")
     if attn.get("short_conv") is not None:
         bits.append(f"short_conv={attn.get('short_conv')}")
+    if attn.get("write_gate") not in (None, False, "none"):  # a learned gate on each token's write
+        bits.append(f"write gate {attn.get('write_gate')}")
     return ", ".join(bits)
 
 

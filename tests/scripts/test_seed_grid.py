@@ -135,6 +135,17 @@ def test_the_attention_column_names_a_clamp_bound_other_than_1():
     assert described(mixing_max=1.0) == described() == "mhla, block 32, init=ones, learnable, mixing lr x 1.0"
 
 
+def test_the_attention_column_names_a_write_gate():
+    """A variant with a write gate (``attn.write_gate``) is told apart from the same attention without one."""
+    def described(name="mhla", **options):
+        return seed_grid.describe({"config": {"optim": {"mixing_lr_scale": 1.0}},
+                                   "attention": {"name": name, "block_size": 32, "mixing_init": "ones",
+                                                 "mixing_learnable": True, **options}})
+    assert described(write_gate="relu") == "mhla, block 32, init=ones, learnable, mixing lr x 1.0, write gate relu"
+    assert described(write_gate=None) == described()
+    assert described("linear", write_gate="sigmoid") == "linear, write gate sigmoid"
+
+
 def test_one_seed_shows_no_spread(tmp_path):
     """A variant with one finished seed has no standard deviation to show: "(one seed)", not "± 0.00"."""
     root = str(tmp_path / "runs")
