@@ -104,13 +104,21 @@ class WriteGate(nn.Module):
     paper's operator). ``W`` starts at 0, so ``g`` starts at 1 for every token and the layer starts as the ungated
     one. ``"relu"``: ``g = relu(x W^T + 1)``, which can be exactly 0 (a token left out at any context length);
     ``"sigmoid"``: ``g = 2 sigmoid(x W^T)``, in (0, 2), never 0 (the control: a token's share still falls with the
-    number of tokens written beside it)."""
+    number of tokens written beside it).
 
-    def __init__(self, dim: int, num_heads: int, kind: str, device=None, dtype=None):
+    ``penalty``: a write budget for training, ``penalty * mean(g)`` over the tokens and heads of every forward run with
+    gradients, which the trainer adds to the loss (the :meth:`regularization_loss` hook, :mod:`tasks.common.hooks`):
+    the gate then closes on every token whose write does not pay for itself in the task's loss. 0 (default): none."""
+
+    def __init__(self, dim: int, num_heads: int, kind: str, penalty: float = 0.0, device=None, dtype=None):
         super().__init__()
         if kind not in WRITE_GATES:
             raise ValueError(f"write_gate must be one of {', '.join(WRITE_GATES)} (or none), got {kind!r}")
+        if not float(penalty) >= 0:
+            raise ValueError(f"write_gate_penalty must be >= 0, got {penalty!r}")
         self.kind = kind
+        self.penalty = float(penalty)
+        self._written: list[torch.Tensor] = []  # mean gates of this step's forwards with gradients (penalty only)
         self.weight = nn.Parameter(torch.empty(num_heads, dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(num_heads, device=device, dtype=dtype))
         self.reset_parameters()
@@ -126,7 +134,19 @@ class WriteGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = F.linear(x, self.weight, self.bias)
-        return F.relu(z) if self.kind == "relu" else 2.0 * torch.sigmoid(z)
+        g = F.relu(z) if self.kind == "relu" else 2.0 * torch.sigmoid(z)
+        if self.penalty and self.training and torch.is_grad_enabled():
+            self._written.append(g.float().mean())
+        return g
+
+    def regularization_loss(self) -> torch.Tensor | None:
+        """Training hook: ``penalty * mean(g)`` over the forwards since the last call (their mean; None without a
+        penalty or a forward with gradients), which it forgets."""
+        if not self._written:
+            return None
+        out = self.penalty * torch.stack(self._written).mean()
+        self._written.clear()
+        return out
 
 
 class AttentionBase(nn.Module):
@@ -578,6 +598,7 @@ class KernelAttention(AttentionBase):
             is scaled by its gate ``g_t`` per head before the state adds it, so ``S = sum_t g_t phi(k_t) v_t^T``
             (MHLA's block summaries and their far sum too; CPE reads the gated values). Needs ``normalize=False``
             (the normaliser's ``sum phi(k)`` would stay ungated) and the layer's own projections.
+        write_gate_penalty: the gate's write budget in training (:class:`WriteGate` ``penalty``; default 0).
 
     With ``rope="after_feature_map"`` and a normaliser, the numerator uses the rotated features and the
     normaliser the un-rotated ``phi(q) . phi(k)`` (RoFormer's linear-attention form: the denominator stays
@@ -587,7 +608,7 @@ class KernelAttention(AttentionBase):
 
     def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "relu", normalize=True,
                  eps: float = 1e-6, feature_map_eps: float | None = None, q_scale: float | str = 1.0,
-                 write_gate: str | None = None, **kwargs):
+                 write_gate: str | None = None, write_gate_penalty: float = 0.0, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
         write_gate = None if write_gate in (None, False, "none") else write_gate
         if write_gate is not None and normalize is not False:
@@ -596,8 +617,12 @@ class KernelAttention(AttentionBase):
         if write_gate is not None and not self.projections:
             raise ValueError(f"write_gate={write_gate!r} reads the layer input in the projections; a layer built with "
                              "projections=False (a host owns them) cannot have it")
+        if write_gate is None and write_gate_penalty:
+            raise ValueError(f"write_gate_penalty={write_gate_penalty} is set but there is no write gate: set "
+                             "write_gate=relu or sigmoid")
         dd = dict(device=self.qkv.weight.device, dtype=self.qkv.weight.dtype) if write_gate is not None else {}
-        self.write_gate = WriteGate(dim, num_heads, write_gate, **dd) if write_gate is not None else None
+        self.write_gate = (WriteGate(dim, num_heads, write_gate, write_gate_penalty, **dd)
+                           if write_gate is not None else None)
         if normalize not in (True, False, "official"):
             raise ValueError(f"normalize must be true, false or 'official', got {normalize!r}")
         if self.rope == "after_feature_map" and normalize == "official":
@@ -626,12 +651,17 @@ class KernelAttention(AttentionBase):
             out["q_scale"] = self.q_scale
         if self.write_gate is not None:
             out["write_gate"] = self.write_gate.kind
+            if self.write_gate.penalty:
+                out["write_gate_penalty"] = self.write_gate.penalty
         return out
 
     @classmethod
     def tag_words(cls, options: dict) -> list[str]:
-        """A write gate in a run's tag (``-wg_relu``)."""
-        return [f"-wg_{options['write_gate']}"] if options.get("write_gate") not in (None, False, "none") else []
+        """A write gate in a run's tag (``-wg_relu``; with a penalty ``-wg_relu0.01``)."""
+        if options.get("write_gate") in (None, False, "none"):
+            return []
+        return [f"-wg_{options['write_gate']}" + (f"{options['write_gate_penalty']:g}"
+                                                   if options.get("write_gate_penalty") else "")]
 
     def _project(self, x: torch.Tensor, cache: AttentionCache | None = None, cu_seqlens=None):
         """:meth:`AttentionBase._project`, the values scaled by the write gate (``[B, N, H, 1]``) when there is one."""

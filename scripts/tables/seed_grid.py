@@ -230,7 +230,8 @@ def describe(record: dict) -> str:
     if attn.get("short_conv") is not None:
         bits.append(f"short_conv={attn.get('short_conv')}")
     if attn.get("write_gate") not in (None, False, "none"):  # a learned gate on each token's write
-        bits.append(f"write gate {attn.get('write_gate')}")
+        budget = attn.get("write_gate_penalty")
+        bits.append(f"write gate {attn.get('write_gate')}" + (f" (budget {budget:g})" if budget else ""))
     return ", ".join(bits)
 
 

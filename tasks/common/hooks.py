@@ -9,6 +9,8 @@ A module (anywhere in the model) may define:
 * ``after_optimizer_step()``: called after every optimizer step (MHLA: clip the mixing matrix to [0, 1]).
 * ``logged_matrices() -> {kind: tensor [R, C] or [H, R, C]}``: matrices logged as heatmaps at each evaluation, as
   ``<kind>/<name of the module's parent>`` (MHLA: ``mixing/blocks.0.attn``).
+* ``regularization_loss() -> tensor or None``: a term added to the training loss after each micro-batch's forward
+  (the write gate's budget, :class:`mhla.layers.WriteGate`); the module forgets it once read.
 """
 
 from __future__ import annotations
@@ -41,3 +43,15 @@ def logged_matrices(model: nn.Module) -> dict[str, torch.Tensor]:
             for kind, w in hook().items():
                 out[f"{kind}/{name.rpartition('.')[0] or name}"] = w
     return out
+
+
+def regularization_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of every module's ``regularization_loss`` hook (None when no module gives one)."""
+    terms = []
+    for m in model.modules():
+        hook = getattr(m, "regularization_loss", None)
+        if callable(hook) and m is not model:
+            term = hook()
+            if term is not None:
+                terms.append(term)
+    return torch.stack(terms).sum() if terms else None

@@ -70,7 +70,7 @@ from .config import ConfigError, check_trainer, recipe_global_batch, resolve_acc
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
-from .hooks import after_optimizer_step, logged_matrices
+from .hooks import after_optimizer_step, logged_matrices, regularization_loss
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
 from .progress import ProgressLoader
@@ -677,10 +677,16 @@ class Trainer:
     def _backward(self, run: _Run, batch, micro: int) -> tuple[torch.Tensor, dict]:
         """Forward and backward of micro-batch ``micro`` of the step; its loss is scaled by ``1 / accumulate``
         before the backward, so the gradients the step sums equal those of one batch of all its micro-batches
-        (a mean over ``accumulate`` equal-sized means). Returns the unscaled loss and the task's logs."""
+        (a mean over ``accumulate`` equal-sized means), the modules' regularization terms added
+        (:func:`tasks.common.hooks.regularization_loss`; logged as ``reg_loss``). Returns the unscaled loss and the
+        task's logs."""
         batch = self.task.on_batch(batch, self.device)
         with _precision_context(self.precision, self.device):
             loss, logs = self.task.training_loss(run.wrapped, batch)
+            reg = regularization_loss(run.model)  # the modules' own terms (a write gate's budget)
+            if reg is not None:
+                logs = {**logs, "reg_loss": reg.item()}
+                loss = loss + reg
         if not torch.isfinite(loss):
             where = f", micro-batch {micro + 1}/{run.accumulate}" if run.accumulate > 1 else ""
             raise FloatingPointError(f"loss is {loss.item()} at step {run.step}{where}; lower optim.lr or check "

@@ -106,3 +106,26 @@ def test_the_language_model_starts_its_gates_at_1(name):
     assert len(gates) == 2
     for gate in gates:
         assert torch.count_nonzero(gate.weight) == 0 and torch.all(gate.bias == 1.0)
+
+
+def test_the_penalty_is_the_mean_gate_of_the_forwards_with_gradients_read_once():
+    from tasks.common.hooks import regularization_loss
+    layer = _random_gate(_layer("mhla", "relu", write_gate_penalty=0.5)).train()
+    assert layer.settings()["write_gate_penalty"] == 0.5
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        layer(x)  # a state passed without gradients, or an evaluation: not in the budget
+    assert regularization_loss(layer) is None
+    layer(x[:, :4])
+    layer(x[:, 4:])
+    expected = 0.5 * (layer.write_gate(x[:, :4]).mean() + layer.write_gate(x[:, 4:]).mean()) / 2
+    layer.write_gate._written.pop()  # the two calls just made (for the expectation) are not the layer's
+    layer.write_gate._written.pop()
+    torch.testing.assert_close(regularization_loss(layer), expected)
+    assert regularization_loss(layer) is None  # read once
+    layer.eval()
+    layer(x)
+    assert regularization_loss(layer) is None
+    with pytest.raises(ValueError, match="write_gate_penalty=0.1 is set but there is no write gate"):
+        _layer("linear", write_gate_penalty=0.1)
+    assert attention_tag({"name": "mhla", "write_gate": "relu", "write_gate_penalty": 0.01}) == "mhla-wg_relu0.01"

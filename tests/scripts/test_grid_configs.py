@@ -56,6 +56,7 @@ ADDED_SINCE = {
                               "layer's default 1, the only bound before it"),
     "attn.write_gate": (None, "a learned gate on each token's write into the state, added for the moonshot's "
                               "selective state; null is no gate, the only state before it"),
+    "attn.write_gate_penalty": (None, "the write gate's budget in training, added with it; null is none"),
 }
 
 

@@ -780,3 +780,31 @@ def test_equal_weights_evaluate_each_mhla_model_a_second_time_as_its_own_group(m
     table = "\n".join(LC.training_lines(record))
     assert "| mhla/0 |" in table and "| linear/0 |" in table and "mhla_equal" not in table
     assert all(torch.equal(v, trained[k]) for k, v in models["m"].state_dict().items())  # the edit is a copy
+
+
+def test_the_write_budget_counts_only_the_window_trained_with_gradients():
+    """A state-passed document (48 tokens, windows of 16): the write gate's budget (attn.write_gate_penalty) holds
+    one forward per layer, the last window's, not the windows that fill the cache without gradient; at the start
+    (g = 1) it is the penalty per layer, and the trainer's hook sums it over the layers."""
+    from omegaconf import OmegaConf
+
+    from mhla.layers import WriteGate
+    from tasks.common.hooks import regularization_loss
+    from tasks.language.long_context import PasskeyLMTask
+
+    task = PasskeyLMTask.__new__(PasskeyLMTask)
+    task.cfg = OmegaConf.create({"task": {"answer_weight": 1.0, "lm_weight": 0.5}, "data": {"seq_len": 16}})
+    for spec in ({"name": "mhla", "block_size": 4}, {"name": "linear"}):
+        attn = spec["name"]
+        torch.manual_seed(0)
+        model = MHLALMForCausalLM(MHLALMConfig(attn={**spec, "write_gate": "relu", "write_gate_penalty": 0.25},
+                                               vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2,
+                                               max_position_embeddings=16)).train()
+        x = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))
+        mask = torch.zeros(2, 48, dtype=torch.bool)
+        mask[:, -4:] = True
+        task.training_loss(model, (x, mask))
+        gates = [m for m in model.modules() if isinstance(m, WriteGate)]
+        assert [len(g._written) for g in gates] == [1, 1], attn
+        torch.testing.assert_close(regularization_loss(model), torch.tensor(0.25 * 2))
+        assert regularization_loss(model) is None
