@@ -60,7 +60,8 @@ def part_masks(batch: dict, fmt, length: int) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: int, seed: int = 0) -> list[dict]:
     """Per layer (the model's WriteGates in order): ``{"layer", "filler_zero", "filler", "needle", "digits",
-    "question", "filler_mass_1m"}`` over ``examples`` passkey examples of ``length`` tokens at each depth."""
+    "question", "filler_mass_1m"}`` over ``examples`` passkey examples of ``length`` tokens at each depth
+    (``filler_mass_1m`` None for a layer that writes nothing of the needle)."""
     gates = [(name, m) for name, m in model.named_modules() if isinstance(m, WriteGate)]
     if not gates:
         raise SystemExit("the model has no write gate (attn.write_gate)")
@@ -84,16 +85,24 @@ def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: in
         mean = {p: float(g[mask[p]].mean()) for p in PARTS}
         needle_sum = float(g[mask["needle"]].sum()) / mask["needle"].shape[0] / g.shape[-1]  # per example, head
         rows.append({"layer": name, "filler_zero": float((g[mask["filler"]] == 0).float().mean()), **mean,
-                     "filler_mass_1m": mean["filler"] * MILLION / needle_sum if needle_sum > 0 else float("inf")})
+                     "filler_mass_1m": mean["filler"] * MILLION / needle_sum if needle_sum > 0 else None})
     return rows
 
 
-def _cell(key: str, x: float) -> str:
+def _cell(key: str, x: float | None) -> str:
+    if x is None:  # a layer that writes nothing of the needle (filler mass: no ratio)
+        return "-"
     if key == "filler_zero":
         return f"{100 * x:.1f}%"
     if key == "filler_mass_1m":
         return f"{x:.3g}"
     return f"{x:.3f}"
+
+
+def _mean(xs: list) -> float | None:
+    """The mean of the values that are not None (None when none is)."""
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
 
 
 def markdown(record: dict) -> str:
@@ -117,7 +126,7 @@ def markdown(record: dict) -> str:
     for g, members in record["groups"].items():
         runs = list(members.values())
         for i, r0 in enumerate(runs[0]):
-            cells = [_cell(c, statistics.fmean(run[i][c] for run in runs)) for c in COLUMNS]
+            cells = [_cell(c, _mean([run[i][c] for run in runs])) for c in COLUMNS]
             lines.append(f"| {g} | {r0['layer']} | {len(runs)} | " + " | ".join(cells) + " |")
     if record.get("notes"):
         lines += ["", "## Reading", "", record["notes"].strip()]
@@ -161,7 +170,8 @@ def main(argv=None) -> int:
                 run = read_run_record(path) or {}
                 record["runs"][f"{g}/{key}"] = {"path": str(path), **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
                 print(f"{g}/{key}: " + "; ".join(f"{r['layer']} zero {100 * r['filler_zero']:.1f}% mass@1M "
-                                                f"{r['filler_mass_1m']:.3g}" for r in rows), flush=True)
+                                                f"{_cell('filler_mass_1m', r['filler_mass_1m'])}" for r in rows),
+                      flush=True)
     write_result(args.out, markdown(record), record, measurement=load.record, allow_busy=args.allow_busy)
     return 0
 

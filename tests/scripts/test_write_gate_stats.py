@@ -70,3 +70,12 @@ def test_gate_stats_reads_the_gates_the_model_writes_with(selective):
         for part in ("filler", "needle", "digits", "question"):
             assert first[part] == pytest.approx(1.0)
         assert first["filler_mass_1m"] == pytest.approx(MILLION / fmt.needle_len)
+
+
+def test_a_layer_that_writes_nothing_has_no_mass_ratio():
+    fmt, model = Fmt(), _model()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attn.write_gate.bias.fill_(-1.0)  # W = 0: every gate relu(-1) = 0
+    rows = gate_stats(model, np.arange(20, 60), fmt, 48, [0.5], examples=2)
+    assert all(r["filler_zero"] == 1.0 and r["filler_mass_1m"] is None for r in rows)
