@@ -108,7 +108,9 @@ class WriteGate(nn.Module):
 
     ``penalty``: a write budget for training, ``penalty * mean(g)`` over the tokens and heads of every forward run with
     gradients, which the trainer adds to the loss (the :meth:`regularization_loss` hook, :mod:`tasks.common.hooks`):
-    the gate then closes on every token whose write does not pay for itself in the task's loss. 0 (default): none."""
+    the gate then closes on every token whose write does not pay for itself in the task's loss. 0 (default): none.
+    A training loop other than the trainer's must read :meth:`regularization_loss` every step: until it is read, the
+    terms (and their graphs) are kept."""
 
     def __init__(self, dim: int, num_heads: int, kind: str, penalty: float = 0.0, device=None, dtype=None):
         super().__init__()
