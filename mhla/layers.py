@@ -98,6 +98,12 @@ def gate_kind(gate) -> str | None:
 WRITE_GATES = ("relu", "sigmoid")
 
 
+def write_gate_kind(write_gate) -> str | None:
+    """The write gate named by a kernel attention's ``write_gate`` option: ``None`` (off: ``None``, ``False`` or
+    ``"none"``), else the option itself (:class:`WriteGate` checks it is one of :data:`WRITE_GATES`)."""
+    return None if write_gate in (None, False, "none") else write_gate
+
+
 class WriteGate(nn.Module):
     """How strongly each token writes into the state, per head: ``x: [B, N, C]`` -> ``g: [B, N, H]``, which scales
     the token's value before the state adds it (``S = sum_t g_t phi(k_t) v_t^T``; a selective state, beyond the
@@ -612,7 +618,7 @@ class KernelAttention(AttentionBase):
                  eps: float = 1e-6, feature_map_eps: float | None = None, q_scale: float | str = 1.0,
                  write_gate: str | None = None, write_gate_penalty: float = 0.0, **kwargs):
         super().__init__(dim, num_heads, **kwargs)
-        write_gate = None if write_gate in (None, False, "none") else write_gate
+        write_gate = write_gate_kind(write_gate)
         if write_gate is not None and normalize is not False:
             raise ValueError(f"write_gate={write_gate!r} scales the values written into the state; with a normaliser "
                              f"(normalize={normalize!r}) its sum of phi(k) would stay ungated: set normalize=false")
@@ -660,7 +666,7 @@ class KernelAttention(AttentionBase):
     @classmethod
     def tag_words(cls, options: dict) -> list[str]:
         """A write gate in a run's tag (``-wg_relu``; with a penalty ``-wg_relu0.01``)."""
-        if options.get("write_gate") in (None, False, "none"):
+        if write_gate_kind(options.get("write_gate")) is None:
             return []
         return [f"-wg_{options['write_gate']}" + (f"{options['write_gate_penalty']:g}"
                                                    if options.get("write_gate_penalty") else "")]

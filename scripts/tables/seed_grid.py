@@ -35,6 +35,7 @@ import sys
 
 from omegaconf import OmegaConf
 
+from mhla.layers import write_gate_kind
 from mhla.layouts import num_blocks_for
 from mhla.registry import takes_blocks
 from tasks.common.results import write_result
@@ -229,7 +230,7 @@ def describe(record: dict) -> str:
             bits.append(f"mixing lr x {config.get('optim', {}).get('mixing_lr_scale')}")
     if attn.get("short_conv") is not None:
         bits.append(f"short_conv={attn.get('short_conv')}")
-    if attn.get("write_gate") not in (None, False, "none"):  # a learned gate on each token's write
+    if write_gate_kind(attn.get("write_gate")) is not None:  # a learned gate on each token's write
         budget = attn.get("write_gate_penalty")
         bits.append(f"write gate {attn.get('write_gate')}" + (f" (budget {budget:g})" if budget else ""))
     return ", ".join(bits)

@@ -25,33 +25,32 @@ def optim_groups(model: nn.Module) -> dict[int, str]:
             for p in m.parameters(recurse=False)}
 
 
+def module_hooks(model: nn.Module, hook_name: str):
+    """``(module name, bound hook)`` of every module below ``model`` (not ``model`` itself) that defines a callable
+    ``hook_name``, in module order."""
+    for name, m in model.named_modules():
+        hook = getattr(m, hook_name, None)
+        if callable(hook) and m is not model:
+            yield name, hook
+
+
 def after_optimizer_step(model: nn.Module) -> None:
     """Call every module's ``after_optimizer_step`` hook."""
-    for m in model.modules():
-        hook = getattr(m, "after_optimizer_step", None)
-        if callable(hook) and m is not model:
-            hook()
+    for _, hook in module_hooks(model, "after_optimizer_step"):
+        hook()
 
 
 @torch.no_grad()
 def logged_matrices(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{"<kind>/<parent module name>": matrix}`` of every module's ``logged_matrices`` hook."""
     out = {}
-    for name, m in model.named_modules():
-        hook = getattr(m, "logged_matrices", None)
-        if callable(hook) and m is not model:
-            for kind, w in hook().items():
-                out[f"{kind}/{name.rpartition('.')[0] or name}"] = w
+    for name, hook in module_hooks(model, "logged_matrices"):
+        for kind, w in hook().items():
+            out[f"{kind}/{name.rpartition('.')[0] or name}"] = w
     return out
 
 
 def regularization_loss(model: nn.Module) -> torch.Tensor | None:
     """The sum of every module's ``regularization_loss`` hook (None when no module gives one)."""
-    terms = []
-    for m in model.modules():
-        hook = getattr(m, "regularization_loss", None)
-        if callable(hook) and m is not model:
-            term = hook()
-            if term is not None:
-                terms.append(term)
+    terms = [term for _, hook in module_hooks(model, "regularization_loss") if (term := hook()) is not None]
     return torch.stack(terms).sum() if terms else None
