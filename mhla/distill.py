@@ -16,7 +16,8 @@ What one step does, for the attention layers the conversion changed (:func:`mhla
    layer, so every layer learns to reproduce its teacher layer from the same input, independently of the
    others (LoLCATs' "attention transfer"); ``inputs="student"``: the student model runs on the batch itself
    and each layer's output (given the student's own hidden states) is compared;
-3. the loss is the sum over layers of ``MSE(student output, teacher output)``; AdamW steps the trainable
+3. the loss is the sum over layers of ``MSE(student output, teacher output)`` plus the student modules'
+   ``regularization_loss`` hooks (a write gate's budget, :mod:`mhla.hooks`); AdamW steps the trainable
    parameters, then the modules' ``after_optimizer_step`` hooks run (MHLA's mixing matrix is clipped to [0,
    1]).
 
@@ -43,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conversion import converted_pairs, new_parameter_names
+from .hooks import after_optimizer_step, regularization_loss
 
 
 def default_forward(model: nn.Module, batch):
@@ -199,16 +201,16 @@ def distill_attention(teacher: nn.Module, student: nn.Module, batches: Iterable,
                 outs = dict(s_outputs)
             terms = {n: F.mse_loss(outs[n].float(), captured[n][2].float()) for n, _, _ in pairs}
             loss = sum(terms.values())
+            reg = regularization_loss(student)  # e.g. a write gate's budget; read every step, else kept
+            if reg is not None:
+                loss = loss + reg
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if grad_clip:
                 torch.nn.utils.clip_grad_norm_(list(params.values()), float(grad_clip))
             optimizer.step()
             schedule.step()
-            for m in student.modules():
-                hook = getattr(m, "after_optimizer_step", None)
-                if callable(hook) and m is not student:
-                    hook()
+            after_optimizer_step(student)
             losses.append(loss.item())
             with torch.no_grad():
                 rel = {n: float(terms[n] / captured[n][2].float().pow(2).mean().clamp_min(1e-12))

@@ -57,7 +57,7 @@ def attention_contract(model_cfg) -> AttentionContract:
 
 def grouped_parameter_names(model: nn.Module) -> set[str]:
     """Names of the parameters whose module names an optimizer group (the ``optim_group`` hook of
-    tasks/common/hooks.py: MHLA's mixing matrices). timm's optimizer factory (``create_optimizer_v2``) keeps the
+    mhla/hooks.py: MHLA's mixing matrices). timm's optimizer factory (``create_optimizer_v2``) keeps the
     names of ``no_weight_decay()`` out of weight decay, as this repo's trainer does for those groups
     (``optim.mixing_weight_decay`` 0 by default)."""
     return {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() if getattr(m, "optim_group", None)

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .hooks import optim_groups
+from mhla.hooks import optim_groups
 
 
 # Weight decay of a module's own optimizer group when ``optim.<group>_weight_decay`` is not set; for MHLA's mixing
@@ -38,7 +38,7 @@ def group_settings(cfg, group: str) -> dict:
 
 def param_groups(model: nn.Module, weight_decay: float, cfg=None) -> list[dict]:
     """AdamW groups: weights with decay; biases, norms and position tables without; and one group for each
-    ``optim_group`` that the model's modules name (:mod:`tasks.common.hooks`; MHLA's mixing matrix: "mixing"),
+    ``optim_group`` that the model's modules name (:mod:`mhla.hooks`; MHLA's mixing matrix: "mixing"),
     with the settings of :func:`group_settings` read from ``cfg`` (the ``optim`` config).
 
     Each group carries ``lr_scale``, which :func:`build_optimizer` multiplies into its lr (the scheduler scales

@@ -3,7 +3,7 @@
 A task supplies a :class:`Task` (model, datasets, loss, evaluation); :class:`Trainer` does the rest:
 devices and ``torchrun`` on one node or several (DDP, or FSDP2 with ``trainer.strategy=fsdp``:
 :mod:`tasks.common.fsdp`), seeds, AdamW with a cosine schedule and warmup, gradient clipping, mixed precision
-(bf16 autocast on GPU), EMA, the modules' training hooks (:mod:`tasks.common.hooks`: optimizer groups, a call
+(bf16 autocast on GPU), EMA, the modules' training hooks (:mod:`mhla.hooks`: optimizer groups, a call
 after each optimizer step, matrices to log), progress bars, periodic evaluation, atomic checkpoints
 (``last.pt`` and ``best.pt``; under FSDP the DCP folders ``last.dcp`` and ``best.dcp``, which every reader
 of a checkpoint reads as the same dict) with exact resume, and logging (stdout, ``train.log``,
@@ -58,6 +58,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from mhla.hooks import after_optimizer_step, logged_matrices, regularization_loss
+
 from .checkpoint import (
     TRAINER_STATE,
     CheckpointManager,
@@ -70,7 +72,6 @@ from .config import ConfigError, check_trainer, recipe_global_batch, resolve_acc
 from .data import ResumableSampler, WorkerEpoch, loader_generator, loader_seed
 from .distributed import all_reduce_mean, barrier, setup_distributed
 from .ema import ModelEMA
-from .hooks import after_optimizer_step, logged_matrices, regularization_loss
 from .logger import Media, RunLogger, format_metrics, heatmap_image, open_run_log, run_log, split_media
 from .optim import build_optimizer, build_scheduler
 from .progress import ProgressLoader
@@ -96,7 +97,7 @@ def _fsdp_module():
 
 def matrix_heatmaps(model: nn.Module, step: int) -> dict[str, Media]:
     """``{"<kind>/<layer>": Media}``: a heatmap image of each matrix the model's modules log
-    (:func:`tasks.common.hooks.logged_matrices`; MHLA: ``mixing/<layer>``)."""
+    (:func:`mhla.hooks.logged_matrices`; MHLA: ``mixing/<layer>``)."""
     return {key: Media(heatmap_image(w.numpy(), f"{key.partition('/')[2]} {key.partition('/')[0]} matrix, step {step}"),
                        caption=f"step {step}")
             for key, w in logged_matrices(model).items()}
@@ -678,7 +679,7 @@ class Trainer:
         """Forward and backward of micro-batch ``micro`` of the step; its loss is scaled by ``1 / accumulate``
         before the backward, so the gradients the step sums equal those of one batch of all its micro-batches
         (a mean over ``accumulate`` equal-sized means), the modules' regularization terms added
-        (:func:`tasks.common.hooks.regularization_loss`; logged as ``reg_loss``). Returns the unscaled loss and the
+        (:func:`mhla.hooks.regularization_loss`; logged as ``reg_loss``). Returns the unscaled loss and the
         task's logs."""
         batch = self.task.on_batch(batch, self.device)
         with _precision_context(self.precision, self.device):

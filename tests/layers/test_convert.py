@@ -281,6 +281,29 @@ def test_distillation_lowers_the_gap_and_trains_only_the_attention():
     assert changed == {"blocks.0.attn.mixing.raw", "blocks.1.attn.mixing.raw"}
 
 
+def test_distillation_adds_and_reads_the_students_budget_every_step():
+    """A student whose layers carry a write gate with a budget (``regularization_loss``, :mod:`mhla.hooks`): the
+    distillation loop adds it to the loss and reads it every step, so no step's terms are kept; a large budget
+    closes the gates (their mean falls below the start's 1)."""
+    from mhla.layers import WriteGate  # noqa: PLC0415
+    teacher = timm_vit(qk_norm=True).float()
+    student = mhla.convert(teacher, {"name": "linear", "normalize": False, "out_norm": True, "write_gate": "relu",
+                                     "write_gate_penalty": 10.0}, copy=True)
+    gates = [m for m in student.modules() if isinstance(m, WriteGate)]
+    assert len(gates) == 2
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 1, 32, 32) for _ in range(2)]
+    distill_attention(teacher, student, xs, steps=5, lr=1e-2, log=None)
+    assert all(not g._written for g in gates)
+    seen = []
+    hooks = [g.register_forward_hook(lambda m, a, out: seen.append(out.mean().item())) for g in gates]
+    with torch.no_grad():
+        student.eval()(xs[0])
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2 and all(v < 0.9 for v in seen), seen
+
+
 def test_distillation_of_llama_and_wan_runs():
     teacher = llama().float()
     student = mhla.convert(teacher, "mhla", copy=True)

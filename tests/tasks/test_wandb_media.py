@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tasks.common.logger import Media, RunLogger, format_metrics, heatmap_image, split_media
-from tasks.common.hooks import logged_matrices
+from mhla.hooks import logged_matrices
 from tasks.common.trainer import Trainer, available_cpus, cap_num_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

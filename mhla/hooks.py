@@ -1,4 +1,5 @@
-"""Training hooks that a model's modules provide: the trainer knows no attention, only these names.
+"""Training hooks that a model's modules provide: a training loop (the trainer, :func:`mhla.distill.distill_attention`)
+knows no attention, only these names.
 
 A module (anywhere in the model) may define:
 
