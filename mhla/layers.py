@@ -98,6 +98,11 @@ def gate_kind(gate) -> str | None:
 WRITE_GATES = ("relu", "sigmoid")
 
 
+#: what a :class:`WriteGate` reads (``write_gate_input`` of the kernel attentions): the layer input ``x`` (default) or
+#: the short convolution's output (q | k | v of the token and the ``K - 1`` before it)
+WRITE_GATE_INPUTS = ("input", "short_conv")
+
+
 def write_gate_kind(write_gate) -> str | None:
     """The write gate named by a kernel attention's ``write_gate`` option: ``None`` (off: ``None``, ``False`` or
     ``"none"``), else the option itself (:class:`WriteGate` checks it is one of :data:`WRITE_GATES`)."""
@@ -113,7 +118,7 @@ class WriteGate(nn.Module):
     number of tokens written beside it).
 
     ``penalty``: a write budget for training, ``penalty * mean(g)`` over the tokens and heads of every forward run with
-    gradients, which the trainer adds to the loss (the :meth:`regularization_loss` hook, :mod:`tasks.common.hooks`):
+    gradients, which the trainer adds to the loss (the :meth:`regularization_loss` hook, :mod:`mhla.hooks`):
     the gate then closes on every token whose write does not pay for itself in the task's loss. 0 (default): none.
     A training loop other than the trainer's must read :meth:`regularization_loss` every step: until it is read, the
     terms (and their graphs) are kept."""
@@ -607,6 +612,11 @@ class KernelAttention(AttentionBase):
             (MHLA's block summaries and their far sum too; CPE reads the gated values). Needs ``normalize=False``
             (the normaliser's ``sum phi(k)`` would stay ungated) and the layer's own projections.
         write_gate_penalty: the gate's write budget in training (:class:`WriteGate` ``penalty``; default 0).
+        write_gate_input: what the gate reads, one of :data:`WRITE_GATE_INPUTS`: ``"input"`` (default) the layer
+            input ``x`` of the token alone (in the first layer, its embedding); ``"short_conv"`` the short
+            convolution's output, q | k | v ``[B, N, H * (2 D + Dv)]`` of the token and the ``K - 1`` before it (needs
+            ``short_conv``), so that the gate can tell a token by its neighbours (a digit after "is:" from one in a
+            year). Its cache is the convolution's: decoding and chunked prefill gate alike.
 
     With ``rope="after_feature_map"`` and a normaliser, the numerator uses the rotated features and the
     normaliser the un-rotated ``phi(q) . phi(k)`` (RoFormer's linear-attention form: the denominator stays
@@ -616,7 +626,8 @@ class KernelAttention(AttentionBase):
 
     def __init__(self, dim: int, num_heads: int = 8, *, feature_map: str = "relu", normalize=True,
                  eps: float = 1e-6, feature_map_eps: float | None = None, q_scale: float | str = 1.0,
-                 write_gate: str | None = None, write_gate_penalty: float = 0.0, **kwargs):
+                 write_gate: str | None = None, write_gate_penalty: float = 0.0, write_gate_input: str | None = None,
+                 **kwargs):
         super().__init__(dim, num_heads, **kwargs)
         write_gate = write_gate_kind(write_gate)
         if write_gate is not None and normalize is not False:
@@ -628,8 +639,19 @@ class KernelAttention(AttentionBase):
         if write_gate is None and write_gate_penalty:
             raise ValueError(f"write_gate_penalty={write_gate_penalty} is set but there is no write gate: set "
                              "write_gate=relu or sigmoid")
+        write_gate_input = write_gate_input or "input"
+        if write_gate_input not in WRITE_GATE_INPUTS:
+            raise ValueError(f"write_gate_input must be one of {', '.join(WRITE_GATE_INPUTS)}, got {write_gate_input!r}")
+        if write_gate_input != "input" and write_gate is None:
+            raise ValueError(f"write_gate_input={write_gate_input!r} is set but there is no write gate: set "
+                             "write_gate=relu or sigmoid")
+        if write_gate_input == "short_conv" and self.short_conv is None:
+            raise ValueError("write_gate_input='short_conv' reads the short convolution's output; the layer has none: "
+                             "set short_conv (e.g. 4)")
+        self.write_gate_input = write_gate_input
         dd = dict(device=self.qkv.weight.device, dtype=self.qkv.weight.dtype) if write_gate is not None else {}
-        self.write_gate = (WriteGate(dim, num_heads, write_gate, write_gate_penalty, **dd)
+        gate_dim = dim if write_gate_input == "input" else self.num_heads * (2 * self.head_dim + self.value_dim)
+        self.write_gate = (WriteGate(gate_dim, num_heads, write_gate, write_gate_penalty, **dd)
                            if write_gate is not None else None)
         if normalize not in (True, False, "official"):
             raise ValueError(f"normalize must be true, false or 'official', got {normalize!r}")
@@ -661,21 +683,29 @@ class KernelAttention(AttentionBase):
             out["write_gate"] = self.write_gate.kind
             if self.write_gate.penalty:
                 out["write_gate_penalty"] = self.write_gate.penalty
+            if self.write_gate_input != "input":
+                out["write_gate_input"] = self.write_gate_input
         return out
 
     @classmethod
     def tag_words(cls, options: dict) -> list[str]:
-        """A write gate in a run's tag (``-wg_relu``; with a penalty ``-wg_relu0.01``)."""
+        """A write gate in a run's tag (``-wg_relu``; with a penalty ``-wg_relu0.01``; reading the short convolution
+        ``-wg_relu_sc0.01``)."""
         if write_gate_kind(options.get("write_gate")) is None:
             return []
-        return [f"-wg_{options['write_gate']}" + (f"{options['write_gate_penalty']:g}"
-                                                   if options.get("write_gate_penalty") else "")]
+        reads = "_sc" if options.get("write_gate_input") == "short_conv" else ""
+        return [f"-wg_{options['write_gate']}{reads}" + (f"{options['write_gate_penalty']:g}"
+                                                          if options.get("write_gate_penalty") else "")]
 
     def _project(self, x: torch.Tensor, cache: AttentionCache | None = None, cu_seqlens=None):
-        """:meth:`AttentionBase._project`, the values scaled by the write gate (``[B, N, H, 1]``) when there is one."""
+        """:meth:`AttentionBase._project`, the values scaled by the write gate (``[B, N, H, 1]``) when there is one;
+        the gate reads ``x`` or the short-convolved q | k | v (``write_gate_input``)."""
         q, k, v = super()._project(x, cache, cu_seqlens)
         if self.write_gate is not None:
-            v = v * self.write_gate(x).unsqueeze(-1).to(v.dtype)
+            B, N = x.shape[:2]
+            seen = x if self.write_gate_input == "input" else torch.cat(
+                [q.reshape(B, N, -1), k.reshape(B, N, -1), v.reshape(B, N, -1)], dim=-1)
+            v = v * self.write_gate(seen).unsqueeze(-1).to(v.dtype)
         return q, k, v
 
     def check_at_start(self) -> None:

@@ -232,7 +232,8 @@ def describe(record: dict) -> str:
         bits.append(f"short_conv={attn.get('short_conv')}")
     if write_gate_kind(attn.get("write_gate")) is not None:  # a learned gate on each token's write
         budget = attn.get("write_gate_penalty")
-        bits.append(f"write gate {attn.get('write_gate')}" + (f" (budget {budget:g})" if budget else ""))
+        reads = " on the short conv" if attn.get("write_gate_input") == "short_conv" else ""
+        bits.append(f"write gate {attn.get('write_gate')}{reads}" + (f" (budget {budget:g})" if budget else ""))
     return ", ".join(bits)
 
 

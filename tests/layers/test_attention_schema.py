@@ -47,7 +47,7 @@ CANDIDATES = {
     "rope_2d": False, "lepe_kernel": 3, "chunk": 8, "expand_k": 1.0, "expand_v": 0.5, "gate_rank": 8,
     "gate_norm": 8.0, "layers": "hybrid", "softmax_every": 2, "softmax_offset": 1, "head_width": 8,
     "in_norm": True, "gate_bias": True, "feature_map_eps": 0.0, "q_scale": 0.5, "write_gate": "relu",
-    "write_gate_penalty": 0.01,
+    "write_gate_penalty": 0.01, "write_gate_input": "short_conv",
 }
 HOST = ("layers", "softmax_every", "softmax_offset")
 

@@ -109,7 +109,7 @@ def test_the_language_model_starts_its_gates_at_1(name):
 
 
 def test_the_penalty_is_the_mean_gate_of_the_forwards_with_gradients_read_once():
-    from tasks.common.hooks import regularization_loss
+    from mhla.hooks import regularization_loss
     layer = _random_gate(_layer("mhla", "relu", write_gate_penalty=0.5)).train()
     assert layer.settings()["write_gate_penalty"] == 0.5
     x = torch.randn(2, 9, 16)
@@ -129,3 +129,52 @@ def test_the_penalty_is_the_mean_gate_of_the_forwards_with_gradients_read_once()
     with pytest.raises(ValueError, match="write_gate_penalty=0.1 is set but there is no write gate"):
         _layer("linear", write_gate_penalty=0.1)
     assert attention_tag({"name": "mhla", "write_gate": "relu", "write_gate_penalty": 0.01}) == "mhla-wg_relu0.01"
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_gate_on_the_short_conv_starts_as_the_ungated_layer_and_every_path_gates_alike(name):
+    """``write_gate_input=short_conv``: the gate reads the short convolution's q | k | v (the token and the K - 1
+    before it). At W = 0 it is the ungated layer; with random W, chunked prefill, decoding and packed sequences
+    give the one-pass output (the gate's input continues through the convolution's cache)."""
+    plain = _layer(name, short_conv=3)
+    gated = _layer(name, "relu", short_conv=3, write_gate_input="short_conv")
+    assert gated.write_gate.weight.shape == (2, 2 * (2 * 8 + 8))
+    assert gated.settings()["write_gate_input"] == "short_conv"
+    x = torch.randn(2, 13, 16)
+    torch.testing.assert_close(gated(x), plain(x))
+    layer = _random_gate(gated)
+    full = layer(x)
+    assert not torch.allclose(full, plain(x), atol=1e-3)
+    cache = AttentionCache()
+    parts = [layer(x[:, :5], cache=cache), layer(x[:, 5:6], cache=cache), layer(x[:, 6:], cache=cache)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    packed = layer(torch.cat([x[:1], x[1:, :7]], dim=1), cu_seqlens=torch.tensor([0, 13, 20]))
+    torch.testing.assert_close(packed[:, :13], full[:1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[:, 13:], layer(x[1:, :7]), atol=1e-5, rtol=1e-5)
+
+
+def test_the_gate_on_the_short_conv_sees_the_tokens_before():
+    """The same token after different neighbours gets different gates on the short conv, the same on the input."""
+    for reads, differ in (("input", False), ("short_conv", True)):
+        layer = _random_gate(_layer("linear", "relu", short_conv=3, write_gate_input=reads))
+        seen = {}
+        layer.write_gate.register_forward_hook(lambda m, a, out: seen.__setitem__("g", out))
+        x = torch.randn(1, 6, 16)
+        y = x.clone()
+        y[0, 3] = torch.randn(16)  # token 4 keeps its input, its neighbour changes
+        layer(x)
+        gx = seen["g"][0, 4]
+        layer(y)
+        assert (not torch.allclose(gx, seen["g"][0, 4])) is differ, reads
+
+
+def test_the_gate_input_is_refused_where_it_cannot_read():
+    with pytest.raises(ValueError, match="write_gate_input='short_conv' reads the short convolution"):
+        _layer("mhla", "relu", write_gate_input="short_conv")
+    with pytest.raises(ValueError, match="write_gate_input='short_conv' is set but there is no write gate"):
+        _layer("linear", short_conv=3, write_gate_input="short_conv")
+    with pytest.raises(ValueError, match="write_gate_input must be one of input, short_conv"):
+        _layer("linear", "relu", write_gate_input="ids")
+    assert "write_gate_input" not in _layer("linear", "relu").settings()
+    assert attention_tag({"name": "mhla", "write_gate": "relu", "write_gate_penalty": 0.01,
+                          "write_gate_input": "short_conv"}) == "mhla-wg_relu_sc0.01"

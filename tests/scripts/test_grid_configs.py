@@ -57,6 +57,8 @@ ADDED_SINCE = {
     "attn.write_gate": (None, "a learned gate on each token's write into the state, added for the moonshot's "
                               "selective state; null is no gate, the only state before it"),
     "attn.write_gate_penalty": (None, "the write gate's budget in training, added with it; null is none"),
+    "attn.write_gate_input": (None, "what the write gate reads, added for the gate that sees the token's neighbours; "
+                                    "null is the layer input, the only input before it"),
 }
 
 

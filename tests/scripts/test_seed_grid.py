@@ -144,6 +144,8 @@ def test_the_attention_column_names_a_write_gate():
     assert described(write_gate="relu") == "mhla, block 32, init=ones, learnable, mixing lr x 1.0, write gate relu"
     assert described(write_gate=None) == described()
     assert described(write_gate="relu", write_gate_penalty=0.01).endswith("write gate relu (budget 0.01)")
+    assert described(write_gate="relu", write_gate_penalty=0.01, write_gate_input="short_conv").endswith(
+        "write gate relu on the short conv (budget 0.01)")
     assert described("linear", write_gate="sigmoid") == "linear, write gate sigmoid"
 
 

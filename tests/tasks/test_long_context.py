@@ -789,7 +789,7 @@ def test_the_write_budget_counts_only_the_window_trained_with_gradients():
     from omegaconf import OmegaConf
 
     from mhla.layers import WriteGate
-    from tasks.common.hooks import regularization_loss
+    from mhla.hooks import regularization_loss
     from tasks.language.long_context import PasskeyLMTask
 
     task = PasskeyLMTask.__new__(PasskeyLMTask)
