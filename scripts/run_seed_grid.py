@@ -69,6 +69,10 @@ def runs_of(grid: dict, variants: list[str] | None = None, seeds: list[int] | No
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; the grid has {list(grid['variants'])}")
     seeds_of = {v: grid.get("seeds_of", {}).get(v, grid["seeds"]) for v in chosen}
+    outside = sorted({s for s in seeds or () if not any(s in seeds_of[v] for v in chosen)})
+    if outside:  # a seed no chosen variant has would train nothing, silently
+        raise SystemExit(f"seeds {outside} are in no chosen variant's seed list ({seeds_of}); "
+                         "add them to the grid's seeds (or seeds_of) first")
     return [(v, s) for s in sorted({s for v in chosen for s in seeds_of[v]}) for v in chosen
             if s in seeds_of[v] and (seeds is None or s in seeds)]
 

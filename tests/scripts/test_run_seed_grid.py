@@ -18,6 +18,10 @@ def test_seeds_of_and_filters():
     assert rsg.runs_of(grid, seeds=[1, 2]) == [("a", 1), ("a", 2)]
     with pytest.raises(SystemExit):
         rsg.runs_of(grid, ["c"])
+    with pytest.raises(SystemExit, match=r"seeds \[1\]"):  # b has seed 0 only: asking it for 1 would train nothing
+        rsg.runs_of(grid, ["b"], seeds=[1])
+    with pytest.raises(SystemExit, match=r"seeds \[3\]"):
+        rsg.runs_of(grid, seeds=[2, 3])
 
 
 def test_seed_placeholder_in_overrides():
