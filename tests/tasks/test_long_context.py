@@ -712,6 +712,31 @@ def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
         longer, extend_causal_mixing(w, 4 * blocks, "uniform_far"))
 
 
+def test_recall_gated_is_the_recall_preset_with_the_grids_short_conv_write_gate():
+    """``experiment=long_context/recall_gated`` composes to the recall preset plus the write gate of the grid's
+    ``passkey_mhla_m8_ones_wgcl1_nope`` (relu, budget 0.01, reading the short convolution), and to that variant but for
+    the preset's far rule."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from scripts import run_seed_grid as rsg  # noqa: PLC0415
+    from scripts.tables.config import compose  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    grid = rsg.load_grid(os.path.join(root, "configs", "grid", "long_context_passkey_state_mixed_4k_nope.yaml"))
+    gated = OmegaConf.to_container(compose(["experiment=long_context/recall_gated"])[0], resolve=True)
+    preset = OmegaConf.to_container(compose(["experiment=long_context/recall_preset"])[0], resolve=True)
+    variant = OmegaConf.to_container(
+        compose([*grid["common"], *grid["variants"]["passkey_mhla_m8_ones_wgcl1_nope"]])[0], resolve=True)
+    gate = {"write_gate": "relu", "write_gate_penalty": 0.01, "write_gate_input": "short_conv"}
+    assert {k: gated["attn"][k] for k in gate} == gate and preset["attn"]["write_gate"] != "relu"
+    assert gated == {**preset, "attn": {**preset["attn"], **gate}}
+    assert gated["attn"].pop("mixing_extension") == "uniform_far:auto" and variant["attn"].pop(
+        "mixing_extension") is None
+    for cfg in (gated, variant):
+        cfg.pop("logger"), cfg["trainer"].pop("progress_bar")
+    assert gated == variant
+
+
 def test_the_evaluation_takes_the_models_own_far_rule_by_default():
     """scripts/long_context.py and length_extrapolation.py without --rules: every named rule and the one the model was built with (the recall
     preset's uniform_far:auto resolves to a cap that no named rule is); --rules given: exactly those."""
