@@ -68,8 +68,8 @@ LEGACY = {
         ["5 from a dirty tree"],
         "seeds 0, 1, 2 and 4 (and the record's own measurement, seed 0's) evaluated (14afa35, e197a61) in worktrees "
         "whose only changes were the seed table that run_seed_grid had rewritten under results/ (no code); seed 3 "
-        "re-evaluated from a clean tree gave the same "
-        "accuracy at every depth and length, as did the clean reruns of every seed at 256-16,384 tokens"),
+        "re-evaluated from a clean tree gave the same accuracy at every depth and length, as did the clean reruns "
+        "of every seed at 256-16,384 tokens"),
     "results/language/length_extrapolation.json": ([CONFIG, COMMIT, CLEAN, LOAD],
                                                    "an evaluation of LM checkpoints written before the evaluator "
                                                    "recorded its commit and load"),

@@ -672,6 +672,27 @@ def test_spread_mqar_curriculum_packs_short_batches_with_the_pairs_spread_over_e
             SpreadMQARDataset(n, L, V, K, curriculum=[(bad, 1)])
 
 
+def _composed(overrides: list[str] | None = None, variant: str | None = None) -> dict:
+    """The resolved config of ``overrides``, or of the no-rotary grid's ``variant``
+    (configs/grid/long_context_passkey_state_mixed_4k_nope.yaml: its common overrides, then the variant's)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from scripts import run_seed_grid as rsg  # noqa: PLC0415
+    from scripts.tables.config import compose  # noqa: PLC0415
+
+    if variant is not None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        grid = rsg.load_grid(os.path.join(root, "configs", "grid", "long_context_passkey_state_mixed_4k_nope.yaml"))
+        overrides = [*grid["common"], *grid["variants"][variant]]
+    return OmegaConf.to_container(compose(overrides)[0], resolve=True)
+
+
+def _without_run_settings(*cfgs: dict) -> None:
+    """Drop the grid's run-time settings (no logger, no progress bar), which are not a recipe's."""
+    for cfg in cfgs:
+        cfg.pop("logger"), cfg["trainer"].pop("progress_bar")
+
+
 def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
     """``experiment=long_context/recall_preset`` composes to the no-rotary grid's 8-row MHLA started at 1
     (configs/grid/long_context_passkey_state_mixed_4k_nope.yaml, ``passkey_mhla_m8_ones_nope``) but for the far rule,
@@ -680,18 +701,12 @@ def test_recall_preset_is_the_grids_eight_row_model_with_the_capped_far_rule():
     from omegaconf import OmegaConf  # noqa: PLC0415
 
     from mhla.mixing import extend_causal_mixing  # noqa: PLC0415
-    from scripts import run_seed_grid as rsg  # noqa: PLC0415
-    from scripts.tables.config import compose  # noqa: PLC0415
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    grid = rsg.load_grid(os.path.join(root, "configs", "grid", "long_context_passkey_state_mixed_4k_nope.yaml"))
-    preset = OmegaConf.to_container(compose(["experiment=long_context/recall_preset"])[0], resolve=True)
-    variant = OmegaConf.to_container(compose([*grid["common"], *grid["variants"]["passkey_mhla_m8_ones_nope"]])[0],
-                                     resolve=True)
+    preset = _composed(["experiment=long_context/recall_preset"])
+    variant = _composed(variant="passkey_mhla_m8_ones_nope")
     assert preset["attn"].pop("mixing_extension") == "uniform_far:auto" and variant["attn"].pop(
         "mixing_extension") is None  # the model's default: uniform_far
-    for cfg in (preset, variant):  # the grid's run-time settings (no logger, no progress bar) are not the recipe's
-        cfg.pop("logger"), cfg["trainer"].pop("progress_bar")
+    _without_run_settings(preset, variant)
     assert preset == variant
     # the model the task builds resolves the rule from its longest state-passed document: uniform_far:120
     from mhla.lm_attention import complete_lm_attention  # noqa: PLC0415
@@ -716,24 +731,15 @@ def test_recall_gated_is_the_recall_preset_with_the_grids_short_conv_write_gate(
     """``experiment=long_context/recall_gated`` composes to the recall preset plus the write gate of the grid's
     ``passkey_mhla_m8_ones_wgcl1_nope`` (relu, budget 0.01, reading the short convolution), and to that variant but for
     the preset's far rule."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    from scripts import run_seed_grid as rsg  # noqa: PLC0415
-    from scripts.tables.config import compose  # noqa: PLC0415
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    grid = rsg.load_grid(os.path.join(root, "configs", "grid", "long_context_passkey_state_mixed_4k_nope.yaml"))
-    gated = OmegaConf.to_container(compose(["experiment=long_context/recall_gated"])[0], resolve=True)
-    preset = OmegaConf.to_container(compose(["experiment=long_context/recall_preset"])[0], resolve=True)
-    variant = OmegaConf.to_container(
-        compose([*grid["common"], *grid["variants"]["passkey_mhla_m8_ones_wgcl1_nope"]])[0], resolve=True)
+    gated = _composed(["experiment=long_context/recall_gated"])
+    preset = _composed(["experiment=long_context/recall_preset"])
+    variant = _composed(variant="passkey_mhla_m8_ones_wgcl1_nope")
     gate = {"write_gate": "relu", "write_gate_penalty": 0.01, "write_gate_input": "short_conv"}
     assert {k: gated["attn"][k] for k in gate} == gate and preset["attn"]["write_gate"] != "relu"
     assert gated == {**preset, "attn": {**preset["attn"], **gate}}
     assert gated["attn"].pop("mixing_extension") == "uniform_far:auto" and variant["attn"].pop(
         "mixing_extension") is None
-    for cfg in (gated, variant):
-        cfg.pop("logger"), cfg["trainer"].pop("progress_bar")
+    _without_run_settings(gated, variant)
     assert gated == variant
 
 
