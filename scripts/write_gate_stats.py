@@ -6,7 +6,8 @@ with ``g = 0``, the mean gate of the filler, of the needle (its prefix, digits a
 question, and ``filler mass at 1M``: what 1,048,576 filler tokens write (their mean gate times 1,048,576) over what the
 needle writes (the sum of its gates). Below 1 the needle outweighs a million tokens of filler in the state (up to the
 sizes of ``phi(k)`` and ``v``, which the gate does not see); a gate that never writes 0 leaves it growing with the
-length.
+length. Per digit of the passkey (in order): each layer's mean gate on it (and its lowest head's), and the
+model's answer accuracy on it, so a model that recalls all but one digit shows which one and what its gates wrote.
 
     python scripts/write_gate_stats.py wg_s0=outputs/<grid>/passkey_mhla_m8_ones_wg_nope_s0 ... \\
         --out results/language/write_gate_stats
@@ -58,10 +59,14 @@ def part_masks(batch: dict, fmt, length: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: int, seed: int = 0) -> list[dict]:
+def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: int, seed: int = 0,
+               answer_acc: list | None = None) -> list[dict]:
     """Per layer (the model's WriteGates in order): ``{"layer", "filler_zero", "filler", "needle", "digits",
-    "question", "filler_mass_1m"}`` over ``examples`` passkey examples of ``length`` tokens at each depth
-    (``filler_mass_1m`` None for a layer that writes nothing of the needle)."""
+    "question", "filler_mass_1m", "digit_gates", "digit_gates_min_head"}`` over ``examples`` passkey examples of
+    ``length`` tokens at each depth (``filler_mass_1m`` None for a layer that writes nothing of the needle;
+    ``digit_gates [P]``: the mean gate on the needle's i-th digit over heads and examples, ``digit_gates_min_head
+    [P]``: the lowest head's). When ``answer_acc`` is a list, the model's accuracy on each answer digit ``[P]``
+    (its argmax at the position that predicts it) is appended to it."""
     gates = [(name, m) for name, m in model.named_modules() if isinstance(m, WriteGate)]
     if not gates:
         raise SystemExit("the model has no write gate (attn.write_gate)")
@@ -70,22 +75,31 @@ def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: in
              for name, m in gates]
     rng = np.random.default_rng([seed, int(length)])
     masks: list[dict] = []
+    digit_pos, hits = [], []  # [B, P] positions of the needle's digits; [B, P] answer digit recalled
     try:
         for depth in depths:
             batch = passkey_batch(filler, fmt, length, [depth] * examples, rng)
-            model(batch["input_ids"].to(next(model.parameters()).device))
+            logits = model(batch["input_ids"].to(next(model.parameters()).device)).logits
             masks.append(part_masks(batch, fmt, length))
+            digit_pos.append(batch["needle_pos"][:, None] + len(fmt.prefix) + torch.arange(fmt.digits))
+            hits.append(logits[:, batch["targets_at"]].argmax(-1).cpu() == batch["answer"])
     finally:
         for h in hooks:
             h.remove()
+    digit_pos = torch.cat(digit_pos)
+    if answer_acc is not None:
+        answer_acc.extend(torch.cat(hits).float().mean(0).tolist())
     rows = []
     for name, _ in gates:
         g = torch.cat(seen[name])  # [n, L, H]
         mask = {p: torch.cat([m[p] for m in masks]) for p in PARTS}
         mean = {p: float(g[mask[p]].mean()) for p in PARTS}
         needle_sum = float(g[mask["needle"]].sum()) / mask["needle"].shape[0] / g.shape[-1]  # per example, head
+        on_digits = g.gather(1, digit_pos[..., None].expand(-1, -1, g.shape[-1])).mean(0)  # [P, H]
         rows.append({"layer": name, "filler_zero": float((g[mask["filler"]] == 0).float().mean()), **mean,
-                     "filler_mass_1m": mean["filler"] * MILLION / needle_sum if needle_sum > 0 else None})
+                     "filler_mass_1m": mean["filler"] * MILLION / needle_sum if needle_sum > 0 else None,
+                     "digit_gates": on_digits.mean(1).tolist(),
+                     "digit_gates_min_head": on_digits.min(1).values.tolist()})
     return rows
 
 
@@ -128,6 +142,18 @@ def markdown(record: dict) -> str:
         for i, r0 in enumerate(runs[0]):
             cells = [_cell(c, _mean([run[i][c] for run in runs])) for c in COLUMNS]
             lines.append(f"| {g} | {r0['layer']} | {len(runs)} | " + " | ".join(cells) + " |")
+    if any("digit_gates" in r for members in record["groups"].values() for rows in members.values() for r in rows):
+        lines += ["", "Per digit of the passkey, in order: the mean gate on the needle's digit over heads and "
+                  "examples (the lowest head's mean in brackets), and the model's accuracy on that answer digit:", "",
+                  "| run | layer | gate on digits 1 .. P (lowest head) |", "|---|---|---|"]
+        for g, members in record["groups"].items():
+            for key, rows in members.items():
+                for r in rows:
+                    cells = ", ".join(f"{a:.3f} ({b:.3f})" for a, b in zip(r["digit_gates"], r["digit_gates_min_head"]))
+                    lines.append(f"| {g}/{key} | {r['layer']} | {cells} |")
+        lines += ["", "| run | answer accuracy on digits 1 .. P |", "|---|---|"]
+        for run, acc in record.get("answer_acc", {}).items():
+            lines.append(f"| {run} | " + ", ".join(f"{100 * a:.1f}%" for a in acc) + " |")
     if record.get("notes"):
         lines += ["", "## Reading", "", record["notes"].strip()]
     return "\n".join(lines) + "\n"
@@ -156,7 +182,7 @@ def main(argv=None) -> int:
     runs = dict(r.split("=", 1) for r in args.runs)
     record = {"command": "python scripts/write_gate_stats.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "length": args.length, "depths": args.depths, "examples": args.examples, "seed": args.seed,
-              "groups": {}, "runs": {}, "notes": notes, "machine": system_info("cpu")}
+              "groups": {}, "runs": {}, "answer_acc": {}, "notes": notes, "machine": system_info("cpu")}
     with Measurement(threads=args.threads) as load:
         for g, members in group(runs).items():
             for key, path in members.items():
@@ -164,9 +190,11 @@ def main(argv=None) -> int:
                 if not isinstance(task, PasskeyLMTask):
                     raise SystemExit(f"{g}/{key}: not a passkey run")
                 _, val, tok, _ = task.data()
+                acc: list = []
                 rows = gate_stats(model.eval(), filler_tokens(val.tokens, tok.eos_token_id), task.fmt(),
-                                  args.length, args.depths, args.examples, args.seed)
+                                  args.length, args.depths, args.examples, args.seed, answer_acc=acc)
                 record["groups"].setdefault(g, {})[str(key)] = rows
+                record["answer_acc"][f"{g}/{key}"] = acc
                 run = read_run_record(path) or {}
                 record["runs"][f"{g}/{key}"] = {"path": str(path), **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
                 print(f"{g}/{key}: " + "; ".join(f"{r['layer']} zero {100 * r['filler_zero']:.1f}% mass@1M "

@@ -79,3 +79,54 @@ def test_a_layer_that_writes_nothing_has_no_mass_ratio():
             layer.attn.write_gate.bias.fill_(-1.0)  # W = 0: every gate relu(-1) = 0
     rows = gate_stats(model, np.arange(20, 60), fmt, 48, [0.5], examples=2)
     assert all(r["filler_zero"] == 1.0 and r["filler_mass_1m"] is None for r in rows)
+
+
+def test_digit_gates_follow_the_needles_digits():
+    """A first-layer gate open on the token "7" alone (as above, through channel 0 of the embedding): the gate on
+    the needle's i-th digit is that token's gate times the share of examples whose i-th digit is 7, so the per-digit
+    gates read the digits at their positions, not their neighbours."""
+    fmt, model = Fmt(), _model()
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = -1.0
+        emb[7, 0] = 1.0
+        gate = model.model.layers[0].attn.write_gate
+        gate.weight.zero_()
+        gate.weight[:, 0] = 50.0
+        gate.bias.zero_()
+    filler, depths, examples = np.arange(20, 60), [0.0, 1.0], 20
+    rows = gate_stats(model, filler, fmt, 48, depths, examples=examples)
+    rng = np.random.default_rng([0, 48])  # the examples gate_stats drew
+    answers = torch.cat([passkey_batch(filler, fmt, 48, [d] * examples, rng)["answer"] for d in depths])
+    share = (answers == 7).float().mean(0)  # [P]
+    first = rows[0]
+    gates = torch.tensor(first["digit_gates"])
+    assert len(gates) == fmt.digits == len(first["digit_gates_min_head"])
+    assert 0 < share.min() < share.max()  # the examples tell the positions apart
+    assert gates.tolist() == pytest.approx((gates.max() / share.max() * share).tolist(), rel=1e-5)
+    assert first["digit_gates_min_head"] == pytest.approx(first["digit_gates"])  # both heads share the weights
+
+
+class _Oracle(torch.nn.Module):
+    """A 'model' with a write gate whose logits at position t name the token at t + 1 (it sees the future), except
+    at the positions listed in ``wrong`` (counted from the end), where they name token 0's neighbour."""
+
+    def __init__(self, vocab: int, wrong=()):
+        super().__init__()
+        self.gate, self.vocab, self.wrong = WriteGate(4, 1, "relu"), vocab, tuple(wrong)
+
+    def forward(self, input_ids):
+        self.gate(torch.zeros(*input_ids.shape, 4))
+        nxt = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], 1)
+        for w in self.wrong:
+            nxt[:, -w - 1] = (nxt[:, -w - 1] + 1) % 10
+        return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, self.vocab).float()})()
+
+
+@pytest.mark.parametrize("wrong, expect", [((), [1.0] * 5), ((3,), [1.0, 1.0, 0.0, 1.0, 1.0])])
+def test_answer_accuracy_is_read_per_digit(wrong, expect):
+    """The accuracy of answer digit i is read at the position that predicts it: an oracle off on the answer's third
+    digit alone (position L - 3, predicted at L - 4) scores 0 there and 1 on the others."""
+    acc: list = []
+    gate_stats(_Oracle(61, wrong), np.arange(20, 60), Fmt(), 48, [0.0, 0.5], examples=2, answer_acc=acc)
+    assert acc == expect
