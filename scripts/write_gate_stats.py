@@ -75,18 +75,16 @@ def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: in
              for name, m in gates]
     rng = np.random.default_rng([seed, int(length)])
     masks: list[dict] = []
-    digit_pos, hits = [], []  # [B, P] positions of the needle's digits; [B, P] answer digit recalled
+    hits = []  # [B, P]: answer digit recalled
     try:
         for depth in depths:
             batch = passkey_batch(filler, fmt, length, [depth] * examples, rng)
             logits = model(batch["input_ids"].to(next(model.parameters()).device)).logits
             masks.append(part_masks(batch, fmt, length))
-            digit_pos.append(batch["needle_pos"][:, None] + len(fmt.prefix) + torch.arange(fmt.digits))
             hits.append(logits[:, batch["targets_at"]].argmax(-1).cpu() == batch["answer"])
     finally:
         for h in hooks:
             h.remove()
-    digit_pos = torch.cat(digit_pos)
     if answer_acc is not None:
         answer_acc.extend(torch.cat(hits).float().mean(0).tolist())
     rows = []
@@ -95,7 +93,7 @@ def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: in
         mask = {p: torch.cat([m[p] for m in masks]) for p in PARTS}
         mean = {p: float(g[mask[p]].mean()) for p in PARTS}
         needle_sum = float(g[mask["needle"]].sum()) / mask["needle"].shape[0] / g.shape[-1]  # per example, head
-        on_digits = g.gather(1, digit_pos[..., None].expand(-1, -1, g.shape[-1])).mean(0)  # [P, H]
+        on_digits = g[mask["digits"]].view(-1, fmt.digits, g.shape[-1]).mean(0)  # [P, H], the digits in order
         rows.append({"layer": name, "filler_zero": float((g[mask["filler"]] == 0).float().mean()), **mean,
                      "filler_mass_1m": mean["filler"] * MILLION / needle_sum if needle_sum > 0 else None,
                      "digit_gates": on_digits.mean(1).tolist(),
@@ -142,7 +140,7 @@ def markdown(record: dict) -> str:
         for i, r0 in enumerate(runs[0]):
             cells = [_cell(c, _mean([run[i][c] for run in runs])) for c in COLUMNS]
             lines.append(f"| {g} | {r0['layer']} | {len(runs)} | " + " | ".join(cells) + " |")
-    if any("digit_gates" in r for members in record["groups"].values() for rows in members.values() for r in rows):
+    if record.get("answer_acc"):  # records written before the per-digit view have neither
         lines += ["", "Per digit of the passkey, in order: the mean gate on the needle's digit over heads and "
                   "examples (the lowest head's mean in brackets), and the model's accuracy on that answer digit:", "",
                   "| run | layer | gate on digits 1 .. P (lowest head) |", "|---|---|---|"]

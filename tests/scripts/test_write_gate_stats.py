@@ -109,7 +109,8 @@ def test_digit_gates_follow_the_needles_digits():
 
 class _Oracle(torch.nn.Module):
     """A 'model' with a write gate whose logits at position t name the token at t + 1 (it sees the future), except
-    at the positions listed in ``wrong`` (counted from the end), where they name token 0's neighbour."""
+    where they predict the ``wrong`` positions (counted from the end, 1 = the last token): there they name the next
+    digit instead."""
 
     def __init__(self, vocab: int, wrong=()):
         super().__init__()
