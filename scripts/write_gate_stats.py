@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from mhla.layers import WriteGate  # noqa: E402
 from scripts.mqar_extrapolation import group  # noqa: E402
-from tasks.common.checkpoint import find_checkpoint  # noqa: E402
+from tasks.common.checkpoint import find_checkpoint, load_run_checkpoint  # noqa: E402
 from tasks.common.evaluation import load_run  # noqa: E402
 from tasks.common.launch import read_notes  # noqa: E402
 from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record  # noqa: E402
@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     with Measurement(threads=args.threads) as load:
         for g, members in group(runs).items():
             for key, path in members.items():
-                cfg, task, model, _ = load_run(str(find_checkpoint(path)), ["trainer.device=cpu"])
+                ckpt = str(find_checkpoint(path))
+                cfg, task, model, _ = load_run(ckpt, ["trainer.device=cpu"])
                 if not isinstance(task, PasskeyLMTask):
                     raise SystemExit(f"{g}/{key}: not a passkey run")
                 _, val, tok, _ = task.data()
@@ -194,7 +195,9 @@ def main(argv=None) -> int:
                 record["groups"].setdefault(g, {})[str(key)] = rows
                 record["answer_acc"][f"{g}/{key}"] = acc
                 run = read_run_record(path) or {}
-                record["runs"][f"{g}/{key}"] = {"path": str(path), **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
+                step = int(load_run_checkpoint(ckpt, mmap=True)["step"])  # the training step of the weights read
+                record["runs"][f"{g}/{key}"] = {"path": str(path), "checkpoint": ckpt, "step": step,
+                                                **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
                 print(f"{g}/{key}: " + "; ".join(f"{r['layer']} zero {100 * r['filler_zero']:.1f}% mass@1M "
                                                 f"{_cell('filler_mass_1m', r['filler_mass_1m'])}" for r in rows),
                       flush=True)
