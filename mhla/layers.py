@@ -95,7 +95,17 @@ def gate_kind(gate) -> str | None:
 
 
 #: the kinds of :class:`WriteGate` (``write_gate`` of the kernel attentions)
-WRITE_GATES = ("relu", "sigmoid")
+WRITE_GATES = ("relu", "relu_leaky_grad", "sigmoid")
+#: the slope of ``relu_leaky_grad``'s gradient below 0 (its forward is relu's)
+LEAKY_GRAD_SLOPE = 0.1
+
+
+def relu_leaky_grad(z: torch.Tensor, slope: float = LEAKY_GRAD_SLOPE) -> torch.Tensor:
+    """``relu(z)`` in the forward (exactly: a closed gate writes exactly 0); in the backward below 0 the gradient
+    of ``slope * z``, so a closed gate still hears the loss and can open again (relu's is 0 there: a gate the write
+    budget closed on a token the answer needs stays closed)."""
+    leak = slope * z.clamp(max=0.0)
+    return F.relu(z) + (leak - leak.detach())
 
 
 #: what a :class:`WriteGate` reads (``write_gate_input`` of the kernel attentions): the layer input ``x`` (default) or
@@ -114,8 +124,10 @@ class WriteGate(nn.Module):
     the token's value before the state adds it (``S = sum_t g_t phi(k_t) v_t^T``; a selective state, beyond the
     paper's operator). ``W`` starts at 0, so ``g`` starts at 1 for every token and the layer starts as the ungated
     one. ``"relu"``: ``g = relu(x W^T + 1)``, which can be exactly 0 (a token left out at any context length);
-    ``"sigmoid"``: ``g = 2 sigmoid(x W^T)``, in (0, 2), never 0 (the control: a token's share still falls with the
-    number of tokens written beside it).
+    ``"relu_leaky_grad"``: the same ``g``, whose gradient below 0 is a leaky relu's (:func:`relu_leaky_grad`: a
+    gate closed on a token gets the loss's gradient and can reopen; relu's gets none); ``"sigmoid"``:
+    ``g = 2 sigmoid(x W^T)``, in (0, 2), never 0 (the control: a token's share still falls with the number of tokens
+    written beside it).
 
     ``penalty``: a write budget for training, ``penalty * mean(g)`` over the tokens and heads of every forward run with
     gradients, which the trainer adds to the loss (the :meth:`regularization_loss` hook, :mod:`mhla.hooks`):
@@ -138,7 +150,7 @@ class WriteGate(nn.Module):
 
     def initial_bias(self) -> float:
         """The bias that makes ``g = 1`` at ``W = 0``."""
-        return 1.0 if self.kind == "relu" else 0.0
+        return 0.0 if self.kind == "sigmoid" else 1.0
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -147,7 +159,10 @@ class WriteGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = F.linear(x, self.weight, self.bias)
-        g = F.relu(z) if self.kind == "relu" else 2.0 * torch.sigmoid(z)
+        if self.kind == "sigmoid":
+            g = 2.0 * torch.sigmoid(z)
+        else:
+            g = F.relu(z) if self.kind == "relu" else relu_leaky_grad(z)
         if self.penalty and self.training and torch.is_grad_enabled():
             self._written.append(g.float().mean())
         return g
@@ -607,7 +622,7 @@ class KernelAttention(AttentionBase):
         q_scale: a factor on the query features (after the feature map and the rotation): a number, or
             ``"head_dim"`` for ``head_dim ** -0.5`` (the release's language model). 1 by default; with a normaliser
             it cancels (up to ``eps``), without one the output RMSNorm removes it (up to its epsilon).
-        write_gate: ``None`` (default) or a :class:`WriteGate` kind (``"relu"``, ``"sigmoid"``): each token's value
+        write_gate: ``None`` (default) or a :class:`WriteGate` kind (:data:`WRITE_GATES`): each token's value
             is scaled by its gate ``g_t`` per head before the state adds it, so ``S = sum_t g_t phi(k_t) v_t^T``
             (MHLA's block summaries and their far sum too; CPE reads the gated values). Needs ``normalize=False``
             (the normaliser's ``sum phi(k)`` would stay ungated) and the layer's own projections.

@@ -1,7 +1,7 @@
 """``write_gate`` (:class:`mhla.layers.WriteGate`): a learned per-head gate on each token's write into the state. It
 starts as the ungated layer, every path (one pass, chunked prefill and decoding, packed sequences) applies it
-alike, a token the relu gate closes leaves the state as if it were not there, and the settings it cannot honour
-are refused."""
+alike, a token the relu gate closes leaves the state as if it were not there (``relu_leaky_grad`` too, whose closed
+gates still get a gradient), and the settings it cannot honour are refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers.lm_configs import lm_config
-from mhla.layers import AttentionCache, LinearAttention, MultiHeadLinearAttention, WriteGate
+from mhla.layers import (LEAKY_GRAD_SLOPE, AttentionCache, LinearAttention, MultiHeadLinearAttention, WriteGate,
+                         relu_leaky_grad)
 from mhla.registry import attention_tag
 from models.lm import MHLALMForCausalLM
 
@@ -30,7 +31,7 @@ def _random_gate(layer, seed=1):
     return layer
 
 
-@pytest.mark.parametrize("kind", ["relu", "sigmoid"])
+@pytest.mark.parametrize("kind", ["relu", "relu_leaky_grad", "sigmoid"])
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_a_gated_layer_starts_as_the_ungated_one(name, kind):
     """W = 0 gives g = 1 for every token: the same weights give the same output, and building the gate draws no
@@ -44,7 +45,7 @@ def test_a_gated_layer_starts_as_the_ungated_one(name, kind):
     torch.testing.assert_close(gated(x), plain(x))
 
 
-@pytest.mark.parametrize("kind", ["relu", "sigmoid"])
+@pytest.mark.parametrize("kind", ["relu", "relu_leaky_grad", "sigmoid"])
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_chunked_prefill_decoding_and_packed_sequences_apply_the_gate_alike(name, kind):
     layer = _random_gate(_layer(name, kind))
@@ -62,7 +63,7 @@ def test_chunked_prefill_decoding_and_packed_sequences_apply_the_gate_alike(name
 def test_a_token_the_relu_gate_closes_is_not_in_the_state(name):
     """With the gate at 0 for token 3 (its bias pushed below zero on that token alone), later outputs do not depend
     on that token's value; with the sigmoid gate, which never reaches 0, they do."""
-    for kind, closed in (("relu", True), ("sigmoid", False)):
+    for kind, closed in (("relu", True), ("relu_leaky_grad", True), ("sigmoid", False)):
         layer = _layer(name, kind)
         x = torch.randn(1, 12, 16)
         x[0, 3] = 0.0
@@ -78,12 +79,36 @@ def test_a_token_the_relu_gate_closes_is_not_in_the_state(name):
         assert same is closed, (name, kind)
 
 
+def test_a_closed_leaky_grad_gate_writes_0_and_still_hears_the_loss():
+    """``relu_leaky_grad`` writes relu's gates exactly; on a token whose gate is closed (z < 0) relu passes no
+    gradient to W, so the budget's closing is final, while relu_leaky_grad passes the loss's gradient times the
+    slope, in the direction that opens the gate when the loss wants the token written."""
+    x = torch.randn(6, 16)
+    grads = {}
+    for kind in ("relu", "relu_leaky_grad"):
+        gate = WriteGate(16, 2, kind)
+        with torch.no_grad():
+            gate.bias.fill_(-1.0)  # every token closed: z = -1 with W = 0
+        g = gate(x)
+        assert torch.equal(g, torch.zeros(6, 2))  # exactly 0: the token is not in the state
+        (-g.sum()).backward()  # a loss that wants every token written
+        grads[kind] = (gate.weight.grad.clone(), gate.bias.grad.clone())
+    assert torch.count_nonzero(grads["relu"][0]) == 0 and torch.count_nonzero(grads["relu"][1]) == 0
+    torch.testing.assert_close(grads["relu_leaky_grad"][1], torch.full((2,), -6 * LEAKY_GRAD_SLOPE))  # opens
+    torch.testing.assert_close(grads["relu_leaky_grad"][0], -LEAKY_GRAD_SLOPE * x.sum(0).expand(2, 16))
+    z = torch.linspace(-2, 2, 8, requires_grad=True)  # not 0 itself
+    out = relu_leaky_grad(z)
+    assert torch.equal(out, torch.relu(z))
+    out.sum().backward()
+    torch.testing.assert_close(z.grad, torch.where(z > 0, 1.0, LEAKY_GRAD_SLOPE))
+
+
 def test_the_settings_it_cannot_honour_are_refused():
     with pytest.raises(ValueError, match="write_gate='relu' scales the values.*normalize=false"):
         MultiHeadLinearAttention(16, 2, causal=True, block_size=4, normalize=True, write_gate="relu")
     with pytest.raises(ValueError, match="projections=False"):
         LinearAttention(16, 2, causal=True, normalize=False, projections=False, write_gate="relu")
-    with pytest.raises(ValueError, match="write_gate must be one of relu, sigmoid"):
+    with pytest.raises(ValueError, match="write_gate must be one of relu, relu_leaky_grad, sigmoid"):
         LinearAttention(16, 2, causal=True, normalize=False, write_gate="tanh")
 
 
