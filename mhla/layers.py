@@ -94,8 +94,6 @@ def gate_kind(gate) -> str | None:
                      f"(W_o x + b), RALA's), got {gate!r}")
 
 
-#: the kinds of :class:`WriteGate` (``write_gate`` of the kernel attentions)
-WRITE_GATES = ("relu", "relu_leaky_grad", "sigmoid")
 #: the slope of ``relu_leaky_grad``'s gradient below 0 (its forward is relu's)
 LEAKY_GRAD_SLOPE = 0.1
 
@@ -106,6 +104,17 @@ def relu_leaky_grad(z: torch.Tensor, slope: float = LEAKY_GRAD_SLOPE) -> torch.T
     budget closed on a token the answer needs stays closed)."""
     leak = slope * z.clamp(max=0.0)
     return F.relu(z) + (leak - leak.detach())
+
+
+def two_sigmoid(z: torch.Tensor) -> torch.Tensor:
+    """``2 sigmoid(z)``: 1 at ``z = 0``, in (0, 2), never 0."""
+    return 2.0 * torch.sigmoid(z)
+
+
+#: the kinds of :class:`WriteGate` (``write_gate`` of the kernel attentions): each kind's gate function of
+#: ``z = x W^T + b``
+WRITE_GATE_FUNCTIONS = {"relu": F.relu, "relu_leaky_grad": relu_leaky_grad, "sigmoid": two_sigmoid}
+WRITE_GATES = tuple(WRITE_GATE_FUNCTIONS)
 
 
 #: what a :class:`WriteGate` reads (``write_gate_input`` of the kernel attentions): the layer input ``x`` (default) or
@@ -149,7 +158,7 @@ class WriteGate(nn.Module):
         self.reset_parameters()
 
     def initial_bias(self) -> float:
-        """The bias that makes ``g = 1`` at ``W = 0``."""
+        """The bias that makes ``g = 1`` at ``W = 0`` (``2 sigmoid(0) = 1``; the relu kinds at 1)."""
         return 0.0 if self.kind == "sigmoid" else 1.0
 
     @torch.no_grad()
@@ -159,10 +168,7 @@ class WriteGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = F.linear(x, self.weight, self.bias)
-        if self.kind == "sigmoid":
-            g = 2.0 * torch.sigmoid(z)
-        else:
-            g = F.relu(z) if self.kind == "relu" else relu_leaky_grad(z)
+        g = WRITE_GATE_FUNCTIONS[self.kind](z)
         if self.penalty and self.training and torch.is_grad_enabled():
             self._written.append(g.float().mean())
         return g
