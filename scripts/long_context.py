@@ -29,7 +29,8 @@ evaluation: :class:`tasks.common.records.Measurement`; a busy machine is written
 ``--allow-busy``). ``--merge`` joins records of other runs evaluated in parallel processes (the same settings,
 each with its own ``--rules``; a model's seeds may come from several) into one, which lists every part's command
 and keeps its measurement. ``--equal-weights`` also evaluates every MHLA model with its mixing coefficients made
-equal (group ``<name>_equal``; the control for the learned shape of the mixing).
+equal (group ``<name>_equal``; the control for the learned shape of the mixing); ``--equal-only`` evaluates only
+those copies of the MHLA models (when the trained models' side is recorded already).
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ def evaluate_runs(runs: dict, args) -> dict:
             about = {"path": str(path), "checkpoint": str(ckpt), "test": test, "attn_name": model.config.attn_name,
                      "metrics": run.get("metrics"), "curve": curve, "eval_curve": metric_curve(str(path), "eval/acc"),
                      "left_plateau_at": plateau_exit(curve), **{k: run[k] for k in RUN_RECORD_KEYS if k in run}}
-            edits = {g: (model, {})}
-            if args.equal_weights and mixing_matrices(model):  # the same weights, the mixing made equal
+            mixed = bool(mixing_matrices(model))
+            edits = {} if args.equal_only and mixed else {g: (model, {})}
+            if (args.equal_weights or args.equal_only) and mixed:  # the same weights, the mixing made equal
                 edits[g + EQUAL_SUFFIX] = (with_equal_weights(model), {"edit": EQUAL_EDIT})
             for name, (m, edit) in edits.items():
                 res = evaluate_model(m, test, lengths, args.rules, args, **kw)
@@ -468,6 +470,9 @@ def parse_args(argv=None):
     ap.add_argument("--equal-weights", action="store_true",
                     help="also evaluate each MHLA model with every mixing coefficient made equal (group <name>_equal: "
                          "the same weights read as linear attention; mhla.mixing.with_equal_weights)")
+    ap.add_argument("--equal-only", action="store_true",
+                    help="as --equal-weights, without evaluating the MHLA models as trained (a control whose trained "
+                         "side is recorded already); models without mixing are evaluated as usual")
     ap.add_argument("--seed", type=int, default=0, help="seed of the evaluation examples")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train", default=None, metavar="DIR", help="train the missing runs into DIR first")
@@ -486,7 +491,8 @@ def parse_args(argv=None):
 
 
 PART_SETTINGS = ("rules", "threads")  # may differ between the parts of a merge (each part's command keeps its own)
-SETTING_DEFAULTS = {"equal_weights": False}  # settings added later: what a part recorded before them was made under
+# settings added later: what a part recorded before them was made under
+SETTING_DEFAULTS = {"equal_weights": False, "equal_only": False}
 
 
 def seed_order(key: str) -> tuple:
@@ -560,7 +566,8 @@ def main(argv=None) -> int:
     record.update({"command": command, "machine": system_info("cpu"), "notes": read_notes(args.notes),
                    "settings": {k: getattr(args, k) for k in ("depths", "distances", "examples", "batch_size",
                                                               "prefill_chunk", "rules", "softmax_max_len", "seed",
-                                                              "threads", "max_len", "equal_weights")}})
+                                                              "threads", "max_len", "equal_weights",
+                                                              "equal_only")}})
     try:
         write_result(args.out, markdown(record), record, lambda png: plot(record, png), measurement=m.record,
                      allow_busy=args.allow_busy)

@@ -784,7 +784,8 @@ def test_spread_mqar_long_stage_passes_the_state_of_a_document():
 
 def test_equal_weights_evaluate_each_mhla_model_a_second_time_as_its_own_group(monkeypatch):
     """--equal-weights: every MHLA run is also evaluated with its mixing made equal (group <name>_equal, the same
-    run recorded with the edit named, left out of the training table); linear attention runs once."""
+    run recorded with the edit named, left out of the training table); linear attention runs once. --equal-only:
+    the same equal copies, without the MHLA models as trained."""
     from omegaconf import OmegaConf
 
     import scripts.long_context as LC
@@ -802,10 +803,15 @@ def test_equal_weights_evaluate_each_mhla_model_a_second_time_as_its_own_group(m
     monkeypatch.setattr(LC, "train_loss_curve", lambda path: [[0, 5.0], [10, 1.0]])
     monkeypatch.setattr(LC, "metric_curve", lambda path, key: [])
     args = SimpleNamespace(lengths=[32, 64], max_len=64, rules=["relative"], examples=4, batch_size=4,
-                           prefill_chunk=16, seed=0, softmax_max_len=64, equal_weights=True)
+                           prefill_chunk=16, seed=0, softmax_max_len=64, equal_weights=True, equal_only=False)
     record = LC.evaluate_runs({"mhla_s0": "m", "linear_s0": "l"}, args)
     groups = record["tests"]["mqar"]["groups"]
     assert set(groups) == {"mhla", "mhla_equal", "linear"}
+    only = LC.evaluate_runs({"mhla_s0": "m", "linear_s0": "l"},
+                            SimpleNamespace(**{**vars(args), "equal_weights": False, "equal_only": True}))
+    assert set(only["tests"]["mqar"]["groups"]) == {"mhla_equal", "linear"}  # the trained MHLA left out
+    assert all(only["tests"]["mqar"]["groups"]["mhla_equal"]["0"]["relative"][L]["acc"]
+               == groups["mhla_equal"]["0"]["relative"][L]["acc"] for L in ("32", "64"))
     assert record["runs"]["mhla_equal/0"]["edit"] == LC.EQUAL_EDIT and "edit" not in record["runs"]["mhla/0"]
     assert groups["mhla"]["0"]["relative"]["64"]["n"] == groups["mhla_equal"]["0"]["relative"]["64"]["n"] == 8
     table = "\n".join(LC.training_lines(record))
