@@ -62,6 +62,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,14 +87,6 @@ OPS = {
     False: ["mhla", "mhla_torch", "linear", "sdpa"],
     True: ["mhla", "mhla_torch", "linear", "plain_linear", "fla_linear", "sdpa", "release_loop"],
 }
-# growth exponent in T for skip estimates
-COMPLEXITY = {"mhla": 1, "mhla_torch": 1, "linear": 1, "plain_linear": 1, "fla_linear": 1, "sdpa": 2,
-              "release_loop": 2, "mhla_window": 1, "fla_simple_gla": 1, "mhla_half": 1, "mhla_window_half": 1}
-# ops that only run on a GPU (fla's Triton kernels) or only make sense there (the torch path as a second MHLA;
-# the kernels' opt-in half summaries, which the torch path does not have)
-GPU_ONLY = {"fla_linear", "mhla_torch", "fla_simple_gla", "mhla_half", "mhla_window_half"}
-#: ``<op>_half``: ``mhla`` / ``mhla_window`` with the Triton kernels' opt-in half block summaries
-HALF_SUMMARY_OPS = ("mhla_half", "mhla_window_half")
 TIME_METHOD = ("each case in a fresh subprocess; one fwd+bwd at full size as warm-up, then the median (and "
                "p25-p75) over N runs, N = min(--repeats, --budget-s / first run), at least 3; CPU wall clock "
                "(time.perf_counter), GPU CUDA events. fwd runs under torch.no_grad(); fwd+bwd backpropagates "
@@ -235,9 +229,56 @@ def with_half_summaries(fn):
     return call
 
 
+@dataclass(frozen=True)
+class Case:
+    """The inputs of one benchmark case, which :attr:`BenchOp.build` turns into a call: q, k (nonnegative
+    features unless the op takes raw scores), v ``[B, T, H, D]``; ``mix`` the dense locality mixing ``[M, M]``
+    (causal: ``M = ceil(T / block)``); ``block`` the block size."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mix: torch.Tensor
+    block: int
+    causal: bool
+    T: int
+    args: argparse.Namespace
+    device: str
+
+
+@dataclass(frozen=True)
+class BenchOp:
+    """One op of the benchmarks (``scripts/bench_ops.py``, ``scripts/gpu_campaign.py``): how a case's call is
+    built and what the scripts need to know of the op, so that no script dispatches on the op's name.
+
+    build: ``Case -> (fn, params, info)``: a call without arguments, the tensors it takes gradients for, and
+        what the record should say of it (backend, learned blocks, ...).
+    label: the op in plots. complexity: growth exponent in T for the skip estimates.
+    gpu_only: runs only on a GPU (fla's Triton kernels) or only makes sense there.
+    features: q and k are nonnegative feature maps (False: softmax's raw scores).
+    mixing: the mixing the op reads (``"dense"``: the ``[M, M]`` matrix; ``"window"``: the LM's compact rows;
+        None: none); its records show M and the block size.
+    triton: the call goes through MHLA's Triton kernels where the backend resolves to them (the campaign checks
+        them against the torch path and sets the traffic model beside the time).
+    half_of: this op is ``half_of`` with the kernels' opt-in half block summaries (:func:`with_half_summaries`).
+    needs_fla: the op is flash-linear-attention's (skipped, with the reason, where ``fla`` does not import).
+    """
+    label: str
+    build: Callable[[Case], tuple] | None = None
+    complexity: int = 1
+    gpu_only: bool = False
+    features: bool = True
+    mixing: str | None = None
+    triton: bool = False
+    half_of: str | None = None
+    needs_fla: bool = False
+
+
 def make_case(op: str, causal: bool, T: int, args, device):
-    if op in HALF_SUMMARY_OPS:  # the same case, its forward with the opt-in half summaries
-        fn, params, info = make_case(op.removesuffix("_half"), causal, T, args, device)
+    """``(fn, params, info)`` of op ``op`` (:data:`BENCH_OPS`) on seeded inputs of length ``T``: ``fn()`` the
+    call, ``params`` the tensors backpropagated to, ``info`` the case's block size, M and what the op adds."""
+    spec = BENCH_OPS[op]
+    if spec.half_of:  # the same case, its forward with the opt-in half summaries
+        fn, params, info = make_case(spec.half_of, causal, T, args, device)
         return with_half_summaries(fn), params, {**info, "summaries": "input dtype"}
     g = torch.Generator(device="cpu").manual_seed(0)
     B, H, D = args.batch, args.heads, args.dim
@@ -248,51 +289,39 @@ def make_case(op: str, causal: bool, T: int, args, device):
         x = torch.relu(x) + 1e-6 if pos else x
         return x.to(device=device, dtype=dtype).requires_grad_()
 
-    q, k = rand(B, T, H, D, pos=op != "sdpa"), rand(B, T, H, D, pos=op != "sdpa")
+    q, k = rand(B, T, H, D, pos=spec.features), rand(B, T, H, D, pos=spec.features)
     v = rand(B, T, H, D)
-    info = {}
     if causal:
         C = args.block
         n = math.ceil(T / C)
         mix = mixing_init("locality", distances_1d(n), causal=True).to(device=device, dtype=dtype)
-        info.update(block_size=C, M=n)
+        info = {"block_size": C, "M": n}
     else:
         M = choose_num_blocks(T)
         C = T // M
         mix = mixing_init("locality", distances_1d(M)).to(device=device, dtype=dtype)
-        info.update(block_size=C, M=M)
+        info = {"block_size": C, "M": M}
     mix.requires_grad_()
-    if op in ("mhla", "mhla_torch"):
-        backend = "torch" if op == "mhla_torch" else args.backend
-        fn = lambda: mhla.mhla_attention(q, k, v, mix, C, causal=causal, backend=backend)  # noqa: E731
-        params = [q, k, v, mix]
-        info["backend"] = mhla.ops.resolve_backend(backend, q, causal=causal)
-    elif op == "linear":
-        fn = lambda: mhla.linear_attention(q, k, v, causal=causal)  # noqa: E731
-        params = [q, k, v]
-    elif op == "plain_linear":
-        fn = lambda: plain_chunked_linear(q, k, v, args.block)  # noqa: E731
-        params = [q, k, v]
-    elif op == "mhla_window":
-        rows = window_mixing_rows(math.ceil(T / C), device, dtype)
-        fn = lambda: mhla.mhla_attention(q, k, v, rows, C, causal=True, backend=args.backend)  # noqa: E731
-        params = [q, k, v, rows.diag, rows.head, rows.recent, rows.far]
-        info.update(backend=mhla.ops.resolve_backend(args.backend, q, causal=True), learned_blocks=WINDOW_BLOCKS)
-    elif op == "fla_linear":
-        fn = fla_linear_attention(q, k, v)
-        params = [q, k, v]
-    elif op == "fla_simple_gla":
-        fn = fla_simple_gla(q, k, v)
-        params = [q, k, v]
-    elif op == "sdpa":
-        fn = sdpa_call(q, k, v, causal, device)
-        params = [q, k, v]
-    elif op == "release_loop":
-        fn = lambda: release_loop_causal(q, k, v, mix, C)  # noqa: E731
-        params = [q, k, v, mix]
-    else:
-        raise ValueError(op)
-    return fn, params, info
+    fn, params, extra = spec.build(Case(q, k, v, mix, C, causal, T, args, device))
+    return fn, params, {**info, **extra}
+
+
+def _mhla_case(c: Case, backend: str | None = None):
+    backend = backend or c.args.backend
+    return (lambda: mhla.mhla_attention(c.q, c.k, c.v, c.mix, c.block, causal=c.causal, backend=backend),
+            [c.q, c.k, c.v, c.mix], {"backend": mhla.ops.resolve_backend(backend, c.q, causal=c.causal)})
+
+
+def _mhla_window_case(c: Case):
+    rows = window_mixing_rows(math.ceil(c.T / c.block), c.device, c.q.dtype)
+    fn = lambda: mhla.mhla_attention(c.q, c.k, c.v, rows, c.block, causal=True, backend=c.args.backend)  # noqa: E731
+    return (fn, [c.q, c.k, c.v, rows.diag, rows.head, rows.recent, rows.far],
+            {"backend": mhla.ops.resolve_backend(c.args.backend, c.q, causal=True), "learned_blocks": WINDOW_BLOCKS})
+
+
+def _qkv_case(make):
+    """A case of an op that takes q, k, v only: ``make(case)`` returns its call."""
+    return lambda c: (make(c), [c.q, c.k, c.v], {})
 
 
 def fla_linear_attention(q, k, v):
@@ -338,6 +367,31 @@ def sdpa_call(q, k, v, causal: bool, device: str):
             return mhla.softmax_attention(q, k, v, causal=causal)
 
     return fn
+
+
+#: every op the benchmarks can time, by the name ``--ops`` and the records use
+BENCH_OPS: dict[str, BenchOp] = {
+    "mhla": BenchOp("MHLA", _mhla_case, mixing="dense", triton=True),
+    "mhla_torch": BenchOp("MHLA (torch path)", functools.partial(_mhla_case, backend="torch"), gpu_only=True,
+                          mixing="dense"),
+    "mhla_window": BenchOp("MHLA, LM window", _mhla_window_case, mixing="window", triton=True),
+    "mhla_half": BenchOp("MHLA, half summaries", gpu_only=True, mixing="dense", triton=True, half_of="mhla"),
+    "mhla_window_half": BenchOp("MHLA, LM window, half summaries", gpu_only=True, mixing="window", triton=True,
+                                half_of="mhla_window"),
+    "linear": BenchOp("linear", _qkv_case(lambda c: lambda: mhla.linear_attention(c.q, c.k, c.v,
+                                                                                  causal=c.causal))),
+    "plain_linear": BenchOp("linear (plain chunked)",
+                            _qkv_case(lambda c: lambda: plain_chunked_linear(c.q, c.k, c.v, c.args.block))),
+    "fla_linear": BenchOp("linear (fla)", _qkv_case(lambda c: fla_linear_attention(c.q, c.k, c.v)), gpu_only=True,
+                          needs_fla=True),
+    "fla_simple_gla": BenchOp("simple GLA (fla, no gates)", _qkv_case(lambda c: fla_simple_gla(c.q, c.k, c.v)),
+                              gpu_only=True, needs_fla=True),
+    "sdpa": BenchOp("SDPA (softmax)", _qkv_case(lambda c: sdpa_call(c.q, c.k, c.v, c.causal, c.device)),
+                    complexity=2, features=False),
+    "release_loop": BenchOp("MHLA, release's loop",
+                            lambda c: (lambda: release_loop_causal(c.q, c.k, c.v, c.mix, c.block),
+                                       [c.q, c.k, c.v, c.mix], {}), complexity=2, mixing="dense"),
+}
 
 
 def copy_bandwidth_gbps(device: str, nbytes: int = 2**30, repeats: int = 20) -> float:
@@ -716,8 +770,8 @@ def to_markdown(header: dict, records: list[dict], command: str, equiv: float) -
             if r.get("skipped"):
                 lines.append(f"| {r['op']} | {r['T']} | | | {r['skipped']} | | | |")
             else:
-                uses_blocks = r["op"] in ("mhla", "mhla_torch", "release_loop")
-                m, c = (r.get("M", ""), r.get("block_size", "")) if uses_blocks else ("", "")
+                spec = BENCH_OPS.get(r["op"])
+                m, c = (r.get("M", ""), r.get("block_size", "")) if spec and spec.mixing else ("", "")
                 iqr = r.get("fwdbwd_ms_iqr")
                 spread = f"{iqr[0]:.1f}-{iqr[1]:.1f}" if iqr else "n/a"
                 flag = " (busy)" if r.get("other_cpu_frac", 0.0) > BUSY_WARN else ""
@@ -973,12 +1027,12 @@ def main(argv=None) -> int:
             for op in OPS[causal]:
                 if args.ops and op not in args.ops:
                     continue
-                if op in GPU_ONLY and args.device != "cuda":
+                if BENCH_OPS[op].gpu_only and args.device != "cuda":
                     continue
                 prev = None
                 for T in sorted(args.seq_lens):
                     if prev is not None:
-                        est_s = 2 * prev["fwdbwd_ms"] / 1e3 * (T / prev["T"]) ** COMPLEXITY[op] * 3
+                        est_s = 2 * prev["fwdbwd_ms"] / 1e3 * (T / prev["T"]) ** BENCH_OPS[op].complexity * 3
                         if est_s > args.max_case_s:
                             reason = f"skipped (est. {est_s:.0f}s)"
                             records.append({"op": op, "causal": causal, "T": T, "skipped": reason})
@@ -1072,10 +1126,11 @@ def write_results(stem: str, out: dict) -> str:
                         indent=2)
 
 
-OP_LABELS = {"mhla": "MHLA", "mhla_torch": "MHLA (torch path)", "linear": "linear",
-             "plain_linear": "linear (plain chunked)", "fla_linear": "linear (fla)",
-             "mhla_window": "MHLA, LM window", "fla_simple_gla": "simple GLA (fla, no gates)",
-             "sdpa": "SDPA (softmax)", "release_loop": "MHLA, release's loop"}
+def op_label(op: str) -> str:
+    """The op's label in plots (:attr:`BenchOp.label`; an op no longer in :data:`BENCH_OPS`: its name)."""
+    return BENCH_OPS[op].label if op in BENCH_OPS else op
+
+
 PLOT_NOTE = ("fwd, fwd+bwd time and peak memory against T per op, log-log; non-causal above, causal below; "
              "skipped cases left out; redraw from the .json with `--plot-only`")
 
@@ -1083,7 +1138,7 @@ PLOT_NOTE = ("fwd, fwd+bwd time and peak memory against T per op, log-log; non-c
 def plot_ops(out: dict, path: str) -> str:
     """Time (fwd, fwd+bwd) and peak memory against T, one line per op, log-log: non-causal and causal rows."""
     recs = [r for r in out["records"] if not r.get("skipped")]
-    colors = colors_for(OP_LABELS.get(r["op"], r["op"]) for r in out["records"])
+    colors = colors_for(op_label(r["op"]) for r in out["records"])
     plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5), squeeze=False)
     cols = (("fwd_ms", "forward ms"), ("fwdbwd_ms", "forward + backward ms"), ("peak_mem_mb", "peak memory MB"))
@@ -1092,7 +1147,7 @@ def plot_ops(out: dict, path: str) -> str:
             series: dict = {}
             for r in recs:
                 if r["causal"] == causal:
-                    series.setdefault(OP_LABELS.get(r["op"], r["op"]), []).append((r["T"], r.get(key)))
+                    series.setdefault(op_label(r["op"]), []).append((r["T"], r.get(key)))
             loglog_lines(ax, series, "sequence length T", label,
                          f"{'causal' if causal else 'non-causal'}: {label}", colors)
     s, h = out.get("settings", {}), out["header"]

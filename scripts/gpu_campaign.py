@@ -296,8 +296,6 @@ def datasheet_gbps(gpu: str | None) -> float | None:
 PRIMARY_OPS = {False: ["mhla", "sdpa"], True: ["mhla_window", "fla_linear", "mhla"]}
 SECONDARY_OPS = {False: ["mhla_half", "linear", "mhla_torch"],
                  True: ["mhla_window_half", "fla_simple_gla", "linear", "sdpa", "mhla_torch"]}
-# checked against the torch path on the same inputs (``_half``: the kernels' opt-in half block summaries)
-TRITON_OPS = ("mhla", "mhla_window", "mhla_half", "mhla_window_half")
 
 
 def op_case_id(D: int, kind: str, causal: bool, op: str, T: int) -> str:
@@ -341,9 +339,10 @@ def modelled_traffic(op: str, causal: bool, kind: str, o: dict, D: int, T: int, 
     ``(head, recent)`` window taken from the rows the benchmark builds): bytes and launches of the forward
     (``fwd``) or of the forward and backward (``fwdbwd``); None for other ops or without the module, ``{"error"}``
     if it fails."""
-    half = op.endswith("_half")  # the opt-in half summaries: S and P in the input dtype
-    op = op.removesuffix("_half")
-    if op not in ("mhla", "mhla_window"):
+    from scripts.bench_ops import BENCH_OPS  # noqa: PLC0415
+
+    spec = BENCH_OPS[op]
+    if not spec.triton or spec.mixing is None:
         return None
     try:
         from mhla.ops.mhla.triton.traffic import mhla_traffic  # noqa: PLC0415  (optional: the kernels' model)
@@ -352,14 +351,14 @@ def modelled_traffic(op: str, causal: bool, kind: str, o: dict, D: int, T: int, 
     elem = {"fp32": 4, "bf16": 2, "fp16": 2}[o["dtype"]]
     try:
         window = None
-        if op == "mhla_window":
+        if spec.mixing == "window":
             import torch  # noqa: PLC0415
 
             from scripts.bench_ops import window_mixing_rows  # noqa: PLC0415
 
             rows = window_mixing_rows(-(-T // block_size), "meta", torch.float32)
             window = (rows.head.shape[-1], rows.recent.shape[-1])
-        kw = {"summary_bytes": elem} if half else {}
+        kw = {"summary_bytes": elem} if spec.half_of else {}  # opt-in half summaries: S and P in the input dtype
         t = mhla_traffic(o["batch"], T, o["heads"], D, block_size=block_size, dtype_bytes=elem, causal=causal,
                          mixing="shared", mixing_bytes=elem, window=window, **kw)
     except Exception as e:  # noqa: BLE001  (a model whose signature moved must not stop the benchmark)
@@ -394,7 +393,7 @@ def fla_status() -> str | None:
 def stage_ops(rec: Recorder) -> None:
     import torch  # noqa: PLC0415
 
-    from scripts.bench_ops import COMPLEXITY, copy_bandwidth_gbps, run_case  # noqa: PLC0415
+    from scripts.bench_ops import BENCH_OPS, copy_bandwidth_gbps, run_case  # noqa: PLC0415
 
     s, o = rec.settings, rec.settings["ops"]
     device = s["device"]
@@ -410,13 +409,13 @@ def stage_ops(rec: Recorder) -> None:
     for D, kind, causal, op, T in plan:
         cid = op_case_id(D, kind, causal, op, T)
         meta = {"op": op, "causal": causal, "T": T, "D": D, "pass": kind}
-        if op.startswith("fla_") and no_fla:
+        if BENCH_OPS[op].needs_fla and no_fla:
             rec.update(cid, status=f"skipped: flash-linear-attention not importable ({no_fla})", **meta)
             continue
         series = (D, kind, causal, op)
         if series in last:
             t_prev, wall_prev = last[series]
-            est = wall_prev * (T / t_prev) ** COMPLEXITY[op]
+            est = wall_prev * (T / t_prev) ** BENCH_OPS[op].complexity
         else:
             est = o["first_case_s"]
         if est > o["max_case_s"]:
@@ -432,9 +431,10 @@ def stage_ops(rec: Recorder) -> None:
             out = {**r, "ms": ms, "ms_iqr": r.pop(f"{kind}_ms_iqr"), "floor_bytes": floor_bytes(o, D, T, kind)}
             out["pct_floor_copy"] = pct_of_floor(out["floor_bytes"], ms, info["copy_bandwidth_GBps"])
             out["pct_floor_datasheet"] = pct_of_floor(out["floor_bytes"], ms, info["datasheet_GBps"])
-            if op in TRITON_OPS and kind == "fwd" and r.get("backend") != "torch":
+            spec = BENCH_OPS[op]
+            if spec.triton and kind == "fwd" and r.get("backend") != "torch":  # checked against the torch path
                 out["max_rel_diff_to_torch"] = diff_to_torch(op, causal, T, cargs, device)
-            if op == "mhla" and causal:  # dense learned M x M: the O(M^2 D^2) mix of the block summaries
+            if spec.mixing == "dense" and causal:  # dense learned M x M: the O(M^2 D^2) mix of the summaries
                 M = r["M"]
                 out["mix_gflop"] = 2 * o["batch"] * o["heads"] * M * (M - 1) / 2 * D * D / 1e9
                 out["mix_ms_at_matmul_peak"] = out["mix_gflop"] / max(info["matmul_tflops"], 1e-9)

@@ -220,13 +220,10 @@ def run_case(case: Case) -> None:
                 if getattr(mod, "feature_tile", None) is feature_tile:
                     stack.enter_context(mock.patch.object(mod, "feature_tile",
                                                           functools.partial(feature_tile, max_tile=cap)))
-        if case.op == "mhla_cross":
-            _run_cross(case, rand, dtype, B, H, T, D)
-        else:
-            _run_mhla(case, rand, gen, B, H, T, D)
+        CASE_RUNNERS[case.op](case, rand, gen, dtype, B, H, T, D)
 
 
-def _run_cross(case: Case, rand, dtype, B: int, H: int, T: int, D: int) -> None:
+def _run_cross(case: Case, rand, gen, dtype, B: int, H: int, T: int, D: int) -> None:
     import torch
 
     from mhla.ops.mhla_cross.triton.query import CrossQueryFunction
@@ -237,7 +234,7 @@ def _run_cross(case: Case, rand, dtype, B: int, H: int, T: int, D: int) -> None:
     CrossQueryFunction.apply(q, P, Pz, case.normalize, 1e-6, dtype)
 
 
-def _run_mhla(case: Case, rand, gen, B: int, H: int, T: int, D: int) -> None:
+def _run_mhla(case: Case, rand, gen, dtype, B: int, H: int, T: int, D: int) -> None:
     from unittest import mock
 
     import torch
@@ -265,6 +262,10 @@ def _run_mhla(case: Case, rand, gen, B: int, H: int, T: int, D: int) -> None:
             o = backend.mhla_triton(q, k, v, mixing, C, causal=case.path == "causal", normalize=normalize)
             loss = o.float().sum()
     loss.backward()
+
+
+#: how :func:`run_case` calls each op of the cases (``case.op``), with the same arguments
+CASE_RUNNERS = {"mhla": _run_mhla, "mhla_cross": _run_cross}
 
 
 def _stand_in(arg):
