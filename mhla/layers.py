@@ -29,6 +29,8 @@ tokens only; prefix tokens, as queries, read all tokens (prefix and grid) with p
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -111,10 +113,51 @@ def two_sigmoid(z: torch.Tensor) -> torch.Tensor:
     return 2.0 * torch.sigmoid(z)
 
 
-#: the kinds of :class:`WriteGate` (``write_gate`` of the kernel attentions): each kind's gate function of
-#: ``z = x W^T + b``
-WRITE_GATE_FUNCTIONS = {"relu": F.relu, "relu_leaky_grad": relu_leaky_grad, "sigmoid": two_sigmoid}
-WRITE_GATES = tuple(WRITE_GATE_FUNCTIONS)
+#: the hard concrete distribution's stretch ``(gamma, zeta)`` and temperature ``beta`` (Louizos, Welling and Kingma
+#: 2018, "Learning sparse neural networks through L0 regularization", their values)
+HARD_CONCRETE_GAMMA, HARD_CONCRETE_ZETA, HARD_CONCRETE_BETA = -0.1, 1.1, 2.0 / 3.0
+
+
+def hard_concrete(z: torch.Tensor) -> torch.Tensor:
+    """The hard concrete gate at evaluation: ``clamp(sigmoid(z) (zeta - gamma) + gamma, 0, 1)``, exactly 0 for
+    ``z <= -log(11) ~ -2.4`` and exactly 1 for ``z >= log(11)``."""
+    return (torch.sigmoid(z) * (HARD_CONCRETE_ZETA - HARD_CONCRETE_GAMMA) + HARD_CONCRETE_GAMMA).clamp(0.0, 1.0)
+
+
+def hard_concrete_sample(z: torch.Tensor) -> torch.Tensor:
+    """The hard concrete gate in training: ``z`` moved by logistic noise (``log u - log(1 - u)``, u uniform, from
+    torch's global generator) and sharpened by ``1 / beta`` before the stretch and clamp of :func:`hard_concrete`.
+    A gate whose ``z`` is far below 0 is almost always exactly 0, but never for sure: on the draws that open it the
+    loss's gradient reaches ``z``, so a gate the write budget closed on a token the answer needs can reopen."""
+    u = torch.rand_like(z, dtype=torch.float32).clamp(1e-6, 1.0 - 1e-6)
+    s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + z.float()) / HARD_CONCRETE_BETA)
+    return (s * (HARD_CONCRETE_ZETA - HARD_CONCRETE_GAMMA) + HARD_CONCRETE_GAMMA).clamp(0.0, 1.0).to(z.dtype)
+
+
+def hard_concrete_open_probability(z: torch.Tensor) -> torch.Tensor:
+    """``P(gate > 0)`` under :func:`hard_concrete_sample`: ``sigmoid(z - beta log(-gamma / zeta))``, the expected
+    L0 norm of the writes, smooth in ``z`` everywhere (the budget's gradient reaches a closed gate too)."""
+    return torch.sigmoid(z - HARD_CONCRETE_BETA * math.log(-HARD_CONCRETE_GAMMA / HARD_CONCRETE_ZETA))
+
+
+@dataclass(frozen=True)
+class WriteGateKind:
+    """One kind of :class:`WriteGate`: ``gate(z)``, the gate of ``z = x W^T + b`` (at evaluation, and in training
+    unless ``sample``); ``start``, the bias that gives ``gate = 1`` at ``W = 0``; ``sample(z)``, a stochastic gate
+    used in training instead (None: ``gate``); ``budget(z)``, what the write budget averages (None: the gate)."""
+    gate: Callable[[torch.Tensor], torch.Tensor]
+    start: float
+    sample: Callable[[torch.Tensor], torch.Tensor] | None = None
+    budget: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+#: the kinds of :class:`WriteGate` (``write_gate`` of the kernel attentions). hard_concrete starts at 3.0: at
+#: evaluation every gate is exactly 1 there; in training 80% of the draws are exactly 1 and 99% are open
+WRITE_GATE_KINDS = {"relu": WriteGateKind(F.relu, 1.0), "relu_leaky_grad": WriteGateKind(relu_leaky_grad, 1.0),
+                    "sigmoid": WriteGateKind(two_sigmoid, 0.0),
+                    "hard_concrete": WriteGateKind(hard_concrete, 3.0, sample=hard_concrete_sample,
+                                                   budget=hard_concrete_open_probability)}
+WRITE_GATES = tuple(WRITE_GATE_KINDS)
 
 
 #: what a :class:`WriteGate` reads (``write_gate_input`` of the kernel attentions): the layer input ``x`` (default) or
@@ -136,10 +179,12 @@ class WriteGate(nn.Module):
     ``"relu_leaky_grad"``: the same ``g``, whose gradient below 0 is a leaky relu's (:func:`relu_leaky_grad`: a
     gate closed on a token gets the loss's gradient and can reopen; relu's gets none); ``"sigmoid"``:
     ``g = 2 sigmoid(x W^T)``, in (0, 2), never 0 (the control: a token's share still falls with the number of tokens
-    written beside it).
+    written beside it); ``"hard_concrete"``: ``g = clamp(1.2 sigmoid(x W^T + 3) - 0.1, 0, 1)``, exactly 0 or 1 over
+    most of its range, drawn with logistic noise in training (:func:`hard_concrete_sample`), so a closed gate still
+    opens on some draws and hears the loss there, while at evaluation a closed gate writes exactly 0.
 
-    ``penalty``: a write budget for training, ``penalty * mean(g)`` over the tokens and heads of every forward run with
-    gradients, which the trainer adds to the loss (the :meth:`regularization_loss` hook, :mod:`mhla.hooks`):
+    ``penalty``: a write budget for training, ``penalty * mean(g)`` (hard_concrete: the mean probability that a
+    gate is open, its expected L0 norm) over the tokens and heads of every forward run with gradients, which the trainer adds to the loss (the :meth:`regularization_loss` hook, :mod:`mhla.hooks`):
     the gate then closes on every token whose write does not pay for itself in the task's loss. 0 (default): none.
     A training loop other than the trainer's must read :meth:`regularization_loss` every step: until it is read, the
     terms (and their graphs) are kept."""
@@ -158,8 +203,9 @@ class WriteGate(nn.Module):
         self.reset_parameters()
 
     def initial_bias(self) -> float:
-        """The bias that makes ``g = 1`` at ``W = 0`` (``2 sigmoid(0) = 1``; the relu kinds at 1)."""
-        return 0.0 if self.kind == "sigmoid" else 1.0
+        """The bias that makes ``g = 1`` at ``W = 0`` (``2 sigmoid(0) = 1``; the relu kinds at 1; hard_concrete at
+        evaluation from about 2.4, so 3)."""
+        return WRITE_GATE_KINDS[self.kind].start
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -168,9 +214,10 @@ class WriteGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = F.linear(x, self.weight, self.bias)
-        g = WRITE_GATE_FUNCTIONS[self.kind](z)
+        kind = WRITE_GATE_KINDS[self.kind]
+        g = kind.sample(z) if self.training and kind.sample is not None else kind.gate(z)
         if self.penalty and self.training and torch.is_grad_enabled():
-            self._written.append(g.float().mean())
+            self._written.append((g if kind.budget is None else kind.budget(z)).float().mean())
         return g
 
     def regularization_loss(self) -> torch.Tensor | None:

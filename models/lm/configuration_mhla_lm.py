@@ -20,7 +20,7 @@ model setting for that attention (:data:`LM_ATTENTION_DEFAULTS`), every differen
 | ``mixing_extension`` | ``"uniform_far"``: rows past the learned ones repeat the last one by distance, the far past shares one coefficient (``results/language/length_extrapolation.md``) | none (capped) |
 | ``mixing_param`` | ``"clamp"`` (paper); ``"log"`` and ``"softplus"`` are options | clamp |
 | ``mixing_max`` | 1: the clamp's upper bound (the paper clips to (0, 1)) | 1 |
-| ``write_gate`` | none; ``"relu"`` / ``"relu_leaky_grad"`` / ``"sigmoid"``: a learned gate per head on each token's write into the state (beyond the paper; ``docs/long_context.md``) | none |
+| ``write_gate`` | none; ``"relu"`` / ``"relu_leaky_grad"`` / ``"sigmoid"`` / ``"hard_concrete"``: a learned gate per head on each token's write into the state (beyond the paper; ``docs/long_context.md``) | none |
 
 ``out_norm`` follows ``normalize`` unless it is given (``out_norm = not normalize``; with the swish gate, whose
 ``RMSNorm(o) * swish(W_g x)`` has its own output norm, it is left unset). The mixing matrix's

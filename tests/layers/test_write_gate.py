@@ -1,16 +1,18 @@
 """``write_gate`` (:class:`mhla.layers.WriteGate`): a learned per-head gate on each token's write into the state. It
 starts as the ungated layer, every path (one pass, chunked prefill and decoding, packed sequences) applies it
-alike, a token the relu gate closes leaves the state as if it were not there (``relu_leaky_grad`` too, whose closed
-gates still get a gradient), and the settings it cannot honour are refused."""
+alike, a token the relu gate closes leaves the state as if it were not there (``relu_leaky_grad`` and, at evaluation,
+``hard_concrete`` too, whose closed gates still get a gradient), and the settings it cannot honour are refused."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from helpers.lm_configs import lm_config
-from mhla.layers import (LEAKY_GRAD_SLOPE, AttentionCache, LinearAttention, MultiHeadLinearAttention, WriteGate,
-                         relu_leaky_grad)
+from mhla.layers import (HARD_CONCRETE_BETA, HARD_CONCRETE_GAMMA, HARD_CONCRETE_ZETA, LEAKY_GRAD_SLOPE,
+                         AttentionCache, LinearAttention, MultiHeadLinearAttention, WriteGate, relu_leaky_grad)
 from mhla.registry import attention_tag
 from models.lm import MHLALMForCausalLM
 
@@ -18,10 +20,14 @@ LAYERS = {"mhla": (MultiHeadLinearAttention, {"block_size": 4, "mixing_init": "o
           "linear": (LinearAttention, {})}
 
 
+KINDS = ["relu", "relu_leaky_grad", "sigmoid", "hard_concrete"]
+
+
 def _layer(name, write_gate=None, seed=0, **kw):
+    """A layer in eval mode (hard_concrete draws its gates in training)."""
     cls, own = LAYERS[name]
     torch.manual_seed(seed)
-    return cls(16, 2, causal=True, normalize=False, out_norm=True, write_gate=write_gate, **own, **kw)
+    return cls(16, 2, causal=True, normalize=False, out_norm=True, write_gate=write_gate, **own, **kw).eval()
 
 
 def _random_gate(layer, seed=1):
@@ -31,7 +37,7 @@ def _random_gate(layer, seed=1):
     return layer
 
 
-@pytest.mark.parametrize("kind", ["relu", "relu_leaky_grad", "sigmoid"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_a_gated_layer_starts_as_the_ungated_one(name, kind):
     """W = 0 gives g = 1 for every token: the same weights give the same output, and building the gate draws no
@@ -45,7 +51,7 @@ def test_a_gated_layer_starts_as_the_ungated_one(name, kind):
     torch.testing.assert_close(gated(x), plain(x))
 
 
-@pytest.mark.parametrize("kind", ["relu", "relu_leaky_grad", "sigmoid"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_chunked_prefill_decoding_and_packed_sequences_apply_the_gate_alike(name, kind):
     layer = _random_gate(_layer(name, kind))
@@ -63,7 +69,7 @@ def test_chunked_prefill_decoding_and_packed_sequences_apply_the_gate_alike(name
 def test_a_token_the_relu_gate_closes_is_not_in_the_state(name):
     """With the gate at 0 for token 3 (its bias pushed below zero on that token alone), later outputs do not depend
     on that token's value; with the sigmoid gate, which never reaches 0, they do."""
-    for kind, closed in (("relu", True), ("relu_leaky_grad", True), ("sigmoid", False)):
+    for kind, closed in (("relu", True), ("relu_leaky_grad", True), ("sigmoid", False), ("hard_concrete", True)):
         layer = _layer(name, kind)
         x = torch.randn(1, 12, 16)
         x[0, 3] = 0.0
@@ -101,6 +107,38 @@ def test_a_closed_leaky_grad_gate_writes_0_and_still_hears_the_loss():
     assert torch.equal(out, torch.relu(z))
     out.sum().backward()
     torch.testing.assert_close(z.grad, torch.where(z > 0, 1.0, LEAKY_GRAD_SLOPE))
+
+
+def test_a_closed_hard_concrete_gate_writes_0_at_evaluation_and_opens_on_some_training_draws():
+    """At evaluation the hard concrete gate is exactly 0 below z = -log(11) and exactly 1 above log(11). In training
+    it is drawn: at z = -3 most draws are exactly 0, some open, and through those the loss reaches the gate and
+    opens it (relu's closed gate hears nothing); the budget is the chance that a gate is open, smooth in z. The draws
+    follow torch's seed."""
+    gate = WriteGate(16, 2, "hard_concrete", penalty=1.0)
+    assert gate.initial_bias() == 3.0
+    x = torch.zeros(4000, 16)  # z = bias on every token
+    with torch.no_grad():
+        gate.bias.fill_(-3.0)
+    gate.eval()
+    assert torch.equal(gate(x), torch.zeros(4000, 2))
+    with torch.no_grad():
+        gate.bias.copy_(torch.tensor([-2.3, 2.5]))
+    g = gate(x)
+    assert torch.all(g[:, 0] > 0) and torch.all(g[:, 0] < 0.01) and torch.equal(g[:, 1], torch.ones(4000))
+    with torch.no_grad():
+        gate.bias.fill_(-3.0)
+    gate.train()
+    torch.manual_seed(0)
+    g = gate(x)
+    open_frac = (g > 0).float().mean().item()
+    expected = torch.sigmoid(torch.tensor(-3.0 - HARD_CONCRETE_BETA * math.log(-HARD_CONCRETE_GAMMA / HARD_CONCRETE_ZETA)))
+    assert 0.02 < open_frac < 0.2 and abs(open_frac - expected.item()) < 0.02
+    torch.testing.assert_close(gate.regularization_loss(), expected)  # the budget: P(open), not the draws' mean
+    (-g.sum()).backward()  # a loss that wants every token written
+    assert torch.all(gate.bias.grad < 0)  # opens: a gradient step raises the bias
+    torch.manual_seed(0)
+    assert torch.equal(gate(x), g.detach())  # the same seed, the same draws
+    assert abs(gate(x).mean().item() - g.mean().item()) > 0  # another draw
 
 
 def test_the_settings_it_cannot_honour_are_refused():
