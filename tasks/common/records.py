@@ -39,6 +39,9 @@ RUN_RECORD_KEYS = ("commit", "dirty", "machine", "load_before", "load_after", "c
 def code_version(root: str | os.PathLike = ROOT) -> dict:
     """``{"commit": sha or None, "dirty": bool or None}`` of the checkout at ``root``.
 
+    ``dirty`` is whether tracked files other than the records under ``results/`` differ from the commit: a seed
+    grid rewrites its table under ``results/`` after each run, which changes no code the next run executes.
+
     Outside git (a copy of the tree without ``.git``, e.g. on a rented GPU machine) the commit is read from the
     environment variable ``MHLA_COMMIT`` when set (``dirty`` is then None: unknown), else None.
     """
@@ -48,7 +51,7 @@ def code_version(root: str | os.PathLike = ROOT) -> dict:
 
     try:
         commit = git("rev-parse", "HEAD")
-        status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results") if commit else None
     except (OSError, subprocess.SubprocessError):
         commit, status = None, None
     if commit is None and os.environ.get("MHLA_COMMIT"):

@@ -70,6 +70,15 @@ LEGACY = {
         "whose only changes were the seed table that run_seed_grid had rewritten under results/ (no code); seed 3 "
         "re-evaluated from a clean tree gave the same accuracy at every depth and length, as did the clean reruns "
         "of every seed at 256-16,384 tokens"),
+    "results/language/long_context_mixed_4k_nope_wgcsigl1_1m.json": (
+        ["2 from a dirty tree"],
+        "seeds 1 and 2 evaluated in a worktree of fbdc527 whose only changes were the seed table that run_seed_grid "
+        "had rewritten under results/ (no code); code_version no longer counts results/ as dirt"),
+    "results/language/long_context_state_mixed_4k_nope_retrain_seeds.json": (
+        ["9 from a dirty tree"],
+        "runs trained in worktrees of fbdc527 and e6eac69 after an earlier run of the same queue had rewritten the "
+        "seed table under results/ (no code; the runs' records name their commit); code_version no longer counts "
+        "results/ as dirt"),
     "results/language/length_extrapolation.json": ([CONFIG, COMMIT, CLEAN, LOAD],
                                                    "an evaluation of LM checkpoints written before the evaluator "
                                                    "recorded its commit and load"),

@@ -135,6 +135,18 @@ def test_the_attention_column_names_a_clamp_bound_other_than_1():
     assert described(mixing_max=1.0) == described() == "mhla, block 32, init=ones, learnable, mixing lr x 1.0"
 
 
+def test_the_attention_column_names_a_far_rule_other_than_the_default():
+    """A variant trained under ``relative`` is told apart from the same attention under the default ``uniform_far``
+    (or a record from before the option)."""
+    def described(**options):
+        return seed_grid.describe({"config": {"optim": {"mixing_lr_scale": 1.0}},
+                                   "attention": {"name": "mhla", "block_size": 32, "mixing_init": "ones",
+                                                 "mixing_learnable": True, **options}})
+    assert described(mixing_extension="relative") == "mhla, block 32, init=ones, learnable, mixing lr x 1.0, rule relative"
+    assert described(mixing_extension="uniform_far") == described() == (
+        "mhla, block 32, init=ones, learnable, mixing lr x 1.0")
+
+
 def test_the_attention_column_names_a_write_gate():
     """A variant with a write gate (``attn.write_gate``) is told apart from the same attention without one."""
     def described(name="mhla", **options):

@@ -59,6 +59,27 @@ def test_busy_measurement_refused_unless_allowed(tmp_path):
     assert "BUSY" not in (tmp_path / "i.md").read_text()
 
 
+def test_code_version_is_dirty_for_changed_code_and_not_for_changed_records(tmp_path):
+    """A checkout whose only change is a record under results/ (a seed grid's table, rewritten after each run) is
+    clean; a changed tracked file elsewhere makes it dirty."""
+    import subprocess
+    from tasks.common.records import code_version
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "table.md").write_text("a\n")
+    (tmp_path / "train.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    assert code_version(tmp_path)["dirty"] is False
+    (tmp_path / "results" / "table.md").write_text("b\n")
+    assert code_version(tmp_path)["dirty"] is False
+    (tmp_path / "train.py").write_text("x = 2\n")
+    assert code_version(tmp_path)["dirty"] is True
+
+
 def test_code_version_outside_git_reads_mhla_commit(tmp_path, monkeypatch):
     """A copy of the tree without .git (a rented GPU machine) records the commit it was told, dirty unknown."""
     from tasks.common.records import code_version
