@@ -35,6 +35,10 @@ ANALYSIS = ("an analysis of trained checkpoints: each entry's config is the chec
             "script stores no attention block")
 
 # committed results file -> (what it lacks, why)
+# a worktree whose only changes were the seed table that run_seed_grid rewrites under results/ after each run
+RESULTS_ONLY_DIRT = ("the models trained in a worktree of fbdc527 after an earlier run of the same queue had rewritten "
+                     "the seed table under results/ (no code; the records name their commit); code_version no longer "
+                     "counts results/ as dirt")
 LEGACY = {
     "results/analysis/attention_rank_entropy.json": (NOTHING, "a computation on synthetic Gaussian inputs, no run"),
     "results/analysis/trained_rank_entropy.json": ([CONFIG, COMMIT, CLEAN, LOAD], "Fig. 3 on the table2_mini "
@@ -74,6 +78,10 @@ LEGACY = {
         ["2 from a dirty tree"],
         "seeds 1 and 2 evaluated in a worktree of fbdc527 whose only changes were the seed table that run_seed_grid "
         "had rewritten under results/ (no code); code_version no longer counts results/ as dirt"),
+    "results/language/long_context_mixed_4k_nope_relwgcl1_1m.json": (
+        ["7 from a dirty tree"], RESULTS_ONLY_DIRT + "; the evaluations too, in the same worktree"),
+    "results/language/long_context_mixed_4k_nope_relwgcl1_far_1m.json": (["3 from a dirty tree"], RESULTS_ONLY_DIRT),
+    "results/language/write_gate_stats_controls.json": (["3 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/long_context_state_mixed_4k_nope_retrain_seeds.json": (
         ["9 from a dirty tree"],
         "runs trained in worktrees of fbdc527 and e6eac69 after an earlier run of the same queue had rewritten the "
