@@ -36,8 +36,8 @@ ANALYSIS = ("an analysis of trained checkpoints: each entry's config is the chec
 
 # committed results file -> (what it lacks, why)
 # a worktree whose only changes were the seed table that run_seed_grid rewrites under results/ after each run
-RESULTS_ONLY_DIRT = ("the models trained in a worktree of fbdc527 after an earlier run of the same queue had rewritten "
-                     "the seed table under results/ (no code; the records name their commit); code_version no longer "
+RESULTS_ONLY_DIRT = ("models trained or evaluated in a worktree of the commit their records name, after an earlier run "
+                     "of the same queue had rewritten the seed table under results/ (no code); code_version no longer "
                      "counts results/ as dirt")
 LEGACY = {
     "results/analysis/attention_rank_entropy.json": (NOTHING, "a computation on synthetic Gaussian inputs, no run"),
@@ -82,6 +82,10 @@ LEGACY = {
         ["7 from a dirty tree"], RESULTS_ONLY_DIRT + "; the evaluations too, in the same worktree"),
     "results/language/long_context_mixed_4k_nope_relwgcl1_far_1m.json": (["3 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/write_gate_stats_controls.json": (["3 from a dirty tree"], RESULTS_ONLY_DIRT),
+    "results/language/long_context_mixed_4k_nope_wghcl1.json": (["4 from a dirty tree"], RESULTS_ONLY_DIRT),
+    "results/language/long_context_mixed_4k_nope_wghcl1_1m.json": (["6 from a dirty tree"], RESULTS_ONLY_DIRT),
+    "results/language/long_context_mixed_4k_nope_wghcl1_train_len.json": (["4 from a dirty tree"], RESULTS_ONLY_DIRT),
+    "results/language/write_gate_stats_wghcl1.json": (["2 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/long_context_state_mixed_4k_nope_retrain_seeds.json": (
         ["9 from a dirty tree"],
         "runs trained in worktrees of fbdc527 and e6eac69 after an earlier run of the same queue had rewritten the "
