@@ -59,7 +59,7 @@ from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record  
 from tasks.common.results import BusyMachine, load_summary, read_parts, rewrite_result, write_result  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
 from tasks.language.long_context import (PasskeyLMTask, evaluate_passkey, evaluate_spread_mqar,  # noqa: E402
-                                         filler_tokens, spread_mqar_filler)
+                                         filler_tokens, spread_mqar_filler, without_numbers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -150,7 +150,9 @@ def evaluate_runs(runs: dict, args) -> dict:
             if test == "passkey":
                 assert isinstance(task, PasskeyLMTask)
                 _, val, tok, _ = task.data()
-                kw = {"filler": filler_tokens(val.tokens, tok.eos_token_id), "fmt": task.fmt()}
+                filler = filler_tokens(val.tokens, tok.eos_token_id)
+                kw = {"filler": without_numbers(filler, tok) if args.filler_without_numbers else filler,
+                      "fmt": task.fmt()}
             else:
                 kw = {"mqar": {"vocab_size": int(cfg.data.vocab_size),
                                "num_kv_pairs": int(cfg.data.num_kv_pairs), "filler": spread_mqar_filler(cfg)}}
@@ -248,7 +250,9 @@ def markdown(record: dict) -> str:
              f"batches of {s['batch_size']}, prefill chunks of {s['prefill_chunk']} tokens, evaluation seed "
              f"{s['seed']}; softmax up to {s['softmax_max_len']} tokens. Accuracy in %, mean ± std over the seeds "
              "of a row (n). Passkey: all 5 digits right (chance 0.001%); MQAR: per query (chance ~0.4%). "
-             "Machine and load: the .json (`measurement`, `machine`).", ""]
+             "Machine and load: the .json (`measurement`, `machine`)."
+             + (" Passkey filler without numbers (`--filler-without-numbers`)." if s.get("filler_without_numbers")
+                else ""), ""]
     lines += [f"- part: `{p['command']}` ({p['seconds'] or 0:.0f} s)" for p in record.get("parts", [])]
     lines += [""] * bool(record.get("parts")) + [f"Goals (issue 50): {GOALS}.", ""]
     m = record.get("measurement")
@@ -473,6 +477,9 @@ def parse_args(argv=None):
     ap.add_argument("--equal-only", action="store_true",
                     help="as --equal-weights, without evaluating the MHLA models as trained (a control whose trained "
                          "side is recorded already); models without mixing are evaluated as usual")
+    ap.add_argument("--filler-without-numbers", action="store_true",
+                    help="passkey: filler without the tokens that hold a digit (the control for a write gate that "
+                         "writes the filler's numbers; tasks.language.long_context.without_numbers)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the evaluation examples")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train", default=None, metavar="DIR", help="train the missing runs into DIR first")
@@ -492,7 +499,7 @@ def parse_args(argv=None):
 
 PART_SETTINGS = ("rules", "threads")  # may differ between the parts of a merge (each part's command keeps its own)
 # settings added later: what a part recorded before them was made under
-SETTING_DEFAULTS = {"equal_weights": False, "equal_only": False}
+SETTING_DEFAULTS = {"equal_weights": False, "equal_only": False, "filler_without_numbers": False}
 
 
 def seed_order(key: str) -> tuple:
@@ -567,7 +574,7 @@ def main(argv=None) -> int:
                    "settings": {k: getattr(args, k) for k in ("depths", "distances", "examples", "batch_size",
                                                               "prefill_chunk", "rules", "softmax_max_len", "seed",
                                                               "threads", "max_len", "equal_weights",
-                                                              "equal_only")}})
+                                                              "equal_only", "filler_without_numbers")}})
     try:
         write_result(args.out, markdown(record), record, lambda png: plot(record, png), measurement=m.record,
                      allow_busy=args.allow_busy)

@@ -110,6 +110,15 @@ def filler_tokens(tokens, eos_id: int | None) -> np.ndarray:
     return arr[arr != eos_id] if eos_id is not None else arr
 
 
+def without_numbers(filler: np.ndarray, tokenizer) -> np.ndarray:
+    """``filler`` without the tokens whose text holds a digit (``"8"``, ``",744"``): prose in which no number can be
+    taken for the passkey's digits (the control for a write gate that writes numbers of the filler as it writes the
+    passkey)."""
+    ids = np.unique(filler)
+    has_digit = np.array([any(c.isdigit() for c in tokenizer.decode([int(i)])) for i in ids], dtype=bool)
+    return filler[~np.isin(filler, ids[has_digit])]
+
+
 class PasskeyFormat:
     """The token pieces of a passkey example for ``tokenizer`` (a ``PreTrainedTokenizerFast`` with the single
     characters ``"0" .. "9"`` in its vocabulary)."""

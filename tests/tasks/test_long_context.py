@@ -16,7 +16,8 @@ import torch
 
 from models.lm import MHLALMConfig, MHLALMForCausalLM
 from tasks.language.long_context import (PasskeyDataset, PasskeyFormat, PeakRSS, evaluate_passkey,
-                                         evaluate_spread_mqar, filler_tokens, passkey_batch, spread_mqar)
+                                         evaluate_spread_mqar, filler_tokens, passkey_batch, spread_mqar,
+                                         without_numbers)
 
 
 class DigitTokenizer:
@@ -42,6 +43,16 @@ def tiny_model(attn: str, vocab: int = 64, seed: int = 0, **options):
 
 def test_filler_drops_eos():
     assert filler_tokens(np.array([5, 0, 6, 7, 0]), eos_id=0).tolist() == [5, 6, 7]
+
+
+def test_filler_without_numbers_drops_every_token_that_holds_a_digit_and_keeps_the_rest_in_order():
+    pieces = {1: " the", 2: "8", 3: ",744", 4: " people", 5: "$", 6: "x9"}
+
+    class Decoder:
+        def decode(self, ids):
+            return "".join(pieces[i] for i in ids)
+    filler = np.array([1, 2, 3, 4, 5, 6, 1, 2])
+    assert without_numbers(filler, Decoder()).tolist() == [1, 4, 5, 1]
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
