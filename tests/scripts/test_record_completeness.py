@@ -81,6 +81,7 @@ LEGACY = {
     "results/language/long_context_mixed_4k_nope_relwgcl1_1m.json": (
         ["7 from a dirty tree"], RESULTS_ONLY_DIRT + "; the evaluations too, in the same worktree"),
     "results/language/long_context_mixed_4k_nope_relwgcl1_far_1m.json": (["3 from a dirty tree"], RESULTS_ONLY_DIRT),
+    "results/language/long_context_mixed_4k_nope_relwgcl1_nonum_1m.json": (["3 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/write_gate_stats_controls.json": (["3 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/long_context_mixed_4k_nope_wghcl1.json": (["4 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/long_context_mixed_4k_nope_wghcl1_1m.json": (["6 from a dirty tree"], RESULTS_ONLY_DIRT),
