@@ -228,7 +228,7 @@ def describe(record: dict) -> str:
             bits.append(f"max {attn.get('mixing_max')}")
         if attn.get("mixing_learnable"):
             bits.append(f"mixing lr x {config.get('optim', {}).get('mixing_lr_scale')}")
-        if attn.get("mixing_extension") not in (None, "uniform_far"):  # the far rule it trained under, if not the default
+        if attn.get("mixing_extension") not in (None, "uniform_far"):  # the far rule it trained under, if not default
             bits.append(f"rule {attn.get('mixing_extension')}")
     if attn.get("short_conv") is not None:
         bits.append(f"short_conv={attn.get('short_conv')}")

@@ -51,7 +51,8 @@ def code_version(root: str | os.PathLike = ROOT) -> dict:
 
     try:
         commit = git("rev-parse", "HEAD")
-        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results") if commit else None
+        code = ("--", ".", ":(exclude)results")  # every tracked path but the records
+        status = git("status", "--porcelain", "--untracked-files=no", *code) if commit else None
     except (OSError, subprocess.SubprocessError):
         commit, status = None, None
     if commit is None and os.environ.get("MHLA_COMMIT"):

@@ -34,11 +34,12 @@ BEFORE_ATTENTION = ("trained before run.json stored the effective attention (31d
 ANALYSIS = ("an analysis of trained checkpoints: each entry's config is the checkpoint's own, and the analysis "
             "script stores no attention block")
 
-# committed results file -> (what it lacks, why)
 # a worktree whose only changes were the seed table that run_seed_grid rewrites under results/ after each run
 RESULTS_ONLY_DIRT = ("models trained or evaluated in a worktree of the commit their records name, after an earlier run "
                      "of the same queue had rewritten the seed table under results/ (no code); code_version no longer "
                      "counts results/ as dirt")
+
+# committed results file -> (what it lacks, why)
 LEGACY = {
     "results/analysis/attention_rank_entropy.json": (NOTHING, "a computation on synthetic Gaussian inputs, no run"),
     "results/analysis/trained_rank_entropy.json": ([CONFIG, COMMIT, CLEAN, LOAD], "Fig. 3 on the table2_mini "
@@ -74,10 +75,7 @@ LEGACY = {
         "whose only changes were the seed table that run_seed_grid had rewritten under results/ (no code); seed 3 "
         "re-evaluated from a clean tree gave the same accuracy at every depth and length, as did the clean reruns "
         "of every seed at 256-16,384 tokens"),
-    "results/language/long_context_mixed_4k_nope_wgcsigl1_1m.json": (
-        ["2 from a dirty tree"],
-        "seeds 1 and 2 evaluated in a worktree of fbdc527 whose only changes were the seed table that run_seed_grid "
-        "had rewritten under results/ (no code); code_version no longer counts results/ as dirt"),
+    "results/language/long_context_mixed_4k_nope_wgcsigl1_1m.json": (["2 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/long_context_mixed_4k_nope_relwgcl1_1m.json": (
         ["7 from a dirty tree"], RESULTS_ONLY_DIRT + "; the evaluations too, in the same worktree"),
     "results/language/long_context_mixed_4k_nope_relwgcl1_far_1m.json": (["3 from a dirty tree"], RESULTS_ONLY_DIRT),
@@ -87,11 +85,8 @@ LEGACY = {
     "results/language/long_context_mixed_4k_nope_wghcl1_1m.json": (["6 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/long_context_mixed_4k_nope_wghcl1_train_len.json": (["4 from a dirty tree"], RESULTS_ONLY_DIRT),
     "results/language/write_gate_stats_wghcl1.json": (["2 from a dirty tree"], RESULTS_ONLY_DIRT),
-    "results/language/long_context_state_mixed_4k_nope_retrain_seeds.json": (
-        ["9 from a dirty tree"],
-        "runs trained in worktrees of fbdc527 and e6eac69 after an earlier run of the same queue had rewritten the "
-        "seed table under results/ (no code; the runs' records name their commit); code_version no longer counts "
-        "results/ as dirt"),
+    "results/language/long_context_state_mixed_4k_nope_retrain_seeds.json": (["9 from a dirty tree"],
+                                                                              RESULTS_ONLY_DIRT),
     "results/language/length_extrapolation.json": ([CONFIG, COMMIT, CLEAN, LOAD],
                                                    "an evaluation of LM checkpoints written before the evaluator "
                                                    "recorded its commit and load"),

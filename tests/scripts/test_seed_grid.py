@@ -124,13 +124,16 @@ def test_uniform_reference_and_block_size_follow_each_runs_m():
         "0.245 at M = 8, 0.159 at M = 16"
 
 
+def described(name="mhla", **options) -> str:
+    """The attention column of a run with block size 32, started at 1, learnable, and ``options``."""
+    return seed_grid.describe({"config": {"optim": {"mixing_lr_scale": 1.0}},
+                               "attention": {"name": name, "block_size": 32, "mixing_init": "ones",
+                                             "mixing_learnable": True, **options}})
+
+
 def test_the_attention_column_names_a_clamp_bound_other_than_1():
     """Two rows that differ only in ``attn.mixing_max`` are told apart; the paper's bound of 1 (or a record from
     before the option) is not named."""
-    def described(**options):
-        return seed_grid.describe({"config": {"optim": {"mixing_lr_scale": 1.0}},
-                                   "attention": {"name": "mhla", "block_size": 32, "mixing_init": "ones",
-                                                 "mixing_learnable": True, **options}})
     assert described(mixing_max=16.0) == "mhla, block 32, init=ones, learnable, max 16.0, mixing lr x 1.0"
     assert described(mixing_max=1.0) == described() == "mhla, block 32, init=ones, learnable, mixing lr x 1.0"
 
@@ -138,21 +141,14 @@ def test_the_attention_column_names_a_clamp_bound_other_than_1():
 def test_the_attention_column_names_a_far_rule_other_than_the_default():
     """A variant trained under ``relative`` is told apart from the same attention under the default ``uniform_far``
     (or a record from before the option)."""
-    def described(**options):
-        return seed_grid.describe({"config": {"optim": {"mixing_lr_scale": 1.0}},
-                                   "attention": {"name": "mhla", "block_size": 32, "mixing_init": "ones",
-                                                 "mixing_learnable": True, **options}})
-    assert described(mixing_extension="relative") == "mhla, block 32, init=ones, learnable, mixing lr x 1.0, rule relative"
+    assert described(mixing_extension="relative") == (
+        "mhla, block 32, init=ones, learnable, mixing lr x 1.0, rule relative")
     assert described(mixing_extension="uniform_far") == described() == (
         "mhla, block 32, init=ones, learnable, mixing lr x 1.0")
 
 
 def test_the_attention_column_names_a_write_gate():
     """A variant with a write gate (``attn.write_gate``) is told apart from the same attention without one."""
-    def described(name="mhla", **options):
-        return seed_grid.describe({"config": {"optim": {"mixing_lr_scale": 1.0}},
-                                   "attention": {"name": name, "block_size": 32, "mixing_init": "ones",
-                                                 "mixing_learnable": True, **options}})
     assert described(write_gate="relu") == "mhla, block 32, init=ones, learnable, mixing lr x 1.0, write gate relu"
     assert described(write_gate=None) == described()
     assert described(write_gate="relu", write_gate_penalty=0.01).endswith("write gate relu (budget 0.01)")
