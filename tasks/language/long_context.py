@@ -148,10 +148,15 @@ class PasskeyFormat:
 
 
 def passkey_batch(filler: np.ndarray, fmt: PasskeyFormat, length: int, depths,
-                  rng: np.random.Generator) -> dict:
+                  rng: np.random.Generator, decoys: float = 0.0) -> dict:
     """``len(depths)`` passkey examples of ``length`` tokens (module docstring): ``input_ids [B, L]``,
     ``answer [B, P]`` (the digit tokens), ``needle_pos [B]`` (the needle's first token) and ``targets_at [P]``
-    (the positions whose logits predict the answer digits: the same in every row). ``depths`` in ``[0, 1]``."""
+    (the positions whose logits predict the answer digits: the same in every row). ``depths`` in ``[0, 1]``.
+
+    ``decoys``: decoy numbers per 1,000 filler tokens (a Poisson count per row): runs of ``P`` random digit tokens,
+    the passkey's own kind, written over the filler at uniform random places without the needle's words, so that
+    only the words before them tell the passkey from a number of the text. 0 (the default) draws nothing more from
+    ``rng``: the examples are those of a run without the option."""
     L, P = int(length), fmt.digits
     if L < fmt.min_length():
         raise ValueError(f"a passkey example needs at least {fmt.min_length()} tokens, got {L}")
@@ -164,6 +169,8 @@ def passkey_batch(filler: np.ndarray, fmt: PasskeyFormat, length: int, depths,
         start = int(rng.integers(0, len(filler)))
         idx = (start + np.arange(room)) % len(filler)
         fill = filler[idx]
+        if decoys > 0:
+            fill = with_decoys(fill, fmt, decoys, rng)
         pos = int(round(float(depth) * room))
         digits = fmt.digit_ids[answers[b]]
         needle = np.concatenate([fmt.prefix, digits, fmt.suffix])
@@ -172,6 +179,17 @@ def passkey_batch(filler: np.ndarray, fmt: PasskeyFormat, length: int, depths,
     targets_at = np.arange(L - P - 1, L - 1)
     return {"input_ids": torch.from_numpy(x), "answer": torch.from_numpy(fmt.digit_ids[answers]),
             "needle_pos": torch.from_numpy(needle_pos), "targets_at": torch.from_numpy(targets_at)}
+
+
+def with_decoys(fill: np.ndarray, fmt: PasskeyFormat, per_1k: float, rng: np.random.Generator) -> np.ndarray:
+    """A copy of ``fill`` (one row's filler tokens) with a Poisson(``per_1k`` x len / 1000) number of decoys: runs
+    of ``fmt.digits`` random digit tokens written over it at uniform random starts (:func:`passkey_batch`)."""
+    P, fill = fmt.digits, fill.copy()
+    if len(fill) < P:
+        return fill
+    for start in rng.integers(0, len(fill) - P + 1, size=rng.poisson(per_1k * len(fill) / 1000)):
+        fill[start:start + P] = fmt.digit_ids[rng.integers(0, 10, size=P)]
+    return fill
 
 
 def _lengths(length) -> tuple[int, ...]:
@@ -274,9 +292,9 @@ class PasskeyDataset(CurriculumBatches):
     (the question, and the needle when it falls there) trains."""
 
     def __init__(self, filler: np.ndarray, fmt: PasskeyFormat, seq_len: int, num_examples: int, seed: int = 0,
-                 curriculum=None, batch_size: int = 1, sampler_seed: int = 0):
+                 curriculum=None, batch_size: int = 1, sampler_seed: int = 0, decoys: float = 0.0):
         super().__init__(seq_len, num_examples, curriculum, batch_size, sampler_seed)
-        self.filler, self.fmt, self.seed = filler, fmt, seed
+        self.filler, self.fmt, self.seed, self.decoys = filler, fmt, seed, float(decoys)
         for length in self.stage_lengths():
             if not (fmt.min_length() <= length <= self.seq_len or length % self.seq_len == 0):
                 raise ValueError(f"curriculum lengths must be in [{fmt.min_length()}, {self.seq_len}] or multiples "
@@ -285,7 +303,7 @@ class PasskeyDataset(CurriculumBatches):
     def example(self, i: int, length: int, sub: int | None = None):
         """Example ``i`` at ``length`` tokens (``sub``: the ``sub``-th short example of item ``i``)."""
         rng = np.random.default_rng([self.seed, i] if sub is None else [self.seed, i, length, sub])
-        batch = passkey_batch(self.filler, self.fmt, length, [rng.random()], rng)
+        batch = passkey_batch(self.filler, self.fmt, length, [rng.random()], rng, decoys=self.decoys)
         mask = torch.zeros(length, dtype=torch.bool)
         mask[batch["targets_at"] + 1] = True
         return batch["input_ids"][0], mask
@@ -591,7 +609,8 @@ class PasskeyLMTask(CurriculumCollate, LanguageModelingTask):
         curriculum = check_curriculum_runs(self.cfg)
         self._train = PasskeyDataset(filler_tokens(train.tokens, tok.eos_token_id), fmt, self.seq_len,
                                      int(d.get("num_train", 100_000)), seed=2 * seed + 1, curriculum=curriculum,
-                                     batch_size=int(d.batch_size), sampler_seed=seed)
+                                     batch_size=int(d.batch_size), sampler_seed=seed,
+                                     decoys=float(self.cfg.task.get("filler_decoys") or 0.0))
         return (self._train, PasskeyDataset(filler_tokens(val.tokens, tok.eos_token_id), fmt, self.seq_len,
                                             int(d.get("num_val", 128)), seed=10_000))
 

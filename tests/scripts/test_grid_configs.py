@@ -59,6 +59,8 @@ ADDED_SINCE = {
     "attn.write_gate_penalty": (None, "the write gate's budget in training, added with it; null is none"),
     "attn.write_gate_input": (None, "what the write gate reads, added for the gate that sees the token's neighbours; "
                                     "null is the layer input, the only input before it"),
+    "task.filler_decoys": (0.0, "decoy numbers in the passkey's training filler, added for the control of the "
+                                "filler's numbers; 0 is the plain filler, the only filler before it"),
 }
 
 

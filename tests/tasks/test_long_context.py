@@ -77,6 +77,28 @@ def test_passkey_layout(depth):
         assert len(rest) == room and np.isin(rest, filler).all()  # everything else is filler
 
 
+def test_passkey_decoys_write_digit_runs_over_the_filler_and_leave_needle_question_and_default_alone():
+    fmt = PasskeyFormat(DigitTokenizer(), digits=5)
+    filler, L = np.arange(100, 400), 2000
+    plain = passkey_batch(filler, fmt, L, [0.5] * 4, np.random.default_rng(0))
+    again = passkey_batch(filler, fmt, L, [0.5] * 4, np.random.default_rng(0), decoys=0.0)
+    assert torch.equal(plain["input_ids"], again["input_ids"])       # 0 draws nothing more: the runs before it
+    b = passkey_batch(filler, fmt, L, [0.5] * 4, np.random.default_rng(0), decoys=20.0)
+    x, pos = b["input_ids"].numpy(), b["needle_pos"].numpy()
+    room = L - fmt.needle_len - fmt.tail_len
+    written = 0
+    for r in range(4):
+        p = int(pos[r])
+        assert x[r, p:p + len(fmt.prefix)].tolist() == fmt.prefix.tolist()
+        assert x[r, L - fmt.tail_len:L - 5].tolist() == fmt.question.tolist()
+        rest = np.concatenate([x[r, :p], x[r, p + fmt.needle_len:L - fmt.tail_len]])
+        is_digit = np.isin(rest, fmt.digit_ids)
+        assert len(rest) == room and np.isin(rest[~is_digit], filler).all()
+        written += is_digit.sum()
+    expected = 4 * 20.0 * room / 1000 * 5                           # runs of 5 digits; overlaps write fewer
+    assert 0.6 * expected < written <= 1.3 * expected
+
+
 def test_passkey_dataset_is_deterministic_and_marks_the_answer():
     fmt = PasskeyFormat(DigitTokenizer())
     ds = PasskeyDataset(np.arange(100, 300), fmt, 96, 5, seed=3)
