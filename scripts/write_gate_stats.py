@@ -8,6 +8,8 @@ needle writes (the sum of its gates). Below 1 the needle outweighs a million tok
 sizes of ``phi(k)`` and ``v``, which the gate does not see); a gate that never writes 0 leaves it growing with the
 length. Per digit of the passkey (in order): each layer's mean gate on it (and its lowest head's), and the
 model's answer accuracy on it, so a model that recalls all but one digit shows which one and what its gates wrote.
+The filler split into its numbers (tokens whose text holds a digit) and its words: each one's mean gate, and the
+numbers' share of what the filler writes, so a gate that writes the filler's numbers as it writes the passkey shows.
 
     python scripts/write_gate_stats.py wg_s0=outputs/<grid>/passkey_mhla_m8_ones_wg_nope_s0 ... \\
         --out results/language/write_gate_stats
@@ -37,7 +39,7 @@ from tasks.common.launch import read_notes  # noqa: E402
 from tasks.common.records import RUN_RECORD_KEYS, Measurement, read_run_record  # noqa: E402
 from tasks.common.results import rewrite_result, write_result  # noqa: E402
 from tasks.common.utils import system_info  # noqa: E402
-from tasks.language.long_context import PasskeyLMTask, filler_tokens, passkey_batch  # noqa: E402
+from tasks.language.long_context import PasskeyLMTask, filler_tokens, number_ids, passkey_batch  # noqa: E402
 
 MILLION = 1_048_576
 PARTS = ("filler", "needle", "digits", "question")
@@ -60,13 +62,17 @@ def part_masks(batch: dict, fmt, length: int) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: int, seed: int = 0,
-               answer_acc: list | None = None) -> list[dict]:
+               answer_acc: list | None = None, numbers: np.ndarray | None = None) -> list[dict]:
     """Per layer (the model's WriteGates in order): ``{"layer", "filler_zero", "filler", "needle", "digits",
     "question", "filler_mass_1m", "digit_gates", "digit_gates_min_head"}`` over ``examples`` passkey examples of
     ``length`` tokens at each depth (``filler_mass_1m`` None for a layer that writes nothing of the needle;
     ``digit_gates [P]``: the mean gate on the needle's i-th digit over heads and examples, ``digit_gates_min_head
     [P]``: the lowest head's). When ``answer_acc`` is a list, the model's accuracy on each answer digit ``[P]``
-    (its argmax at the position that predicts it) is appended to it."""
+    (its argmax at the position that predicts it) is appended to it. With ``numbers`` (the filler's number token ids,
+    :func:`tasks.language.long_context.number_ids`) each row also has ``"numbers_in_filler"`` (their share of the
+    filler's tokens), ``"filler_numbers"`` and ``"filler_words"`` (the mean gate of the filler's numbers and of the
+    rest; None where there are none) and ``"numbers_share"`` (the numbers' share of the filler's summed gate; None
+    where the filler writes nothing)."""
     gates = [(name, m) for name, m in model.named_modules() if isinstance(m, WriteGate)]
     if not gates:
         raise SystemExit("the model has no write gate (attn.write_gate)")
@@ -81,6 +87,9 @@ def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: in
             batch = passkey_batch(filler, fmt, length, [depth] * examples, rng)
             logits = model(batch["input_ids"].to(next(model.parameters()).device)).logits
             masks.append(part_masks(batch, fmt, length))
+            if numbers is not None:
+                masks[-1]["numbers"] = masks[-1]["filler"] & torch.from_numpy(np.isin(batch["input_ids"].numpy(),
+                                                                                      numbers))
             hits.append(logits[:, batch["targets_at"]].argmax(-1).cpu() == batch["answer"])
     finally:
         for h in hooks:
@@ -98,6 +107,14 @@ def gate_stats(model, filler: np.ndarray, fmt, length: int, depths, examples: in
                      "filler_mass_1m": mean["filler"] * MILLION / needle_sum if needle_sum > 0 else None,
                      "digit_gates": on_digits.mean(1).tolist(),
                      "digit_gates_min_head": on_digits.min(1).values.tolist()})
+        if numbers is not None:
+            num = torch.cat([m["numbers"] for m in masks])
+            words = mask["filler"] & ~num
+            filler_sum, num_sum = float(g[mask["filler"]].sum()), float(g[num].sum())
+            rows[-1].update({"numbers_in_filler": float(num.sum()) / float(mask["filler"].sum()),
+                             "filler_numbers": float(g[num].mean()) if num.any() else None,
+                             "filler_words": float(g[words].mean()) if words.any() else None,
+                             "numbers_share": num_sum / filler_sum if filler_sum > 0 else None})
     return rows
 
 
@@ -140,6 +157,17 @@ def markdown(record: dict) -> str:
         for i, r0 in enumerate(runs[0]):
             cells = [_cell(c, _mean([run[i][c] for run in runs])) for c in COLUMNS]
             lines.append(f"| {g} | {r0['layer']} | {len(runs)} | " + " | ".join(cells) + " |")
+    split = [(f"{g}/{key}", r) for g, members in record["groups"].items() for key, rows in members.items()
+             for r in rows if "filler_numbers" in r]  # records written before the split have none
+    if split:
+        lines += ["", "The filler's numbers (tokens whose text holds a digit) and its words: their share of the filler's "
+                  "tokens, each one's mean gate, and the numbers' share of what the filler writes (its summed gate):",
+                  "", "| run | layer | numbers in the filler | gate on numbers | gate on words | numbers' share of the "
+                  "filler's writes |", "|---|---|---|---|---|---|"]
+        for run, r in split:
+            share = "-" if r["numbers_share"] is None else f"{100 * r['numbers_share']:.1f}%"
+            lines.append(f"| {run} | {r['layer']} | {100 * r['numbers_in_filler']:.1f}% | "
+                         f"{_cell('filler', r['filler_numbers'])} | {_cell('filler', r['filler_words'])} | {share} |")
     if record.get("answer_acc"):  # records written before the per-digit view have neither
         lines += ["", "Per digit of the passkey, in order: the mean gate on the needle's digit over heads and "
                   "examples (the lowest head's mean in brackets), and the model's accuracy on that answer digit:", "",
@@ -190,8 +218,9 @@ def main(argv=None) -> int:
                     raise SystemExit(f"{g}/{key}: not a passkey run")
                 _, val, tok, _ = task.data()
                 acc: list = []
-                rows = gate_stats(model.eval(), filler_tokens(val.tokens, tok.eos_token_id), task.fmt(),
-                                  args.length, args.depths, args.examples, args.seed, answer_acc=acc)
+                filler = filler_tokens(val.tokens, tok.eos_token_id)
+                rows = gate_stats(model.eval(), filler, task.fmt(), args.length, args.depths, args.examples,
+                                  args.seed, answer_acc=acc, numbers=number_ids(filler, tok))
                 record["groups"].setdefault(g, {})[str(key)] = rows
                 record["answer_acc"][f"{g}/{key}"] = acc
                 run = read_run_record(path) or {}

@@ -110,13 +110,18 @@ def filler_tokens(tokens, eos_id: int | None) -> np.ndarray:
     return arr[arr != eos_id] if eos_id is not None else arr
 
 
-def without_numbers(filler: np.ndarray, tokenizer) -> np.ndarray:
-    """``filler`` without the tokens whose text holds a digit (``"8"``, ``",744"``): prose in which no number can be
-    taken for the passkey's digits (the control for a write gate that writes numbers of the filler as it writes the
-    passkey)."""
+def number_ids(filler: np.ndarray, tokenizer) -> np.ndarray:
+    """The distinct token ids of ``filler`` whose text holds a digit (``"8"``, ``",744"``): the filler's numbers."""
     ids = np.unique(filler)
     has_digit = np.array([any(c.isdigit() for c in tokenizer.decode([int(i)])) for i in ids], dtype=bool)
-    return filler[~np.isin(filler, ids[has_digit])]
+    return ids[has_digit]
+
+
+def without_numbers(filler: np.ndarray, tokenizer) -> np.ndarray:
+    """``filler`` without the tokens whose text holds a digit (:func:`number_ids`): prose in which no number can be
+    taken for the passkey's digits (the control for a write gate that writes numbers of the filler as it writes the
+    passkey)."""
+    return filler[~np.isin(filler, number_ids(filler, tokenizer))]
 
 
 class PasskeyFormat:

@@ -131,3 +131,30 @@ def test_answer_accuracy_is_read_per_digit(wrong, expect):
     acc: list = []
     gate_stats(_Oracle(61, wrong), np.arange(20, 60), Fmt(), 48, [0.0, 0.5], examples=2, answer_acc=acc)
     assert acc == expect
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_the_filler_splits_into_its_numbers_and_its_words(selective):
+    """Ids 20-29 play the filler's numbers. A gate open on them alone puts every write of the filler on the numbers
+    (share 100%, the words' gate 0); the start (g = 1 everywhere) writes both alike, so the numbers' share of the
+    writes is their share of the tokens."""
+    fmt, model = Fmt(), _model()
+    if selective:
+        with torch.no_grad():
+            emb = model.get_input_embeddings().weight
+            emb[:, 0] = -1.0
+            emb[20:30, 0] = 1.0
+            gate = model.model.layers[0].attn.write_gate
+            gate.weight.zero_()
+            gate.weight[:, 0] = 50.0
+            gate.bias.zero_()
+    rows = gate_stats(model, np.arange(20, 60), fmt, 48, [0.0, 1.0], examples=2, numbers=np.arange(20, 30))
+    first = rows[0]
+    assert 0 < first["numbers_in_filler"] < 1
+    if selective:
+        assert first["filler_numbers"] > 1.0 and first["filler_words"] == 0.0 and first["numbers_share"] == 1.0
+    else:
+        assert first["filler_numbers"] == pytest.approx(1.0) and first["filler_words"] == pytest.approx(1.0)
+        assert first["numbers_share"] == pytest.approx(first["numbers_in_filler"])
+    plain = gate_stats(model, np.arange(20, 60), fmt, 48, [0.0, 1.0], examples=2)[0]
+    assert "filler_numbers" not in plain and plain["filler"] == first["filler"]  # the split leaves the rest as it was
